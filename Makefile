@@ -1,0 +1,39 @@
+# qtransform: `make demo` runs the main job on SmolLM2-135M, `make test` the whole test suite.
+# Everything the tests need is installed here, into .venv, from a fresh machine.
+PY      ?= python3
+VENV    := .venv
+BIN     := $(VENV)/bin
+PIP     := $(BIN)/python -m pip
+# The CPU build of torch that this machine (and CI) installs from local disk; pyproject keeps a range.
+TORCH   := torch==2.13.0
+STAMP   := $(VENV)/.installed
+PYTEST  := $(BIN)/python -m pytest
+
+.PHONY: install test quick demo bench clean
+
+$(STAMP): pyproject.toml Makefile .ci/constraints.txt
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q $(TORCH)
+	$(PIP) install -q -c .ci/constraints.txt -e ".[test]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+## the whole suite: tests/, property_tests/ and the doctests of qtransform/ and bridge/
+test: $(STAMP)
+	HYPOTHESIS_PROFILE=ci $(PYTEST) -q
+
+## the same without tests marked slow
+quick: $(STAMP)
+	HYPOTHESIS_PROFILE=ci $(PYTEST) -q -m "not slow"
+
+demo: $(STAMP)
+	@echo "make demo arrives with the qtransform command (issue 5)."
+
+bench: $(STAMP)
+	$(PIP) install -q -c .ci/constraints.txt -e ".[bench]"
+	$(BIN)/python bench/bench_core.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis

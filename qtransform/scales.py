@@ -1,0 +1,192 @@
+"""Scales and zero points from per-block ranges, and back to effective values.
+
+``from_range(lo, hi, spec)`` turns grid-shaped ranges into :class:`QParams`;
+``effective(qparams)`` gives the float32 ``(scale, zero_point)`` that quantize and
+dequantize broadcast over blocks. Both dispatch on the format's *scheme*:
+``"affine"`` (float, power-of-two and two-level fp8 scales, all formats but MX4/6/9)
+or a scheme a format family registers with :func:`register_scheme`.
+
+Conventions (REFERENCE.md):
+
+* symmetric: ``scale = amax / D`` with ``D = (hi_c - lo_c) / 2`` the half-width of the
+  element range (int4 full 7.5, restricted 7; fp8_e4m3 448; NF4 1);
+* asymmetric, integer zero point: ``scale = (max⁺ - min⁻) / (qmax - qmin)``,
+  ``zero_point = clamp(qmin - round(min⁻ / scale))`` with ``min⁻ = min(min, 0)``;
+* asymmetric, float zero point: ``scale = (max - min) / (qmax - qmin)``,
+  ``zero_point = qmin - min / scale`` (not rounded, range need not contain 0);
+* power of two (``scale_rule``): ``floor`` = ``2^(floor(log2 A) - emax)`` (OCP MX),
+  ``even`` = the same after rounding ``A`` to the element's mantissa width (Quark),
+  ``ceil`` = the smallest power of two ``>= amax / D`` (never clips), with ``A`` the amax;
+* a zero range maps to the smallest scale (never 0 or NaN); other scales are rounded
+  *up* to the scale dtype, so that storing them never clips.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from ._checks import under_transform, where
+from .formats.base import SCALE_DTYPES
+from .qtypes import QParams
+from .spec import QuantSpec
+
+__all__ = ["from_range", "effective", "register_scheme", "decode_scale", "pow2_exponent",
+           "round_up_to", "FP8_E4M3_MAX"]
+
+FP8_E4M3_MAX = 448.0
+E8M0_BIAS = 127
+
+
+def _floor_log2(a: torch.Tensor) -> torch.Tensor:
+    """Exact ``floor(log2(a))`` for positive finite ``a`` (int32)."""
+    return torch.frexp(a)[1] - 1
+
+
+def _ceil_log2(a: torch.Tensor) -> torch.Tensor:
+    m, e = torch.frexp(a)
+    return e - (m == 0.5).to(e.dtype)
+
+
+def _round_mantissa(a: torch.Tensor, mbits: int) -> torch.Tensor:
+    """Round positive fp32 ``a`` to ``mbits`` mantissa bits (half up on the bit pattern)."""
+    if mbits >= 23:
+        return a
+    drop = 23 - mbits
+    bits = a.contiguous().view(torch.int32)
+    bits = (bits + (1 << (drop - 1))) & ~((1 << drop) - 1)
+    return bits.view(torch.float32)
+
+
+def pow2_exponent(amax: torch.Tensor, ideal: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
+    """Exponent ``k`` (int32) of the power-of-two scale ``2^k`` under ``spec.scale_rule``.
+
+    ``amax`` is the magnitude the element range must hold, ``ideal`` the exact float
+    scale ``amax / D``. A zero ``amax`` gives the smallest exponent.
+    """
+    codec = spec.fmt.codec
+    rule = spec.scale_rule
+    if rule == "ceil":
+        k = _ceil_log2(ideal)
+    elif rule == "floor":
+        k = _floor_log2(amax) - codec.emax
+    elif rule == "even":
+        k = _floor_log2(_round_mantissa(amax, codec.mbits)) - codec.emax
+    else:  # validated by QuantSpec
+        raise ValueError(f"unknown scale_rule {rule!r}")
+    lo = -127 if spec.scale_dtype == "e8m0" else -126
+    k = torch.where(amax > 0, k, torch.full_like(k, lo))
+    return k.clamp(lo, 127)
+
+
+_SAME_WIDTH_INT = {2: torch.int16, 1: torch.uint8}
+
+
+def round_up_to(s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Cast positive ``s`` to ``dtype`` rounding toward +inf (so a stored scale never clips)."""
+    if dtype == torch.float32:
+        return s
+    low = s.to(dtype)
+    int_dtype = _SAME_WIDTH_INT[low.element_size()]
+    up = (low.view(int_dtype) + 1).view(dtype)  # next representable value above a positive one
+    return torch.where(low.to(torch.float32) < s, up, low)
+
+
+def decode_scale(scale: torch.Tensor, spec: QuantSpec, global_scale=None) -> torch.Tensor:
+    """Stored scale -> float32 (e8m0 exponents, two-level fp8, or a plain float cast)."""
+    if spec.scale_dtype == "e8m0":
+        return torch.exp2(scale.to(torch.float32) - E8M0_BIAS)
+    s = scale.to(torch.float32)
+    return s * global_scale if global_scale is not None else s
+
+
+def _store_scale(s: torch.Tensor, amax: torch.Tensor, ideal: torch.Tensor, spec: QuantSpec,
+                 path: str | None):
+    """Float32 ideal scale -> (stored scale, float32 value of the stored scale)."""
+    if spec.power_of_two:
+        k = pow2_exponent(amax, ideal, spec)
+        value = torch.exp2(k.to(torch.float32))
+        if spec.scale_dtype == "e8m0":
+            return (k + E8M0_BIAS).to(torch.uint8), value
+        return value.to(SCALE_DTYPES[spec.scale_dtype][0]), value
+    dtype = SCALE_DTYPES[spec.scale_dtype][0]
+    finfo = torch.finfo(dtype)
+    s = s.clamp(min=finfo.tiny)
+    if not under_transform(s) and bool((s > finfo.max).any()):
+        raise ValueError(f"{where(path)}a scale of {float(s.max()):.4g} overflows scale_dtype="
+                         f"{spec.scale_dtype!r} (max {finfo.max:.4g}); use float32 scales")
+    stored = round_up_to(s, dtype)
+    return stored, stored.to(torch.float32)
+
+
+def _affine_from_range(lo, hi, spec: QuantSpec, path=None) -> QParams:
+    codec = spec.fmt.codec
+    qlo, qhi = codec.qrange(symmetric=spec.symmetric, restricted=spec.restricted)
+    if spec.scale_dtype == "float8_e4m3fn":
+        return _two_level_from_range(lo, hi, spec, qhi)
+    if spec.symmetric:
+        amax = torch.maximum(-lo, hi)
+        half = (qhi - qlo) / 2
+        stored, s = _store_scale(amax / half, amax, amax / half, spec, path)
+        zp = None
+        if not codec.code_dtype.is_floating_point and not codec.signed:
+            mid = -(-(qlo + qhi) // 2)  # ceil: 2^(N-1) for uint, full or restricted
+            zp = torch.full(s.shape, int(mid), dtype=codec.code_dtype, device=s.device)
+        return QParams(scale=stored, zero_point=zp, spec=spec)
+    span = qhi - qlo
+    if spec.zero_point_domain == "int":
+        lo, hi = lo.clamp(max=0), hi.clamp(min=0)
+    width = hi - lo
+    stored, s = _store_scale(width / span, width, width / span, spec, path)
+    if spec.zero_point_domain == "int":
+        zp = (qlo - torch.round(lo / s)).clamp(qlo, qhi).to(codec.code_dtype)
+    else:  # float zero points are stored like the scale (HQQ keeps both in fp16)
+        zp = (qlo - lo / s).to(SCALE_DTYPES[spec.scale_dtype][0])
+    return QParams(scale=stored, zero_point=zp, spec=spec)
+
+
+def _two_level_from_range(lo, hi, spec: QuantSpec, elem_max: float) -> QParams:
+    """fp8 block scales under one fp32 tensor scale (NVFP4): block scale = amax_b / elem_max / g."""
+    amax = torch.maximum(-lo, hi)
+    tensor_amax = amax.amax()
+    g = torch.where(tensor_amax > 0, tensor_amax / (FP8_E4M3_MAX * elem_max), torch.ones_like(tensor_amax))
+    g = g.clamp(min=torch.finfo(torch.float32).tiny)
+    block = (amax / elem_max / g).clamp(max=FP8_E4M3_MAX)
+    stored = round_up_to(block, torch.float8_e4m3fn)
+    stored = torch.where(stored.to(torch.float32) > FP8_E4M3_MAX,
+                         torch.full_like(stored, FP8_E4M3_MAX), stored)
+    return QParams(scale=stored, global_scale=g.to(torch.float32), spec=spec)
+
+
+def _affine_effective(qp: QParams):
+    s = decode_scale(qp.scale, qp.spec, qp.global_scale)
+    if qp.spec.scale_dtype == "float8_e4m3fn":
+        s = s.clamp(min=torch.finfo(torch.float32).tiny)  # all-zero blocks have a zero fp8 scale
+    z = None if qp.zero_point is None else qp.zero_point.to(torch.float32)
+    return s, z
+
+
+_SCHEMES: dict[str, tuple[Callable, Callable]] = {"affine": (_affine_from_range, _affine_effective)}
+
+
+def register_scheme(name: str, from_range_fn: Callable, effective_fn: Callable) -> None:
+    """Register a scaling scheme (``from_range(lo, hi, spec, path)``, ``effective(qp)``)."""
+    _SCHEMES[name] = (from_range_fn, effective_fn)
+
+
+def _scheme(spec: QuantSpec):
+    try:
+        return _SCHEMES[spec.fmt.scheme]
+    except KeyError:
+        raise ValueError(f"format {spec.format}: unknown scaling scheme {spec.fmt.scheme!r}") from None
+
+
+def from_range(lo: torch.Tensor, hi: torch.Tensor, spec: QuantSpec, *, path: str | None = None) -> QParams:
+    """QParams for per-block ranges ``[lo, hi]`` (grid-shaped float32 tensors)."""
+    return _scheme(spec)[0](lo.to(torch.float32), hi.to(torch.float32), spec, path)
+
+
+def effective(qp: QParams) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Float32 ``(scale, zero_point)`` per block (zero point ``None`` when absent)."""
+    return _scheme(qp.spec)[1](qp)
