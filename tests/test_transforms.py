@@ -46,3 +46,12 @@ def test_grad_through_fake_quantize_in_a_loss():
     loss = (qt.fake_quantize(w, qp) @ torch.randn(32, 4)).pow(2).mean()
     loss.backward()
     assert w.grad is not None and w.grad.abs().sum() > 0
+
+
+def test_torch_compile_quantize_dequantize():
+    w = torch.randn(16, 64)
+
+    def roundtrip(t):
+        return qt.dequantize(qt.quantize(t, qt.choose_qparams(t, SPEC)))
+
+    assert torch.equal(torch.compile(roundtrip)(w), roundtrip(w))
