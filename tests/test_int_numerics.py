@@ -96,7 +96,7 @@ def test_nf4_rounds_to_the_nearest_codebook_entry():
     x = torch.cat([table, torch.tensor([0.95, 0.03, -0.61])]).reshape(1, -1)
     spec = qt.QuantSpec(format="nf4", granularity=qt.PerChannel(0))
     qp = qt.choose_qparams(x, spec)
-    assert qp.scale.item() == 1.0
+    assert qp.scale.item() == 1.0 and qp.zero_point is None
     codes = qt.unpacked_codes(qt.quantize(x, qp)).flatten().tolist()
     assert codes[:16] == list(range(16))
     # 0.95 is nearest to 1.0 (15); 0.03 nearest to 0.0 (7) rather than 0.0796;
