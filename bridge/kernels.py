@@ -303,7 +303,7 @@ def _gather_embedding(module, st, x, **kw):
 
 
 def _dequant_conv(module, st, x, **kw):
-    return module._conv(x, qt.dequantize(module.qweight, dtype=x.dtype))
+    return module._conv(x, qt.dequantize(module.qweight, dtype=x.dtype), **kw)
 
 
 LINEAR_KERNELS = {k.name: k for k in (

@@ -83,6 +83,13 @@ class QModule(nn.Module):
         self.spec, self.weight_width, self.weight_dtype = q.spec, q.width, q.dtype
         self._cache = None
 
+    @staticmethod
+    def _check_from(module: nn.Module, q) -> None:
+        want = tuple(module.weight.shape)
+        if tuple(q.shape) != want:
+            raise ValueError(f"quantized weight has shape {tuple(q.shape)}, the {type(module).__name__} "
+                             f"needs {want}")
+
     def _check_shape(self, shape: tuple[int, ...]) -> None:
         if shape != self.weight_shape:
             raise ValueError(f"{type(self).__name__}: quantized weight has shape {shape}, the module needs "
@@ -199,6 +206,7 @@ class QLinear(QModule):
     @classmethod
     def from_float(cls, module: nn.Module, qweight: QTensor, **kw) -> "QLinear":
         """From an ``nn.Linear`` or a transformers ``Conv1D`` (the bias is shared, not copied)."""
+        cls._check_from(module, qweight)
         return cls(qweight, module.bias, transposed=is_conv1d(module), **kw)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -232,6 +240,7 @@ class _QConv(QModule):
 
     @classmethod
     def from_float(cls, module: nn.Module, qweight: QTensor, **kw):
+        cls._check_from(module, qweight)
         hyper = {k: getattr(module, k) for k in cls._HYPER}
         if hasattr(module, "output_padding"):
             hyper["output_padding"] = module.output_padding
@@ -248,7 +257,7 @@ class _QConv(QModule):
 class QConv2d(_QConv):
     """Quantized ``nn.Conv2d`` (any padding mode, groups, dilation)."""
 
-    def _conv(self, x, w, extra=()):
+    def _conv(self, x, w, extra=()):  # noqa: D102
         b = None if self.bias is None else self.bias.to(x.dtype)
         if self.padding_mode != "zeros":
             pad = tuple(p for p in reversed(self.padding) for _ in range(2))
@@ -260,7 +269,7 @@ class QConv2d(_QConv):
 class QConvTranspose2d(_QConv):
     """Quantized ``nn.ConvTranspose2d``; ``forward(x, output_size=None)`` as in torch."""
 
-    def _conv(self, x, w, extra=()):
+    def _conv(self, x, w, extra=()):  # noqa: D102
         output_size = extra[0] if extra else None
         out_pad = nn.ConvTranspose2d._output_padding(self, x, output_size, self.stride, self.padding,
                                                      self.kernel_size, 2, self.dilation)
@@ -284,6 +293,7 @@ class _QEmbed(QModule):
 
     @classmethod
     def from_float(cls, module: nn.Module, qweight: QTensor, **kw):
+        cls._check_from(module, qweight)
         hyper = {k: getattr(module, k) for k in cls._HYPER + ("mode", "include_last_offset") if hasattr(module, k)}
         return cls(qweight, **hyper, **kw)
 
