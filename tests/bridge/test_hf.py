@@ -99,3 +99,18 @@ def test_from_pretrained_rejects_bad_quantization_config(tmp_path):
     p.write_text(json.dumps(cfg))
     with pytest.raises(bridge.CheckpointError, match="version 7"):
         auto_class("llama").from_pretrained(tmp_path / "ck")
+
+
+def test_save_pretrained_of_bridge_quantized_model_with_tied_output(tmp_path):
+    torch.manual_seed(0)
+    model = tiny_causal_lm("gpt2").eval()  # lm_head is tied to transformer.wte
+    recipe = qt.Recipe(default=qt.QuantSpec(format="int8", granularity=qt.PerChannel(0)), exclude=["*wte*", "*wpe*"])
+    qm = bridge.quantize(model, recipe)
+    assert isinstance(qm.lm_head, bridge.QLinear) and type(qm.transformer.wte).__name__ == "Embedding"
+    ids = torch.randint(0, 128, (1, 6))
+    qm.save_pretrained(tmp_path / "sp")
+    bridge.save(qm, tmp_path / "ck")
+    for d in ("sp", "ck"):
+        back = auto_class("gpt2").from_pretrained(tmp_path / d)
+        assert isinstance(back.lm_head, bridge.QLinear)
+        assert torch.equal(logits(back, ids), logits(qm, ids)), d
