@@ -36,7 +36,7 @@ from torch import nn
 from qtransform.qtypes import QTensor
 
 from . import actquant, kernels
-from .qstate import QPARAM_FIELDS, dtype_name, from_named, named_tensors
+from .qstate import dtype_name, from_named, named_tensors
 
 __all__ = ["QModule", "QLinear", "QConv2d", "QConvTranspose2d", "QEmbedding", "QEmbeddingBag",
            "is_conv1d", "quantized_class"]
@@ -257,7 +257,7 @@ class _QConv(QModule):
 class QConv2d(_QConv):
     """Quantized ``nn.Conv2d`` (any padding mode, groups, dilation)."""
 
-    def _conv(self, x, w, extra=()):  # noqa: D102
+    def _conv(self, x, w, extra=()):
         b = None if self.bias is None else self.bias.to(x.dtype)
         if self.padding_mode != "zeros":
             pad = tuple(p for p in reversed(self.padding) for _ in range(2))
@@ -269,7 +269,7 @@ class QConv2d(_QConv):
 class QConvTranspose2d(_QConv):
     """Quantized ``nn.ConvTranspose2d``; ``forward(x, output_size=None)`` as in torch."""
 
-    def _conv(self, x, w, extra=()):  # noqa: D102
+    def _conv(self, x, w, extra=()):
         output_size = extra[0] if extra else None
         out_pad = nn.ConvTranspose2d._output_padding(self, x, output_size, self.stride, self.padding,
                                                      self.kernel_size, 2, self.dilation)
@@ -344,4 +344,3 @@ def quantized_class(module: nn.Module) -> type[QModule] | None:
     return next((q for f, q in _MAP if type(module) is f), None)
 
 
-QPARAM_FIELDS = QPARAM_FIELDS  # re-exported for loaders
