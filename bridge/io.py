@@ -123,7 +123,7 @@ def _write_extras(model, tmp: Path, qconfig: dict, tokenizer) -> None:
 
 
 def save(model_or_qtree, directory, *, max_shard_size="2GB", overwrite: bool = False, recipe=None,
-         tokenizer=None) -> None:
+         tokenizer=None, info: dict | None = None) -> None:
     """Write a quantized model (or quantized tree) to ``directory`` as a qtransform checkpoint.
 
     Args:
@@ -134,6 +134,7 @@ def save(model_or_qtree, directory, *, max_shard_size="2GB", overwrite: bool = F
         overwrite: replace an existing non-empty directory.
         recipe: the :class:`~qtransform.Recipe` used, recorded in the metadata.
         tokenizer: a tokenizer to save alongside (``save_pretrained``).
+        info: extra JSON-able fields for the metadata (e.g. ``{"algorithm": "hqq", "rules": {...}}``).
     """
     limit = parse_size(max_shard_size)
     target = Path(directory)
@@ -150,7 +151,7 @@ def save(model_or_qtree, directory, *, max_shard_size="2GB", overwrite: bool = F
     if recipe is not None:
         from qtransform import as_recipe
         extra["recipe"] = as_recipe(recipe).to_dict()
-    qconfig = metadata.encode(metadata.entries_of(quantized), **extra)
+    qconfig = metadata.encode(metadata.entries_of(quantized), **{**(info or {}), **extra})
 
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
