@@ -75,13 +75,18 @@ def _load_recipe(name_or_file: str):
 
 
 # ------------------------------------------------------------------ corpus
-def _sequences(tokenizer, source: str, part: str, seq_len: int, count: int):
+def _corpus_text(source: str, part: str = "eval") -> str:
     from . import corpus
 
     try:
-        text = corpus.load_text(source, part=part)
-    except (OSError, ValueError) as e:
+        return corpus.load_text(source, part=part)
+    except (OSError, ValueError, ImportError) as e:
         raise UserError(f"cannot read corpus {source!r}: {e}") from None
+
+
+def _sequences(tokenizer, text: str, source: str, seq_len: int, count: int):
+    from . import corpus
+
     seqs = corpus.token_sequences(text, tokenizer, seq_len=seq_len, max_sequences=count)
     if seqs.shape[0] == 0:
         raise UserError(f"corpus {source!r} holds fewer than {seq_len} tokens")
@@ -130,9 +135,10 @@ def cmd_quantize(a) -> int:
     _check_out(out, a.overwrite)
     if a.model is not None and not Path(a.model).exists():
         raise UserError(f"model not found: {a.model}")
+    text = None if a.no_eval else _corpus_text(a.corpus)
     _say(f"loading {a.model or models.DEFAULT_MODEL} ...")
     model, tokenizer = _load(a.model)
-    eval_seqs = None if a.no_eval else _sequences(tokenizer, a.corpus, "eval", a.seq_len, a.eval_sequences)
+    eval_seqs = None if a.no_eval else _sequences(tokenizer, text, a.corpus, a.seq_len, a.eval_sequences)
 
     params = extract.extract(model)
     types = extract.module_types(model)
@@ -202,11 +208,12 @@ def cmd_eval(a) -> int:
             raise UserError(f"model not found: {path}")
     results = []
     seqs = None
+    text = _corpus_text(a.corpus)
     for role, path in targets:
         _say(f"loading {role} {path} ...")
         model, tokenizer = _load(None if path == "default" else path)
         if seqs is None:
-            seqs = _sequences(tokenizer, a.corpus, "eval", a.seq_len, a.eval_sequences)
+            seqs = _sequences(tokenizer, text, a.corpus, a.seq_len, a.eval_sequences)
         ppl = evaluate.perplexity(model, seqs, progress=True).perplexity
         text = evaluate.generate(model, tokenizer, a.prompt, max_new_tokens=a.max_new_tokens)
         results.append({"role": role, "model": path, "perplexity": ppl, "generation": text})
