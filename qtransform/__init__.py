@@ -9,7 +9,7 @@
 (torch.Size([64, 256]), torch.uint8, torch.Size([64, 128]))
 """
 
-from .formats import FORMATS, Codec, Format, get_format, register_format
+from .formats import FORMATS, Codec, Format, get_format, minifloat, mx_format, register_format
 from .granularity import PerBlock, PerChannel, PerGroup, PerTensor
 from .spec import QuantSpec
 from .qtypes import HistogramStats, MinMaxStats, QParams, QTensor
@@ -25,7 +25,7 @@ from .tree import (dequantize_tree, is_qtensor, merge_stats_tree, observe_tree, 
 __version__ = "0.1.0"
 
 __all__ = [
-    "FORMATS", "Codec", "Format", "get_format", "register_format",
+    "FORMATS", "Codec", "Format", "get_format", "register_format", "minifloat", "mx_format",
     "PerBlock", "PerChannel", "PerGroup", "PerTensor", "QuantSpec",
     "HistogramStats", "MinMaxStats", "QParams", "QTensor",
     "init_stats", "merge_stats", "observe", "choose_qparams", "compute_qparams",

@@ -113,9 +113,9 @@ class QuantSpec:
                              "only; set power_of_two=True or scale_dtype='e8m0'")
 
         self._resolve_symmetry(fmt)
-        if not self.saturate and fmt.family in ("int", "codebook"):
-            raise ValueError(f"QuantSpec: format {fmt.name} always saturates; saturate=False "
-                             "applies to floating-point formats")
+        if not self.saturate and fmt.codec.overflow is None:
+            raise ValueError(f"QuantSpec: format {fmt.name} always saturates (it encodes neither Inf nor NaN); "
+                             "saturate=False applies to formats that do (fp8, fp16, bf16)")
         if not isinstance(self.percentile, (int, float)) or not 50.0 < float(self.percentile) <= 100.0:
             raise ValueError(f"QuantSpec.percentile must be in (50, 100], got {self.percentile!r}")
         _set("percentile", float(self.percentile))
