@@ -17,6 +17,7 @@ from .observe import init_stats, merge_stats, observe
 from .qparams import choose_qparams, compute_qparams
 from .quantize import dequantize, fake_quantize, quantize, unpacked_codes
 from .bounds import error_bound
+from .footprint import bits_per_element
 from .packing import pack, unpack
 from .recipe import Match, Recipe, as_recipe
 from .tree import (dequantize_tree, is_qtensor, merge_stats_tree, observe_tree, qparams_tree,
@@ -29,7 +30,7 @@ __all__ = [
     "PerBlock", "PerChannel", "PerGroup", "PerTensor", "QuantSpec",
     "HistogramStats", "MinMaxStats", "QParams", "QTensor",
     "init_stats", "merge_stats", "observe", "choose_qparams", "compute_qparams",
-    "dequantize", "fake_quantize", "quantize", "unpacked_codes", "error_bound", "pack", "unpack",
+    "dequantize", "fake_quantize", "quantize", "unpacked_codes", "error_bound", "bits_per_element", "pack", "unpack",
     "Match", "Recipe", "as_recipe",
     "dequantize_tree", "is_qtensor", "merge_stats_tree", "observe_tree", "qparams_tree", "quantize_tree",
 ]

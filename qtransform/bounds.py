@@ -34,5 +34,7 @@ def error_bound(x: torch.Tensor, qparams: QParams) -> torch.Tensor:
     half = spec.fmt.codec.half_spacing(vc)
     if spec.rounding == "stochastic":
         half = 2 * half
-    bound = torch.where(vc == v, half, (v - vc).abs()) * s
+    # a clipped value's error is its distance to the end of the range, as dequantize computes that end
+    clipped = (xb - (vc if z is None else vc - z) * s).abs()
+    bound = torch.where(vc == v, half * s, clipped)
     return blocks.unview(bound, p)

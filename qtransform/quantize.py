@@ -123,10 +123,10 @@ def dequantize(q: QTensor, *, dtype: torch.dtype | None = None) -> torch.Tensor:
     codes = unpacked_codes(q)
     p = blocks.plan(codes.shape, spec, sub_block=True)
     s, z = scales.effective(q.qparams)
-    cb = blocks.view(codes, p)
-    vals = spec.fmt.codec.decode(cb)
+    decoded = spec.fmt.codec.decode(codes)  # elementwise: decode before padding (float8 cannot be gathered)
+    vals = blocks.view(decoded, p)
     inplace = (not under_transform(vals) and not s.requires_grad and (z is None or not z.requires_grad)
-               and vals.data_ptr() != cb.data_ptr())
+               and decoded.data_ptr() != codes.data_ptr())
     y = _from_element(vals, blocks.expand(s, p), None if z is None else blocks.expand(z, p), inplace=inplace)
     return blocks.unview(y, p).to(q.dtype if dtype is None else dtype)
 

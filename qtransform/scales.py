@@ -73,7 +73,8 @@ def pow2_exponent(amax: torch.Tensor, ideal: torch.Tensor, spec: QuantSpec) -> t
     elif rule == "floor":
         k = _floor_log2(amax) - codec.emax
     elif rule == "even":
-        k = _floor_log2(_round_mantissa(amax, codec.mbits)) - codec.emax
+        amax = _round_mantissa(amax, codec.mbits)  # a tiny subnormal amax may round to 0
+        k = _floor_log2(amax) - codec.emax
     else:  # validated by QuantSpec
         raise ValueError(f"unknown scale_rule {rule!r}")
     lo = -127 if spec.scale_dtype == "e8m0" else -126
