@@ -34,6 +34,7 @@ demo: $(STAMP)
 bench: $(STAMP)
 	$(PIP) install -q -c .ci/constraints.txt -e ".[bench]"
 	$(BIN)/python bench/bench_core.py
+	$(BIN)/python bench/bench_linear.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -20,6 +20,7 @@ from .bounds import error_bound
 from .footprint import bits_per_element
 from .packing import pack, unpack
 from .recipe import Match, Recipe, as_recipe
+from .presets import Preset, from_hqq_config, get_preset, presets, recipe_from_dict
 from .tree import (dequantize_tree, is_qtensor, merge_stats_tree, observe_tree, qparams_tree,
                    quantize_tree)
 
@@ -31,6 +32,6 @@ __all__ = [
     "HistogramStats", "MinMaxStats", "QParams", "QTensor",
     "init_stats", "merge_stats", "observe", "choose_qparams", "compute_qparams",
     "dequantize", "fake_quantize", "quantize", "unpacked_codes", "error_bound", "bits_per_element", "pack", "unpack",
-    "Match", "Recipe", "as_recipe",
+    "Match", "Recipe", "as_recipe", "Preset", "from_hqq_config", "get_preset", "presets", "recipe_from_dict",
     "dequantize_tree", "is_qtensor", "merge_stats_tree", "observe_tree", "qparams_tree", "quantize_tree",
 ]

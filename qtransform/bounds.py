@@ -4,7 +4,7 @@
 inside the representable range the bound is the codec's half grid spacing around
 ``v = x / scale + zero_point`` (a full spacing for stochastic rounding), times the
 scale; beyond it, values saturate to the range's end, which is representable, so the
-error is exactly the distance to it.
+error is exactly the distance to it (computed in the x domain).
 
 >>> import torch, qtransform as qt
 >>> x = torch.tensor([0.3, -1.0, 0.7])
@@ -34,7 +34,8 @@ def error_bound(x: torch.Tensor, qparams: QParams) -> torch.Tensor:
     half = spec.fmt.codec.half_spacing(vc)
     if spec.rounding == "stochastic":
         half = 2 * half
-    # a clipped value's error is its distance to the end of the range, as dequantize computes that end
-    clipped = (xb - (vc if z is None else vc - z) * s).abs()
-    bound = torch.where(vc == v, half * s, clipped)
+    # beyond the range the error is the distance to the (representable) end, taken in the x
+    # domain: v - clamp(v) would lose most of its digits when v is large and the excess small
+    saturated = (vc if z is None else vc - z) * s
+    bound = torch.where(vc == v, half * s, (xb - saturated).abs())
     return blocks.unview(bound, p)

@@ -1,6 +1,6 @@
 """Mergeable per-block histograms (the fold behind the percentile and MSE observers).
 
-Block ``b`` keeps ``bins`` equal bins over ``[-2^k_b, 2^k_b)``. When new data exceeds
+Block ``b`` keeps ``bins`` equal bins over ``[-2^k_b, 2^k_b)`` with ``amax_b < 2^k_b``. When new data exceeds
 the range, ``k_b`` grows and adjacent bins merge (bin ``i`` goes to
 ``((i - bins/2) >> shift) + bins/2``), which commutes with adding counts; histograms
 with different bin counts merge at the coarser resolution. Counts therefore merge
@@ -29,8 +29,8 @@ def bins_for(requested: int, n_blocks: int) -> int:
 
 
 def _exponent(amax: torch.Tensor) -> torch.Tensor:
-    m, e = torch.frexp(amax)
-    k = e - (m == 0.5).to(e.dtype)  # ceil(log2 amax)
+    """Smallest ``k`` with ``amax < 2^k`` (so no value sits on the clamped top edge)."""
+    k = torch.frexp(amax)[1]
     return torch.where(amax > 0, k, torch.full_like(k, _MIN_EXP)).clamp(_MIN_EXP, 127).to(torch.int64)
 
 
@@ -48,8 +48,10 @@ def build(xf: torch.Tensor, bins: int) -> dict:
     bmin, bmax = xf.amin(1), xf.amax(1)
     k = _exponent(torch.maximum(bmin.abs(), bmax.abs()))
     half = bins // 2
-    scaled = xf / torch.exp2(k.to(xf.dtype)).unsqueeze(1)  # in [-1, 1]
-    idx = ((scaled + 1) * half).floor().long().clamp_(0, bins - 1)
+    # exact: power-of-two scaling in float64 (no float32 underflow of subnormals), then floor,
+    # so binning then rebinning equals binning at the final range
+    scaled = xf.to(torch.float64) / torch.exp2(k.to(torch.float64)).unsqueeze(1) * half
+    idx = (scaled.floor().long() + half).clamp_(0, bins - 1)
     counts = _scatter(torch.ones_like(xf, dtype=torch.int64), idx, bins)
     sums = _scatter(xf, idx, bins)
     return {"min": bmin, "max": bmax, "counts": counts, "sums": sums, "exponent": k}

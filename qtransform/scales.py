@@ -168,15 +168,19 @@ def _affine_from_range(lo, hi, spec: QuantSpec, path=None) -> QParams:
         half = (qhi - qlo) / 2
         stored, s = _store_scale(amax / half, amax, amax / half, spec, path)
         zp = None
-        mid = -(-(qlo + qhi) // 2)  # ceil: 2^(N-1) for uint, full or restricted; 0 for centred ranges
-        if mid != 0:
+        if spec.fmt.family == "int" and not codec.signed:
+            mid = -(-(qlo + qhi) // 2)  # ceil: 2^(N-1) for uint, full or restricted
             zp = torch.full(s.shape, int(mid), dtype=codec.code_dtype, device=s.device)
         return QParams(scale=stored, zero_point=zp, spec=spec)
     span = qhi - qlo
     if spec.zero_point_domain == "int":
         lo, hi = lo.clamp(max=0), hi.clamp(min=0)
     width = hi - lo
-    stored, s = _store_scale(width / span, width, width / span, spec, path)
+    ideal = width / span
+    if spec.zero_point_domain == "float":
+        # a (near-)constant block: keep lo / scale finite (the error stays below |lo| * 2^-61)
+        ideal = torch.maximum(ideal, torch.maximum(lo.abs(), hi.abs()) * 2.0 ** -60)
+    stored, s = _store_scale(ideal, width, ideal, spec, path)
     if spec.zero_point_domain == "int":
         zp = (qlo - torch.round(lo / s)).clamp(qlo, qhi).to(codec.code_dtype)
     else:  # float zero points are stored like the scale (HQQ keeps both in fp16)

@@ -61,6 +61,11 @@ _E8M0_BIAS = 127
 class SymmetricIntCodec(IntCodec):
     """Signed integer codes restricted to ``[-qmax, qmax]`` whatever the spec (MX4/MX6/MX9)."""
 
+    @property
+    def bound(self) -> str:
+        return (f"half a step 2^(E - shift - {self.bits - 2}) of the element's pair, saturation to "
+                f"±{self.qmax} steps")
+
     def qrange(self, *, symmetric, restricted):
         return float(-self.qmax), float(self.qmax)
 

@@ -1,0 +1,23 @@
+"""The PyTorch bridge: the only part of qtransform that knows ``nn.Module``, files and transformers.
+
+>>> import torch, qtransform as qt, bridge
+>>> model = torch.nn.Sequential(torch.nn.Linear(256, 64), torch.nn.GELU(), torch.nn.Linear(64, 16))
+>>> qmodel = bridge.quantize(model, qt.QuantSpec(format="int4", granularity=qt.PerGroup(64)))
+>>> qmodel[0]
+QLinear(in_features=256, out_features=64, bias=True, weight=int4 g64 sym [4.500 bits/element], kernel=int4pack_cpu)
+>>> qmodel(torch.randn(2, 256)).shape
+torch.Size([2, 16])
+
+Importing ``bridge`` registers ``quant_method: "qtransform"`` with transformers.
+"""
+
+from .modules import QConv2d, QConvTranspose2d, QEmbedding, QEmbeddingBag, QLinear, QModule
+from .extract import extract, module_types
+from .rebuild import plan, quantize, to_module
+from .metadata import CheckpointError
+from .io import load, save
+from .hf import QTransformConfig, QTransformHfQuantizer, register_algorithm
+
+__all__ = ["extract", "module_types", "to_module", "quantize", "plan", "save", "load", "CheckpointError",
+           "QTransformConfig", "QTransformHfQuantizer", "register_algorithm",
+           "QModule", "QLinear", "QConv2d", "QConvTranspose2d", "QEmbedding", "QEmbeddingBag"]

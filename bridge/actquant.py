@@ -1,0 +1,87 @@
+"""Input/output activation quantization of quantized modules (optional, per module).
+
+A module may quantize its input and/or output with a :class:`~qtransform.QuantSpec`:
+
+* a *dynamic* spec (``dynamic=True``): quantization parameters are fitted to each
+  activation at run time;
+* static :class:`~qtransform.QParams` (from calibration): stored as buffers named
+  ``input_scale``, ``input_zero_point``... (``output_...``), so they travel with the
+  state dict.
+
+By default the module fake-quantizes (``dequantize(quantize(x))``); a real low-precision
+kernel (fp8 ``_scaled_mm``) consumes the quantized input directly when it applies.
+
+>>> import torch, qtransform as qt
+>>> from bridge.actquant import fake_quant
+>>> spec = qt.QuantSpec(format="int8", dynamic=True)
+>>> x = torch.tensor([[0.0, 0.5, 1.0]])
+>>> fake_quant(x, spec, None).tolist() == qt.fake_quantize(x, qt.choose_qparams(x, spec)).tolist()
+True
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+import qtransform as qt
+from qtransform.qtypes import QParams
+
+from .qstate import QPARAM_FIELDS
+
+__all__ = ["ROLES", "attach", "qparams_for", "fake_quant", "apply"]
+
+ROLES = ("input", "output")
+
+
+def attach(module: nn.Module, role: str, quant) -> None:
+    """Give ``module`` an activation quantizer for ``role`` (``"input"`` or ``"output"``).
+
+    ``quant`` is ``None``, a dynamic :class:`~qtransform.QuantSpec` or static :class:`~qtransform.QParams`.
+    """
+    if role not in ROLES:
+        raise ValueError(f"role must be one of {ROLES}, got {role!r}")
+    for f in QPARAM_FIELDS:
+        module._buffers.pop(f"{role}_{f}", None)
+    if quant is None:
+        setattr(module, f"{role}_spec", None)
+        return
+    if isinstance(quant, qt.QuantSpec):
+        if not quant.dynamic:
+            raise ValueError(f"{role}_quant: a QuantSpec must be dynamic (dynamic=True); pass static "
+                             "QParams from calibration for static activation quantization")
+        setattr(module, f"{role}_spec", quant)
+        return
+    if isinstance(quant, QParams):
+        if quant.spec.dynamic:
+            raise ValueError(f"{role}_quant: QParams of a dynamic spec; pass the spec itself")
+        setattr(module, f"{role}_spec", quant.spec)
+        for f, t in quant.tensors().items():
+            module.register_buffer(f"{role}_{f}", t)
+        return
+    raise TypeError(f"{role}_quant must be None, a dynamic QuantSpec or QParams, got {type(quant).__name__}")
+
+
+def qparams_for(module: nn.Module, role: str, x: torch.Tensor) -> QParams | None:
+    """The QParams that quantize ``x`` in ``role`` (fitted to ``x`` when dynamic), or ``None``."""
+    spec = getattr(module, f"{role}_spec", None)
+    if spec is None:
+        return None
+    if spec.dynamic:
+        return qt.choose_qparams(x.detach(), spec)
+    fields = {f: module._buffers[f"{role}_{f}"] for f in QPARAM_FIELDS if f"{role}_{f}" in module._buffers}
+    return QParams(spec=spec, **fields)
+
+
+def fake_quant(x: torch.Tensor, spec, qparams: QParams | None) -> torch.Tensor:
+    """``x`` fake-quantized with ``qparams`` (or fitted to ``x`` under a dynamic ``spec``)."""
+    if spec is None:
+        return x
+    qp = qt.choose_qparams(x.detach(), spec) if qparams is None else qparams
+    return qt.fake_quantize(x, qp)
+
+
+def apply(module: nn.Module, role: str, x: torch.Tensor) -> torch.Tensor:
+    """Fake-quantize ``x`` for ``role`` when ``module`` has a quantizer there."""
+    qp = qparams_for(module, role, x)
+    return x if qp is None else qt.fake_quantize(x, qp)

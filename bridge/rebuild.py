@@ -1,0 +1,182 @@
+"""Quantized tree -> module: ``to_module``, and the one-call ``quantize``.
+
+``to_module(model, qtree)`` returns a model with the structure of ``model`` and the values
+of ``qtree``: every :class:`~qtransform.QTensor` leaf at ``"<module>.weight"`` turns its
+module (Linear, Conv2d, ConvTranspose2d, Embedding, EmbeddingBag, transformers Conv1D)
+into the quantized module; other leaves are assigned as they are. With ``inplace=False``
+(the default) the original model is untouched: the copy is built as a skeleton on the
+``meta`` device and filled from the tree, so no weight is copied (unquantized tensors
+are shared with the tree, i.e. with the original model when the tree came from
+:func:`bridge.extract`). Paths missing from the tree keep the original's tensors.
+
+>>> import torch, qtransform as qt
+>>> model = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.ReLU(), torch.nn.Linear(32, 16))
+>>> qmodel = quantize(model, qt.QuantSpec(format="int4", granularity=qt.PerGroup(32)))
+>>> [type(m).__name__ for m in qmodel], type(model[0]).__name__
+(['QLinear', 'ReLU', 'QLinear'], 'Linear')
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Mapping
+
+import torch
+from torch import nn
+
+import qtransform as qt
+from qtransform import _tree
+from qtransform.qtypes import QTensor
+from qtransform.recipe import Match
+
+from .extract import extract, module_types, weight_paths
+from .modules import QModule, quantized_class
+
+__all__ = ["to_module", "quantize", "plan", "flatten_tree"]
+
+
+def flatten_tree(tree: Any) -> dict[str, Any]:
+    """A (possibly nested) tree as ``{dotted path: leaf}`` with QTensor leaves kept whole."""
+    if isinstance(tree, Mapping) and all(isinstance(v, (torch.Tensor, QTensor)) for v in tree.values()):
+        return dict(tree)
+    pairs, _ = _tree.flatten_with_paths(tree, is_leaf=lambda x: isinstance(x, QTensor))
+    return dict(pairs)
+
+
+def _submodule(model: nn.Module, path: str) -> tuple[nn.Module, str]:
+    parent, _, name = path.rpartition(".")
+    return (model.get_submodule(parent) if parent else model), name
+
+
+def _meta_skeleton(model: nn.Module) -> nn.Module:
+    """A deep copy of ``model`` whose parameters and buffers are on ``meta`` (ties preserved)."""
+    memo = {}
+    for t in [t for _, t in model.named_parameters(remove_duplicate=False)] + [t for _, t in model.named_buffers(remove_duplicate=False)]:
+        if id(t) not in memo:
+            meta = torch.empty_like(t, device="meta")
+            memo[id(t)] = nn.Parameter(meta, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else meta
+    return copy.deepcopy(model, memo)
+
+
+def _replace(model: nn.Module, path: str, q: QTensor, kernel: str) -> None:
+    owner_path = path.rpartition(".")[0]
+    module = model.get_submodule(owner_path) if owner_path else model
+    cls = quantized_class(module)
+    if cls is None or path.rpartition(".")[2] != "weight":
+        raise ValueError(f"{path}: only the weight of Linear, Conv2d, ConvTranspose2d, Embedding, EmbeddingBag "
+                         f"and transformers Conv1D modules can be quantized; this is "
+                         f"{type(module).__name__}.{path.rpartition('.')[2]}")
+    if isinstance(module, QModule):
+        module.set_qweight(q)
+        return
+    if tuple(q.shape) != tuple(module.weight.shape):
+        raise ValueError(f"{path}: quantized tensor has shape {tuple(q.shape)}, the {type(module).__name__} "
+                         f"weight is {tuple(module.weight.shape)}")
+    new = cls.from_float(module, q, kernel=kernel)
+    new.train(module.training)
+    if owner_path:
+        parent, name = _submodule(model, owner_path)
+        parent._modules[name] = new
+    else:
+        raise ValueError(f"{path}: the root module itself cannot be replaced; wrap it in a container")
+
+
+def _assign(model: nn.Module, values: Mapping[str, torch.Tensor], original: nn.Module | None) -> None:
+    """Fill parameters/buffers from ``values`` (else from ``original``), preserving ties."""
+    src = dict(original.state_dict(keep_vars=True)) if original is not None else {}
+    done: dict[int, torch.Tensor] = {}
+    for path, t in list(model.named_parameters(remove_duplicate=False)):
+        owner, name = _submodule(model, path)
+        if id(t) not in done:
+            v = values.get(path, src.get(path))
+            if v is None:
+                if t.is_meta:
+                    raise ValueError(f"{path}: no value in the tree or the original model")
+                continue
+            v = v.detach() if isinstance(v, torch.Tensor) else v
+            done[id(t)] = nn.Parameter(v, requires_grad=t.requires_grad and v.is_floating_point())
+        owner._parameters[name] = done[id(t)]
+    orig_buffers = dict(original.named_buffers(remove_duplicate=False)) if original is not None else {}
+    for path, b in list(model.named_buffers(remove_duplicate=False)):
+        owner, name = _submodule(model, path)
+        if isinstance(owner, QModule) and name in owner._qnames:
+            continue
+        v = values.get(path)
+        if v is None and b.is_meta:
+            v = orig_buffers.get(path)
+            if v is None:
+                raise ValueError(f"{path}: no value in the tree or the original model")
+            v = v.clone() if name in owner._non_persistent_buffers_set else v
+        if v is not None:
+            owner._buffers[name] = v.detach()
+
+
+def to_module(model: nn.Module, qtree: Any, *, inplace: bool = False, kernel: str = "auto") -> nn.Module:
+    """A model with quantized modules where ``qtree`` holds QTensors (see module docstring).
+
+    Args:
+        model: the float (or already partly quantized) model giving the structure.
+        qtree: ``{path: Tensor | QTensor}`` (e.g. ``qt.quantize_tree(bridge.extract(model), recipe)``).
+        inplace: modify ``model`` itself instead of returning a new model.
+        kernel: kernel request for every new quantized module (``"auto"`` or e.g. ``"dequant"``).
+
+    Returns:
+        The quantized model (``model`` itself when ``inplace``).
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    leaves = flatten_tree(qtree)
+    known = set(model.state_dict().keys()) | set(extract(model))
+    unknown = sorted(p for p in leaves if p not in known)
+    if unknown:
+        raise ValueError(f"to_module: tree paths not in the model: {unknown[:5]}"
+                         + (f" (+{len(unknown) - 5} more)" if len(unknown) > 5 else ""))
+    target = model if inplace else _meta_skeleton(model)
+    quantized = {p: v for p, v in leaves.items() if isinstance(v, QTensor)}
+    for path, q in quantized.items():
+        _replace(target, path, q, kernel)
+    plain = {p: v for p, v in leaves.items() if not isinstance(v, QTensor)}
+    _assign(target, plain, None if inplace else model)
+    from . import hf  # transformers models carry their quantization config (for save_pretrained)
+    hf.attach_config(target, quantized)
+    return target
+
+
+def plan(model: nn.Module, recipe) -> dict[str, Match]:
+    """``{weight path: Match}`` for every weight a quantized module can replace.
+
+    A bare :class:`~qtransform.QuantSpec` applies to every such weight; a
+    :class:`~qtransform.Recipe` resolves with module types (``type_rules``) and the
+    tensor's ndim. Other tensors (norms, biases, positional tables) stay in full precision.
+    """
+    recipe = qt.as_recipe(recipe)
+    types = module_types(model)
+    out = {}
+    for path, module in weight_paths(model).items():
+        w = module.weight
+        if isinstance(module, QModule) or not isinstance(w, torch.Tensor):
+            continue
+        out[path] = recipe.resolve(path, module_type=types.get(path), ndim=w.dim(), floating=w.is_floating_point())
+    return out
+
+
+def quantize(model: nn.Module, recipe, *, inplace: bool = False, kernel: str = "auto",
+             qparams: Mapping | None = None, generator=None) -> nn.Module:
+    """``extract -> quantize_tree -> to_module`` in one call (weight-only, round-to-nearest
+    unless ``qparams`` from an algorithm are given for some paths)."""
+    chosen = {p: m.spec for p, m in plan(model, recipe).items() if m.spec is not None}
+    qparams = dict(qparams or {})
+    stray = sorted(set(qparams) - set(chosen))
+    if stray:
+        raise ValueError(f"quantize: qparams given for paths the recipe does not quantize: {stray[:5]}")
+    params = extract(model)
+    qtree = {}
+    for path, spec in chosen.items():
+        w = params[path]
+        qp = qparams.get(path)
+        if qp is None:
+            qp = qt.choose_qparams(w, spec, path=path)
+        elif qp.spec != spec:
+            raise ValueError(f"{path}: qparams were made for {qp.spec}, the recipe asks for {spec}")
+        qtree[path] = qt.quantize(w, qp, generator=generator, path=path)
+    return to_module(model, qtree, inplace=inplace, kernel=kernel)

@@ -1,0 +1,61 @@
+"""Helpers and tiny untrained models for the bridge tests (built from configs, no downloads)."""
+
+import torch
+from torch import nn
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """The raw bytes of a tensor (bit-exact comparisons for every dtype, float8 included)."""
+    return t.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(bits(a), bits(b))
+
+
+def tiny_causal_lm(arch: str):
+    import transformers as tf
+    common = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, max_position_embeddings=64)
+    if arch == "llama":
+        return tf.LlamaForCausalLM(tf.LlamaConfig(num_key_value_heads=2, **common))
+    if arch == "mistral":
+        return tf.MistralForCausalLM(tf.MistralConfig(num_key_value_heads=2, **common))
+    if arch == "qwen2":
+        return tf.Qwen2ForCausalLM(tf.Qwen2Config(num_key_value_heads=2, **common))
+    if arch == "opt":
+        return tf.OPTForCausalLM(tf.OPTConfig(vocab_size=128, hidden_size=64, ffn_dim=128, num_hidden_layers=2,
+                                              num_attention_heads=4, max_position_embeddings=64,
+                                              word_embed_proj_dim=64))
+    if arch == "gpt2":
+        return tf.GPT2LMHeadModel(tf.GPT2Config(vocab_size=128, n_embd=64, n_layer=2, n_head=4, n_positions=64))
+    if arch == "bert":
+        return tf.BertForMaskedLM(tf.BertConfig(vocab_size=128, hidden_size=64, intermediate_size=128,
+                                                num_hidden_layers=2, num_attention_heads=4,
+                                                max_position_embeddings=64))
+    raise ValueError(arch)
+
+
+class ConvNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 16, 3, padding=1)
+        self.conv2 = nn.Conv2d(16, 16, 3, padding=1, padding_mode="reflect", groups=2, bias=False)
+        self.up = nn.ConvTranspose2d(16, 8, 4, stride=2, padding=1)
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, x):
+        x = torch.relu(self.conv2(torch.relu(self.conv(x))))
+        x = self.up(x)
+        return self.head(x.mean(dim=(2, 3)))
+
+
+class EmbedNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(100, 32, padding_idx=0)
+        self.bag = nn.EmbeddingBag(100, 32, mode="sum")
+        self.out = nn.Linear(32, 16)
+
+    def forward(self, tokens, bag_ids, offsets):
+        return self.out(self.emb(tokens).mean(1) + self.bag(bag_ids, offsets))
