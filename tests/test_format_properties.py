@@ -1,9 +1,12 @@
-"""Registry-driven properties of the floating-point and block-scaled formats (Hypothesis).
+"""Registry-driven properties of the floating-point and block-scaled formats (Hypothesis), beyond
+the generic ones of property_tests/ (which cover purity, vmap, grad and idempotence for every format).
 
-Every format of these families (and a user-registered minifloat) gets each property with its
-own test id: round-trip error within the stated bound (checked against the bound's closed form,
-not only the codec's own ``half_spacing``), idempotence, inputs unchanged, ``vmap`` and
-straight-through ``grad``, and exact storage (unpacked codes re-pack to the same bytes).
+Every format of these families (and a user-registered minifloat) is checked on data spanning up
+to 2^40 within a tensor and 2^±60 overall, with zeros: the round-trip error is within the stated
+bound in closed form (relative 2^-(m+1) in the normal range, half the subnormal step below it,
+exact saturation beyond; half a code step for integer elements), independently of the codec's own
+``half_spacing``; fake quantization equals the storage round trip; codes re-quantize to the same
+bytes; and the reported bits per element are the bytes held.
 """
 
 from __future__ import annotations
@@ -15,7 +18,6 @@ from hypothesis import given, settings, strategies as st
 import qtransform as qt
 from qtransform import blocks, scales
 from qtransform.formats import MinifloatCodec
-from qtransform.quantize import element_range
 
 qt.register_format(qt.minifloat("fp8_e3m4", exponent_bits=3, mantissa_bits=4), replace=True)
 
@@ -71,71 +73,18 @@ def _closed_form_bound(x, qp):
 @pytest.mark.parametrize("name", NAMES)
 @SETTINGS
 @given(x=tensors())
-def test_round_trip_within_bound(name, x):
-    spec = _spec(name)
-    qp = qt.choose_qparams(x, spec)
-    y = qt.dequantize(qt.quantize(x, qp))
-    err = (y - x).abs()
-    assert bool((err <= qt.error_bound(x, qp) * (1 + 2 ** -20)).all())
-    assert bool((err <= _closed_form_bound(x, qp) * (1 + 2 ** -20)).all())
-    assert torch.equal(qt.fake_quantize(x, qp), y)
-
-
-@pytest.mark.parametrize("name", NAMES)
-@SETTINGS
-@given(x=tensors())
-def test_idempotent_and_exact_storage(name, x):
+def test_round_trip_bound_storage_and_idempotence(name, x):
     spec = _spec(name)
     qp = qt.choose_qparams(x, spec)
     q = qt.quantize(x, qp)
     y = qt.dequantize(q)
+    err = (y - x).abs()
+    assert bool((err <= qt.error_bound(x, qp) * (1 + 2 ** -20)).all())
+    assert bool((err <= _closed_form_bound(x, qp) * (1 + 2 ** -20)).all())
+    assert torch.equal(qt.fake_quantize(x, qp), y)
     q2 = qt.quantize(y, qp)
     assert torch.equal(_raw(q2.codes), _raw(q.codes))
-    assert torch.equal(qt.dequantize(q2), y)
     codec = spec.fmt.codec
     if codec.packed:
         assert torch.equal(qt.pack(qt.unpacked_codes(q), codec.bits), q.codes)
     assert q.bits_per_element() == qt.bits_per_element(spec, x.shape)
-
-
-@pytest.mark.parametrize("name", NAMES)
-@SETTINGS
-@given(x=tensors())
-def test_inputs_unchanged(name, x):
-    spec = _spec(name)
-    x0 = x.clone()
-    qp = qt.choose_qparams(x, spec)
-    before = {k: v.clone() for k, v in qp.tensors().items()}
-    q = qt.quantize(x, qp)
-    codes0 = q.codes.clone()
-    qt.dequantize(q)
-    qt.fake_quantize(x, qp)
-    qt.error_bound(x, qp)
-    assert torch.equal(x, x0)
-    assert all(torch.equal(_raw(qp.tensors()[k]), _raw(v)) for k, v in before.items())
-    assert torch.equal(_raw(q.codes), _raw(codes0))
-
-
-@pytest.mark.parametrize("name", NAMES)
-def test_vmap_and_grad(name):
-    spec = _spec(name)
-    gen = torch.Generator().manual_seed(0)
-    xs = torch.randn(3, 4, 48, generator=gen) * 3
-
-    def fq(x):
-        return qt.fake_quantize(x, qt.choose_qparams(x, spec))
-
-    def qdq(x):
-        return qt.dequantize(qt.quantize(x, qt.choose_qparams(x, spec)))
-
-    loop = torch.stack([fq(x) for x in xs])
-    assert torch.equal(torch.func.vmap(fq)(xs), loop)
-    assert torch.equal(torch.func.vmap(qdq)(xs), loop)
-    qp = qt.choose_qparams(xs[0], spec)
-    g = torch.func.grad(lambda x: qt.fake_quantize(x, qp).sum())(xs[0])
-    lo, hi = element_range(spec)
-    p = blocks.plan(xs[0].shape, spec, sub_block=True)
-    s, _ = scales.effective(qp)
-    v = blocks.unview(blocks.view(xs[0], p) / blocks.expand(s, p), p)
-    inside = (v >= lo) & (v <= hi)
-    assert torch.equal(g, inside.to(torch.float32))
