@@ -1,4 +1,5 @@
-"""An independent, textbook model of minifloats for the tests (numpy float64, no qtransform code).
+"""An independent, textbook model of minifloats for the tests (numpy float64, no qtransform code),
+and ``registered``, which registers a user format for one test module.
 
 ``values(e, m, bias, special)`` lists every code's value from the definition; ``round_codes``
 rounds float64 inputs to the nearest finite value by brute force (ties to the even code,
@@ -7,9 +8,24 @@ saturating at the largest finite magnitude) and returns the codes.
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import numpy as np
+
+import qtransform as qt
+from qtransform.formats import base as _base
+
+
+@contextlib.contextmanager
+def registered(fmt):
+    """Register a user format for the duration of a test module, then remove it again (other tests,
+    and subprocesses compared with this one, see the built-in registry only)."""
+    qt.register_format(fmt)
+    try:
+        yield fmt
+    finally:
+        _base._REGISTRY.pop(fmt.name, None)
 
 
 def values(e: int, m: int, bias: int, special: str) -> np.ndarray:

@@ -19,10 +19,11 @@ import qtransform as qt
 from qtransform import blocks, scales
 from qtransform.formats import MinifloatCodec
 
-qt.register_format(qt.minifloat("fp8_e3m4", exponent_bits=3, mantissa_bits=4), replace=True)
+import minifloat_reference as ref
 
+USER = qt.minifloat("fp8_e3m4", exponent_bits=3, mantissa_bits=4)
 FAMILIES = ("float", "cast", "mx", "microexp", "bfp", "nvfp4")
-NAMES = sorted(n for n, f in qt.FORMATS.items() if f.family in FAMILIES)
+NAMES = sorted(n for n, f in qt.FORMATS.items() if f.family in FAMILIES) + [USER.name]
 SETTINGS = settings(max_examples=20, deadline=None, derandomize=True)
 
 
@@ -38,6 +39,12 @@ def tensors(draw, min_cols=1):
     x = x * torch.exp2(torch.empty(rows, cols).uniform_(center - octaves / 2, center + octaves / 2, generator=gen))
     zero = torch.rand(rows, cols, generator=gen) < draw(st.sampled_from([0.0, 0.1, 0.9]))
     return torch.where(zero, 0.0, x)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _user_format():
+    with ref.registered(USER):
+        yield
 
 
 def _raw(t: torch.Tensor) -> torch.Tensor:

@@ -18,8 +18,14 @@ from qtransform.formats import MinifloatCodec
 
 import minifloat_reference as ref
 
-# the user-defined format the tests register exactly as a user would (one line)
-E3M4 = qt.register_format(qt.minifloat("fp8_e3m4", exponent_bits=3, mantissa_bits=4), replace=True)
+# the user-defined format, defined as a user would (registered below for this module only)
+E3M4 = qt.minifloat("fp8_e3m4", exponent_bits=3, mantissa_bits=4)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _user_format():
+    with ref.registered(E3M4):
+        yield
 
 SMALL = ["fp8_e4m3", "fp8_e5m2", "fp8_e4m3fnuz", "fp8_e5m2fnuz", "fp6_e3m2", "fp6_e2m3", "fp4_e2m1", "fp8_e3m4"]
 TORCH_FP8 = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2,

@@ -27,10 +27,11 @@ when narrower than 8 bits: fp4 two per byte, fp6 four per three bytes). The roun
 error bound is half the grid spacing around the element value: ``2^-(m+1)`` relative in the
 normal range, ``2^(1 - bias - m) / 2`` absolute below it, exact saturation beyond.
 
-A new minifloat is one line:
+A new minifloat is one line, ``qt.register_format(qt.minifloat("fp8_e3m4", exponent_bits=3,
+mantissa_bits=4))``, after which ``QuantSpec(format="fp8_e3m4")`` works like the built-ins:
 
 >>> import torch, qtransform as qt
->>> e3m4 = qt.register_format(qt.minifloat("fp8_e3m4", exponent_bits=3, mantissa_bits=4), replace=True)
+>>> e3m4 = qt.minifloat("fp8_e3m4", exponent_bits=3, mantissa_bits=4)
 >>> e3m4.codec.max_value, e3m4.codec.bits
 (31.0, 8)
 >>> qt.FORMATS["fp8_e4m3"].codec.round(torch.tensor([300.0, 1e-3, -0.3]), rounding="half_even").tolist()
