@@ -178,7 +178,8 @@ def _markdown(rows: list[dict], meta: dict) -> str:
 
     lines = [
         f"Quantize + dequantize of a {meta['size']}x{meta['size']} float32 tensor, best of {meta['repeats']} "
-        f"(ms; {meta['threads']} threads, torch {meta['torch']}, {meta['machine']}). "
+        f"(ms; {meta['threads']} thread(s), torch {meta['torch']}, {meta['machine']}, load average at the end "
+        f"{meta['load']}). "
         "ours = choose_qparams + quantize + dequantize through packed storage; fake = choose_qparams + "
         "fake_quantize. Speedup = peer time / ours (storage round trip / fake-quantize).",
         "",
@@ -192,9 +193,15 @@ def _markdown(rows: list[dict], meta: dict) -> str:
             f"{ms(r['ours_fake_ms'])} | {ms(r.get('quark_ms'))} | {ratio(r, 'quark')} | "
             f"{r.get('quark_agreement', '—')} | {ms(r.get('torchao_ms'))} | {ratio(r, 'torchao')} | "
             f"{r.get('torchao_agreement', '—')} |")
-    lines += ["", "Quark has no per-tensor fp4/fp6 and no fnuz fake-quantize path: fp4/fp6 rows use groups of 32 "
-              "with float32 scales amax / max on both sides; fnuz rows have no peer. torchao rows are its "
-              "MX and NVFP4 implementations only."]
+    lines += [
+        "",
+        "Quark has no per-tensor fp4/fp6 and no fnuz fake-quantize path: the fp4/fp6 rows use groups of 32 with "
+        "float32 scales amax / max on both sides, the fnuz rows have no peer. torchao rows are its MX and NVFP4 "
+        "implementations (FLOOR / EVEN scale modes). Agreement is bit for bit on the dequantized tensor; "
+        "torchao's NVFP4 multiplies by the reciprocal of the combined scale where qtransform divides by it, "
+        "so an element on a rounding boundary can land on the other side. bf16/fp16 are baselines: Quark's "
+        "path is two casts, while qtransform carries the unit scale through the common pipeline (observe, "
+        "divide, multiply)."]
     return "\n".join(lines) + "\n"
 
 
@@ -211,6 +218,7 @@ def main():
     meta = {"size": args.size, "repeats": args.repeats, "threads": torch.get_num_threads(),
             "torch": torch.__version__, "machine": f"{platform.machine()}, {os.cpu_count()} CPUs"}
     rows = run(args.size, args.repeats, args.only)
+    meta["load"] = tuple(round(v, 1) for v in os.getloadavg())
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "formats.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
     (RESULTS / "formats.md").write_text(_markdown(rows, meta))

@@ -275,6 +275,7 @@ def test_user_format_behaves_like_builtins():
     (dict(exponent_bits=8, mantissa_bits=7, bias=100, special="ieee"), ValueError),
     (dict(exponent_bits=3.0, mantissa_bits=2), TypeError),
     (dict(exponent_bits=4, mantissa_bits=3, storage=torch.float16), ValueError),
+    (dict(exponent_bits=4, mantissa_bits=3, bias=7, special="fn", storage=torch.float8_e4m3fnuz), ValueError),
 ])
 def test_bad_minifloat_definitions(kwargs, error):
     with pytest.raises(error, match="MinifloatCodec"):

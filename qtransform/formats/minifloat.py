@@ -115,6 +115,12 @@ class MinifloatCodec(Codec):
                 raise TypeError(f"MinifloatCodec: storage must be a torch.dtype or None, got {self.storage!r}")
             if torch.empty((), dtype=self.storage).element_size() * 8 != self.bits:
                 raise ValueError(f"MinifloatCodec: storage {self.storage} does not hold {self.bits}-bit codes")
+            codes = torch.arange(1 << self.bits, dtype=torch.int32).to(
+                torch.int16 if self.bits == 16 else torch.uint8).view(self.storage)
+            ours, torchs = self.decode_bits(codes), codes.to(torch.float32)
+            if not bool(((ours == torchs) | (ours.isnan() & torchs.isnan())).all()):
+                raise ValueError(f"MinifloatCodec: storage {self.storage} does not encode e{e}m{m}, bias {bias}, "
+                                 f"special={self.special!r}")
 
     # ------------------------------------------------------------------ layout
     @property
@@ -276,6 +282,11 @@ class MinifloatCodec(Codec):
         """The reference encoder, by arithmetic: any rounding, saturating (``hi``) or not.
 
         ``v`` (float32) is a temporary and may be overwritten. Returns codes in ``code_dtype``.
+
+        >>> import torch, qtransform as qt
+        >>> fp4 = qt.FORMATS["fp4_e2m1"].codec
+        >>> fp4.encode_bits(torch.tensor([0.25, 0.75, 2.5, -7.0]), rounding="half_even", hi=6.0).tolist()
+        [0, 2, 4, 15]
         """
         if self._same_range_as_fp32:
             bits = self._round_bits(v, rounding, noise, hi) >> (32 - self.bits)
@@ -323,6 +334,10 @@ class MinifloatCodec(Codec):
         """Bit patterns (any integer or same-width float dtype) -> float32, by arithmetic.
 
         The reference decoder: independent of torch's casts, defined for every code.
+
+        >>> import torch, qtransform as qt
+        >>> qt.FORMATS["fp8_e4m3"].codec.decode_bits(torch.tensor([0x01, 0x38, 0x7E, 0x7F, 0xFE])).tolist()
+        [0.001953125, 1.0, 448.0, nan, -448.0]
         """
         if codes.is_floating_point():
             codes = codes.view(torch.int16 if self.bits == 16 else torch.uint8)
