@@ -207,6 +207,8 @@ def _affine_effective(qp: QParams):
     if qp.spec.scale_dtype == "e8m0":
         check_e8m0(qp.scale, qp.spec)
     s = decode_scale(qp.scale, qp.spec, qp.global_scale)
+    if qp.spec.scale_dtype == "float8_e4m3fn":
+        s = s.clamp(min=torch.finfo(torch.float32).tiny)  # a hand-made zero fp8 block scale
     z = None if qp.zero_point is None else qp.zero_point.to(torch.float32)
     return s, z
 
