@@ -42,6 +42,7 @@ bench: $(STAMP)
 	$(PIP) install -q -c .ci/constraints.txt -e ".[bench]"
 	$(BIN)/python bench/bench_core.py
 	$(BIN)/python bench/bench_linear.py
+	$(BIN)/python bench/bench_formats.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -240,8 +240,11 @@ def cmd_formats(a) -> int:
 
     rows = [["format", "family", "bits/element", "default granularity", "round-trip bound"]]
     for name, fmt in qt.FORMATS.items():
-        spec = qt.QuantSpec(format=name)
-        bits = qt.bits_per_element(spec) if hasattr(qt, "bits_per_element") else float(fmt.bits)
+        try:
+            spec = qt.QuantSpec(format=name)
+        except ValueError:  # int1 holds no symmetric range
+            spec = qt.QuantSpec(format=name, symmetric=False)
+        bits = qt.bits_per_element(spec)
         rows.append([name, fmt.family, f"{bits:g}", str(spec).split(" ", 1)[1], fmt.codec.bound])
     _say("\n".join(_table(rows)))
     return 0

@@ -9,7 +9,7 @@
 (torch.Size([64, 256]), torch.uint8, torch.Size([64, 128]))
 """
 
-from .formats import FORMATS, Codec, Format, get_format, register_format
+from .formats import FORMATS, Codec, Format, get_format, minifloat, mx_format, register_format
 from .granularity import PerBlock, PerChannel, PerGroup, PerTensor
 from .spec import QuantSpec
 from .qtypes import HistogramStats, MinMaxStats, QParams, QTensor
@@ -17,6 +17,7 @@ from .observe import init_stats, merge_stats, observe
 from .qparams import choose_qparams, compute_qparams
 from .quantize import dequantize, fake_quantize, quantize, unpacked_codes
 from .bounds import error_bound
+from .footprint import bits_per_element
 from .packing import pack, unpack
 from .recipe import Match, Recipe, as_recipe
 from .presets import Preset, from_hqq_config, get_preset, presets, recipe_from_dict
@@ -26,11 +27,11 @@ from .tree import (dequantize_tree, is_qtensor, merge_stats_tree, observe_tree, 
 __version__ = "0.1.0"
 
 __all__ = [
-    "FORMATS", "Codec", "Format", "get_format", "register_format",
+    "FORMATS", "Codec", "Format", "get_format", "register_format", "minifloat", "mx_format",
     "PerBlock", "PerChannel", "PerGroup", "PerTensor", "QuantSpec",
     "HistogramStats", "MinMaxStats", "QParams", "QTensor",
     "init_stats", "merge_stats", "observe", "choose_qparams", "compute_qparams",
-    "dequantize", "fake_quantize", "quantize", "unpacked_codes", "error_bound", "pack", "unpack",
+    "dequantize", "fake_quantize", "quantize", "unpacked_codes", "error_bound", "bits_per_element", "pack", "unpack",
     "Match", "Recipe", "as_recipe", "Preset", "from_hqq_config", "get_preset", "presets", "recipe_from_dict",
     "dequantize_tree", "is_qtensor", "merge_stats_tree", "observe_tree", "qparams_tree", "quantize_tree",
 ]

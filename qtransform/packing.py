@@ -54,6 +54,20 @@ def _group(bits: int, container) -> int:
     return 8 // bits if 8 % bits == 0 else 8
 
 
+def _fields(bits: int, k: int, byte: int):
+    """``(code index, shift)`` of each code with bits in byte ``byte`` of a unit of ``k`` codes:
+    the byte holds ``code << shift`` (a negative shift moves the code right)."""
+    return [(i, bits * i - 8 * byte) for i in range(k) if bits * i < 8 * (byte + 1) and bits * (i + 1) > 8 * byte]
+
+
+def _or(parts):
+    parts = iter(parts)
+    out = next(parts)
+    for p in parts:
+        out = out | p
+    return out
+
+
 def pack(codes: torch.Tensor, bits: int, *, container: torch.dtype = torch.uint8,
          order: str = "sequential") -> torch.Tensor:
     """Pack integer ``codes`` (only their low ``bits`` bits are used) along the last axis."""
@@ -70,6 +84,14 @@ def pack(codes: torch.Tensor, bits: int, *, container: torch.dtype = torch.uint8
         for j in range(1, k):
             out = out | (c[..., j] << (bits * j))
         return out
+    if container == torch.uint8:  # 3, 5, 6, 7 bits: 8 codes fill `bits` bytes, built byte by byte
+        c = codes.to(torch.uint8) & ((1 << bits) - 1)
+        if pad:
+            c = torch.constant_pad_nd(c, (0, pad))
+        c = c.reshape(*c.shape[:-1], -1, k)
+        out = torch.stack([_or(c[..., i] << s if s >= 0 else c[..., i] >> -s for i, s in _fields(bits, k, j))
+                           for j in range(bits)], dim=-1)
+        return out.reshape(*out.shape[:-2], -1)[..., : -(-n * bits // 8)]
     c = codes.to(torch.int64) & ((1 << bits) - 1)
     if pad:
         c = torch.constant_pad_nd(c, (0, pad))
@@ -115,18 +137,19 @@ def unpack(packed: torch.Tensor, bits: int, numel: int, *, container: torch.dtyp
                              f"bits need {units}")
         word = packed.to(torch.int64) & 0xFFFFFFFF
     else:
-        nbytes_unit = (k * bits) // 8
         expect = -(-numel * bits // 8)
         if packed.shape[-1] != expect:
             raise ValueError(f"packed last axis has {packed.shape[-1]} bytes; {numel} codes of {bits} "
                              f"bits need {expect}")
-        b = packed.to(torch.int64)
-        pad = units * nbytes_unit - expect
-        if pad:
-            b = torch.constant_pad_nd(b, (0, pad))
-        b = b.reshape(*b.shape[:-1], units, nbytes_unit)
-        byte_shifts = torch.arange(nbytes_unit, device=b.device, dtype=torch.int64) * 8
-        word = (b << byte_shifts).sum(-1)
+        pad = units * bits - expect  # a unit of 8 codes is `bits` bytes
+        b = torch.constant_pad_nd(packed, (0, pad)) if pad else packed
+        b = b.reshape(*b.shape[:-1], units, bits)
+        fields = [[(j, s) for j in range(bits) for i2, s in _fields(bits, k, j) if i2 == i] for i in range(k)]
+        c = torch.stack([_or(b[..., j] >> s if s >= 0 else b[..., j] << -s for j, s in f) for f in fields], dim=-1)
+        c = c.reshape(*c.shape[:-2], -1)[..., :numel] & ((1 << bits) - 1)
+        if signed:
+            return (c.to(torch.int8) << (8 - bits)) >> (8 - bits)  # sign-extend
+        return c
     shifts = torch.arange(k, device=word.device, dtype=torch.int64) * bits
     c = (word.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)
     if order == "awq":

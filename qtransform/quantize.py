@@ -123,10 +123,10 @@ def dequantize(q: QTensor, *, dtype: torch.dtype | None = None) -> torch.Tensor:
     codes = unpacked_codes(q)
     p = blocks.plan(codes.shape, spec, sub_block=True)
     s, z = scales.effective(q.qparams)
-    cb = blocks.view(codes, p)
-    vals = spec.fmt.codec.decode(cb)
+    decoded = spec.fmt.codec.decode(codes)  # elementwise: decode before padding (float8 cannot be gathered)
+    vals = blocks.view(decoded, p)
     inplace = (not under_transform(vals) and not s.requires_grad and (z is None or not z.requires_grad)
-               and vals.data_ptr() != cb.data_ptr())
+               and decoded.data_ptr() != codes.data_ptr())
     y = _from_element(vals, blocks.expand(s, p), None if z is None else blocks.expand(z, p), inplace=inplace)
     return blocks.unview(y, p).to(q.dtype if dtype is None else dtype)
 
@@ -148,9 +148,12 @@ def fake_quantize(x: torch.Tensor, qparams: QParams, *, generator=None, path: st
     check_finite(x, path=path)
     spec = qparams.spec
     lo, hi = element_range(spec)
-    v = _to_element(xb, s, z, differentiable=True)
+    needs_grad = x.requires_grad or s.requires_grad or (z is not None and z.requires_grad)
+    v = _to_element(xb, s, z, differentiable=needs_grad)
     g = spec.fmt.codec.round(v.detach(), rounding=spec.rounding,
                              noise=_noise(v.shape, x.device, spec, generator), lo=lo, hi=hi)
+    if not needs_grad:  # nothing to differentiate: the rounded values, rescaled in place
+        return blocks.unview(_from_element(g, s, z, inplace=not under_transform(g)), p).to(x.dtype)
     vc = v if lo is None else v.clamp(lo, hi)
     vq = vc + (g - vc).detach()
     return blocks.unview(_from_element(vq, s, z), p).to(x.dtype)

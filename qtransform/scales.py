@@ -33,9 +33,10 @@ from .qtypes import QParams
 from .spec import QuantSpec
 
 __all__ = ["from_range", "effective", "register_scheme", "decode_scale", "pow2_exponent",
-           "round_up_to", "FP8_E4M3_MAX"]
+           "round_up_to", "FP8_E4M3_MAX", "check_e8m0", "to_e8m0"]
 
 FP8_E4M3_MAX = 448.0
+FP8_E4M3_TINY = 2.0 ** -6
 E8M0_BIAS = 127
 
 
@@ -72,7 +73,8 @@ def pow2_exponent(amax: torch.Tensor, ideal: torch.Tensor, spec: QuantSpec) -> t
     elif rule == "floor":
         k = _floor_log2(amax) - codec.emax
     elif rule == "even":
-        k = _floor_log2(_round_mantissa(amax, codec.mbits)) - codec.emax
+        amax = _round_mantissa(amax, codec.mbits)  # a tiny subnormal amax may round to 0
+        k = _floor_log2(amax) - codec.emax
     else:  # validated by QuantSpec
         raise ValueError(f"unknown scale_rule {rule!r}")
     lo = -127 if spec.scale_dtype == "e8m0" else -126
@@ -91,6 +93,42 @@ def round_up_to(s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     int_dtype = _SAME_WIDTH_INT[low.element_size()]
     up = (low.view(int_dtype) + 1).view(dtype)  # next representable value above a positive one
     return torch.where(low.to(torch.float32) < s, up, low)
+
+
+def check_e8m0(scale, spec: QuantSpec, *, name: str = "qparams.scale") -> None:
+    """Stored E8M0 scales must be uint8 biased exponents, without the NaN code 255."""
+    if not isinstance(scale, torch.Tensor) or scale.dtype != torch.uint8:
+        got = scale.dtype if isinstance(scale, torch.Tensor) else type(scale).__name__
+        raise TypeError(f"format {spec.format}: {name} holds E8M0 scales as uint8 biased exponents "
+                        f"(2^(code - 127)), got {got}; convert power-of-two float scales with to_e8m0")
+    if not under_transform(scale) and bool((scale == 255).any()):
+        first = tuple(int(i) for i in (scale == 255).nonzero()[0])
+        raise ValueError(f"format {spec.format}: {name} holds the E8M0 NaN code 255 (first at index {first})")
+
+
+def to_e8m0(scale: torch.Tensor, *, name: str = "scale") -> torch.Tensor:
+    """Power-of-two float scales in ``[2^-127, 2^127]`` -> E8M0 codes (uint8 ``log2(scale) + 127``).
+
+    Raises ``ValueError`` naming the first scale that is not a power of two or lies outside
+    E8M0's range (zero, negative, non-finite included).
+
+    >>> import torch
+    >>> from qtransform.scales import to_e8m0
+    >>> to_e8m0(torch.tensor([1.0, 0.25, 2.0 ** 127])).tolist()
+    [127, 125, 254]
+    """
+    if not isinstance(scale, torch.Tensor) or not scale.is_floating_point():
+        raise TypeError(f"to_e8m0: {name} must be a floating-point tensor, got "
+                        f"{scale.dtype if isinstance(scale, torch.Tensor) else type(scale).__name__}")
+    s = scale.detach().to(torch.float64)
+    mant, exp = torch.frexp(s)
+    k = exp - 1
+    bad = ~torch.isfinite(s) | (mant != 0.5) | (k < -E8M0_BIAS) | (k > E8M0_BIAS)
+    if bool(bad.any()):
+        first = tuple(int(i) for i in bad.nonzero()[0]) if s.dim() else ()
+        raise ValueError(f"to_e8m0: {name} value {s[first].item()!r} at index {first} is not a power of two "
+                         "in E8M0's range [2^-127, 2^127]")
+    return (k + E8M0_BIAS).to(torch.uint8)
 
 
 def decode_scale(scale: torch.Tensor, spec: QuantSpec, global_scale=None) -> torch.Tensor:
@@ -151,22 +189,26 @@ def _affine_from_range(lo, hi, spec: QuantSpec, path=None) -> QParams:
 
 
 def _two_level_from_range(lo, hi, spec: QuantSpec, elem_max: float) -> QParams:
-    """fp8 block scales under one fp32 tensor scale (NVFP4): block scale = amax_b / elem_max / g."""
+    """fp8 block scales under one fp32 tensor scale (NVFP4).
+
+    As torchao's ``nvfp4_quantize`` and compressed-tensors: ``g = amax_tensor / (448 * elem_max)``
+    (1 for an all-zero tensor) and block scale ``fp8(amax_b / elem_max / g)`` rounded to nearest
+    even after clamping to ``[2^-6, 448]`` (the smallest normal fp8: never a zero scale).
+    """
     amax = torch.maximum(-lo, hi)
     tensor_amax = amax.amax()
     g = torch.where(tensor_amax > 0, tensor_amax / (FP8_E4M3_MAX * elem_max), torch.ones_like(tensor_amax))
     g = g.clamp(min=torch.finfo(torch.float32).tiny)
-    block = (amax / elem_max / g).clamp(max=FP8_E4M3_MAX)
-    stored = round_up_to(block, torch.float8_e4m3fn)
-    stored = torch.where(stored.to(torch.float32) > FP8_E4M3_MAX,
-                         torch.full_like(stored, FP8_E4M3_MAX), stored)
-    return QParams(scale=stored, global_scale=g.to(torch.float32), spec=spec)
+    block = (amax / elem_max / g).clamp(FP8_E4M3_TINY, FP8_E4M3_MAX)
+    return QParams(scale=block.to(torch.float8_e4m3fn), global_scale=g.to(torch.float32), spec=spec)
 
 
 def _affine_effective(qp: QParams):
+    if qp.spec.scale_dtype == "e8m0":
+        check_e8m0(qp.scale, qp.spec)
     s = decode_scale(qp.scale, qp.spec, qp.global_scale)
     if qp.spec.scale_dtype == "float8_e4m3fn":
-        s = s.clamp(min=torch.finfo(torch.float32).tiny)  # all-zero blocks have a zero fp8 scale
+        s = s.clamp(min=torch.finfo(torch.float32).tiny)  # a hand-made zero fp8 block scale
     z = None if qp.zero_point is None else qp.zero_point.to(torch.float32)
     return s, z
 

@@ -40,10 +40,12 @@ class QuantSpec:
         scale_dtype: ``"float32"``, ``"float16"``, ``"bfloat16"``, ``"e8m0"`` (power of two
             stored as a uint8 exponent) or ``"float8_e4m3fn"`` (two-level: fp8 block scales
             times one fp32 tensor scale, as NVFP4). ``None`` takes the format's default.
-            Scales are rounded *up* to the scale dtype so that rounding never clips.
+            Scales are rounded *up* to the scale dtype so that rounding never clips (except
+            the two-level fp8 block scales, rounded to nearest as torchao and compressed-tensors do).
         power_of_two: round scales to powers of two (implied by ``"e8m0"``).
         scale_rule: power-of-two rule: ``"floor"`` (OCP MX spec: ``2^(floor(log2 amax) - emax)``),
-            ``"ceil"`` (smallest power of two that does not clip), ``"even"`` (Quark: round
+            ``"ceil"`` (smallest power of two that does not clip; torchao's RCEIL, not the
+            ``ceil(log2 amax) - emax`` of Quark's and torchao's CEIL), ``"even"`` (Quark: round
             amax to the element's mantissa width first). ``None`` takes the format's default.
         rounding: ``"half_even"`` (default), ``"half_away"`` or ``"stochastic"`` (needs an
             explicit ``generator=`` or ``seed=`` when quantizing).
@@ -56,7 +58,8 @@ class QuantSpec:
             with an intrinsic block (MX, NVFP4, MX4/6/9, BFP16).
         saturate: values beyond the largest representable magnitude clamp to it (default).
             ``False`` lets floating-point formats overflow to Inf (or NaN where the format
-            has no Inf); integer and codebook formats always saturate.
+            has no Inf); formats that encode neither (integers, codebooks, fp6, fp4, MX4/6/9)
+            always saturate.
     """
 
     format: str
@@ -113,9 +116,9 @@ class QuantSpec:
                              "only; set power_of_two=True or scale_dtype='e8m0'")
 
         self._resolve_symmetry(fmt)
-        if not self.saturate and fmt.family in ("int", "codebook"):
-            raise ValueError(f"QuantSpec: format {fmt.name} always saturates; saturate=False "
-                             "applies to floating-point formats")
+        if not self.saturate and fmt.codec.overflow is None:
+            raise ValueError(f"QuantSpec: format {fmt.name} always saturates (it encodes neither Inf nor NaN); "
+                             "saturate=False applies to formats that do (fp8, fp16, bf16)")
         if not isinstance(self.percentile, (int, float)) or not 50.0 < float(self.percentile) <= 100.0:
             raise ValueError(f"QuantSpec.percentile must be in (50, 100], got {self.percentile!r}")
         _set("percentile", float(self.percentile))

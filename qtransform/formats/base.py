@@ -67,6 +67,8 @@ class Codec(abc.ABC):
         mbits: mantissa bits after the leading one of the largest values, used by the
             ``even`` power-of-two rule (round amax to this width before taking its exponent).
         bound: the round-trip error bound in words (README, ``qtransform formats``).
+        overflow: what a value beyond the range becomes with ``saturate=False``: ``"inf"``,
+            ``"nan"``, or ``None`` for codecs that always saturate (integers, codebooks, FP4/FP6).
     """
 
     bits: int
@@ -75,6 +77,7 @@ class Codec(abc.ABC):
     emax: int
     mbits: int
     bound: str = ""
+    overflow: str | None = None
 
     @property
     def packed(self) -> bool:
