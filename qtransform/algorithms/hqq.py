@@ -9,8 +9,9 @@ one iteration is
   (the proximal step of the ``l_p`` norm, ``p = lp_norm``);
 * the quadratic sub-problem for the target ``w - w_e`` with the codes fixed: hqq solves it
   for the zero point only, ``zero_point = mean(q - (w - w_e) / scale)``; with
-  ``refine_scale=True`` (the default here) it is solved for scale *and* zero point, which is
-  the same least-squares line fit per group;
+  ``refine_scale=True`` (the default here) it is solved for scale *and* zero point (a
+  least-squares line through the codes per group), so that together with the next rounding
+  step the iteration is an alternating minimization of the group's squared error;
 * ``beta *= kappa``.
 
 What this implementation does differently from hqq 0.2.8, and why:
@@ -29,7 +30,12 @@ What this implementation does differently from hqq 0.2.8, and why:
 * Float32 only, no float64; ``shrink`` is computed in the code domain and skipped when it is
   provably zero (the shrink threshold ``beta^(-1/(2-p))`` is in weight units, so for typical
   LLM weights, whose rounding errors are far smaller, hqq's step reduces to the least-squares
-  zero point); groups are processed in cache-sized chunks that stop independently.
+  zero point); groups are processed in cache-sized chunks that stop independently, and groups
+  that stopped leave the working set.
+
+On SmolLM2-135M (bench/bench_hqq.py) the default is 3-6x faster than hqq with 7-20% lower
+weight MSE; refining the scale lowers perplexity a lot at 3 and 2 bits, while at 4 bits the
+zero-point-only mode (``refine_scale=False``) matches hqq's perplexity more closely.
 
 Only asymmetric unsigned integer specs with a float zero point fit (``uint1`` .. ``uint8``,
 ``symmetric=False``, ``zero_point_domain="float"``); any granularity whose blocks tile the
@@ -61,7 +67,8 @@ from .. import blocks, scales
 from .._checks import check_finite, check_float_tensor, under_transform, where
 from ..formats.base import SCALE_DTYPES
 from ..granularity import PerBlock
-from ..qparams import choose_qparams
+from ..observe import init_stats, observe
+from ..qparams import compute_qparams
 from ..qtypes import QParams
 from ..spec import QuantSpec
 from ._select import select
@@ -199,9 +206,10 @@ def _update(q, rho, s, z, refine: bool):
     return s * a, (z - (sr - d * sq) / n).div_(a)
 
 
-def _fit_chunk(w, s, z, *, codec, rounding: str, qmax: float, dtype: torch.dtype, o: Options,
+def _fit_chunk(w, s, z, lo, hi, *, codec, rounding: str, qmax: float, dtype: torch.dtype, o: Options,
                eager: bool):
-    """Optimize one chunk of groups: ``w`` (G, g) float32; ``s``, ``z`` (G, 1) stored values.
+    """Optimize one chunk of groups: ``w`` (G, g) float32; ``s``, ``z`` (G, 1) stored values;
+    ``lo``, ``hi`` (G, 1) the groups' minima and maxima.
 
     Returns the best ``(scale, zero_point)`` per group. Eagerly, groups that stopped are dropped
     from the working set once they are the majority (the others' trajectories do not change), and
@@ -209,7 +217,7 @@ def _fit_chunk(w, s, z, *, codec, rounding: str, qmax: float, dtype: torch.dtype
     """
     p = float(o.lp_norm)
     done, rows = None, None  # results of dropped groups; indices of the groups still iterating
-    bounds = (w.amin(-1, keepdim=True), w.amax(-1, keepdim=True)) if eager else None
+    bounds = (lo, hi)
     best_s, best_z, best_err = s, z, torch.full_like(s, math.inf)
     active = torch.ones_like(s, dtype=torch.bool)
     beta = float(o.beta)
@@ -254,15 +262,15 @@ def _write(done, rows, s, z):
     return done[0].index_copy(0, rows, s), done[1].index_copy(0, rows, z)
 
 
-def _solve(w, s, z, spec: QuantSpec, o: Options):
-    """All groups: ``w`` (G, g); ``s``, ``z`` (G, 1). Chunks of groups are solved independently."""
+def _solve(w, s, z, lo, hi, spec: QuantSpec, o: Options):
+    """All groups: ``w`` (G, g); ``s``, ``z``, ``lo``, ``hi`` (G, 1). Chunks are solved independently."""
     codec = spec.fmt.codec
     kw = dict(codec=codec, rounding=spec.rounding, qmax=float(codec.qmax),
               dtype=SCALE_DTYPES[spec.scale_dtype][0], o=o, eager=not under_transform(w))
     rows = max(1, o.chunk_size // w.shape[-1])
     if w.shape[0] <= rows:
-        return _fit_chunk(w, s, z, **kw)
-    parts = [_fit_chunk(w[i:i + rows], s[i:i + rows], z[i:i + rows], **kw) for i in range(0, w.shape[0], rows)]
+        return _fit_chunk(w, s, z, lo, hi, **kw)
+    parts = [_fit_chunk(*(t[i:i + rows] for t in (w, s, z, lo, hi)), **kw) for i in range(0, w.shape[0], rows)]
     return torch.cat([a for a, _ in parts]), torch.cat([b for _, b in parts])
 
 
@@ -271,11 +279,12 @@ def _optimize(w: torch.Tensor, spec: QuantSpec, o: Options, path: str | None) ->
     if plan.needs_pad:
         raise ValueError(f"{where(path)}hqq: the blocks of {spec.granularity} do not tile shape "
                          f"{tuple(w.shape)}; HQQ needs blocks that divide every axis (no padding)")
-    init = choose_qparams(w, spec, path=path)  # iterate 0: round-to-nearest
+    stats = observe(init_stats(spec), w, path=path)
+    init = compute_qparams(stats, spec, path=path)  # iterate 0: round-to-nearest (choose_qparams)
     s0, z0 = scales.effective(init)
     wf = blocks.flat(blocks.view(w.detach().to(torch.float32), plan), plan)
     g = wf.shape[-1]
-    s, z = _solve(wf.reshape(-1, g), s0.reshape(-1, 1), z0.reshape(-1, 1), spec, o)
+    s, z = _solve(wf.reshape(-1, g), *(t.reshape(-1, 1) for t in (s0, z0, stats.min, stats.max)), spec, o)
     dtype = SCALE_DTYPES[spec.scale_dtype][0]
     return QParams(scale=s.reshape(plan.grid).to(dtype), zero_point=z.reshape(plan.grid).to(dtype), spec=spec)
 
