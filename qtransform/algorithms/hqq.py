@@ -33,9 +33,10 @@ What this implementation does differently from hqq 0.2.8, and why:
   zero point); groups are processed in cache-sized chunks that stop independently, and groups
   that stopped leave the working set.
 
-On SmolLM2-135M (bench/bench_hqq.py) the default is 3-6x faster than hqq with 7-20% lower
+On SmolLM2-135M (bench/bench_hqq.py) the default is 3-4x faster than hqq with 7-20% lower
 weight MSE; refining the scale lowers perplexity a lot at 3 and 2 bits, while at 4 bits the
-zero-point-only mode (``refine_scale=False``) matches hqq's perplexity more closely.
+zero-point-only mode (``refine_scale=False``, 5x faster than hqq) matches hqq's perplexity
+more closely than the default does.
 
 Only asymmetric unsigned integer specs with a float zero point fit (``uint1`` .. ``uint8``,
 ``symmetric=False``, ``zero_point_domain="float"``); any granularity whose blocks tile the
