@@ -1,0 +1,396 @@
+"""HQQ: calibration-free half-quadratic optimization of affine parameters, done right.
+
+Half-quadratic quantization (Badri & Shaji, 2023; the ``hqq`` package) fits the zero point
+of each group of a weight without calibration data. With ``u = w / scale + zero_point``
+in the code domain, ``q = clamp(round(u), 0, 2^N - 1)`` and ``w_r = (q - zero_point) * scale``,
+one iteration is
+
+* ``w_e = shrink(w - w_r)`` with ``shrink(x) = sign(x) * relu(|x| - |x|^(p-1) / beta)``
+  (the proximal step of the ``l_p`` norm, ``p = lp_norm``);
+* the quadratic sub-problem for the target ``w - w_e`` with the codes fixed: hqq solves it
+  for the zero point only, ``zero_point = mean(q - (w - w_e) / scale)``; with
+  ``refine_scale=True`` (the default here) it is solved for scale *and* zero point (a
+  least-squares line through the codes per group), so that together with the next rounding
+  step the iteration is an alternating minimization of the group's squared error;
+* ``beta *= kappa``.
+
+What this implementation does differently from hqq 0.2.8, and why:
+
+* **It returns the best iterate.** Each group keeps the parameters with the smallest squared
+  error seen so far, starting with the round-to-nearest parameters of
+  :func:`qtransform.choose_qparams` (iterate 0), so the result is never worse than RTN.
+  hqq returns parameters one update past its best and measures progress on the whole tensor.
+* **It measures what matters.** Progress is the per-group squared error of the stored
+  parameters (rounded to ``spec.scale_dtype`` at every step), the quantity whose sum is the
+  tensor's MSE; hqq stops on the tensor's mean absolute error in float32.
+* **Early stopping is per group**: a group stops at its first iterate that does not improve
+  its best error by a relative ``tol``. So results do not depend on how groups are batched:
+  a stack of layers, one layer or ``torch.func.vmap`` give the same parameters.
+* **The kappa update is applied** (hqq 0.2.8's default solver dropped it).
+* Float32 only, no float64; ``shrink`` is computed in the code domain and skipped when it is
+  provably zero (the shrink threshold ``beta^(-1/(2-p))`` is in weight units, so for typical
+  LLM weights, whose rounding errors are far smaller, hqq's step reduces to the least-squares
+  zero point); groups are processed in cache-sized chunks that stop independently, and groups
+  that stopped leave the working set.
+
+On SmolLM2-135M (bench/bench_hqq.py) the default is 3-4x faster than hqq with 7-20% lower
+weight MSE; refining the scale lowers perplexity a lot at 3 and 2 bits, while at 4 bits the
+zero-point-only mode (``refine_scale=False``, 5x faster than hqq) matches hqq's perplexity
+more closely than the default does.
+
+Only asymmetric unsigned integer specs with a float zero point fit (``uint1`` .. ``uint8``,
+``symmetric=False``, ``zero_point_domain="float"``); any granularity whose blocks tile the
+tensor without padding works (``PerGroup(size, axis=...)``, ``PerChannel``, ``PerTensor``,
+``PerBlock``). The result is an ordinary :class:`~qtransform.QParams`: hqq's inverse scale
+``s'`` is ``1 / scale`` and its zero is ``zero_point``.
+
+>>> import torch, qtransform as qt
+>>> from qtransform.algorithms import hqq
+>>> w = torch.randn(64, 256, generator=torch.Generator().manual_seed(0))
+>>> spec = qt.QuantSpec(format="uint4", granularity=qt.PerGroup(64), symmetric=False,
+...                     zero_point_domain="float", scale_dtype="float16")
+>>> qp = hqq.optimize(w, spec)
+>>> qp.scale.shape, qp.scale.dtype, qp.zero_point.dtype
+(torch.Size([64, 4]), torch.float16, torch.float16)
+>>> err = lambda qp: float((qt.dequantize(qt.quantize(w, qp)) - w).pow(2).mean())
+>>> err(qp) < err(qt.choose_qparams(w, spec))
+True
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Iterable, Mapping, NamedTuple
+
+import torch
+
+from .. import blocks, scales
+from .._checks import check_finite, check_float_tensor, under_transform, where
+from ..formats.base import SCALE_DTYPES
+from ..granularity import PerBlock
+from ..observe import init_stats, observe
+from ..qparams import compute_qparams
+from ..qtypes import QParams
+from ..spec import QuantSpec
+from ._select import select
+
+__all__ = ["optimize", "optimize_stack", "qparams_tree", "check_spec", "supports", "Options"]
+
+_CHUNK = 1 << 20  # elements per chunk: a few working buffers stay in cache
+
+
+class Options(NamedTuple):
+    """Solver options (see :func:`optimize`)."""
+
+    lp_norm: float = 0.7
+    beta: float = 10.0
+    kappa: float = 1.01
+    iters: int = 20
+    early_stop: bool = True
+    tol: float = 0.0
+    refine_scale: bool = True
+    chunk_size: int = _CHUNK
+
+
+def _options(path, **kw) -> Options:
+    o = Options(**kw)
+    w = where(path)
+    for name in ("lp_norm", "beta", "kappa", "tol"):
+        v = getattr(o, name)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            raise TypeError(f"{w}hqq: {name} must be a finite number, got {v!r}")
+    if not 0.0 < o.lp_norm <= 1.0:
+        raise ValueError(f"{w}hqq: lp_norm must be in (0, 1], got {o.lp_norm}")
+    if o.beta <= 0.0:
+        raise ValueError(f"{w}hqq: beta must be > 0, got {o.beta}")
+    if o.kappa < 1.0:
+        raise ValueError(f"{w}hqq: kappa must be >= 1, got {o.kappa}")
+    if not 0.0 <= o.tol < 1.0:
+        raise ValueError(f"{w}hqq: tol must be in [0, 1), got {o.tol}")
+    for name in ("iters", "chunk_size"):
+        v = getattr(o, name)
+        if isinstance(v, bool) or not isinstance(v, int) or v < (0 if name == "iters" else 1):
+            raise ValueError(f"{w}hqq: {name} must be an int >= {0 if name == 'iters' else 1}, got {v!r}")
+    for name in ("early_stop", "refine_scale"):
+        if not isinstance(getattr(o, name), bool):
+            raise TypeError(f"{w}hqq: {name} must be a bool, got {getattr(o, name)!r}")
+    return o
+
+
+def supports(spec: QuantSpec) -> bool:
+    """True when HQQ can optimize ``spec`` (see :func:`check_spec`)."""
+    try:
+        check_spec(spec)
+    except (TypeError, ValueError):
+        return False
+    return True
+
+
+def check_spec(spec: QuantSpec, *, path: str | None = None) -> None:
+    """Raise unless ``spec`` is an HQQ spec: asymmetric ``uintN`` with a float zero point.
+
+    >>> import qtransform as qt
+    >>> from qtransform.algorithms import hqq
+    >>> hqq.check_spec(qt.QuantSpec(format="int4", granularity=qt.PerGroup(64)))
+    Traceback (most recent call last):
+    ...
+    ValueError: hqq: spec int4 g64 sym is not an HQQ spec: the format must be uint1..uint8 (got int4)
+    """
+    w = where(path)
+    if not isinstance(spec, QuantSpec):
+        raise TypeError(f"{w}hqq: spec must be a QuantSpec, got {type(spec).__name__}")
+    codec = spec.fmt.codec
+    why = None
+    if spec.fmt.family != "int" or codec.signed:
+        why = f"the format must be uint1..uint8 (got {spec.format})"
+    elif spec.symmetric:
+        why = "it must be asymmetric (symmetric=False)"
+    elif spec.zero_point_domain != "float":
+        why = f"its zero point must be a float (zero_point_domain='float', got {spec.zero_point_domain!r})"
+    elif spec.rounding == "stochastic":
+        why = "HQQ needs deterministic rounding (half_even or half_away), not stochastic"
+    elif spec.dynamic:
+        why = "HQQ computes static weight parameters (dynamic=False)"
+    if why:
+        raise ValueError(f"{w}hqq: spec {spec} is not an HQQ spec: {why}")
+
+
+# ----------------------------------------------------------------------------- solver
+def _round_to(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Round float32 ``t`` to the storage dtype (nearest) and back: what will be stored."""
+    return t if dtype == torch.float32 else t.to(dtype).to(torch.float32)
+
+
+def _residual(w, s, z, codec, rounding: str, qmax: float):
+    """Codes ``q`` (as float32) and code-domain residuals ``r = w / s + z - q``."""
+    u = w / s
+    u.add_(z)
+    q = codec.round(u, rounding=rounding, lo=0.0, hi=qmax)
+    return u.sub_(q), q
+
+
+def _shrink_rows(bounds, s, z, qmax: float, threshold: float) -> torch.Tensor:
+    """Rows where ``shrink(w - w_r)`` may be non-zero, i.e. some ``|w - w_r| > threshold``.
+
+    Unclipped residuals are at most half a step; clipped ones at most the distance of the
+    group's extreme values (``bounds``) to the code range. Grid-sized work only.
+    """
+    wmin, wmax = bounds
+    reach = torch.maximum((wmin / s + z).neg_(), (wmax / s + z).sub_(qmax)).clamp_(min=0.5)
+    return (reach.mul_(s) > threshold).nonzero()[:, 0]
+
+
+def _shrunk(r, s, beta: float, p: float):
+    """``rho = r - shrink(r * s) / s`` in the code domain: ``sign(r) * min(|r|, c |r|^(p-1))``."""
+    a = r.abs()
+    c = s.pow(p - 2.0).div_(beta)
+    m = a.pow(p - 1.0).mul_(c)
+    return torch.minimum(a, m).copysign_(r)
+
+
+def _update(q, rho, s, z, refine: bool):
+    """Least-squares fit of ``q - z + rho ~ A q + B`` per group: the new ``(s, z)``.
+
+    With ``A = 1 + d``: ``s' = s A`` and ``z' = -B / A``. ``refine=False`` keeps ``d = 0``
+    (hqq's zero-point step ``z' = z - mean(rho)``).
+    """
+    n = q.shape[-1]
+    sr = rho.sum(-1, keepdim=True)
+    if not refine:
+        return s, z - sr / n
+    sq = q.sum(-1, keepdim=True)
+    den = torch.linalg.vector_norm(q, dim=-1, keepdim=True).pow_(2).mul_(n).sub_(sq * sq)
+    d = torch.linalg.vecdot(q, rho).unsqueeze_(-1).mul_(n).sub_(sq * sr).div_(den)
+    # a constant code vector (0/0) has no slope; a step may at most halve or double the scale
+    d = d.nan_to_num(0.0, 0.0, 0.0).clamp(-0.5, 1.0)
+    a = d + 1.0
+    return s * a, (z - (sr - d * sq) / n).div_(a)
+
+
+def _fit_chunk(w, s, z, lo, hi, *, codec, rounding: str, qmax: float, dtype: torch.dtype, o: Options,
+               eager: bool):
+    """Optimize one chunk of groups: ``w`` (G, g) float32; ``s``, ``z`` (G, 1) stored values;
+    ``lo``, ``hi`` (G, 1) the groups' minima and maxima.
+
+    Returns the best ``(scale, zero_point)`` per group. Eagerly, groups that stopped are dropped
+    from the working set once they are the majority (the others' trajectories do not change), and
+    ``shrink`` runs only on the groups where it is not exactly zero.
+    """
+    p = float(o.lp_norm)
+    done, rows = None, None  # results of dropped groups; indices of the groups still iterating
+    bounds = (lo, hi)
+    best_s, best_z, best_err = s, z, torch.full_like(s, math.inf)
+    active = torch.ones_like(s, dtype=torch.bool)
+    beta = float(o.beta)
+    for i in range(o.iters + 1):
+        r, q = _residual(w, s, z, codec, rounding, qmax)
+        err = torch.linalg.vector_norm(r, dim=-1, keepdim=True).mul_(s).pow_(2)
+        better = err < best_err  # NaN never wins
+        if o.early_stop:
+            active = active & (better if o.tol == 0 else err < best_err * (1.0 - o.tol))
+        best_s, best_z = torch.where(better, s, best_s), torch.where(better, z, best_z)
+        best_err = torch.where(better, err, best_err)
+        if i == o.iters:
+            break
+        if eager:
+            n_active = int(active.sum())
+            if n_active == 0:
+                break
+            if 2 * n_active <= active.shape[0]:
+                done = _write(done, rows, best_s, best_z)
+                keep = active.nonzero()[:, 0]
+                rows = keep if rows is None else rows[keep]
+                w, r, q, s, z, best_s, best_z, best_err, active, *bounds = (
+                    t[keep] for t in (w, r, q, s, z, best_s, best_z, best_err, active, *bounds))
+        if not eager:
+            r = _shrunk(r, s, beta, p)
+        else:
+            need = _shrink_rows(bounds, s, z, qmax, beta ** (-1.0 / (2.0 - p)))
+            if need.numel():
+                r = r.index_copy_(0, need, _shrunk(r[need], s[need], beta, p))
+        s_new, z_new = _update(q, r, s, z, o.refine_scale)
+        s_new, z_new = _round_to(s_new, dtype), _round_to(z_new, dtype)
+        ok = active & torch.isfinite(z_new) & torch.isfinite(s_new)
+        s, z = torch.where(ok, s_new, best_s), torch.where(ok, z_new, best_z)
+        beta *= o.kappa
+    return _write(done, rows, best_s, best_z)
+
+
+def _write(done, rows, s, z):
+    """Merge the results ``(s, z)`` of the groups ``rows`` into ``done`` (all groups)."""
+    if rows is None:
+        return s, z
+    return done[0].index_copy(0, rows, s), done[1].index_copy(0, rows, z)
+
+
+def _solve(w, s, z, lo, hi, spec: QuantSpec, o: Options):
+    """All groups: ``w`` (G, g); ``s``, ``z``, ``lo``, ``hi`` (G, 1). Chunks are solved independently."""
+    codec = spec.fmt.codec
+    kw = dict(codec=codec, rounding=spec.rounding, qmax=float(codec.qmax),
+              dtype=SCALE_DTYPES[spec.scale_dtype][0], o=o, eager=not under_transform(w))
+    rows = max(1, o.chunk_size // w.shape[-1])
+    if w.shape[0] <= rows:
+        return _fit_chunk(w, s, z, lo, hi, **kw)
+    parts = [_fit_chunk(*(t[i:i + rows] for t in (w, s, z, lo, hi)), **kw) for i in range(0, w.shape[0], rows)]
+    return torch.cat([a for a, _ in parts]), torch.cat([b for _, b in parts])
+
+
+def _optimize(w: torch.Tensor, spec: QuantSpec, o: Options, path: str | None) -> QParams:
+    plan = blocks.plan(w.shape, spec, path=path)
+    if plan.needs_pad:
+        raise ValueError(f"{where(path)}hqq: the blocks of {spec.granularity} do not tile shape "
+                         f"{tuple(w.shape)}; HQQ needs blocks that divide every axis (no padding)")
+    stats = observe(init_stats(spec), w, path=path)
+    init = compute_qparams(stats, spec, path=path)  # iterate 0: round-to-nearest (choose_qparams)
+    s0, z0 = scales.effective(init)
+    wf = blocks.flat(blocks.view(w.detach().to(torch.float32), plan), plan)
+    g = wf.shape[-1]
+    s, z = _solve(wf.reshape(-1, g), *(t.reshape(-1, 1) for t in (s0, z0, stats.min, stats.max)), spec, o)
+    dtype = SCALE_DTYPES[spec.scale_dtype][0]
+    return QParams(scale=s.reshape(plan.grid).to(dtype), zero_point=z.reshape(plan.grid).to(dtype), spec=spec)
+
+
+# ----------------------------------------------------------------------------- public
+def optimize(w: torch.Tensor, spec: QuantSpec, *, lp_norm: float = 0.7, beta: float = 10.0,
+             kappa: float = 1.01, iters: int = 20, early_stop: bool = True, tol: float = 0.0,
+             refine_scale: bool = True, chunk_size: int = _CHUNK, path: str | None = None) -> QParams:
+    """HQQ parameters for ``w`` under ``spec``.
+
+    Args:
+        w: floating tensor (a weight), any shape the spec's blocks tile without padding.
+            It is not modified; the result carries no gradient.
+        spec: asymmetric ``uintN`` spec with ``zero_point_domain="float"`` (see :func:`check_spec`);
+            scale and zero point are stored (and optimized) in ``spec.scale_dtype``.
+        lp_norm: ``p`` of the ``l_p`` error the proximal step targets, in (0, 1].
+        beta: initial proximal weight; larger means less shrinkage.
+        kappa: ``beta`` grows by this factor each iteration (>= 1).
+        iters: maximum number of updates (0 returns the round-to-nearest parameters).
+        early_stop: stop a group at its first iterate that does not improve its best squared
+            error by the relative ``tol``; without it all ``iters`` updates run. Either way the
+            best parameters seen are returned.
+        tol: relative improvement a group needs to keep iterating.
+        refine_scale: solve the quadratic step for scale and zero point (least-squares line per
+            group); ``False`` updates the zero point only, as hqq does.
+        chunk_size: elements per chunk of groups (a speed knob; results do not depend on it).
+        path: tree path for error messages.
+
+    Returns:
+        :class:`QParams` with ``scale`` and ``zero_point`` of the grid shape, in ``spec.scale_dtype``.
+        Invariant: for every group, the squared error of ``dequantize(quantize(w, result))`` is at
+        most that of ``choose_qparams(w, spec)``.
+
+    Works under ``torch.func.vmap`` (then every group runs all ``iters`` updates, frozen once
+    stopped, which gives the same parameters).
+    """
+    check_float_tensor(w, name="w", path=path)
+    check_spec(spec, path=path)
+    o = _options(path, lp_norm=lp_norm, beta=beta, kappa=kappa, iters=iters, early_stop=early_stop,
+                 tol=tol, refine_scale=refine_scale, chunk_size=chunk_size)
+    check_finite(w, name="w", path=path)
+    return _optimize(w, spec, o, path)
+
+
+def optimize_stack(ws: torch.Tensor, spec: QuantSpec, *, path: str | None = None, **options) -> QParams:
+    """:func:`optimize` for a stack of equal-shape weights ``ws`` of shape ``(L, *shape)``.
+
+    All groups of all layers are solved together (fewer, larger operations). The result equals
+    ``torch.func.vmap(lambda w: optimize(w, spec))(ws)``: a :class:`QParams` whose ``scale`` and
+    ``zero_point`` have a leading ``L`` axis; layer ``i`` is
+    ``QParams(scale=qp.scale[i], zero_point=qp.zero_point[i], spec=spec)``.
+
+    >>> import torch, qtransform as qt
+    >>> from qtransform.algorithms import hqq
+    >>> spec = qt.QuantSpec(format="uint3", granularity=qt.PerGroup(32), symmetric=False,
+    ...                     zero_point_domain="float")
+    >>> hqq.optimize_stack(torch.randn(4, 16, 64), spec).scale.shape
+    torch.Size([4, 16, 2])
+    """
+    check_float_tensor(ws, name="ws", path=path)
+    if ws.dim() < 2:
+        raise ValueError(f"{where(path)}hqq.optimize_stack: ws must have shape (L, *shape), got "
+                         f"{tuple(ws.shape)}")
+    check_spec(spec, path=path)
+    o = _options(path, **options)
+    check_finite(ws, name="ws", path=path)
+    try:
+        block = spec.granularity.block_size(tuple(ws.shape[1:]))
+    except ValueError as e:
+        raise ValueError(f"{where(path)}{e}") from None
+    stacked = spec.replace(granularity=PerBlock((1, *block)))
+    qp = _optimize(ws, stacked, o, path)
+    return QParams(scale=qp.scale, zero_point=qp.zero_point, spec=spec)
+
+
+def qparams_tree(params: Any, recipe, *, types: Mapping[str, str] | None = None,
+                 paths: Iterable[str] | None = None, progress: Callable | None = None,
+                 **options) -> dict[str, QParams]:
+    """HQQ parameters for every path of ``params`` whose recipe spec is an HQQ spec.
+
+    The result plugs into ``qt.quantize_tree(params, recipe, qparams=...)``; paths whose spec
+    HQQ does not support (e.g. a symmetric int8 rule) are left out and quantized there by
+    round-to-nearest, as are paths not matching the ``paths`` globs when those are given.
+
+    Args:
+        params: a tree of tensors (a state dict).
+        recipe: a :class:`~qtransform.Recipe` or a single :class:`QuantSpec`.
+        types: module type name by path, for ``Recipe.type_rules``.
+        paths: optional globs; only matching paths are optimized (HQQ "per path").
+        progress: optional wrapper of the iterable of paths, e.g. ``tqdm.tqdm``.
+        **options: :func:`optimize` options.
+
+    >>> import torch, qtransform as qt
+    >>> from qtransform.algorithms import hqq
+    >>> params = {"a.weight": torch.randn(8, 64), "b.weight": torch.randn(8, 64), "a.bias": torch.randn(8)}
+    >>> spec = qt.QuantSpec(format="uint4", granularity=qt.PerGroup(32), symmetric=False,
+    ...                     zero_point_domain="float")
+    >>> qps = hqq.qparams_tree(params, spec, paths=["a.*"])
+    >>> sorted(qps), type(qt.quantize_tree(params, spec, qparams=qps)["b.weight"]).__name__
+    (['a.weight'], 'QTensor')
+    """
+    o = _options(None, **options)
+    out = {}
+    for path, w, spec in select(params, recipe, types=types, paths=paths, accept=supports,
+                                progress=progress):
+        check_finite(w, name="w", path=path)
+        out[path] = _optimize(w, spec, o, path)
+    return out
