@@ -37,8 +37,8 @@ with _quiet_imports():
     from .rebuild import plan, quantize, to_module
     from .metadata import CheckpointError
     from .io import load, save
-    from .hf import QTransformConfig, QTransformHfQuantizer, register_algorithm
+    from .hf import QTransformConfig, QTransformHfQuantizer
 
 __all__ = ["extract", "module_types", "to_module", "quantize", "plan", "save", "load", "CheckpointError",
-           "QTransformConfig", "QTransformHfQuantizer", "register_algorithm",
+           "QTransformConfig", "QTransformHfQuantizer",
            "QModule", "QLinear", "QConv2d", "QConvTranspose2d", "QEmbedding", "QEmbeddingBag"]

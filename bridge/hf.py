@@ -8,8 +8,8 @@ with transformers, so that
    replaced by quantized skeletons on ``meta`` *before* the weights load, and the packed
    codes and scales load straight into them (nothing is dequantized);
 2. ``from_pretrained(path, quantization_config=QTransformConfig(recipe=...))`` quantizes
-   each weight as it is read (calibration-free: round-to-nearest, or an algorithm
-   registered with :func:`register_algorithm`, e.g. HQQ, by ``algorithm="hqq"``);
+   each weight as it is read (calibration-free: ``algorithm="rtn"`` round-to-nearest,
+   ``"hqq"``, or any algorithm added with :func:`qtransform.algorithms.register_algorithm`);
 3. ``generate()`` works on the result, and ``save_pretrained`` writes it back.
 
 ``skip_modules`` works like transformers' other quantizers: ``None`` (default) keeps the
@@ -35,40 +35,20 @@ from transformers.quantizers.quantizers_utils import should_convert_module
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
 import qtransform as qt
+from qtransform.algorithms import get_algorithm
 
 from . import metadata
 from .metadata import CheckpointError, Entry
 from .modules import QModule
 from .qstate import abstract_qtensor, check_like, named_tensors
 
-__all__ = ["QTransformConfig", "QTransformHfQuantizer", "register_algorithm", "ALGORITHMS", "attach_config",
-           "register"]
+__all__ = ["QTransformConfig", "QTransformHfQuantizer", "attach_config", "register"]
 
-#: name -> ``fn(weight, spec, *, path) -> QParams``; calibration-free weight algorithms.
-ALGORITHMS: dict[str, Callable] = {
-    "rtn": lambda w, spec, *, path=None: qt.choose_qparams(w, spec, path=path),
-}
-
-
-def register_algorithm(name: str, fn: Callable, *, replace: bool = False) -> None:
-    """Make ``algorithm=name`` available to quantize-on-load (``fn(weight, spec, *, path) -> QParams``)."""
-    if name in ALGORITHMS and not replace:
-        raise ValueError(f"algorithm {name!r} is already registered (pass replace=True)")
-    ALGORITHMS[name] = fn
-
-
-def _algorithm(name: str) -> Callable:
-    if name not in ALGORITHMS and name == "hqq":  # the pure HQQ optimizer plugs in when it is installed
-        try:
-            from qtransform.algorithms import hqq
-        except ImportError:
-            pass
-        else:
-            register_algorithm("hqq", lambda w, spec, *, path=None: hqq.optimize(w, spec))
-    if name not in ALGORITHMS:
-        raise ValueError(f"unknown algorithm {name!r}; registered: {sorted(ALGORITHMS)} "
-                         "(add one with bridge.hf.register_algorithm)")
-    return ALGORITHMS[name]
+def _weight_qparams(algorithm: str, w: torch.Tensor, spec: qt.QuantSpec, path: str) -> qt.QParams:
+    """QParams for one weight from a :mod:`qtransform.algorithms` algorithm (tree-level, so it is
+    called on a one-leaf tree); paths the algorithm does not handle get round-to-nearest."""
+    qps = get_algorithm(algorithm)({path: w}, qt.Recipe(rules={path: spec}))
+    return qps.get(path) or qt.choose_qparams(w, spec, path=path)
 
 
 def _as_recipe(recipe) -> qt.Recipe | None:
@@ -88,7 +68,7 @@ class QTransformConfig(QuantizationConfigMixin):
 
     Args:
         recipe: ``Recipe``, ``QuantSpec`` or their dict form; what to quantize on load.
-        algorithm: calibration-free weight algorithm (``"rtn"``; ``"hqq"`` once available).
+        algorithm: calibration-free weight algorithm of :mod:`qtransform.algorithms` (``"rtn"``, ``"hqq"``).
         skip_modules: module names kept in full precision (``None``: transformers' defaults).
         aliases: ``{path: path}`` of tensors stored once for two tied names (checkpoints).
         recipe_name: the preset or recipe file a checkpoint was made with (informational).
@@ -156,7 +136,7 @@ class QTransformHfQuantizer(HfQuantizer):
         if not self.pre_quantized:
             if cfg.recipe is None:
                 raise ValueError("QTransformConfig: quantize-on-load needs a recipe (a Recipe or QuantSpec)")
-            _algorithm(cfg.algorithm)
+            get_algorithm(cfg.algorithm)  # fail before loading anything
             skip = self.get_modules_to_not_convert(model, cfg.skip_modules, getattr(model, "_keep_in_fp32_modules", None))
             cfg.entries = {}
             for path, match in plan(model, cfg.recipe).items():
@@ -218,7 +198,7 @@ class _QuantizeOnLoad(ConversionOps):
         w = value[0] if isinstance(value, list) else value
         e = cfg.entries[key]
         with torch.no_grad():
-            qp = _algorithm(cfg.algorithm)(w, e.spec, path=key)
+            qp = _weight_qparams(cfg.algorithm, w, e.spec, key)
             q = qt.quantize(w, qp, path=key)
         return named_tensors(key, q)
 

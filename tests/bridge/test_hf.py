@@ -5,6 +5,7 @@ import torch
 
 import qtransform as qt
 import bridge
+from qtransform.algorithms import registry
 from bridge_util import same_bits, tiny_causal_lm
 
 ARCHS = ["llama", "mistral", "qwen2", "opt", "gpt2", "bert"]
@@ -65,16 +66,20 @@ def test_quantize_on_load_matches_bridge_quantize(arch, tmp_path):
     assert torch.equal(logits(back, ids), logits(ref, ids))
 
 
-def test_quantize_on_load_default_skips_and_algorithm_hook(tmp_path):
+def test_quantize_on_load_default_skips_and_algorithm_hook(tmp_path, monkeypatch):
     torch.manual_seed(0)
     model = tiny_causal_lm("llama").eval()
     model.save_pretrained(tmp_path / "fp")
     calls = []
 
-    def halved_range(w, spec, *, path=None):  # a calibration-free algorithm returning ordinary QParams
-        calls.append(path)
-        return qt.choose_qparams(w * 0.5, spec)
-    bridge.register_algorithm("test_halved", halved_range, replace=True)
+    def halved_range(params, recipe, **_):  # a calibration-free algorithm returning ordinary QParams
+        out = {}
+        for path, match in qt.as_recipe(recipe).plan(params).items():
+            if match.spec is not None:
+                calls.append(path)
+                out[path] = qt.choose_qparams(params[path] * 0.5, match.spec)
+        return out
+    monkeypatch.setitem(registry._REGISTRY, "test_halved", halved_range)  # restored after the test
     spec = qt.QuantSpec(format="int8", granularity=qt.PerChannel(0))
     cfg = bridge.QTransformConfig(recipe=spec, algorithm="test_halved")
     loaded = auto_class("llama").from_pretrained(tmp_path / "fp", quantization_config=cfg)
