@@ -56,7 +56,10 @@ def _load_recipe(name_or_file: str):
         try:
             text = path.read_text()
             if path.suffix.lower() == ".toml":
-                import tomllib
+                try:
+                    import tomllib
+                except ImportError:  # Python 3.10
+                    import tomli as tomllib
                 data = tomllib.loads(text)
             else:
                 data = json.loads(text)
