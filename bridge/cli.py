@@ -299,6 +299,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--json", metavar="FILE", help="write the results as JSON to FILE")
 
     for cmd in (q, e):
+        cmd.add_argument("--threads", type=int, default=None,
+                         help="torch CPU threads (default: torch's; 1 is fastest on a busy machine)")
         cmd.add_argument("--corpus", default="builtin",
                          help="'builtin' (Python's docstrings), a text file, or hf:NAME[/CONFIG] (a Hugging Face dataset)")
         cmd.add_argument("--seq-len", type=int, default=512, help="tokens per evaluation sequence")
@@ -318,6 +320,12 @@ COMMANDS = {"quantize": cmd_quantize, "eval": cmd_eval, "formats": cmd_formats, 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     warnings.filterwarnings("ignore", category=UserWarning)
+    if getattr(args, "threads", None) is not None:
+        if args.threads < 1:
+            print("qtransform: error: --threads must be at least 1", file=sys.stderr)
+            return 2
+        import torch
+        torch.set_num_threads(args.threads)
     try:
         return COMMANDS[args.command](args)
     except UserError as e:
