@@ -7,10 +7,12 @@ parameters:
 * ``rtn``: round-to-nearest, ``qt.choose_qparams`` + ``qt.quantize``;
 * ``hqq``: ``hqq.core.quantize.Quantizer.quantize(optimize=True, bitpack=True)`` (hqq's default
   solver, float32 scale and zero: hqq's most favourable setting);
-* ``ours``: ``qtransform.algorithms.hqq.optimize`` + ``qt.quantize`` with float16 scale and zero
-  point (what a checkpoint stores), default options (zero point and scale refined);
-* ``ours (zero only)``: the same with ``refine_scale=False``, i.e. hqq's update with the best
-  iterate kept: the ablation that separates the two fixes.
+* ``ours (min MSE)``: ``qtransform.algorithms.hqq.optimize`` + ``qt.quantize`` with float16 scale
+  and zero point (what a checkpoint stores), default options (zero point and scale refined,
+  iterates ranked by squared error);
+* ``ours (preset)``: the same with the options of the preset the command line uses
+  (``hqq4-g64``, ``hqq3-g64``, ``hqq2-g16``): iterates ranked by the 4-norm of the group error,
+  and at 4 bits the zero point alone refined.
 
 Reported: wall time of the whole model (median of ``--repeat`` interleaved runs) and its ratio
 to hqq, relative weight MSE ``sum ||W - W_q||^2 / sum ||W||^2`` over the 210 weights, and the
@@ -41,7 +43,8 @@ from qtransform.algorithms import hqq  # noqa: E402
 
 warnings.filterwarnings("ignore")
 SCHEMES = [(4, 64), (3, 64), (2, 16)]
-METHODS = ("rtn", "hqq", "ours", "ours (zero only)")
+METHODS = ("rtn", "hqq", "ours (min MSE)", "ours (preset)")
+PRESETS = {(4, 64): "hqq4-g64", (3, 64): "hqq3-g64", (2, 16): "hqq2-g16"}
 
 
 def linear_weights(model) -> dict[str, torch.Tensor]:
@@ -94,8 +97,8 @@ def model_with(work, weights: dict[str, torch.Tensor]):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--repeat", type=int, default=3, help="timing repeats (median)")
-    ap.add_argument("--sequences", type=int, default=8, help="evaluation windows for perplexity")
-    ap.add_argument("--seq-len", type=int, default=256, help="tokens per window")
+    ap.add_argument("--sequences", type=int, default=16, help="evaluation windows for perplexity")
+    ap.add_argument("--seq-len", type=int, default=512, help="tokens per window")
     ap.add_argument("--no-ppl", action="store_true", help="skip perplexity")
     ap.add_argument("--threads", type=int, default=1,
                     help="intra-op threads while timing (default 1: on this shared 2-core machine "
@@ -116,9 +119,12 @@ def main(argv=None):
     rows, table = [], []
     for bits, group in SCHEMES:
         spec = spec_for(bits, group)
+        preset = qt.get_preset(PRESETS[bits, group])
+        if preset.recipe.type_rules[0][1] != spec.replace(granularity=qt.PerGroup(group)):
+            raise SystemExit(f"preset {preset.name} no longer quantizes with {spec}")
         fns = {"rtn": lambda: run_rtn(weights, spec), "hqq": lambda: run_hqq(weights, bits, group),
-               "ours": lambda: run_ours(weights, spec),
-               "ours (zero only)": lambda: run_ours(weights, spec, refine_scale=False)}
+               "ours (min MSE)": lambda: run_ours(weights, spec),
+               "ours (preset)": lambda: run_ours(weights, spec, **preset.options)}
         threads = torch.get_num_threads()
         torch.set_num_threads(args.threads)
         t = timeit(fns, repeat=args.repeat, warmup=0)
@@ -127,7 +133,8 @@ def main(argv=None):
             approx = dequantized(method, fns[method]())
             row = {"bits": bits, "group_size": group, "axis": 1, "method": method, "seconds": t[method],
                    "time_vs_hqq": t[method] / t["hqq"], "relative_mse": relative_mse(weights, approx),
-                   "perplexity": ppl(approx) if ppl else None}
+                   "perplexity": ppl(approx) if ppl else None,
+                   "options": dict(preset.options) if method == "ours (preset)" else {}}
             rows.append(row)
             print(row, flush=True)
             table.append([f"uint{bits} g{group}", method, f"{t[method]:.2f} s",

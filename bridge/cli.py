@@ -46,7 +46,8 @@ def _warn(msg: str) -> None:
 
 # ------------------------------------------------------------------ recipes
 def _load_recipe(name_or_file: str):
-    """``(recipe, algorithm, label)`` from a preset name or a JSON/TOML recipe file."""
+    """A :class:`qtransform.Preset` (recipe, algorithm, options; its name is the label) from a
+    preset name or a JSON/TOML recipe file."""
     import qtransform as qt
 
     path = Path(name_or_file)
@@ -66,15 +67,13 @@ def _load_recipe(name_or_file: str):
         except (OSError, ValueError) as e:
             raise UserError(f"cannot read recipe file {path}: {e}") from None
         try:
-            recipe, algorithm = qt.recipe_from_dict(data)
+            return qt.recipe_from_dict(data, name=str(path))
         except (TypeError, ValueError) as e:
             raise UserError(f"recipe file {path}: {e}") from None
-        return recipe, algorithm, str(path)
     try:
-        preset = qt.get_preset(name_or_file)
+        return qt.get_preset(name_or_file)
     except ValueError as e:
         raise UserError(str(e)) from None
-    return preset.recipe, preset.algorithm, preset.name
 
 
 # ------------------------------------------------------------------ corpus
@@ -128,8 +127,10 @@ def cmd_quantize(a) -> int:
     from .extract import extract, module_types
 
     t0 = time.perf_counter()
-    recipe, algorithm, label = _load_recipe(a.recipe)
-    algorithm = a.algorithm or algorithm
+    preset = _load_recipe(a.recipe)
+    recipe, algorithm, options, label = preset.recipe, preset.algorithm, preset.options, preset.name
+    if a.algorithm and a.algorithm != algorithm:  # the recipe's options belong to its own algorithm
+        algorithm, options = a.algorithm, {}
     try:
         algo = get_algorithm(algorithm)
     except ValueError as e:
@@ -159,10 +160,10 @@ def cmd_quantize(a) -> int:
         _say(f"perplexity of the original on {eval_seqs.numel()} tokens ...")
         ppl_before = evaluate.perplexity(model, eval_seqs, progress=True).perplexity
 
-    _say(f"quantizing with {label} ({algorithm}) ...")
+    _say(f"quantizing with {label} ({report.algorithm_label(algorithm, options)}) ...")
     tq = time.perf_counter()
     with torch.no_grad():
-        qps = algo(params, recipe, types=types, progress=_progress(algorithm))
+        qps = algo(params, recipe, types=types, progress=_progress(algorithm), **options)
         qtree = qt.quantize_tree(params, recipe, qparams=qps, types=types)
     seconds_q = time.perf_counter() - tq
     rows = report.layer_rows(params, qtree, plan)
@@ -174,7 +175,8 @@ def cmd_quantize(a) -> int:
         _say("perplexity of the quantized model ...")
         ppl_after = evaluate.perplexity(qmodel, eval_seqs, progress=True).perplexity
 
-    rep = report.Report(model=a.model or models.DEFAULT_MODEL, recipe=label, algorithm=algorithm, layers=rows,
+    rep = report.Report(model=a.model or models.DEFAULT_MODEL, recipe=label, algorithm=algorithm,
+                        algorithm_options=dict(options), layers=rows,
                         size_before=size_before, size_after=report.tree_bytes(qtree), seconds_quantize=seconds_q,
                         ppl_before=ppl_before, ppl_after=ppl_after,
                         eval_tokens=0 if eval_seqs is None else int(eval_seqs.numel()),
@@ -183,7 +185,7 @@ def cmd_quantize(a) -> int:
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         io.save(qmodel, tmp, recipe=recipe, tokenizer=tokenizer,
-                info={"algorithm": algorithm, "recipe_name": label,
+                info={"algorithm": algorithm, "algorithm_options": dict(options), "recipe_name": label,
                       "rules": {p: m.rule for p, m in plan.items() if m.spec is not None}})
         rep.seconds_total = time.perf_counter() - t0
         (tmp / "report.json").write_text(json.dumps(rep.to_dict(), indent=2) + "\n")
@@ -255,13 +257,14 @@ def cmd_formats(a) -> int:
 
 def cmd_recipes(a) -> int:
     import qtransform as qt
-    from .report import _table
+    from .report import _table, algorithm_label
 
     rows = [["recipe", "algorithm", "linear layers get", "description"]]
     for name, p in qt.presets().items():
-        rows.append([name, p.algorithm, str(p.recipe.type_rules[0][1]), p.description])
+        rows.append([name, algorithm_label(p.algorithm, p.options), str(p.recipe.type_rules[0][1]),
+                     p.description])
     _say("\n".join(_table(rows)))
-    _say("\nA recipe file (JSON or TOML) has keys algorithm, default, rules, type_rules, exclude, or an "
+    _say("\nA recipe file (JSON or TOML) has keys algorithm, options, default, rules, type_rules, exclude, or an "
          "HQQ-style nbits/group_size/dynamic_config; specs are QuantSpec dicts or preset names.")
     return 0
 

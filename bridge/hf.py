@@ -35,7 +35,7 @@ from transformers.quantizers.quantizers_utils import should_convert_module
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
 import qtransform as qt
-from qtransform.algorithms import get_algorithm
+from qtransform.algorithms import check_algorithm_options, get_algorithm
 
 from . import metadata
 from .metadata import CheckpointError, Entry
@@ -44,10 +44,11 @@ from .qstate import abstract_qtensor, check_like, named_tensors
 
 __all__ = ["QTransformConfig", "QTransformHfQuantizer", "attach_config", "register"]
 
-def _weight_qparams(algorithm: str, w: torch.Tensor, spec: qt.QuantSpec, path: str) -> qt.QParams:
+def _weight_qparams(algorithm: str, w: torch.Tensor, spec: qt.QuantSpec, path: str, options=None) -> qt.QParams:
     """QParams for one weight from a :mod:`qtransform.algorithms` algorithm (tree-level, so it is
-    called on a one-leaf tree); paths the algorithm does not handle get round-to-nearest."""
-    qps = get_algorithm(algorithm)({path: w}, qt.Recipe(rules={path: spec}))
+    called on a one-leaf tree) with its keyword ``options``; paths the algorithm does not handle
+    get round-to-nearest."""
+    qps = get_algorithm(algorithm)({path: w}, qt.Recipe(rules={path: spec}), **(options or {}))
     return qps.get(path) or qt.choose_qparams(w, spec, path=path)
 
 
@@ -69,6 +70,7 @@ class QTransformConfig(QuantizationConfigMixin):
     Args:
         recipe: ``Recipe``, ``QuantSpec`` or their dict form; what to quantize on load.
         algorithm: calibration-free weight algorithm of :mod:`qtransform.algorithms` (``"rtn"``, ``"hqq"``).
+        algorithm_options: keyword options of the algorithm (e.g. a preset's ``options``).
         skip_modules: module names kept in full precision (``None``: transformers' defaults).
         aliases: ``{path: path}`` of tensors stored once for two tied names (checkpoints).
         recipe_name: the preset or recipe file a checkpoint was made with (informational).
@@ -81,12 +83,15 @@ class QTransformConfig(QuantizationConfigMixin):
                  tensors: dict | None = None, specs: list | None = None, version: int = metadata.VERSION,
                  quant_method: str = metadata.QUANT_METHOD, qtransform_version: str | None = None,
                  aliases: dict | None = None, recipe_name: str | None = None, rules: dict | None = None,
-                 **kwargs):
+                 algorithm_options: dict | None = None, **kwargs):
         if kwargs:
             raise ValueError(f"QTransformConfig: unknown field(s) {sorted(kwargs)}")
         self.quant_method = metadata.QUANT_METHOD
         self.recipe = _as_recipe(recipe)
         self.algorithm = algorithm
+        if algorithm_options is not None and not isinstance(algorithm_options, dict):
+            raise TypeError(f"QTransformConfig: algorithm_options must be a dict, got {type(algorithm_options).__name__}")
+        self.algorithm_options = dict(algorithm_options or {})
         self.skip_modules = None if skip_modules is None else list(skip_modules)
         self.aliases = dict(aliases or {})
         self.recipe_name = recipe_name
@@ -99,6 +104,7 @@ class QTransformConfig(QuantizationConfigMixin):
     def to_dict(self) -> dict[str, Any]:
         return metadata.encode(self.entries, recipe=None if self.recipe is None else self.recipe.to_dict(),
                                algorithm=self.algorithm, skip_modules=self.skip_modules,
+                               **({"algorithm_options": self.algorithm_options} if self.algorithm_options else {}),
                                **({"aliases": self.aliases} if self.aliases else {}),
                                **({"recipe_name": self.recipe_name} if self.recipe_name else {}),
                                **({"rules": self.rules} if self.rules else {}))
@@ -136,7 +142,7 @@ class QTransformHfQuantizer(HfQuantizer):
         if not self.pre_quantized:
             if cfg.recipe is None:
                 raise ValueError("QTransformConfig: quantize-on-load needs a recipe (a Recipe or QuantSpec)")
-            get_algorithm(cfg.algorithm)  # fail before loading anything
+            check_algorithm_options(cfg.algorithm, cfg.algorithm_options)  # fail before loading anything
             skip = self.get_modules_to_not_convert(model, cfg.skip_modules, getattr(model, "_keep_in_fp32_modules", None))
             cfg.entries = {}
             for path, match in plan(model, cfg.recipe).items():
@@ -198,7 +204,7 @@ class _QuantizeOnLoad(ConversionOps):
         w = value[0] if isinstance(value, list) else value
         e = cfg.entries[key]
         with torch.no_grad():
-            qp = _weight_qparams(cfg.algorithm, w, e.spec, key)
+            qp = _weight_qparams(cfg.algorithm, w, e.spec, key, cfg.algorithm_options)
             q = qt.quantize(w, qp, path=key)
         return named_tensors(key, q)
 

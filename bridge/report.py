@@ -68,6 +68,11 @@ def format_bytes(n: float) -> str:
     return f"{n:.1f} GiB"  # pragma: no cover
 
 
+def algorithm_label(algorithm: str, options) -> str:
+    """``"hqq, error_norm=4.0"``: an algorithm with its options, for people."""
+    return ", ".join([algorithm] + [f"{k}={v}" for k, v in dict(options).items()])
+
+
 @dataclasses.dataclass
 class Report:
     model: str
@@ -83,6 +88,7 @@ class Report:
     eval_tokens: int = 0
     out: str = ""
     unmatched: list[str] = dataclasses.field(default_factory=list)
+    algorithm_options: dict = dataclasses.field(default_factory=dict)
 
     @property
     def quantized_numel(self) -> int:
@@ -106,7 +112,8 @@ class Report:
 
     def render(self) -> str:
         lines = [f"qtransform report — {self.model}",
-                 f"recipe {self.recipe} ({self.algorithm}); {len(self.layers)} tensors quantized, "
+                 f"recipe {self.recipe} ({algorithm_label(self.algorithm, self.algorithm_options)}); "
+                 f"{len(self.layers)} tensors quantized, "
                  f"{self.quantized_numel / 1e6:.1f}M weights"]
         by_spec: dict[str, list[LayerRow]] = {}
         for r in self.layers:

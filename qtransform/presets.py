@@ -1,22 +1,29 @@
 """Named recipes (in the spirit of Quark's templates) and HQQ-style configs.
 
 A :class:`Preset` is a recipe for the linear layers of a model plus the calibration-free
-algorithm that fits its parameters (``"rtn"``: round to nearest; ``"hqq"``). Presets
-name formats of the registry; a preset whose format is not registered is not offered.
+algorithm that fits its parameters (``"rtn"``: round to nearest; ``"hqq"``) and that
+algorithm's options. Presets name formats of the registry; a preset whose format is not
+registered is not offered.
 
 >>> import qtransform as qt
 >>> p = qt.get_preset("hqq4-g64")
->>> p.algorithm, str(p.recipe.type_rules[0][1])
-('hqq', 'uint4 g64 asym(float zp)')
+>>> p.algorithm, str(p.recipe.type_rules[0][1]), dict(p.options)
+('hqq', 'uint4 g64 asym(float zp)', {'error_norm': 4.0, 'refine_scale': False})
+
+The HQQ presets pick the solver options with the lowest perplexity on SmolLM2-135M
+(bench/bench_hqq.py): iterates ranked by the 4-norm of the group error, and the scale refined
+at 3 and 2 bits only.
 
 ``recipe_from_dict`` reads the recipe-file schema (JSON or TOML, parsed by the caller):
-``{"algorithm": "hqq", "default": spec, "rules": {glob: spec | null}, "type_rules": {...},
-"exclude": [...], "dynamic_config": {"self_attn.q_proj": {"nbits": 4, "group_size": 64}}}``
-where a spec is a ``QuantSpec.to_dict()`` dict or a preset name.
+``{"algorithm": "hqq", "options": {"error_norm": 4}, "default": spec, "rules": {glob: spec | null},
+"type_rules": {...}, "exclude": [...], "dynamic_config": {"self_attn.q_proj": {"nbits": 4,
+"group_size": 64}}}`` where a spec is a ``QuantSpec.to_dict()`` dict or a preset name and
+``options`` are keyword options of the algorithm.
 """
 
 from __future__ import annotations
 
+import types as _types
 from typing import Any, Mapping, NamedTuple
 
 from .formats import FORMATS
@@ -33,11 +40,15 @@ ALGORITHM_NAMES = ("rtn", "hqq")
 _EXCLUDE = ("lm_head*",)
 
 
+_NO_OPTIONS: Mapping[str, Any] = _types.MappingProxyType({})
+
+
 class Preset(NamedTuple):
     name: str
     recipe: Recipe
     algorithm: str
     description: str
+    options: Mapping[str, Any] = _NO_OPTIONS  # keyword options of the algorithm
 
 
 def hqq_spec(nbits: int, group_size: int | None = 64, *, axis: int = 1) -> QuantSpec:
@@ -54,8 +65,12 @@ def _linear_recipe(spec: QuantSpec) -> Recipe:
     return Recipe(type_rules={t: spec for t in LINEAR_TYPES}, exclude=_EXCLUDE)
 
 
-def _table() -> list[tuple[str, str | None, Any, str, str]]:
-    """(name, format needed, spec factory, algorithm, description)."""
+#: HQQ solver options of the presets, by bit width (see the module docstring).
+_HQQ_OPTIONS = {4: {"error_norm": 4.0, "refine_scale": False}, 3: {"error_norm": 4.0}, 2: {"error_norm": 4.0}}
+
+
+def _table() -> list[tuple]:
+    """(name, format needed, spec factory, algorithm, description[, algorithm options])."""
     rows = []
     for g in (32, 64, 128):
         rows.append((f"int4-g{g}", "int4", lambda g=g: QuantSpec(format="int4", granularity=PerGroup(g)),
@@ -66,9 +81,10 @@ def _table() -> list[tuple[str, str | None, Any, str, str]]:
     rows += [
         ("int8-channel", "int8", lambda: QuantSpec(format="int8", granularity=PerChannel(0)), "rtn",
          "int8 symmetric weight-only, per output channel"),
-        ("hqq4-g64", "uint4", lambda: hqq_spec(4, 64), "hqq", "HQQ 4-bit, group 64 (uint4, float zero point)"),
-        ("hqq3-g64", "uint3", lambda: hqq_spec(3, 64), "hqq", "HQQ 3-bit, group 64"),
-        ("hqq2-g16", "uint2", lambda: hqq_spec(2, 16), "hqq", "HQQ 2-bit, group 16"),
+        ("hqq4-g64", "uint4", lambda: hqq_spec(4, 64), "hqq", "HQQ 4-bit, group 64 (uint4, float zero point)",
+         _HQQ_OPTIONS[4]),
+        ("hqq3-g64", "uint3", lambda: hqq_spec(3, 64), "hqq", "HQQ 3-bit, group 64", _HQQ_OPTIONS[3]),
+        ("hqq2-g16", "uint2", lambda: hqq_spec(2, 16), "hqq", "HQQ 2-bit, group 16", _HQQ_OPTIONS[2]),
         ("fp8", "fp8_e4m3", lambda: QuantSpec(format="fp8_e4m3", granularity=PerChannel(0)), "rtn",
          "fp8 e4m3 weight-only, per output channel"),
         ("mxfp4", "mxfp4", lambda: QuantSpec(format="mxfp4"), "rtn", "OCP MXFP4 (e2m1, block 32, E8M0 scales)"),
@@ -85,8 +101,8 @@ def _table() -> list[tuple[str, str | None, Any, str, str]]:
 
 def presets() -> dict[str, Preset]:
     """Every preset whose format is registered, by name."""
-    return {name: Preset(name, _linear_recipe(make()), algo, desc)
-            for name, fmt, make, algo, desc in _table() if fmt in FORMATS}
+    return {name: Preset(name, _linear_recipe(make()), algo, desc, _types.MappingProxyType(dict(opts[0] if opts else {})))
+            for name, fmt, make, algo, desc, *opts in _table() if fmt in FORMATS}
 
 
 def get_preset(name: str) -> Preset:
@@ -139,11 +155,24 @@ def _spec(value, where: str) -> QuantSpec | None:
     raise TypeError(f"{where}: expected a spec dict, a preset name or null, got {type(value).__name__}")
 
 
-def recipe_from_dict(d: Mapping) -> tuple[Recipe, str]:
-    """``(recipe, algorithm)`` from the recipe-file schema (see the module docstring)."""
+def _check_options(algorithm: str, options) -> Mapping[str, Any]:
+    from .algorithms.registry import check_algorithm_options
+
+    check_algorithm_options(algorithm, options, path="recipe.options")
+    return _types.MappingProxyType(dict(options))
+
+
+def recipe_from_dict(d: Mapping, *, name: str = "recipe") -> Preset:
+    """A :class:`Preset` (recipe, algorithm, options) from the recipe-file schema (see the module
+    docstring); ``name`` labels it.
+
+    >>> p = recipe_from_dict({"algorithm": "hqq", "options": {"error_norm": 4}, "default": "hqq3-g64"})
+    >>> p.algorithm, dict(p.options), str(p.recipe.default)
+    ('hqq', {'error_norm': 4}, 'uint3 g64 asym(float zp)')
+    """
     if not isinstance(d, Mapping):
         raise TypeError(f"a recipe file must hold a table/object, got {type(d).__name__}")
-    known = {"algorithm", "default", "rules", "type_rules", "exclude", "min_ndim", "dynamic_config",
+    known = {"algorithm", "options", "default", "rules", "type_rules", "exclude", "min_ndim", "dynamic_config",
              "nbits", "group_size", "axis", "skip_modules"}
     unknown = sorted(set(d) - known)
     if unknown:
@@ -155,9 +184,10 @@ def recipe_from_dict(d: Mapping) -> tuple[Recipe, str]:
         hqq = from_hqq_config(nbits=d.get("nbits", 4), group_size=d.get("group_size", 64), axis=d.get("axis", 1),
                               dynamic_config=d.get("dynamic_config"),
                               skip_modules=d.get("skip_modules", ("lm_head",)))
-        return hqq, d.get("algorithm", "hqq")
+        algorithm = d.get("algorithm", "hqq")
+        return Preset(name, hqq, algorithm, "HQQ-style config", _check_options(algorithm, d.get("options", {})))
     pairs = lambda key: {k: _spec(v, f"recipe.{key}[{k!r}]") for k, v in dict(d.get(key, {})).items()}  # noqa: E731
     recipe = Recipe(default=_spec(d.get("default"), "recipe.default"), rules=pairs("rules"),
                     type_rules=pairs("type_rules"), exclude=d.get("exclude", _EXCLUDE),
                     min_ndim=d.get("min_ndim", 2))
-    return recipe, algorithm
+    return Preset(name, recipe, algorithm, "recipe file", _check_options(algorithm, d.get("options", {})))

@@ -95,11 +95,28 @@ def test_recipe_files_json_and_toml(tiny_model, tmp_path):
     specs = {l["path"].split(".")[-2]: l["spec"] for l in rep["layers"]}
     assert specs["down_proj"] == "int8 channel(axis=0) sym" and specs["q_proj"] == "int4 g32 sym"
     toml = tmp_path / "r.toml"
-    toml.write_text('nbits = 3\ngroup_size = 32\n[dynamic_config."mlp.up_proj"]\nnbits = 2\ngroup_size = 16\n')
+    toml.write_text('nbits = 3\ngroup_size = 32\n[options]\nerror_norm = 4\niters = 3\n'
+                    '[dynamic_config."mlp.up_proj"]\nnbits = 2\ngroup_size = 16\n')
     res = run("quantize", "--model", str(tiny_model), "--recipe", str(toml), "--out", str(tmp_path / "b"), "--no-eval")
     assert res.returncode == 0, res.stderr
+    assert "(hqq, error_norm=4, iters=3)" in res.stdout
     rep = json.loads((tmp_path / "b" / "report.json").read_text())
     assert {l["spec"] for l in rep["layers"]} == {"uint2 g16 asym(float zp)"} and rep["algorithm"] == "hqq"
+    assert rep["algorithm_options"] == {"error_norm": 4, "iters": 3}
+    cfg = json.loads((tmp_path / "b" / "config.json").read_text())["quantization_config"]
+    assert cfg["algorithm_options"] == {"error_norm": 4, "iters": 3}
+    # the stored parameters are the ones these options give, not the defaults'
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from qtransform.algorithms import hqq
+    from qtransform.presets import hqq_spec
+    key = "model.layers.0.mlp.up_proj.weight"
+    w = AutoModelForCausalLM.from_pretrained(tiny_model).get_parameter(key).detach()
+    stored = load_file(tmp_path / "b" / "model.safetensors")[key + "_zero_point"]
+    want = hqq.optimize(w, hqq_spec(2, 16), error_norm=4, iters=3).zero_point
+    assert torch.equal(stored, want)
+    assert not torch.equal(stored, hqq.optimize(w, hqq_spec(2, 16)).zero_point)
 
 
 def test_bad_input_gives_one_line_and_writes_nothing(tiny_model, tmp_path):
@@ -112,6 +129,8 @@ def test_bad_input_gives_one_line_and_writes_nothing(tiny_model, tmp_path):
     bad.write_text("{not json")
     _one_line_error(run("quantize", "--recipe", str(bad)), "cannot read recipe file")
     _one_line_error(run("quantize", "--recipe", "int5-g7"), "unknown recipe 'int5-g7'")
+    bad.write_text(json.dumps({"algorithm": "hqq", "default": "hqq4-g64", "options": {"iter": 3}}))
+    _one_line_error(run("quantize", "--recipe", str(bad)), "unknown option(s) ['iter']")
     existing = tmp_path / "exists"
     existing.mkdir()
     (existing / "keep.txt").write_text("x")

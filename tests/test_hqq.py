@@ -95,6 +95,41 @@ def test_never_worse_than_rtn_per_group(refine_scale):
     assert float(ours.sum()) < 0.97 * float(rtn.sum())  # and it does optimize
 
 
+def _group_norm(w, qp, g, p):
+    return torch.linalg.vector_norm((qt.dequantize(qt.quantize(w, qp)) - w).reshape(w.shape[0], -1, g), ord=p, dim=-1)
+
+
+@pytest.mark.parametrize("p", [1.0, 4.0, math.inf])
+@pytest.mark.parametrize("refine_scale", [True, False])
+def test_error_norm_ranks_the_iterates(p, refine_scale):
+    """Without early stopping every ``error_norm`` sees the same iterates: the result is the best one
+    in its own norm (so never worse than RTN there), and the squared-error choice stays best in L2."""
+    w = _weight((64, 512), seed=7)
+    spec = _spec(3, qt.PerGroup(64), scale_dtype="float16")
+    opts = dict(refine_scale=refine_scale, early_stop=False, iters=10)
+    by_p, by_l2 = hqq.optimize(w, spec, error_norm=p, **opts), hqq.optimize(w, spec, **opts)
+    rtn = qt.choose_qparams(w, spec)
+    tol = 1 + 1e-5
+    assert bool((_group_norm(w, by_p, 64, p) <= _group_norm(w, by_l2, 64, p) * tol).all())
+    assert bool((_group_norm(w, by_p, 64, p) <= _group_norm(w, rtn, 64, p) * tol).all())
+    assert bool((_group_sse(w, by_l2, 64) <= _group_sse(w, by_p, 64) * tol).all())
+    assert not torch.equal(by_p.zero_point, by_l2.zero_point)  # the choice matters
+
+
+def test_presets_options_are_valid_hqq_options():
+    from qtransform.algorithms import check_algorithm_options
+
+    w = _weight((64, 256), seed=2)
+    for name in ("hqq4-g64", "hqq3-g64", "hqq2-g16"):
+        p = qt.get_preset(name)
+        check_algorithm_options(p.algorithm, p.options)
+        spec = p.recipe.type_rules[0][1]
+        assert p.options["error_norm"] == 4.0
+        qp = hqq.optimize(w, spec, **p.options)
+        g = spec.granularity.size
+        assert bool((_group_norm(w, qp, g, 4) <= _group_norm(w, qt.choose_qparams(w, spec), g, 4) * (1 + 1e-5)).all())
+
+
 def test_scale_refinement_helps():
     w = _weight((128, 512), seed=4)
     spec = _spec(3, qt.PerGroup(64))
@@ -302,6 +337,8 @@ def test_bad_weight(w, exc, match):
     ({"iters": -1}, ValueError, "iters must be an int"), ({"iters": 2.5}, ValueError, "iters"),
     ({"tol": 1.0}, ValueError, "tol must be in"), ({"beta": "10"}, TypeError, "beta must be a finite number"),
     ({"early_stop": 1}, TypeError, "early_stop must be a bool"), ({"chunk_size": 0}, ValueError, "chunk_size"),
+    ({"error_norm": 0.5}, ValueError, "error_norm must be >= 1"), ({"error_norm": math.nan}, TypeError, "error_norm"),
+    ({"iter": 5}, TypeError, "'iter'"), ({"lp_norm": math.inf}, TypeError, "lp_norm"),
 ])
 def test_bad_options(opts, exc, match):
     with pytest.raises(exc, match=match):

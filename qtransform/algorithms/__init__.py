@@ -6,6 +6,7 @@ for recipes and the command line.
 """
 
 from . import hqq
-from .registry import ALGORITHMS, get_algorithm, register_algorithm, rtn_qparams_tree
+from .registry import ALGORITHMS, check_algorithm_options, get_algorithm, register_algorithm, rtn_qparams_tree
 
-__all__ = ["hqq", "ALGORITHMS", "get_algorithm", "register_algorithm", "rtn_qparams_tree"]
+__all__ = ["hqq", "ALGORITHMS", "check_algorithm_options", "get_algorithm", "register_algorithm",
+           "rtn_qparams_tree"]

@@ -27,7 +27,7 @@ from ..qtypes import QParams
 from . import hqq
 from ._select import select
 
-__all__ = ["ALGORITHMS", "register_algorithm", "get_algorithm", "rtn_qparams_tree"]
+__all__ = ["ALGORITHMS", "register_algorithm", "get_algorithm", "check_algorithm_options", "rtn_qparams_tree"]
 
 
 def rtn_qparams_tree(params: Any, recipe, *, types: Mapping[str, str] | None = None,
@@ -53,6 +53,26 @@ def register_algorithm(name: str, fn: Callable, *, replace: bool = False) -> Cal
         raise ValueError(f"register_algorithm: {name!r} is already registered (pass replace=True)")
     _REGISTRY[name] = fn
     return fn
+
+
+def check_algorithm_options(name: str, options: Mapping[str, Any], *, path: str | None = None) -> None:
+    """Raise ``ValueError``/``TypeError`` naming the option when ``options`` do not fit the
+    built-in algorithm ``name`` (``"rtn"`` takes none; ``"hqq"``: :func:`hqq.check_options`).
+    Options of user-registered algorithms are checked when they are called.
+
+    >>> check_algorithm_options("rtn", {"iters": 3})
+    Traceback (most recent call last):
+    ...
+    ValueError: algorithm 'rtn' takes no options, got ['iters']
+    """
+    get_algorithm(name)
+    if not isinstance(options, Mapping) or not all(isinstance(k, str) for k in options):
+        raise TypeError(f"{path + ': ' if path else ''}algorithm options must map option names to values, "
+                        f"got {options!r}")
+    if name == "rtn" and options:
+        raise ValueError(f"{path + ': ' if path else ''}algorithm 'rtn' takes no options, got {sorted(options)}")
+    if name == "hqq" and _REGISTRY["hqq"] is hqq.qparams_tree:
+        hqq.check_options(path=path, **options)
 
 
 def get_algorithm(name: str) -> Callable:

@@ -72,16 +72,16 @@ def test_quantize_on_load_default_skips_and_algorithm_hook(tmp_path, monkeypatch
     model.save_pretrained(tmp_path / "fp")
     calls = []
 
-    def halved_range(params, recipe, **_):  # a calibration-free algorithm returning ordinary QParams
+    def scaled_range(params, recipe, *, factor=1.0, **_):  # a calibration-free algorithm returning QParams
         out = {}
         for path, match in qt.as_recipe(recipe).plan(params).items():
             if match.spec is not None:
                 calls.append(path)
-                out[path] = qt.choose_qparams(params[path] * 0.5, match.spec)
+                out[path] = qt.choose_qparams(params[path] * factor, match.spec)
         return out
-    monkeypatch.setitem(registry._REGISTRY, "test_halved", halved_range)  # restored after the test
+    monkeypatch.setitem(registry._REGISTRY, "test_scaled", scaled_range)  # restored after the test
     spec = qt.QuantSpec(format="int8", granularity=qt.PerChannel(0))
-    cfg = bridge.QTransformConfig(recipe=spec, algorithm="test_halved")
+    cfg = bridge.QTransformConfig(recipe=spec, algorithm="test_scaled", algorithm_options={"factor": 0.5})
     loaded = auto_class("llama").from_pretrained(tmp_path / "fp", quantization_config=cfg)
     assert type(loaded.lm_head).__name__ == "Linear"  # transformers' default skip keeps the output layer
     assert isinstance(loaded.model.layers[0].self_attn.q_proj, bridge.QLinear)
@@ -89,6 +89,13 @@ def test_quantize_on_load_default_skips_and_algorithm_hook(tmp_path, monkeypatch
     w = model.model.layers[0].self_attn.q_proj.weight.detach()
     want = qt.quantize(w, qt.choose_qparams(w * 0.5, spec))
     assert same_bits(loaded.model.layers[0].self_attn.q_proj.weight, want.codes)
+    loaded.save_pretrained(tmp_path / "q")  # the options are part of the saved config and load back
+    back = auto_class("llama").from_pretrained(tmp_path / "q")
+    assert back.config.quantization_config.algorithm_options == {"factor": 0.5}
+    assert same_bits(back.model.layers[0].self_attn.q_proj.weight, want.codes)
+    with pytest.raises(ValueError, match="algorithm 'rtn' takes no options"):
+        auto_class("llama").from_pretrained(tmp_path / "fp", quantization_config=bridge.QTransformConfig(
+            recipe=spec, algorithm="rtn", algorithm_options={"factor": 0.5}))
     with pytest.raises(ValueError, match="unknown algorithm 'nope'"):
         auto_class("llama").from_pretrained(tmp_path / "fp", quantization_config=bridge.QTransformConfig(
             recipe=spec, algorithm="nope"))
