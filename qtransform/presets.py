@@ -65,12 +65,13 @@ def _linear_recipe(spec: QuantSpec) -> Recipe:
     return Recipe(type_rules={t: spec for t in LINEAR_TYPES}, exclude=_EXCLUDE)
 
 
-#: HQQ solver options of the presets, by bit width (see the module docstring).
-_HQQ_OPTIONS = {4: {"error_norm": 4.0, "refine_scale": False}, 3: {"error_norm": 4.0}, 2: {"error_norm": 4.0}}
+#: Algorithm options of the presets that have some (see the module docstring).
+_OPTIONS = {"hqq4-g64": {"error_norm": 4.0, "refine_scale": False}, "hqq3-g64": {"error_norm": 4.0},
+            "hqq2-g16": {"error_norm": 4.0}}
 
 
-def _table() -> list[tuple]:
-    """(name, format needed, spec factory, algorithm, description[, algorithm options])."""
+def _table() -> list[tuple[str, str | None, Any, str, str]]:
+    """(name, format needed, spec factory, algorithm, description)."""
     rows = []
     for g in (32, 64, 128):
         rows.append((f"int4-g{g}", "int4", lambda g=g: QuantSpec(format="int4", granularity=PerGroup(g)),
@@ -81,10 +82,9 @@ def _table() -> list[tuple]:
     rows += [
         ("int8-channel", "int8", lambda: QuantSpec(format="int8", granularity=PerChannel(0)), "rtn",
          "int8 symmetric weight-only, per output channel"),
-        ("hqq4-g64", "uint4", lambda: hqq_spec(4, 64), "hqq", "HQQ 4-bit, group 64 (uint4, float zero point)",
-         _HQQ_OPTIONS[4]),
-        ("hqq3-g64", "uint3", lambda: hqq_spec(3, 64), "hqq", "HQQ 3-bit, group 64", _HQQ_OPTIONS[3]),
-        ("hqq2-g16", "uint2", lambda: hqq_spec(2, 16), "hqq", "HQQ 2-bit, group 16", _HQQ_OPTIONS[2]),
+        ("hqq4-g64", "uint4", lambda: hqq_spec(4, 64), "hqq", "HQQ 4-bit, group 64 (uint4, float zero point)"),
+        ("hqq3-g64", "uint3", lambda: hqq_spec(3, 64), "hqq", "HQQ 3-bit, group 64"),
+        ("hqq2-g16", "uint2", lambda: hqq_spec(2, 16), "hqq", "HQQ 2-bit, group 16"),
         ("fp8", "fp8_e4m3", lambda: QuantSpec(format="fp8_e4m3", granularity=PerChannel(0)), "rtn",
          "fp8 e4m3 weight-only, per output channel"),
         ("mxfp4", "mxfp4", lambda: QuantSpec(format="mxfp4"), "rtn", "OCP MXFP4 (e2m1, block 32, E8M0 scales)"),
@@ -101,8 +101,8 @@ def _table() -> list[tuple]:
 
 def presets() -> dict[str, Preset]:
     """Every preset whose format is registered, by name."""
-    return {name: Preset(name, _linear_recipe(make()), algo, desc, _types.MappingProxyType(dict(opts[0] if opts else {})))
-            for name, fmt, make, algo, desc, *opts in _table() if fmt in FORMATS}
+    return {name: Preset(name, _linear_recipe(make()), algo, desc, _types.MappingProxyType(_OPTIONS.get(name, {})))
+            for name, fmt, make, algo, desc in _table() if fmt in FORMATS}
 
 
 def get_preset(name: str) -> Preset:

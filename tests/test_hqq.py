@@ -293,6 +293,27 @@ def test_registry():
         get_algorithm(None)
 
 
+def test_registered_option_checks(monkeypatch):
+    from qtransform.algorithms import check_algorithm_options, register_algorithm, registry
+
+    monkeypatch.setattr(registry, "_REGISTRY", dict(registry._REGISTRY))  # restored after the test
+    monkeypatch.setattr(registry, "_CHECKS", dict(registry._CHECKS))
+
+    def check(*, path=None, **options):
+        if "bad" in options:
+            raise ValueError(f"{path}: no option 'bad'")
+    register_algorithm("mine", registry.rtn_qparams_tree, check_options=check)
+    check_algorithm_options("mine", {"good": 1})
+    with pytest.raises(ValueError, match="recipe.options: no option 'bad'"):
+        check_algorithm_options("mine", {"bad": 1}, path="recipe.options")
+    register_algorithm("mine", registry.rtn_qparams_tree, replace=True)  # the old check goes with it
+    check_algorithm_options("mine", {"bad": 1})
+    with pytest.raises(ValueError, match="hqq: unknown option"):
+        check_algorithm_options("hqq", {"bad": 1})
+    with pytest.raises(TypeError, match="check_options must be callable"):
+        register_algorithm("other", registry.rtn_qparams_tree, check_options=3)
+
+
 # ----------------------------------------------------------------------------- bad input
 @pytest.mark.parametrize("spec,match", [
     (qt.QuantSpec(format="uint4", granularity=qt.PerGroup(64)), "asymmetric"),

@@ -37,28 +37,45 @@ def rtn_qparams_tree(params: Any, recipe, *, types: Mapping[str, str] | None = N
             for path, w, spec in select(params, recipe, types=types, paths=paths, progress=progress)}
 
 
+def _no_options(*, path: str | None = None, **options) -> None:
+    if options:
+        raise ValueError(f"{path + ': ' if path else ''}algorithm 'rtn' takes no options, got {sorted(options)}")
+
+
 _REGISTRY: dict[str, Callable] = {"rtn": rtn_qparams_tree, "hqq": hqq.qparams_tree}
+#: name -> ``check(*, path=None, **options)`` raising on options the algorithm does not take.
+_CHECKS: dict[str, Callable] = {"rtn": _no_options, "hqq": hqq.check_options}
 
 #: Read-only view: algorithm name -> ``fn(params, recipe, **options) -> {path: QParams}``.
 ALGORITHMS: Mapping[str, Callable] = _types.MappingProxyType(_REGISTRY)
 
 
-def register_algorithm(name: str, fn: Callable, *, replace: bool = False) -> Callable:
-    """Add ``fn`` under ``name`` (``replace=True`` to overwrite). Returns ``fn``."""
+def register_algorithm(name: str, fn: Callable, *, replace: bool = False,
+                       check_options: Callable | None = None) -> Callable:
+    """Add ``fn`` under ``name`` (``replace=True`` to overwrite). Returns ``fn``.
+
+    ``check_options(*, path=None, **options)``, when given, raises ``ValueError``/``TypeError``
+    for options ``fn`` does not take; :func:`check_algorithm_options` calls it before any work.
+    """
     if not isinstance(name, str) or not name:
         raise ValueError(f"register_algorithm: name must be a non-empty string, got {name!r}")
     if not callable(fn):
         raise TypeError(f"register_algorithm: fn must be callable, got {type(fn).__name__}")
     if name in _REGISTRY and not replace:
         raise ValueError(f"register_algorithm: {name!r} is already registered (pass replace=True)")
+    if check_options is not None and not callable(check_options):
+        raise TypeError(f"register_algorithm: check_options must be callable, got {type(check_options).__name__}")
     _REGISTRY[name] = fn
+    _CHECKS.pop(name, None)
+    if check_options is not None:
+        _CHECKS[name] = check_options
     return fn
 
 
 def check_algorithm_options(name: str, options: Mapping[str, Any], *, path: str | None = None) -> None:
     """Raise ``ValueError``/``TypeError`` naming the option when ``options`` do not fit the
-    built-in algorithm ``name`` (``"rtn"`` takes none; ``"hqq"``: :func:`hqq.check_options`).
-    Options of user-registered algorithms are checked when they are called.
+    algorithm ``name``: the ``check_options`` it was registered with (``"rtn"`` takes none;
+    ``"hqq"``: :func:`hqq.check_options`). Without one, options are checked when it is called.
 
     >>> check_algorithm_options("rtn", {"iters": 3})
     Traceback (most recent call last):
@@ -69,10 +86,9 @@ def check_algorithm_options(name: str, options: Mapping[str, Any], *, path: str 
     if not isinstance(options, Mapping) or not all(isinstance(k, str) for k in options):
         raise TypeError(f"{path + ': ' if path else ''}algorithm options must map option names to values, "
                         f"got {options!r}")
-    if name == "rtn" and options:
-        raise ValueError(f"{path + ': ' if path else ''}algorithm 'rtn' takes no options, got {sorted(options)}")
-    if name == "hqq" and _REGISTRY["hqq"] is hqq.qparams_tree:
-        hqq.check_options(path=path, **options)
+    check = _CHECKS.get(name)
+    if check is not None:
+        check(path=path, **options)
 
 
 def get_algorithm(name: str) -> Callable:
