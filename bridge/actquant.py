@@ -12,10 +12,12 @@ By default the module fake-quantizes (``dequantize(quantize(x))``); a real low-p
 kernel (fp8 ``_scaled_mm``) consumes the quantized input directly when it applies.
 
 >>> import torch, qtransform as qt
->>> from bridge.actquant import fake_quant
+>>> from bridge.actquant import apply, attach
 >>> spec = qt.QuantSpec(format="int8", dynamic=True)
 >>> x = torch.tensor([[0.0, 0.5, 1.0]])
->>> fake_quant(x, spec, None).tolist() == qt.fake_quantize(x, qt.choose_qparams(x, spec)).tolist()
+>>> m = torch.nn.Module()
+>>> attach(m, "input", spec)
+>>> torch.equal(apply(m, "input", x), qt.fake_quantize(x, qt.choose_qparams(x, spec)))
 True
 """
 
@@ -29,7 +31,7 @@ from qtransform.qtypes import QParams
 
 from .qstate import QPARAM_FIELDS
 
-__all__ = ["ROLES", "attach", "qparams_for", "fake_quant", "apply"]
+__all__ = ["ROLES", "attach", "qparams_for", "apply"]
 
 ROLES = ("input", "output")
 
@@ -71,14 +73,6 @@ def qparams_for(module: nn.Module, role: str, x: torch.Tensor) -> QParams | None
         return qt.choose_qparams(x.detach(), spec)
     fields = {f: module._buffers[f"{role}_{f}"] for f in QPARAM_FIELDS if f"{role}_{f}" in module._buffers}
     return QParams(spec=spec, **fields)
-
-
-def fake_quant(x: torch.Tensor, spec, qparams: QParams | None) -> torch.Tensor:
-    """``x`` fake-quantized with ``qparams`` (or fitted to ``x`` under a dynamic ``spec``)."""
-    if spec is None:
-        return x
-    qp = qt.choose_qparams(x.detach(), spec) if qparams is None else qparams
-    return qt.fake_quantize(x, qp)
 
 
 def apply(module: nn.Module, role: str, x: torch.Tensor) -> torch.Tensor:

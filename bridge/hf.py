@@ -41,16 +41,9 @@ from . import metadata
 from .metadata import CheckpointError, Entry
 from .modules import QModule
 from .qstate import abstract_qtensor, check_like, named_tensors
+from .rebuild import _submodule
 
 __all__ = ["QTransformConfig", "QTransformHfQuantizer", "attach_config", "register"]
-
-def _weight_qparams(algorithm: str, w: torch.Tensor, spec: qt.QuantSpec, path: str, options=None) -> qt.QParams:
-    """QParams for one weight from a :mod:`qtransform.algorithms` algorithm (tree-level, so it is
-    called on a one-leaf tree) with its keyword ``options``; paths the algorithm does not handle
-    get round-to-nearest."""
-    qps = get_algorithm(algorithm)({path: w}, qt.Recipe(rules={path: spec}), **(options or {}))
-    return qps.get(path) or qt.choose_qparams(w, spec, path=path)
-
 
 def _as_recipe(recipe) -> qt.Recipe | None:
     if recipe is None or isinstance(recipe, qt.Recipe):
@@ -116,10 +109,6 @@ class QTransformConfig(QuantizationConfigMixin):
         yield from self.to_dict().items()
 
 
-def _module_of(model: nn.Module, path: str) -> nn.Module:
-    return model.get_submodule(path.rpartition(".")[0])
-
-
 def _untie(model: nn.Module, paths) -> None:
     """Drop transformers' weight-tying entries that involve a quantized weight."""
     tied = getattr(model, "all_tied_weights_keys", None)
@@ -148,13 +137,13 @@ class QTransformHfQuantizer(HfQuantizer):
             for path, match in plan(model, cfg.recipe).items():
                 if match.spec is None or not should_convert_module(path.rpartition(".")[0], skip):
                     continue
-                w = _module_of(model, path).weight
+                w = _submodule(model, path)[0].weight
                 cfg.entries[path] = Entry(match.spec, tuple(w.shape), w.dtype)
         if not cfg.entries:
             raise ValueError("QTransformConfig: no module to quantize (empty recipe match or empty checkpoint config)")
         for path, e in cfg.entries.items():
             try:
-                module = _module_of(model, path)
+                module = _submodule(model, path)[0]
             except AttributeError:
                 raise CheckpointError(f"config.json: quantized tensor {path!r} names no module of "
                                       f"{type(model).__name__}") from None
@@ -163,7 +152,7 @@ class QTransformHfQuantizer(HfQuantizer):
                                       f"the model's is {list(module.weight.shape)}")
             _replace(model, path, abstract_qtensor(e.shape, e.dtype, e.spec), "auto")
             if dtype is not None:
-                _module_of(model, path).compute_dtype = dtype
+                _submodule(model, path)[0].compute_dtype = dtype
         _untie(model, set(cfg.entries))
 
     def param_needs_quantization(self, model, param_name: str, **kwargs) -> bool:
@@ -174,7 +163,7 @@ class QTransformHfQuantizer(HfQuantizer):
 
     def _process_model_after_weight_loading(self, model, **kwargs):
         for path, e in self.quantization_config.entries.items():
-            module = _module_of(model, path)
+            module = _submodule(model, path)[0]
             q = module.qweight
             bad = [n for n in module._qnames if module._buffers[n].is_meta]
             if bad:
@@ -203,9 +192,10 @@ class _QuantizeOnLoad(ConversionOps):
         (key, value), = input_dict.items()
         w = value[0] if isinstance(value, list) else value
         e = cfg.entries[key]
+        tree, recipe = {key: w}, qt.Recipe(rules={key: e.spec})  # a one-leaf tree for the tree-level algorithm
         with torch.no_grad():
-            qp = _weight_qparams(cfg.algorithm, w, e.spec, key, cfg.algorithm_options)
-            q = qt.quantize(w, qp, path=key)
+            qps = get_algorithm(cfg.algorithm)(tree, recipe, **cfg.algorithm_options)
+            q = qt.quantize_tree(tree, recipe, qparams=qps)[key]  # paths it skips: round-to-nearest
         return named_tensors(key, q)
 
 

@@ -81,11 +81,7 @@ def _rows(x: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def _linear_common(module) -> str | None:
-    if module.transposed:
-        return "transposed (Conv1D) layout"
-    if module.qweight.codes.dim() != 2:
-        return "weight is not 2-D"
-    return None
+    return "transposed (Conv1D) layout" if module.transposed else None
 
 
 # ----------------------------------------------------------------------- int4 (CPU)

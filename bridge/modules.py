@@ -56,6 +56,22 @@ class QModule(nn.Module):
 
     KERNELS: dict = {}
     transposed = False
+    _HYPER: tuple[str, ...] = ()  # hyper-parameters copied from the float module (conv, embedding)
+    _NDIM = 2  # weight dimensions
+
+    def _set_hyper(self, qweight: QTensor, kw: dict) -> None:
+        """Pop ``_HYPER`` from ``kw`` into attributes and record the weight shape (before ``__init__``)."""
+        missing = [k for k in self._HYPER if k not in kw]
+        if missing:
+            raise TypeError(f"{type(self).__name__}: missing hyper-parameter(s) {missing}")
+        for k in self._HYPER:
+            setattr(self, k, kw.pop(k))
+        self.weight_shape = tuple(qweight.shape)
+        if len(self.weight_shape) != self._NDIM:
+            raise ValueError(f"{type(self).__name__}: weight must be {self._NDIM}-D, got shape {self.weight_shape}")
+
+    def _set_bias(self, bias) -> None:
+        self.bias = bias if bias is None or isinstance(bias, nn.Parameter) else nn.Parameter(bias, requires_grad=False)
 
     def __init__(self, qweight: QTensor, *, kernel: str = "auto", input_quant=None, output_quant=None):
         super().__init__()
@@ -195,13 +211,10 @@ class QLinear(QModule):
 
     def __init__(self, qweight: QTensor, bias: torch.Tensor | None = None, *, transposed: bool = False, **kw):
         self.transposed = bool(transposed)
-        shape = tuple(qweight.shape)
-        if len(shape) != 2:
-            raise ValueError(f"QLinear: weight must be 2-D, got shape {shape}")
-        self.in_features, self.out_features = shape[::-1] if not transposed else shape
-        self.weight_shape = shape
+        self._set_hyper(qweight, kw)
+        self.in_features, self.out_features = self.weight_shape[::-1] if not transposed else self.weight_shape
         super().__init__(qweight, **kw)
-        self.bias = bias if bias is None or isinstance(bias, nn.Parameter) else nn.Parameter(bias, requires_grad=False)
+        self._set_bias(bias)
 
     @classmethod
     def from_float(cls, module: nn.Module, qweight: QTensor, **kw) -> "QLinear":
@@ -227,24 +240,17 @@ class _QConv(QModule):
     KERNELS = kernels.CONV_KERNELS
     _HYPER = ("in_channels", "out_channels", "kernel_size", "stride", "padding", "dilation", "groups",
               "padding_mode")
+    _NDIM = 4
 
     def __init__(self, qweight: QTensor, bias=None, **kw):
-        hyper = {k: kw.pop(k) for k in list(kw) if k in self._HYPER or k == "output_padding"}
-        for k, v in hyper.items():
-            setattr(self, k, v)
-        self.weight_shape = tuple(qweight.shape)
-        if len(self.weight_shape) != 4:
-            raise ValueError(f"{type(self).__name__}: weight must be 4-D, got shape {self.weight_shape}")
+        self._set_hyper(qweight, kw)
         super().__init__(qweight, **kw)
-        self.bias = bias if bias is None or isinstance(bias, nn.Parameter) else nn.Parameter(bias, requires_grad=False)
+        self._set_bias(bias)
 
     @classmethod
     def from_float(cls, module: nn.Module, qweight: QTensor, **kw):
         cls._check_from(module, qweight)
-        hyper = {k: getattr(module, k) for k in cls._HYPER}
-        if hasattr(module, "output_padding"):
-            hyper["output_padding"] = module.output_padding
-        return cls(qweight, module.bias, **hyper, **kw)
+        return cls(qweight, module.bias, **{k: getattr(module, k) for k in cls._HYPER}, **kw)
 
     def forward(self, x: torch.Tensor, *args) -> torch.Tensor:
         return self._io(x, lambda v: self._run(v, extra=args))
@@ -269,6 +275,8 @@ class QConv2d(_QConv):
 class QConvTranspose2d(_QConv):
     """Quantized ``nn.ConvTranspose2d``; ``forward(x, output_size=None)`` as in torch."""
 
+    _HYPER = _QConv._HYPER + ("output_padding",)
+
     def _conv(self, x, w, extra=()):
         output_size = extra[0] if extra else None
         out_pad = nn.ConvTranspose2d._output_padding(self, x, output_size, self.stride, self.padding,
@@ -283,19 +291,13 @@ class _QEmbed(QModule):
               "sparse")
 
     def __init__(self, qweight: QTensor, **kw):
-        hyper = {k: kw.pop(k) for k in list(kw) if k in self._HYPER or k in ("mode", "include_last_offset")}
-        for k, v in hyper.items():
-            setattr(self, k, v)
-        self.weight_shape = tuple(qweight.shape)
-        if len(self.weight_shape) != 2:
-            raise ValueError(f"{type(self).__name__}: weight must be 2-D, got shape {self.weight_shape}")
+        self._set_hyper(qweight, kw)
         super().__init__(qweight, **kw)
 
     @classmethod
     def from_float(cls, module: nn.Module, qweight: QTensor, **kw):
         cls._check_from(module, qweight)
-        hyper = {k: getattr(module, k) for k in cls._HYPER + ("mode", "include_last_offset") if hasattr(module, k)}
-        return cls(qweight, **hyper, **kw)
+        return cls(qweight, **{k: getattr(module, k) for k in cls._HYPER}, **kw)
 
     def _pad(self, rows):
         if self.padding_idx is None or rows is None:
@@ -314,11 +316,14 @@ class QEmbedding(_QEmbed):
         return actquant.apply(self, "output", self._run(x))
 
     def _lookup(self, idx, w, rows):
-        return F.embedding(idx, w, self._pad(rows), self.max_norm, self.norm_type)
+        # padding_idx only shapes gradients, and the quantized weight has none: no lookup needed
+        return F.embedding(idx, w, None, self.max_norm, self.norm_type)
 
 
 class QEmbeddingBag(_QEmbed):
     """Quantized ``nn.EmbeddingBag``: ``forward(input, offsets=None, per_sample_weights=None)``."""
+
+    _HYPER = _QEmbed._HYPER + ("mode", "include_last_offset")
 
     def forward(self, x: torch.Tensor, offsets=None, per_sample_weights=None) -> torch.Tensor:
         y = self._run(x, offsets=offsets, per_sample_weights=per_sample_weights)

@@ -59,26 +59,23 @@ def _meta_skeleton(model: nn.Module) -> nn.Module:
 
 
 def _replace(model: nn.Module, path: str, q: QTensor, kernel: str) -> None:
-    owner_path = path.rpartition(".")[0]
-    module = model.get_submodule(owner_path) if owner_path else model
+    module, leaf = _submodule(model, path)
     cls = quantized_class(module)
-    if cls is None or path.rpartition(".")[2] != "weight":
+    if cls is None or leaf != "weight":
         raise ValueError(f"{path}: only the weight of Linear, Conv2d, ConvTranspose2d, Embedding, EmbeddingBag "
-                         f"and transformers Conv1D modules can be quantized; this is "
-                         f"{type(module).__name__}.{path.rpartition('.')[2]}")
+                         f"and transformers Conv1D modules can be quantized; this is {type(module).__name__}.{leaf}")
     if isinstance(module, QModule):
         module.set_qweight(q)
         return
+    if module is model:
+        raise ValueError(f"{path}: the root module itself cannot be replaced; wrap it in a container")
     if tuple(q.shape) != tuple(module.weight.shape):
         raise ValueError(f"{path}: quantized tensor has shape {tuple(q.shape)}, the {type(module).__name__} "
                          f"weight is {tuple(module.weight.shape)}")
     new = cls.from_float(module, q, kernel=kernel)
     new.train(module.training)
-    if owner_path:
-        parent, name = _submodule(model, owner_path)
-        parent._modules[name] = new
-    else:
-        raise ValueError(f"{path}: the root module itself cannot be replaced; wrap it in a container")
+    parent, name = _submodule(model, path.rpartition(".")[0])
+    parent._modules[name] = new
 
 
 def _assign(model: nn.Module, values: Mapping[str, torch.Tensor], original: nn.Module | None) -> None:
@@ -126,7 +123,7 @@ def to_module(model: nn.Module, qtree: Any, *, inplace: bool = False, kernel: st
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     leaves = flatten_tree(qtree)
-    known = set(model.state_dict().keys()) | set(extract(model))
+    known = set(model.state_dict())
     unknown = sorted(p for p in leaves if p not in known)
     if unknown:
         raise ValueError(f"to_module: tree paths not in the model: {unknown[:5]}"
@@ -149,34 +146,15 @@ def plan(model: nn.Module, recipe) -> dict[str, Match]:
     :class:`~qtransform.Recipe` resolves with module types (``type_rules``) and the
     tensor's ndim. Other tensors (norms, biases, positional tables) stay in full precision.
     """
-    recipe = qt.as_recipe(recipe)
-    types = module_types(model)
-    out = {}
-    for path, module in weight_paths(model).items():
-        w = module.weight
-        if isinstance(module, QModule) or not isinstance(w, torch.Tensor):
-            continue
-        out[path] = recipe.resolve(path, module_type=types.get(path), ndim=w.dim(), floating=w.is_floating_point())
-    return out
+    weights = {p: m.weight for p, m in weight_paths(model).items() if not isinstance(m, QModule)}
+    return qt.as_recipe(recipe).plan(weights, types=module_types(model))
 
 
 def quantize(model: nn.Module, recipe, *, inplace: bool = False, kernel: str = "auto",
              qparams: Mapping | None = None, generator=None) -> nn.Module:
     """``extract -> quantize_tree -> to_module`` in one call (weight-only, round-to-nearest
     unless ``qparams`` from an algorithm are given for some paths)."""
-    chosen = {p: m.spec for p, m in plan(model, recipe).items() if m.spec is not None}
-    qparams = dict(qparams or {})
-    stray = sorted(set(qparams) - set(chosen))
-    if stray:
-        raise ValueError(f"quantize: qparams given for paths the recipe does not quantize: {stray[:5]}")
     params = extract(model)
-    qtree = {}
-    for path, spec in chosen.items():
-        w = params[path]
-        qp = qparams.get(path)
-        if qp is None:
-            qp = qt.choose_qparams(w, spec, path=path)
-        elif qp.spec != spec:
-            raise ValueError(f"{path}: qparams were made for {qp.spec}, the recipe asks for {spec}")
-        qtree[path] = qt.quantize(w, qp, generator=generator, path=path)
-    return to_module(model, qtree, inplace=inplace, kernel=kernel)
+    weights = {p: params[p] for p in plan(model, recipe)}
+    qtree = qt.quantize_tree(weights, recipe, qparams=qparams, types=module_types(model), generator=generator)
+    return to_module(model, {p: q for p, q in qtree.items() if qt.is_qtensor(q)}, inplace=inplace, kernel=kernel)

@@ -19,7 +19,7 @@ import torch
 
 from . import blocks
 from .qtypes import QParams
-from .quantize import _blocked, _to_element, element_range
+from .quantize import _blocked, _from_element, _to_element, element_range
 
 __all__ = ["error_bound"]
 
@@ -36,6 +36,6 @@ def error_bound(x: torch.Tensor, qparams: QParams) -> torch.Tensor:
         half = 2 * half
     # beyond the range the error is the distance to the (representable) end, taken in the x
     # domain: v - clamp(v) would lose most of its digits when v is large and the excess small
-    saturated = (vc if z is None else vc - z) * s
+    saturated = _from_element(vc, s, z)
     bound = torch.where(vc == v, half * s, (xb - saturated).abs())
     return blocks.unview(bound, p)

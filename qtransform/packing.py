@@ -75,20 +75,17 @@ def pack(codes: torch.Tensor, bits: int, *, container: torch.dtype = torch.uint8
     n = codes.shape[-1]
     k = _group(bits, container)
     pad = -n % k
-    if container == torch.uint8 and 8 % bits == 0:  # fast path: whole codes per byte
+    if container == torch.uint8:
         c = codes.to(torch.uint8) & ((1 << bits) - 1)
         if pad:
             c = torch.constant_pad_nd(c, (0, pad))
         c = c.reshape(*c.shape[:-1], -1, k)
-        out = c[..., 0]
-        for j in range(1, k):
-            out = out | (c[..., j] << (bits * j))
-        return out
-    if container == torch.uint8:  # 3, 5, 6, 7 bits: 8 codes fill `bits` bytes, built byte by byte
-        c = codes.to(torch.uint8) & ((1 << bits) - 1)
-        if pad:
-            c = torch.constant_pad_nd(c, (0, pad))
-        c = c.reshape(*c.shape[:-1], -1, k)
+        if 8 % bits == 0:  # whole codes per byte
+            out = c[..., 0]
+            for j in range(1, k):
+                out = out | (c[..., j] << (bits * j))
+            return out
+        # 3, 5, 6, 7 bits: 8 codes fill `bits` bytes, built byte by byte
         out = torch.stack([_or(c[..., i] << s if s >= 0 else c[..., i] >> -s for i, s in _fields(bits, k, j))
                            for j in range(bits)], dim=-1)
         return out.reshape(*out.shape[:-2], -1)[..., : -(-n * bits // 8)]
@@ -100,14 +97,7 @@ def pack(codes: torch.Tensor, bits: int, *, container: torch.dtype = torch.uint8
         c = c[..., list(AWQ_ORDER)]
     shifts = torch.arange(k, device=c.device, dtype=torch.int64) * bits
     word = (c << shifts).sum(-1)  # disjoint bit fields: sum == bitwise or
-    if container == torch.int32:
-        word = torch.where(word >= 2 ** 31, word - 2 ** 32, word)
-        return word.to(torch.int32)
-    nbytes = (k * bits) // 8
-    byte_shifts = torch.arange(nbytes, device=c.device, dtype=torch.int64) * 8
-    out = ((word.unsqueeze(-1) >> byte_shifts) & 0xFF).to(torch.uint8)
-    out = out.reshape(*out.shape[:-2], -1)
-    return out[..., : -(-n * bits // 8)]
+    return torch.where(word >= 2 ** 31, word - 2 ** 32, word).to(torch.int32)
 
 
 def unpack(packed: torch.Tensor, bits: int, numel: int, *, container: torch.dtype | None = None,

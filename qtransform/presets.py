@@ -32,11 +32,10 @@ from .recipe import Recipe
 from .spec import QuantSpec
 
 __all__ = ["Preset", "presets", "get_preset", "hqq_spec", "from_hqq_config", "recipe_from_dict",
-           "LINEAR_TYPES", "ALGORITHM_NAMES"]
+           "LINEAR_TYPES"]
 
 #: Module types a preset quantizes (transformers' GPT-2 Conv1D is a linear layer too).
 LINEAR_TYPES = ("Linear", "Conv1D")
-ALGORITHM_NAMES = ("rtn", "hqq")
 _EXCLUDE = ("lm_head*",)
 
 
@@ -177,9 +176,7 @@ def recipe_from_dict(d: Mapping, *, name: str = "recipe") -> Preset:
     unknown = sorted(set(d) - known)
     if unknown:
         raise ValueError(f"recipe: unknown key(s) {unknown}; known: {sorted(known)}")
-    algorithm = d.get("algorithm", "rtn")
-    if algorithm not in ALGORITHM_NAMES:
-        raise ValueError(f"recipe: algorithm must be one of {list(ALGORITHM_NAMES)}, got {algorithm!r}")
+    algorithm = d.get("algorithm", "rtn")  # any registered algorithm; checked with its options below
     if "dynamic_config" in d or "nbits" in d:
         hqq = from_hqq_config(nbits=d.get("nbits", 4), group_size=d.get("group_size", 64), axis=d.get("axis", 1),
                               dynamic_config=d.get("dynamic_config"),

@@ -32,7 +32,7 @@ from .formats.base import SCALE_DTYPES
 from .qtypes import QParams
 from .spec import QuantSpec
 
-__all__ = ["from_range", "effective", "register_scheme", "decode_scale", "pow2_exponent",
+__all__ = ["from_range", "effective", "affine_effective", "register_scheme", "decode_scale", "pow2_exponent",
            "round_up_to", "FP8_E4M3_MAX", "check_e8m0", "to_e8m0"]
 
 FP8_E4M3_MAX = 448.0
@@ -203,7 +203,8 @@ def _two_level_from_range(lo, hi, spec: QuantSpec, elem_max: float) -> QParams:
     return QParams(scale=block.to(torch.float8_e4m3fn), global_scale=g.to(torch.float32), spec=spec)
 
 
-def _affine_effective(qp: QParams):
+def affine_effective(qp: QParams):
+    """Float32 ``(scale, zero_point)`` of the affine scheme (E8M0 scales checked and decoded)."""
     if qp.spec.scale_dtype == "e8m0":
         check_e8m0(qp.scale, qp.spec)
     s = decode_scale(qp.scale, qp.spec, qp.global_scale)
@@ -213,7 +214,7 @@ def _affine_effective(qp: QParams):
     return s, z
 
 
-_SCHEMES: dict[str, tuple[Callable, Callable]] = {"affine": (_affine_from_range, _affine_effective)}
+_SCHEMES: dict[str, tuple[Callable, Callable]] = {"affine": (_affine_from_range, affine_effective)}
 
 
 def register_scheme(name: str, from_range_fn: Callable, effective_fn: Callable) -> None:

@@ -32,11 +32,7 @@ def _unit_from_range(lo, hi, spec, path=None) -> QParams:
     return QParams(scale=torch.ones_like(lo, dtype=torch.float32), spec=spec)
 
 
-def _unit_effective(qp: QParams):
-    return qp.scale.to(torch.float32), None
-
-
-scales.register_scheme("unit", _unit_from_range, _unit_effective)
+scales.register_scheme("unit", _unit_from_range, scales.affine_effective)
 
 register_format(minifloat("bf16", exponent_bits=8, mantissa_bits=7, bias=127, special="ieee",
                           storage=torch.bfloat16, family="cast", scheme="unit", scale_dtypes=("float32",),

@@ -54,7 +54,7 @@ __all__ = ["SymmetricIntCodec", "MICROEXP_BLOCK", "BFP_BLOCK"]
 
 MICROEXP_BLOCK = 16
 BFP_BLOCK = 8
-_E8M0_BIAS = 127
+_E8M0_BIAS = scales.E8M0_BIAS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,12 +123,8 @@ def _bfp_from_range(lo, hi, spec, path=None) -> QParams:
     return QParams(scale=(k + _E8M0_BIAS).to(torch.uint8), spec=spec)
 
 
-def _bfp_effective(qp: QParams):
-    return scales.decode_scale(qp.scale, qp.spec), None
-
-
 scales.register_scheme("microexp", _micro_from_range, _micro_effective)
-scales.register_scheme("bfp", _bfp_from_range, _bfp_effective)
+scales.register_scheme("bfp", _bfp_from_range, scales.affine_effective)
 
 for _name, _bits in (("mx9", 8), ("mx6", 5), ("mx4", 3)):
     register_format(Format(
