@@ -43,6 +43,7 @@ bench: $(STAMP)
 	$(BIN)/python bench/bench_core.py
 	$(BIN)/python bench/bench_linear.py
 	$(BIN)/python bench/bench_formats.py
+	$(BIN)/python bench/bench_hqq.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

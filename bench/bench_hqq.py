@@ -42,20 +42,14 @@ from common import markdown, timeit, write  # noqa: E402
 from qtransform.algorithms import hqq  # noqa: E402
 
 warnings.filterwarnings("ignore")
-SCHEMES = [(4, 64), (3, 64), (2, 16)]
 METHODS = ("rtn", "hqq", "ours (min MSE)", "ours (preset)")
-PRESETS = {(4, 64): "hqq4-g64", (3, 64): "hqq3-g64", (2, 16): "hqq2-g16"}
+PRESETS = ("hqq4-g64", "hqq3-g64", "hqq2-g16")  # uint4 g64, uint3 g64, uint2 g16, groups along axis 1
 
 
 def linear_weights(model) -> dict[str, torch.Tensor]:
     """Weights of every nn.Linear but the (tied) output head: SmolLM2-135M has 210."""
     return {f"{name}.weight": m.weight.detach() for name, m in model.named_modules()
             if isinstance(m, torch.nn.Linear) and name != "lm_head"}
-
-
-def spec_for(bits: int, group: int) -> qt.QuantSpec:
-    return qt.QuantSpec(format=f"uint{bits}", granularity=qt.PerGroup(group, axis=1), symmetric=False,
-                        zero_point_domain="float", scale_dtype="float16")
 
 
 def run_ours(weights, spec, **options):
@@ -117,11 +111,10 @@ def main(argv=None):
     print(f"full precision perplexity {fp_ppl}", flush=True)
 
     rows, table = [], []
-    for bits, group in SCHEMES:
-        spec = spec_for(bits, group)
-        preset = qt.get_preset(PRESETS[bits, group])
-        if preset.recipe.type_rules[0][1] != spec.replace(granularity=qt.PerGroup(group)):
-            raise SystemExit(f"preset {preset.name} no longer quantizes with {spec}")
+    for name in PRESETS:
+        preset = qt.get_preset(name)
+        spec = preset.recipe.type_rules[0][1]
+        bits, group = spec.fmt.codec.bits, spec.granularity.size
         fns = {"rtn": lambda: run_rtn(weights, spec), "hqq": lambda: run_hqq(weights, bits, group),
                "ours (min MSE)": lambda: run_ours(weights, spec),
                "ours (preset)": lambda: run_ours(weights, spec, **preset.options)}

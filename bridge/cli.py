@@ -77,11 +77,11 @@ def _load_recipe(name_or_file: str):
 
 
 # ------------------------------------------------------------------ corpus
-def _corpus_text(source: str, part: str = "eval") -> str:
+def _corpus_text(source: str) -> str:
     from . import corpus
 
     try:
-        return corpus.load_text(source, part=part)
+        return corpus.load_text(source, part="eval")
     except (OSError, ValueError, ImportError) as e:
         raise UserError(f"cannot read corpus {source!r}: {e}") from None
 
@@ -89,10 +89,10 @@ def _corpus_text(source: str, part: str = "eval") -> str:
 def _sequences(tokenizer, text: str, source: str, seq_len: int, count: int):
     from . import corpus
 
-    seqs = corpus.token_sequences(text, tokenizer, seq_len=seq_len, max_sequences=count)
-    if seqs.shape[0] == 0:
-        raise UserError(f"corpus {source!r} holds fewer than {seq_len} tokens")
-    return seqs
+    try:
+        return corpus.token_sequences(text, tokenizer, seq_len=seq_len, max_sequences=count)
+    except corpus.CorpusError as e:
+        raise UserError(f"corpus {source!r}: {e}") from None
 
 
 def _load(model_arg):
@@ -221,8 +221,8 @@ def cmd_eval(a) -> int:
         if seqs is None:
             seqs = _sequences(tokenizer, text, a.corpus, a.seq_len, a.eval_sequences)
         ppl = evaluate.perplexity(model, seqs, progress=True).perplexity
-        text = evaluate.generate(model, tokenizer, a.prompt, max_new_tokens=a.max_new_tokens)
-        results.append({"role": role, "model": path, "perplexity": ppl, "generation": text})
+        generation = evaluate.generate(model, tokenizer, a.prompt, max_new_tokens=a.max_new_tokens)
+        results.append({"role": role, "model": path, "perplexity": ppl, "generation": generation})
         del model
     rows = [["", *(r["role"] for r in results)],
             ["path", *(r["model"] for r in results)],

@@ -21,6 +21,9 @@ from .report import _table, format_bytes
 __all__ = ["describe", "tensor_bytes"]
 
 
+_WIDTH = {name: dtype.itemsize for dtype, name in io._ST_DTYPES.items()}  # safetensors dtype -> bytes
+
+
 def tensor_bytes(directory) -> dict[str, int]:
     """``{stored tensor name: bytes}`` from the shard headers (no tensor data is read)."""
     located, handles = io._open_shards(Path(directory))
@@ -28,9 +31,7 @@ def tensor_bytes(directory) -> dict[str, int]:
     for name, f in located.items():
         sl = handles[f].get_slice(name)
         shape, dtype = sl.get_shape(), sl.get_dtype()
-        width = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2, "I16": 2,
-                 "U16": 2}.get(dtype, 1)
-        out[name] = math.prod(shape) * width
+        out[name] = math.prod(shape) * _WIDTH.get(dtype, 1)
     return out
 
 

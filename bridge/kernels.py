@@ -52,12 +52,14 @@ INT4_GROUPS = (256, 128, 64, 32)
 
 class Kernel(NamedTuple):
     """A forward path: ``check(module, forced) -> reason or None``, ``prepare(module) -> state``,
-    ``run(module, state, x, **kw) -> y`` (bias excluded)."""
+    ``run(module, state, x, **kw) -> y`` (bias excluded). ``quantizes_input``: ``run`` consumes
+    the module's input quantizer itself (a low-precision matmul), so it is not applied before."""
 
     name: str
     check: Callable
     prepare: Callable | None
     run: Callable
+    quantizes_input: bool = False
 
 
 # ----------------------------------------------------------------------- helpers
@@ -303,7 +305,7 @@ def _dequant_conv(module, st, x, **kw):
 
 
 LINEAR_KERNELS = {k.name: k for k in (
-    Kernel("fp8_scaled_mm", _fp8_check, None, _fp8_run),
+    Kernel("fp8_scaled_mm", _fp8_check, None, _fp8_run, quantizes_input=True),
     Kernel("int4pack_cpu", _int4_check, _int4_prepare, _int4_run),
     Kernel("int8pack_cpu", _int8_check, _int8_prepare, _int8_run),
     Kernel("dequant", _always, None, _dequant_linear),

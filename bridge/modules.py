@@ -200,7 +200,8 @@ class QModule(nn.Module):
         return f"weight={self.spec}{bits}{act}, kernel={self._kernel_request if self.weight.is_meta else self.kernel}"
 
     def _io(self, x, fn, **kw):
-        x = actquant.apply(self, "input", x) if self.kernel != "fp8_scaled_mm" else x
+        if not self.KERNELS[self._resolve()[1]].quantizes_input:
+            x = actquant.apply(self, "input", x)
         return actquant.apply(self, "output", fn(x, **kw))
 
 

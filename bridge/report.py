@@ -28,6 +28,7 @@ class LayerRow:
     bits_per_weight: float
     rel_error: float
     rule: str
+    bytes_before: int  # the original tensor's
 
 
 def _rel_error(w: torch.Tensor, q: qt.QTensor) -> float:
@@ -41,8 +42,9 @@ def layer_rows(params: Mapping[str, torch.Tensor], qtree: Mapping[str, Any], pla
     rows = []
     for path, q in qtree.items():
         if isinstance(q, qt.QTensor):
+            w = params[path]
             rows.append(LayerRow(path, str(q.spec), tuple(q.shape), q.nbytes(), q.bits_per_element(),
-                                 _rel_error(params[path], q), plan[path].rule if path in plan else ""))
+                                 _rel_error(w, q), plan[path].rule if path in plan else "", w.numel() * w.element_size()))
     return rows
 
 
@@ -99,6 +101,11 @@ class Report:
         n = self.quantized_numel
         return 8.0 * sum(r.bytes for r in self.layers) / n if n else float("nan")
 
+    @property
+    def bits_per_weight_before(self) -> float:
+        n = self.quantized_numel
+        return 8.0 * sum(r.bytes_before for r in self.layers) / n if n else float("nan")
+
     def worst(self, n: int = 5) -> list[LayerRow]:
         return sorted(self.layers, key=lambda r: r.rel_error, reverse=True)[:n]
 
@@ -107,6 +114,7 @@ class Report:
         d["layers"] = [dataclasses.asdict(r) | {"shape": list(r.shape)} for r in self.layers]
         d["quantized_numel"] = self.quantized_numel
         d["bits_per_weight"] = self.bits_per_weight
+        d["bits_per_weight_before"] = self.bits_per_weight_before
         d["mean_rel_error"] = (sum(r.rel_error for r in self.layers) / len(self.layers)) if self.layers else None
         return d
 
@@ -130,7 +138,8 @@ class Report:
         ratio = self.size_before / self.size_after if self.size_after else float("nan")
         summary = [["", "before", "after"],
                    ["model size", format_bytes(self.size_before), f"{format_bytes(self.size_after)} ({ratio:.2f}x smaller)"],
-                   ["bits per quantized weight", "32" if self.layers else "-", f"{self.bits_per_weight:.3f}"]]
+                   ["bits per quantized weight", f"{self.bits_per_weight_before:.0f}" if self.layers else "-",
+                    f"{self.bits_per_weight:.3f}"]]
         if self.ppl_before is not None or self.ppl_after is not None:
             fmt = lambda p: "-" if p is None else f"{p:.3f}"  # noqa: E731
             summary.append([f"perplexity ({self.eval_tokens} tokens)", fmt(self.ppl_before), fmt(self.ppl_after)])

@@ -168,7 +168,7 @@ def _affine_from_range(lo, hi, spec: QuantSpec, path=None) -> QParams:
         half = (qhi - qlo) / 2
         stored, s = _store_scale(amax / half, amax, amax / half, spec, path)
         zp = None
-        if spec.fmt.family == "int" and not codec.signed:
+        if qlo >= 0:  # an element range without negatives (uint): the zero point sits mid-range
             mid = -(-(qlo + qhi) // 2)  # ceil: 2^(N-1) for uint, full or restricted
             zp = torch.full(s.shape, int(mid), dtype=codec.code_dtype, device=s.device)
         return QParams(scale=stored, zero_point=zp, spec=spec)

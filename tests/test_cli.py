@@ -59,6 +59,7 @@ def test_quantize_report_plot_and_reload(tiny_model, tmp_path):
     assert len(rep["layers"]) == 2 * 7  # q k v o gate up down per layer (lm_head excluded, tied)
     assert all(l["spec"] == "uint4 g64 asym(float zp)" for l in rep["layers"])
     assert 4.4 < rep["bits_per_weight"] < 4.6  # 4 + (16 + 16) / 64
+    assert rep["bits_per_weight_before"] == 32  # the tiny model is float32
     assert rep["ppl_before"] > 1 and rep["ppl_after"] > 1 and rep["size_after"] < rep["size_before"]
     assert (out / "report.png").stat().st_size > 10_000
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temporary leftovers
@@ -139,6 +140,9 @@ def test_bad_input_gives_one_line_and_writes_nothing(tiny_model, tmp_path):
     _one_line_error(run("quantize", "--model", str(tiny_model), "--out", str(tmp_path / "y"),
                         "--corpus", str(tmp_path / "no.txt")), "cannot read corpus")
     _one_line_error(run("eval", "--model", str(tmp_path / "nope")), "model not found")
+    short = tmp_path / "short.txt"
+    short.write_text("Too short.")
+    _one_line_error(run("eval", "--model", str(tiny_model), "--corpus", str(short)), "corpus", "tokens")
     _one_line_error(run("inspect", str(tiny_model)), "quantization_config")
     res = run("quantize", "--bogus")
     assert res.returncode == 2 and len(res.stderr.strip().splitlines()) == 1
