@@ -227,9 +227,9 @@ def cmd_eval(a) -> int:
     rows = [["", *(r["role"] for r in results)],
             ["path", *(r["model"] for r in results)],
             [f"perplexity ({seqs.numel()} tokens)", *(f"{r['perplexity']:.3f}" for r in results)]]
-    from .report import _table
+    from .report import table
     _say()
-    _say("\n".join(_table(rows)))
+    _say("\n".join(table(rows)))
     _say(f"\nprompt: {a.prompt!r}")
     for r in results:
         _say(f"[{r['role']}] {r['generation'].strip()}")
@@ -241,7 +241,7 @@ def cmd_eval(a) -> int:
 # ------------------------------------------------------------------ formats / recipes / inspect
 def cmd_formats(a) -> int:
     import qtransform as qt
-    from .report import _table
+    from .report import table
 
     rows = [["format", "family", "bits/element", "default granularity", "round-trip bound"]]
     for name, fmt in qt.FORMATS.items():
@@ -251,19 +251,19 @@ def cmd_formats(a) -> int:
             spec = qt.QuantSpec(format=name, symmetric=False)
         bits = qt.bits_per_element(spec)
         rows.append([name, fmt.family, f"{bits:g}", str(spec).split(" ", 1)[1], fmt.codec.bound])
-    _say("\n".join(_table(rows)))
+    _say("\n".join(table(rows)))
     return 0
 
 
 def cmd_recipes(a) -> int:
     import qtransform as qt
-    from .report import _table, algorithm_label
+    from .report import table, algorithm_label
 
     rows = [["recipe", "algorithm", "linear layers get", "description"]]
     for name, p in qt.presets().items():
         rows.append([name, algorithm_label(p.algorithm, p.options), str(p.recipe.type_rules[0][1]),
                      p.description])
-    _say("\n".join(_table(rows)))
+    _say("\n".join(table(rows)))
     _say("\nA recipe file (JSON or TOML) has keys algorithm, options, default, rules, type_rules, exclude, or an "
          "HQQ-style nbits/group_size/dynamic_config; specs are QuantSpec dicts or preset names.")
     return 0

@@ -16,7 +16,7 @@ import math
 from pathlib import Path
 
 from . import io, metadata
-from .report import _table, format_bytes
+from .report import table, format_bytes
 
 __all__ = ["describe", "tensor_bytes"]
 
@@ -58,7 +58,7 @@ def describe(directory) -> str:
     lines = [f"checkpoint {root}: {len(entries)} quantized tensor(s), {len(other)} other tensor(s)",
              f"algorithm: {qcfg.get('algorithm', '?')}; recipe: {qcfg.get('recipe_name') or ('stored' if qcfg.get('recipe') else 'none')}; "
              f"qtransform {qcfg.get('qtransform_version', '?')}, metadata version {qcfg.get('version')}", ""]
-    lines += _table(rows)
+    lines += table(rows)
     total = q_bytes + sum(other.values())
     lines += ["", f"quantized: {format_bytes(q_bytes)} for {q_numel / 1e6:.2f}M weights "
                   f"({8 * q_bytes / max(q_numel, 1):.3f} bits/weight); other tensors: {format_bytes(sum(other.values()))}; "

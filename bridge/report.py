@@ -16,7 +16,7 @@ import torch
 
 import qtransform as qt
 
-__all__ = ["LayerRow", "Report", "layer_rows", "tree_bytes", "format_bytes"]
+__all__ = ["LayerRow", "Report", "layer_rows", "tree_bytes", "format_bytes", "algorithm_label", "table"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,9 +131,9 @@ class Report:
             n = sum(math.prod(r.shape) for r in rs)
             rows.append([spec, str(len(rs)), f"{n / 1e6:.2f}M", f"{8 * sum(r.bytes for r in rs) / n:.3f}",
                          f"{sum(r.rel_error for r in rs) / len(rs):.5f}", f"{max(r.rel_error for r in rs):.5f}"])
-        lines += ["", *_table(rows)]
+        lines += ["", *table(rows)]
         lines += ["", "worst layers (relative error ||W - Ŵ||² / ||W||²):"]
-        lines += _table([["tensor", "spec", "rel. error"]] +
+        lines += table([["tensor", "spec", "rel. error"]] +
                         [[r.path, r.spec, f"{r.rel_error:.5f}"] for r in self.worst()])
         ratio = self.size_before / self.size_after if self.size_after else float("nan")
         summary = [["", "before", "after"],
@@ -144,7 +144,7 @@ class Report:
             fmt = lambda p: "-" if p is None else f"{p:.3f}"  # noqa: E731
             summary.append([f"perplexity ({self.eval_tokens} tokens)", fmt(self.ppl_before), fmt(self.ppl_after)])
         summary.append(["wall time", "", f"quantize {self.seconds_quantize:.1f} s, total {self.seconds_total:.1f} s"])
-        lines += ["", *_table(summary)]
+        lines += ["", *table(summary)]
         if self.unmatched:
             lines += ["", "warning: recipe patterns that matched nothing: " + ", ".join(self.unmatched)]
         if self.out:
@@ -159,10 +159,10 @@ class Report:
         import matplotlib.pyplot as plt
 
         fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 4.5), gridspec_kw={"width_ratios": [3, 1]})
-        kinds = sorted({r.path.rsplit(".", 2)[-2] if r.path.count(".") >= 2 else r.path for r in self.layers})
-        for kind in kinds:
-            idx = [i for i, r in enumerate(self.layers) if (r.path.rsplit(".", 2)[-2] if r.path.count(".") >= 2
-                                                            else r.path) == kind]
+        by_kind: dict[str, list[int]] = {}  # module name without its parents: q_proj, up_proj...
+        for i, r in enumerate(self.layers):
+            by_kind.setdefault(r.path.rsplit(".", 2)[-2] if r.path.count(".") >= 2 else r.path, []).append(i)
+        for kind, idx in sorted(by_kind.items()):
             ax1.scatter(idx, [self.layers[i].rel_error for i in idx], s=10, label=kind)
         ax1.set_yscale("log")
         ax1.set_xlabel("quantized tensor (model order)")
@@ -182,7 +182,8 @@ class Report:
         plt.close(fig)
 
 
-def _table(rows: list[list[str]]) -> list[str]:
+def table(rows: list[list[str]]) -> list[str]:
+    """Plain-text lines of a table whose first row is the header (columns padded to fit)."""
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     out = ["  ".join(c.ljust(w) for c, w in zip(rows[0], widths)).rstrip(),
            "  ".join("-" * w for w in widths)]
