@@ -37,9 +37,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bridge/ next to qtransform/
 
 import qtransform as qt  # noqa: E402
-from bridge import corpus, evaluate, models  # noqa: E402
+from bridge.app import corpus, evaluate, models  # noqa: E402
 from common import markdown, timeit, write  # noqa: E402
-from qtransform.algorithms import hqq  # noqa: E402
 
 warnings.filterwarnings("ignore")
 METHODS = ("rtn", "hqq", "ours (min MSE)", "ours (preset)")
@@ -52,8 +51,9 @@ def linear_weights(model) -> dict[str, torch.Tensor]:
             if isinstance(m, torch.nn.Linear) and name != "lm_head"}
 
 
-def run_ours(weights, spec, **options):
-    return {k: qt.quantize(w, hqq.optimize(w, spec, **options)) for k, w in weights.items()}
+def run_ours(weights, spec, steps=("hqq",)):
+    """The pipeline: the recipe's steps (HQQ with its options), then quantize_tree."""
+    return qt.quantize_tree(weights, qt.Recipe(default=spec, steps=steps))
 
 
 def run_rtn(weights, spec):
@@ -113,11 +113,11 @@ def main(argv=None):
     rows, table = [], []
     for name in PRESETS:
         preset = qt.get_preset(name)
-        spec = preset.recipe.type_rules[0][1]
+        spec = preset.spec
         bits, group = spec.fmt.codec.bits, spec.granularity.size
         fns = {"rtn": lambda: run_rtn(weights, spec), "hqq": lambda: run_hqq(weights, bits, group),
                "ours (min MSE)": lambda: run_ours(weights, spec),
-               "ours (preset)": lambda: run_ours(weights, spec, **preset.options)}
+               "ours (preset)": lambda: run_ours(weights, spec, preset.steps)}
         threads = torch.get_num_threads()
         torch.set_num_threads(args.threads)
         t = timeit(fns, repeat=args.repeat, warmup=0)
@@ -127,7 +127,7 @@ def main(argv=None):
             row = {"bits": bits, "group_size": group, "axis": 1, "method": method, "seconds": t[method],
                    "time_vs_hqq": t[method] / t["hqq"], "relative_mse": relative_mse(weights, approx),
                    "perplexity": ppl(approx) if ppl else None,
-                   "options": dict(preset.options) if method == "ours (preset)" else {}}
+                   "options": dict(preset.steps[0].options) if method == "ours (preset)" else {}}
             rows.append(row)
             print(row, flush=True)
             table.append([f"uint{bits} g{group}", method, f"{t[method]:.2f} s",

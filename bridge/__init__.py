@@ -8,7 +8,11 @@ QLinear(in_features=256, out_features=64, bias=True, weight=int4 g64 sym [4.500 
 >>> qmodel(torch.randn(2, 256)).shape
 torch.Size([2, 16])
 
-Importing ``bridge`` registers ``quant_method: "qtransform"`` with transformers.
+Packages follow the data flow: ``tree`` (module <-> tree), ``calibrate`` (forward passes folding
+statistics), ``pipeline`` (the one pipeline), ``modules`` and ``kernels`` (quantized modules and
+their forward paths), ``checkpoint`` (files, layouts, metadata), ``hf`` (transformers, a leaf)
+and ``app`` (the ``qtransform`` command, corpora, evaluation, reports). Importing ``bridge``
+registers ``quant_method: "qtransform"`` with transformers.
 """
 
 import contextlib as _contextlib
@@ -33,12 +37,14 @@ def _quiet_imports(names=("torchao", "torch.utils._pytree")):
 
 with _quiet_imports():
     from .modules import QConv2d, QConvTranspose2d, QEmbedding, QEmbeddingBag, QLinear, QModule
-    from .extract import extract, module_types
-    from .rebuild import plan, quantize, to_module
-    from .metadata import CheckpointError
+    from .tree import extract, module_types, to_module
+    from .calibrate import ModelCalibrator
+    from .pipeline import Quantized, plan, quantize, quantize_params
+    from .checkpoint import CheckpointError, load_tree, read_metadata
     from .io import load, save
     from .hf import QTransformConfig, QTransformHfQuantizer
 
-__all__ = ["extract", "module_types", "to_module", "quantize", "plan", "save", "load", "CheckpointError",
+__all__ = ["extract", "module_types", "to_module", "plan", "quantize", "quantize_params", "Quantized",
+           "ModelCalibrator", "save", "load", "load_tree", "read_metadata", "CheckpointError",
            "QTransformConfig", "QTransformHfQuantizer",
            "QModule", "QLinear", "QConv2d", "QConvTranspose2d", "QEmbedding", "QEmbeddingBag"]

@@ -7,31 +7,43 @@
 >>> q = qt.quantize(w, qp)
 >>> qt.dequantize(q).shape, q.codes.dtype, q.codes.shape
 (torch.Size([64, 256]), torch.uint8, torch.Size([64, 128]))
+
+The packages follow the data flow: ``formats`` (how numbers are stored) -> ``spec`` (what to
+quantize: QuantSpec, Recipe, Plan) -> ``tensor`` (QParams/QTensor, quantize) -> ``observers``
+(statistics) -> ``algorithms`` (steps: new weights and quantization parameters) ->
+``pipeline`` (steps in order, presets, recipe files) -> ``tree`` (whole parameter trees).
 """
 
-from .formats import FORMATS, Codec, Format, get_format, minifloat, mx_format, register_format
+from .registry import Registry
+from .formats import FORMATS, Codec, Format, get_format, minifloat, mx_format, pack, register_format, unpack
 from .granularity import PerBlock, PerChannel, PerGroup, PerTensor
-from .spec import QuantSpec
-from .qtypes import HistogramStats, MinMaxStats, QParams, QTensor
-from .observe import init_stats, merge_stats, observe
-from .qparams import choose_qparams, compute_qparams
-from .quantize import dequantize, fake_quantize, quantize, unpacked_codes
-from .bounds import error_bound
-from .footprint import bits_per_element
-from .packing import pack, unpack
-from .recipe import Match, Recipe, as_recipe
-from .presets import Preset, from_hqq_config, get_preset, presets, recipe_from_dict
-from .tree import (dequantize_tree, is_qtensor, merge_stats_tree, observe_tree, qparams_tree,
+from .spec import Match, Plan, QuantSpec, Recipe, Site, Step, as_plan, as_recipe, module_of
+from .tensor import (QParams, QTensor, bits_per_element, dequantize, error_bound, fake_quantize, quantize,
+                     unpacked_codes)
+from .observers import (OBSERVERS, HistogramStats, MinMaxStats, Observer, choose_qparams, compute_qparams,
+                        finalize_stats, init_stats, make_observer, merge_stats, observe, register_observer)
+from .algorithms import (ALGORITHMS, Algorithm, Context, Fit, SiteStats, apply_fit, check_algorithm_options,
+                         get_algorithm, register_algorithm)
+from .pipeline import (PRESETS, Calibrator, Preset, check_steps, from_hqq_config, get_preset, presets,
+                       recipe_from_dict, register_preset, run_steps)
+from .tree import (dequantize_tree, flatten_tree, is_qtensor, merge_stats_tree, observe_tree, qparams_tree,
                    quantize_tree)
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
-    "FORMATS", "Codec", "Format", "get_format", "register_format", "minifloat", "mx_format",
-    "PerBlock", "PerChannel", "PerGroup", "PerTensor", "QuantSpec",
-    "HistogramStats", "MinMaxStats", "QParams", "QTensor",
-    "init_stats", "merge_stats", "observe", "choose_qparams", "compute_qparams",
-    "dequantize", "fake_quantize", "quantize", "unpacked_codes", "error_bound", "bits_per_element", "pack", "unpack",
-    "Match", "Recipe", "as_recipe", "Preset", "from_hqq_config", "get_preset", "presets", "recipe_from_dict",
-    "dequantize_tree", "is_qtensor", "merge_stats_tree", "observe_tree", "qparams_tree", "quantize_tree",
+    "Registry",
+    "FORMATS", "Codec", "Format", "get_format", "register_format", "minifloat", "mx_format", "pack", "unpack",
+    "PerBlock", "PerChannel", "PerGroup", "PerTensor",
+    "QuantSpec", "Recipe", "Step", "Plan", "Match", "Site", "as_plan", "as_recipe", "module_of",
+    "QParams", "QTensor", "quantize", "dequantize", "fake_quantize", "unpacked_codes", "error_bound",
+    "bits_per_element",
+    "OBSERVERS", "Observer", "register_observer", "make_observer", "init_stats", "observe", "merge_stats",
+    "finalize_stats", "compute_qparams", "choose_qparams", "MinMaxStats", "HistogramStats",
+    "ALGORITHMS", "Algorithm", "Context", "Fit", "SiteStats", "apply_fit", "check_algorithm_options",
+    "get_algorithm", "register_algorithm",
+    "PRESETS", "Preset", "Calibrator", "check_steps", "run_steps", "from_hqq_config", "get_preset", "presets",
+    "recipe_from_dict", "register_preset",
+    "dequantize_tree", "flatten_tree", "is_qtensor", "merge_stats_tree", "observe_tree", "qparams_tree",
+    "quantize_tree",
 ]

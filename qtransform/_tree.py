@@ -8,11 +8,13 @@ list indices appear as numbers (``"layers.0.w"``).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable
 
 import torch.utils._pytree as _pytree
 
-__all__ = ["register_node", "flatten_with_paths", "map_with_path", "tree_map", "tree_leaves"]
+__all__ = ["register_node", "pytree_dataclass", "flatten_with_paths", "map_with_path", "tree_map",
+           "tree_leaves"]
 
 
 def register_node(cls: type, flatten: Callable, unflatten: Callable) -> None:
@@ -20,6 +22,39 @@ def register_node(cls: type, flatten: Callable, unflatten: Callable) -> None:
     _pytree.register_pytree_node(
         cls, flatten, unflatten, serialized_type_name=f"{cls.__module__}.{cls.__qualname__}"
     )
+
+
+def pytree_dataclass(*, static: tuple[str, ...]):
+    """Make a frozen keyword-only dataclass whose ``static`` fields are pytree context.
+
+    Tensor fields are leaves; fields that are ``None`` are absent from the leaves, so
+    ``torch.func.vmap``, ``grad`` and ``tree_map`` see tensors only.
+    """
+
+    def wrap(cls):
+        cls = dataclasses.dataclass(frozen=True, kw_only=True)(cls)
+        names = tuple(f.name for f in dataclasses.fields(cls))
+        data = tuple(n for n in names if n not in static)
+
+        def flatten(obj):
+            present = tuple(n for n in data if getattr(obj, n) is not None)
+            ctx = (tuple(getattr(obj, n) for n in static), present)
+            return [getattr(obj, n) for n in present], ctx
+
+        def unflatten(children, ctx):
+            static_vals, present = ctx
+            kwargs = dict(zip(static, static_vals))
+            kwargs.update({n: None for n in data})
+            kwargs.update(zip(present, children))
+            obj = object.__new__(cls)
+            for k, v in kwargs.items():
+                object.__setattr__(obj, k, v)
+            return obj
+
+        register_node(cls, flatten, unflatten)
+        return cls
+
+    return wrap
 
 
 def _key_str(entry: Any) -> str:

@@ -18,11 +18,10 @@ from __future__ import annotations
 
 import torch
 
-from .bounds import error_bound
 from .formats import FORMATS
 from .granularity import PerBlock, PerChannel, PerGroup, PerTensor
-from .quantize import dequantize, quantize
 from .spec import QuantSpec
+from .tensor import dequantize, error_bound, quantize
 
 __all__ = ["spec_cases", "granularity_id", "tensors_for", "assert_within_bound", "BOUND_RTOL"]
 

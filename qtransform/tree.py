@@ -1,4 +1,4 @@
-"""Tree transforms: quantize, dequantize and observe whole parameter trees.
+"""Whole parameter trees: quantize (running the recipe's steps), dequantize, observe.
 
 >>> import torch, qtransform as qt
 >>> params = {"fc.weight": torch.randn(8, 64), "fc.bias": torch.randn(8)}
@@ -11,59 +11,84 @@ torch.Size([8, 64])
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 
 from . import _tree
-from .observe import init_stats, merge_stats, observe
-from .qparams import choose_qparams, compute_qparams
-from .qtypes import QParams, QTensor
-from .quantize import dequantize, quantize
-from .recipe import Recipe, as_recipe
+from .algorithms import Fit
+from .observers import choose_qparams, compute_qparams, init_stats, merge_stats, observe
+from .pipeline import Calibrator, run_steps
+from .spec import Recipe, as_plan
+from .tensor import QParams, QTensor, dequantize, quantize
 
-__all__ = ["quantize_tree", "dequantize_tree", "observe_tree", "merge_stats_tree",
-           "qparams_tree", "is_qtensor"]
+__all__ = ["quantize_tree", "dequantize_tree", "observe_tree", "merge_stats_tree", "qparams_tree",
+           "is_qtensor", "flatten_tree"]
 
 
 def is_qtensor(x) -> bool:
     return isinstance(x, QTensor)
 
 
+def flatten_tree(tree: Any) -> dict[str, Any]:
+    """``{dotted path: leaf}`` of a (possibly nested) tree, QTensor leaves kept whole.
+
+    >>> import torch, qtransform as qt
+    >>> sorted(qt.flatten_tree({"a": {"w": torch.ones(1)}, "b": [torch.ones(1)]}))
+    ['a.w', 'b.0']
+    """
+    return dict(_tree.flatten_with_paths(tree, is_leaf=is_qtensor)[0])
+
+
 def quantize_tree(params: Any, recipe: Recipe | Any, *, qparams: Mapping[str, QParams] | None = None,
-                  types: Mapping[str, str] | None = None, generator=None) -> Any:
-    """Quantize every leaf the recipe selects; other leaves are returned as they are.
+                  types: Mapping[str, str] | None = None, calibrator: Calibrator | None = None,
+                  progress: Callable | None = None, generator=None) -> Any:
+    """Run the recipe's steps, then quantize every leaf the recipe selects.
 
     Args:
         params: a tree of tensors (a state dict, nested dicts, lists...).
-        recipe: a :class:`Recipe` or a single :class:`QuantSpec` (applied as the default).
-        qparams: precomputed parameters by path (from calibration or an algorithm such as
-            HQQ or GPTQ); other selected paths are fitted to the tensor itself.
+        recipe: a :class:`Recipe`, a single :class:`QuantSpec` (applied as the default), or a
+            :class:`Plan` already resolved for ``params``.
+        qparams: precomputed parameters by path (e.g. from calibration); other selected paths
+            get what the steps fitted, or round to nearest from their min/max.
         types: module type name by path, for ``Recipe.type_rules``.
+        calibrator: runs the model for steps that need calibration data (see :func:`run_steps`).
+        progress: progress wrapper handed to the steps (``tqdm.tqdm``).
         generator: ``torch.Generator`` or int seed for stochastic rounding.
 
     Returns:
-        A tree of the same structure with :class:`QTensor` leaves where quantized. Errors name
-        the path; the input tree is never modified.
+        A tree of the same structure with :class:`QTensor` leaves where quantized and the tensors
+        the steps changed (a smoothed norm, say) in place. Errors name the path; the input tree
+        is never modified.
     """
-    recipe = as_recipe(recipe)
-    plan = recipe.plan(params, types=types)
-    qparams = dict(qparams or {})
-    unknown = sorted(set(qparams) - set(plan))
+    plan = as_plan(recipe, params, types=types)
+    if qparams is not None and not isinstance(qparams, Mapping):
+        raise TypeError(f"quantize_tree: qparams must map tree paths to QParams, got {type(qparams).__name__}")
+    given = dict(qparams or {})
+    bad = [p for p, q in given.items() if not isinstance(q, QParams)]
+    if bad:
+        raise TypeError(f"quantize_tree: qparams[{bad[0]!r}] must be a QParams, got {type(given[bad[0]]).__name__}")
+    unknown = sorted(set(given) - set(plan))
     if unknown:
         raise ValueError(f"quantize_tree: qparams given for paths not in the tree: {unknown[:5]}")
+    fit = run_steps(params, plan, calibrator=calibrator, progress=progress) if plan.steps else Fit()
+    clash = sorted(set(given) & (set(fit.qparams) | set(fit.params)))
+    if clash:
+        raise ValueError(f"quantize_tree: qparams given for {clash[:5]}, which the recipe's steps also fit")
+    fitted = {**fit.qparams, **given}
 
     def one(path: str, leaf):
+        leaf = fit.params.get(path, leaf)
         match = plan.get(path)
         if match is None or match.spec is None:
-            if path in qparams:
+            if path in fitted:
                 raise ValueError(f"{path}: qparams given but the recipe leaves this path unquantized "
                                  f"({match.rule if match else 'not a tensor'})")
             return leaf
-        qp = qparams.get(path)
+        qp = fitted.get(path)
         if qp is None:
-            qp = choose_qparams(leaf, match.spec, path=path)
-        elif qp.spec != match.spec:
+            return quantize(leaf, choose_qparams(leaf, match.spec, path=path), generator=generator, path=path)
+        if qp.spec != match.spec:
             raise ValueError(f"{path}: qparams were made for {qp.spec}, the recipe asks for {match.spec}")
         return quantize(leaf, qp, generator=generator, path=path)
 
@@ -77,17 +102,17 @@ def dequantize_tree(qtree: Any, *, dtype: torch.dtype | None = None) -> Any:
 
 
 def observe_tree(stats: Mapping[str, Any] | None, tensors: Mapping[str, torch.Tensor],
-                 recipe: Recipe | Any) -> dict[str, Any]:
-    """Fold a batch of named tensors (e.g. captured activations) into per-path statistics.
+                 recipe: Recipe | Any, *, observer=None, **options) -> dict[str, Any]:
+    """Fold a batch of named tensors (e.g. captured activations) into per-path range statistics.
 
     ``stats`` is ``None`` for the first batch. Paths the recipe leaves unquantized are skipped.
+    ``observer`` (default ``minmax``) and ``options`` as for :func:`~qtransform.init_stats`.
     """
-    recipe = as_recipe(recipe)
     out = dict(stats or {})
-    for path, match in recipe.plan(dict(tensors)).items():
-        if match.spec is None:
-            continue
-        prev = out.get(path, init_stats(match.spec))
+    for path, spec in as_plan(recipe, dict(tensors)).specs.items():
+        prev = out.get(path)
+        if prev is None:
+            prev = init_stats(spec, observer=observer, **options)
         out[path] = observe(prev, tensors[path], path=path)
     return out
 

@@ -14,7 +14,6 @@ import math
 import numpy as np
 
 import qtransform as qt
-from qtransform.formats import base as _base
 
 
 @contextlib.contextmanager
@@ -25,7 +24,7 @@ def registered(fmt):
     try:
         yield fmt
     finally:
-        _base._REGISTRY.pop(fmt.name, None)
+        qt.FORMATS.unregister(fmt.name)
 
 
 def values(e: int, m: int, bias: int, special: str) -> np.ndarray:

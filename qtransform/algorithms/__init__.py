@@ -1,12 +1,13 @@
-"""Algorithms that compute quantization parameters: pure math over tensors and trees.
+"""Algorithms: pure steps from weights (and statistics) to new weights and quantization parameters.
 
-Each returns ordinary :class:`~qtransform.QParams` (by path, for whole trees) that
-``qt.quantize_tree(params, recipe, qparams=...)`` accepts. ``ALGORITHMS`` names them
-for recipes and the command line.
+``ALGORITHMS`` names them for recipes, recipe files, the command line and quantize-on-load
+(:mod:`.base` has the contract). Built-ins: ``rtn`` (round to nearest with a chosen observer)
+and ``hqq`` (half-quadratic optimization, calibration-free).
 """
 
-from . import hqq
-from .registry import ALGORITHMS, check_algorithm_options, get_algorithm, register_algorithm, rtn_qparams_tree
+from .base import (ALGORITHMS, Algorithm, Context, Fit, SiteStats, apply_fit, check_algorithm_options,
+                   get_algorithm, register_algorithm)
+from . import rtn, hqq
 
-__all__ = ["hqq", "ALGORITHMS", "check_algorithm_options", "get_algorithm", "register_algorithm",
-           "rtn_qparams_tree"]
+__all__ = ["ALGORITHMS", "Algorithm", "Context", "Fit", "SiteStats", "apply_fit", "check_algorithm_options",
+           "get_algorithm", "register_algorithm", "rtn", "hqq"]

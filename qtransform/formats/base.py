@@ -5,8 +5,9 @@ A format is two things:
 * a **codec**: the element number format. It maps values ``v`` of the *element
   domain* (the tensor divided by its scale, plus the zero point) to integer codes
   and back, and knows its representable range and its rounding grid;
-* **scaling rules**: the default granularity, the scale dtypes it allows, an
-  intrinsic block (OCP MX: 32) and micro-exponent sub-blocks (MX4/MX6/MX9).
+* **scaling rules**: its :class:`~qtransform.formats.scaling.Scheme` (how scales are made and
+  read back), the default granularity, the scale dtypes it allows, an intrinsic block
+  (OCP MX: 32) and micro-exponent sub-blocks (MX4/MX6/MX9).
 
 ``x ≈ (decode(codes) - zero_point) * scale`` holds for every format. Adding a format
 is one :func:`register_format` call with a :class:`Format` (and, for a new kind of
@@ -17,26 +18,16 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-import types
-from typing import Mapping
 
 import torch
 
 from ..granularity import Granularity, PerTensor
+from ..registry import Registry
+from .scaling import AFFINE, SCALE_DTYPES, Scheme
 
-__all__ = ["Codec", "Format", "FORMATS", "register_format", "get_format", "round_values",
-           "SCALE_DTYPES", "ROUNDINGS"]
+__all__ = ["Codec", "Format", "FORMATS", "register_format", "get_format", "round_values", "ROUNDINGS"]
 
 ROUNDINGS = ("half_even", "half_away", "stochastic")
-
-#: name -> (storage dtype, bits). "e8m0" is a power of two stored as a biased uint8 exponent.
-SCALE_DTYPES: Mapping[str, tuple[torch.dtype, int]] = types.MappingProxyType({
-    "float32": (torch.float32, 32),
-    "float16": (torch.float16, 16),
-    "bfloat16": (torch.bfloat16, 16),
-    "e8m0": (torch.uint8, 8),
-    "float8_e4m3fn": (torch.float8_e4m3fn, 8),
-})
 
 
 def round_values(v: torch.Tensor, rounding: str, noise: torch.Tensor | None = None) -> torch.Tensor:
@@ -124,8 +115,8 @@ class Format:
         scale_dtypes: scale dtypes this format allows (first is the default).
         scale_rule: default rule for power-of-two scales (``"floor"``, ``"ceil"``, ``"even"``).
         symmetric_only: no zero point (codebooks, minifloats, MX).
-        scheme: scaling scheme name in :mod:`qtransform.scales` (``"affine"`` unless a family
-            registers its own, as MX4/MX6/MX9 do for micro-exponents).
+        scheme: the scaling scheme (:data:`~qtransform.formats.scaling.AFFINE` unless the family
+            brings its own, as the casts and the shared-exponent formats do).
     """
 
     name: str
@@ -138,7 +129,7 @@ class Format:
     scale_dtypes: tuple[str, ...] = ("float32", "float16", "bfloat16", "e8m0")
     scale_rule: str = "ceil"
     symmetric_only: bool = False
-    scheme: str = "affine"
+    scheme: Scheme = AFFINE
 
     def __post_init__(self):
         if not isinstance(self.name, str) or not self.name:
@@ -146,33 +137,33 @@ class Format:
         unknown = [d for d in self.scale_dtypes if d not in SCALE_DTYPES]
         if unknown:
             raise ValueError(f"Format {self.name}: unknown scale dtype(s) {unknown}; known: {list(SCALE_DTYPES)}")
+        if not isinstance(self.scheme, Scheme):
+            raise TypeError(f"Format {self.name}: scheme must be a qtransform.formats.scaling.Scheme, "
+                            f"got {type(self.scheme).__name__}")
 
     @property
     def bits(self) -> int:
         return self.codec.bits
 
 
-_REGISTRY: dict[str, Format] = {}
+def _check_format(name: str, fmt) -> None:
+    if not isinstance(fmt, Format):
+        raise TypeError(f"register_format: expected a Format, got {type(fmt).__name__}")
+    if fmt.name != name:
+        raise ValueError(f"register_format: format named {fmt.name!r} registered as {name!r}")
 
-#: Read-only view of the registry: name -> :class:`Format`.
-FORMATS: Mapping[str, Format] = types.MappingProxyType(_REGISTRY)
+
+#: The registry: name -> :class:`Format` (read-only; add with :func:`register_format`).
+FORMATS = Registry("format", check=_check_format)
 
 
 def register_format(fmt: Format, *, replace: bool = False) -> Format:
     """Add ``fmt`` to :data:`FORMATS` (every property test picks it up). Returns ``fmt``."""
     if not isinstance(fmt, Format):
         raise TypeError(f"register_format: expected a Format, got {type(fmt).__name__}")
-    if fmt.name in _REGISTRY and not replace:
-        raise ValueError(f"register_format: format {fmt.name!r} is already registered (pass replace=True)")
-    _REGISTRY[fmt.name] = fmt
-    return fmt
+    return FORMATS.register(fmt.name, fmt, replace=replace)
 
 
 def get_format(name: str) -> Format:
     """Look up a format by name, with a clear error listing the known names."""
-    if not isinstance(name, str):
-        raise TypeError(f"format must be a format name (str), got {type(name).__name__}")
-    try:
-        return _REGISTRY[name]
-    except KeyError:
-        raise ValueError(f"unknown format {name!r}; known formats: {', '.join(sorted(_REGISTRY))}") from None
+    return FORMATS[name]

@@ -19,24 +19,15 @@ from __future__ import annotations
 
 import torch
 
-from .. import scales
-from ..qtypes import QParams
 from .base import register_format
-from .minifloat import minifloat
+from .floats import minifloat
+from .scaling import UNIT
 
 __all__ = []
 
-
-def _unit_from_range(lo, hi, spec, path=None) -> QParams:
-    """Scale 1 for every block: the format is its own range."""
-    return QParams(scale=torch.ones_like(lo, dtype=torch.float32), spec=spec)
-
-
-scales.register_scheme("unit", _unit_from_range, scales.affine_effective)
-
 register_format(minifloat("bf16", exponent_bits=8, mantissa_bits=7, bias=127, special="ieee",
-                          storage=torch.bfloat16, family="cast", scheme="unit", scale_dtypes=("float32",),
+                          storage=torch.bfloat16, family="cast", scheme=UNIT, scale_dtypes=("float32",),
                           description="bfloat16 cast (scale 1)"))
 register_format(minifloat("fp16", exponent_bits=5, mantissa_bits=10, bias=15, special="ieee",
-                          storage=torch.float16, family="cast", scheme="unit", scale_dtypes=("float32",),
+                          storage=torch.float16, family="cast", scheme=UNIT, scale_dtypes=("float32",),
                           description="IEEE float16 cast (scale 1)"))

@@ -42,19 +42,18 @@ import dataclasses
 
 import torch
 
-from .. import scales
 from .._checks import where
 from ..granularity import PerGroup
-from ..packing import pack, unpack
-from ..qtypes import QParams
 from .base import Format, register_format
 from .int import IntCodec
+from .packing import pack, unpack
+from .scaling import AFFINE, E8M0_BIAS, Scheme, check_e8m0
 
-__all__ = ["SymmetricIntCodec", "MICROEXP_BLOCK", "BFP_BLOCK"]
+__all__ = ["SymmetricIntCodec", "MicroExponentScheme", "BlockFloatScheme", "MICROEXP_BLOCK", "BFP_BLOCK"]
 
 MICROEXP_BLOCK = 16
 BFP_BLOCK = 8
-_E8M0_BIAS = scales.E8M0_BIAS
+_E8M0_BIAS = E8M0_BIAS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,47 +83,54 @@ def _fixed_rule(spec, path):
                          f"scale_rule must be 'floor' (the default), got {spec.scale_rule!r}")
 
 
-def _micro_from_range(lo, hi, spec, path=None) -> QParams:
-    """Per-pair ranges (the sub-block grid) -> block exponents and per-pair micro-exponents."""
-    _fixed_rule(spec, path)
-    fmt = spec.fmt
-    axis = spec.granularity.axis % lo.ndim
-    ratio = fmt.block // fmt.sub_block
-    pair_exp = _exponent(torch.maximum(-lo, hi))
-    shape = list(pair_exp.shape)
-    blocked = pair_exp.reshape(shape[:axis] + [shape[axis] // ratio, ratio] + shape[axis + 1:])
-    block_exp = blocked.amax(axis + 1)
-    shift = (pair_exp < block_exp.repeat_interleave(ratio, dim=axis)).to(torch.uint8)
-    return QParams(scale=(block_exp + _E8M0_BIAS).to(torch.uint8), micro_exponent=pack(shift, 1), spec=spec)
+class MicroExponentScheme(Scheme):
+    """Block exponents (E8M0 codes) plus one bit-packed micro-exponent per pair (MX4/MX6/MX9)."""
+
+    def from_range(self, lo, hi, spec, *, path=None) -> dict:
+        """Per-pair ranges (the sub-block grid) -> block exponents and per-pair micro-exponents."""
+        _fixed_rule(spec, path)
+        fmt = spec.fmt
+        axis = spec.granularity.axis % lo.ndim
+        ratio = fmt.block // fmt.sub_block
+        pair_exp = _exponent(torch.maximum(-lo, hi))
+        shape = list(pair_exp.shape)
+        blocked = pair_exp.reshape(shape[:axis] + [shape[axis] // ratio, ratio] + shape[axis + 1:])
+        block_exp = blocked.amax(axis + 1)
+        shift = (pair_exp < block_exp.repeat_interleave(ratio, dim=axis)).to(torch.uint8)
+        return {"scale": (block_exp + _E8M0_BIAS).to(torch.uint8), "micro_exponent": pack(shift, 1)}
+
+    def effective(self, qparams):
+        """Per-pair float32 steps ``2^(E - shift - bits + 2)`` (the sub-block grid)."""
+        spec = qparams.spec
+        fmt = spec.fmt
+        if qparams.micro_exponent is None:
+            raise ValueError(f"format {spec.format}: qparams.micro_exponent is missing (one bit per pair)")
+        check_e8m0(qparams.scale, spec)
+        axis = spec.granularity.axis % qparams.scale.ndim
+        block_exp = qparams.scale.to(torch.int32).repeat_interleave(fmt.block // fmt.sub_block, dim=axis)
+        shift = unpack(qparams.micro_exponent, 1, block_exp.shape[-1]).to(torch.int32)
+        k = block_exp - shift - (_E8M0_BIAS + fmt.codec.bits - 2)
+        return torch.exp2(k.to(torch.float32)), None
 
 
-def _micro_effective(qp: QParams):
-    """Per-pair float32 steps ``2^(E - shift - bits + 2)`` (the sub-block grid)."""
-    spec = qp.spec
-    fmt = spec.fmt
-    if qp.micro_exponent is None:
-        raise ValueError(f"format {spec.format}: qparams.micro_exponent is missing (one bit per pair)")
-    scales.check_e8m0(qp.scale, spec)
-    axis = spec.granularity.axis % qp.scale.ndim
-    block_exp = qp.scale.to(torch.int32).repeat_interleave(fmt.block // fmt.sub_block, dim=axis)
-    shift = unpack(qp.micro_exponent, 1, block_exp.shape[-1]).to(torch.int32)
-    k = block_exp - shift - (_E8M0_BIAS + fmt.codec.bits - 2)
-    return torch.exp2(k.to(torch.float32)), None
+class BlockFloatScheme(Scheme):
+    """BFP16: ``2^(floor(log2 amax) - emax)``, doubled when the block maximum would round past qmax."""
+
+    def from_range(self, lo, hi, spec, *, path=None) -> dict:
+        _fixed_rule(spec, path)
+        codec = spec.fmt.codec
+        amax = torch.maximum(-lo, hi)
+        k = torch.frexp(amax)[1] - 1 - codec.emax
+        k = k + (hi >= (codec.qmax + 0.5) * torch.exp2(k.to(torch.float32))).to(k.dtype)
+        k = torch.where(amax > 0, k, -_E8M0_BIAS).clamp(-_E8M0_BIAS, _E8M0_BIAS)
+        return {"scale": (k + _E8M0_BIAS).to(torch.uint8)}
+
+    def effective(self, qparams):
+        return AFFINE.effective(qparams)
 
 
-def _bfp_from_range(lo, hi, spec, path=None) -> QParams:
-    """``2^(floor(log2 amax) - emax)``, doubled when the block maximum would round past qmax."""
-    _fixed_rule(spec, path)
-    codec = spec.fmt.codec
-    amax = torch.maximum(-lo, hi)
-    k = torch.frexp(amax)[1] - 1 - codec.emax
-    k = k + (hi >= (codec.qmax + 0.5) * torch.exp2(k.to(torch.float32))).to(k.dtype)
-    k = torch.where(amax > 0, k, -_E8M0_BIAS).clamp(-_E8M0_BIAS, _E8M0_BIAS)
-    return QParams(scale=(k + _E8M0_BIAS).to(torch.uint8), spec=spec)
-
-
-scales.register_scheme("microexp", _micro_from_range, _micro_effective)
-scales.register_scheme("bfp", _bfp_from_range, scales.affine_effective)
+MICROEXP = MicroExponentScheme()
+BFP = BlockFloatScheme()
 
 for _name, _bits in (("mx9", 8), ("mx6", 5), ("mx4", 3)):
     register_format(Format(
@@ -132,10 +138,10 @@ for _name, _bits in (("mx9", 8), ("mx6", 5), ("mx4", 3)):
         description=f"shared micro-exponents (Quark {_name}): {_bits}-bit codes, 8-bit exponent per 16, "
                     "1-bit micro-exponent per pair",
         default_granularity=PerGroup(MICROEXP_BLOCK), block=MICROEXP_BLOCK, sub_block=2,
-        scale_dtypes=("e8m0",), scale_rule="floor", symmetric_only=True, scheme="microexp"))
+        scale_dtypes=("e8m0",), scale_rule="floor", symmetric_only=True, scheme=MICROEXP))
 
 register_format(Format(
     name="bfp16", codec=IntCodec(8, True), family="bfp",
     description="block floating point (Quark bfp16): int8 codes, shared exponent per 8",
     default_granularity=PerGroup(BFP_BLOCK), block=BFP_BLOCK, scale_dtypes=("e8m0",), scale_rule="floor",
-    symmetric_only=True, scheme="bfp"))
+    symmetric_only=True, scheme=BFP))

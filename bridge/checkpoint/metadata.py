@@ -1,0 +1,185 @@
+"""The versioned ``quantization_config`` of qtransform checkpoints (JSON, no tensors).
+
+Version 2::
+
+    {"quant_method": "qtransform", "version": 2, "qtransform_version": "0.2.0", "layout": "native",
+     "specs": [<QuantSpec.to_dict()>, ...],
+     "tensors": {"model.layers.0.mlp.up_proj.weight": {"spec": 0, "shape": [1536, 576], "dtype": "float32"}},
+     "recipe": <Recipe.to_dict(), steps included> | null, "recipe_name": "hqq4-g64",
+     "rules": {path: rule}, "aliases": {path: path}, "skip_modules": [...] | null}
+
+``tensors`` lists every quantized tensor: its spec (an index into ``specs``), logical shape and
+dequantized dtype; with the layout (:mod:`bridge.checkpoint.layout`) this fixes the exact names,
+shapes and dtypes of its stored parts. Specs hold what decoding needs only.
+
+Version 1 (qtransform 0.1) stored calibration choices in every spec (``observer``,
+``percentile``, ``histogram_bins``) and the algorithm apart from the recipe (``algorithm``,
+``algorithm_options``); :func:`decode` reads it by upgrading it to version 2 (the choices are
+dropped: decoding never needed them; the algorithm becomes the recipe's step).
+
+>>> import torch, qtransform as qt
+>>> spec = qt.QuantSpec(format="int4", granularity=qt.PerGroup(32))
+>>> d = encode({"fc.weight": Entry(spec, (8, 64), torch.float32)})
+>>> d["version"], d["tensors"]
+(2, {'fc.weight': {'spec': 0, 'shape': [8, 64], 'dtype': 'float32'}})
+>>> decode(d).entries["fc.weight"] == Entry(spec, (8, 64), torch.float32)
+True
+"""
+
+from __future__ import annotations
+
+import copy
+import types
+from typing import Mapping, NamedTuple
+
+import torch
+
+import qtransform as qt
+
+from .layout import LAYOUTS, dtype_from_name, dtype_name
+
+__all__ = ["VERSION", "READABLE", "QUANT_METHOD", "Entry", "Metadata", "CheckpointError", "encode", "decode",
+           "entries_of", "upgrade"]
+
+VERSION = 2
+READABLE = (1, 2)
+QUANT_METHOD = "qtransform"
+_EMPTY: Mapping[str, str] = types.MappingProxyType({})
+
+
+class CheckpointError(ValueError):
+    """A checkpoint file or its metadata is malformed, incomplete or does not fit the model."""
+
+
+class Entry(NamedTuple):
+    """Static description of one quantized tensor."""
+
+    spec: qt.QuantSpec
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+class Metadata(NamedTuple):
+    """A decoded ``quantization_config``."""
+
+    entries: dict[str, Entry]
+    layout: str = "native"
+    recipe: qt.Recipe | None = None
+    recipe_name: str | None = None
+    rules: Mapping[str, str] = _EMPTY
+    aliases: Mapping[str, str] = _EMPTY
+    skip_modules: list[str] | None = None
+    version: int = VERSION
+
+
+def entries_of(quantized: Mapping) -> dict[str, Entry]:
+    """``{path: Entry}`` from ``{path: QTensor}``."""
+    return {p: Entry(q.spec, tuple(q.shape), q.dtype) for p, q in quantized.items()}
+
+
+def encode(entries: Mapping[str, Entry], *, layout: str = "native", recipe: qt.Recipe | None = None,
+           recipe_name: str | None = None, rules: Mapping[str, str] | None = None,
+           aliases: Mapping[str, str] | None = None, skip_modules=None) -> dict:
+    """JSON-able version-2 ``quantization_config`` (absent optional fields are left out)."""
+    specs: list[qt.QuantSpec] = []
+    index: dict[qt.QuantSpec, int] = {}
+    tensors = {}
+    for path, e in entries.items():
+        if e.spec not in index:
+            index[e.spec] = len(specs)
+            specs.append(e.spec)
+        tensors[path] = {"spec": index[e.spec], "shape": [int(n) for n in e.shape], "dtype": dtype_name(e.dtype)}
+    d = {"quant_method": QUANT_METHOD, "version": VERSION, "qtransform_version": qt.__version__, "layout": layout,
+         "specs": [s.to_dict() for s in specs], "tensors": tensors,
+         "recipe": None if recipe is None else recipe.to_dict(), "skip_modules": skip_modules}
+    for key, value in (("recipe_name", recipe_name), ("rules", dict(rules or {})), ("aliases", dict(aliases or {}))):
+        if value:
+            d[key] = value
+    return d
+
+
+def _fail(where: str, msg: str):
+    raise CheckpointError(f"{where}: quantization_config {msg}")
+
+
+def _strip_calibration(spec: dict) -> dict:
+    return {k: v for k, v in spec.items() if k not in qt.spec.CALIBRATION_FIELDS} if isinstance(spec, dict) else spec
+
+
+def upgrade(d: Mapping, *, where: str = "quantization_config") -> dict:
+    """A version-1 ``quantization_config`` as version 2 (a new dict; version 2 passes through)."""
+    d = copy.deepcopy(dict(d))
+    if d.get("version") != 1:
+        return d
+    d["specs"] = [_strip_calibration(s) for s in d.get("specs", [])] if isinstance(d.get("specs"), list) else d.get("specs")
+    algorithm, options = d.pop("algorithm", None), d.pop("algorithm_options", None) or {}
+    recipe = d.get("recipe")
+    if isinstance(recipe, dict):
+        if recipe.get("default") is not None:
+            recipe["default"] = _strip_calibration(recipe["default"])
+        for key in ("rules", "type_rules"):
+            if isinstance(recipe.get(key), list):
+                recipe[key] = [[k, None if v is None else _strip_calibration(v)] for k, v in recipe[key]]
+        if algorithm not in (None, "rtn") or options:
+            recipe["steps"] = [{"name": algorithm or "rtn", "options": dict(options)}]
+    d["version"], d["layout"] = VERSION, "native"
+    return d
+
+
+def decode(d, *, where: str = "quantization_config") -> Metadata:
+    """Validate a ``quantization_config`` dict (version 1 or 2) and return its :class:`Metadata`.
+
+    Raises :class:`CheckpointError` naming ``where`` for anything malformed: a wrong
+    ``quant_method``, a missing or unknown ``version`` or layout, specs naming unknown formats,
+    bad shapes or recipes.
+    """
+    if not isinstance(d, Mapping):
+        _fail(where, f"must be a JSON object, got {type(d).__name__}")
+    if d.get("quant_method") != QUANT_METHOD:
+        _fail(where, f"has quant_method {d.get('quant_method')!r}, expected {QUANT_METHOD!r}")
+    version = d.get("version")
+    if not isinstance(version, int) or isinstance(version, bool):
+        _fail(where, f"has no integer 'version' (got {version!r})")
+    if version not in READABLE:
+        _fail(where, f"has version {version}; this qtransform reads versions {list(READABLE)} (upgrade qtransform)")
+    d = upgrade(d, where=where)
+    layout = d.get("layout", "native")
+    if layout not in LAYOUTS:
+        _fail(where, f"has layout {layout!r}; known: {sorted(LAYOUTS)}")
+    specs_raw, tensors = d.get("specs", []), d.get("tensors", {})
+    if not isinstance(specs_raw, list) or not isinstance(tensors, Mapping):
+        _fail(where, "needs 'specs' as a list and 'tensors' as an object")
+    specs = []
+    for i, s in enumerate(specs_raw):
+        try:
+            specs.append(qt.QuantSpec.from_dict(s))
+        except (TypeError, ValueError) as e:
+            _fail(where, f"specs[{i}] is not a valid QuantSpec: {e}")
+    entries = {}
+    for path, t in tensors.items():
+        try:
+            spec = specs[t["spec"]]
+            shape = tuple(int(n) for n in t["shape"])
+            dtype = dtype_from_name(t["dtype"])
+        except (KeyError, TypeError, IndexError, ValueError) as e:
+            _fail(where, f"entry for tensor {path!r} is malformed ({type(e).__name__}: {e}); expected "
+                         "{'spec': <index>, 'shape': [...], 'dtype': '<name>'}")
+        if not dtype.is_floating_point or any(n < 1 for n in shape):
+            _fail(where, f"entry for tensor {path!r} has shape {list(shape)} / dtype {t['dtype']!r}")
+        entries[path] = Entry(spec, shape, dtype)
+    recipe = None
+    if d.get("recipe") is not None:
+        try:
+            recipe = qt.Recipe.from_dict(d["recipe"])
+        except (TypeError, ValueError) as e:
+            _fail(where, f"'recipe' is not a valid recipe: {e}")
+    aliases, rules = d.get("aliases") or {}, d.get("rules") or {}
+    for key, value in (("aliases", aliases), ("rules", rules)):
+        if not isinstance(value, Mapping) or not all(isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
+            _fail(where, f"'{key}' must be an object of path -> string")
+    skip = d.get("skip_modules")
+    if skip is not None and (not isinstance(skip, list) or not all(isinstance(m, str) for m in skip)):
+        _fail(where, "'skip_modules' must be a list of module names or null")
+    name = d.get("recipe_name")
+    return Metadata(entries=entries, layout=layout, recipe=recipe, recipe_name=name if isinstance(name, str) else None,
+                    rules=dict(rules), aliases=dict(aliases), skip_modules=skip, version=version)

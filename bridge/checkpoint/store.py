@@ -1,0 +1,187 @@
+"""Files of a checkpoint: safetensors shards written atomically and streamed, read with their headers
+checked before any data.
+
+Writing: :func:`atomic_directory` yields a temporary directory beside the target and renames it
+into place only when everything inside was written (an existing target is replaced only with
+``overwrite=True``), so a crash never leaves a half checkpoint under the target's name.
+:func:`write_shards` groups tensors into shards of at most ``max_shard_size`` bytes (a quantized
+tensor's parts stay together) and copies each shard to the CPU only while it is written, so a
+model on a GPU is never copied whole.
+
+Reading: :func:`open_shards` validates the index against the files and the files against each
+other; :func:`check_headers` compares names, shapes and dtypes with what is expected, from the
+headers alone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Iterable, Mapping
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from .metadata import CheckpointError
+
+__all__ = ["SINGLE", "INDEX", "ST_DTYPES", "parse_size", "atomic_directory", "write_shards", "read_json",
+           "open_shards", "check_headers", "header_bytes"]
+
+SINGLE = "model.safetensors"
+INDEX = "model.safetensors.index.json"
+ST_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
+             torch.int8: "I8", torch.uint8: "U8", torch.int16: "I16", torch.int32: "I32", torch.int64: "I64",
+             torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
+             torch.float8_e4m3fnuz: "F8_E4M3FNUZ", torch.float8_e5m2fnuz: "F8_E5M2FNUZ"}
+_WIDTH = {name: dtype.itemsize for dtype, name in ST_DTYPES.items()}
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def parse_size(size) -> int:
+    """``"2GB"`` -> 2_000_000_000 bytes (ints pass through; KiB/MiB/GiB are powers of two)."""
+    if isinstance(size, int) and not isinstance(size, bool) and size > 0:
+        return size
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", str(size))
+    if m is None or m.group(2).upper() not in _UNITS or float(m.group(1)) <= 0:
+        raise ValueError(f"max_shard_size must be a positive int or a size like '2GB', got {size!r}")
+    return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
+
+
+@contextlib.contextmanager
+def atomic_directory(directory, *, overwrite: bool = False):
+    """Yield a temporary directory that becomes ``directory`` when the block ends without error."""
+    target = Path(directory)
+    if target.exists() and (not target.is_dir() or (any(target.iterdir()) and not overwrite)):
+        raise FileExistsError(f"{target} exists and is not an empty directory; pass overwrite=True to replace it")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    try:
+        yield tmp
+        if target.exists():
+            trash = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=target.parent))
+            os.rename(target, trash / "old")
+            os.rename(tmp, target)
+            shutil.rmtree(trash, ignore_errors=True)
+        else:
+            os.rename(tmp, target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _nbytes(group: Mapping[str, torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in group.values())
+
+
+def write_shards(directory: Path, groups: Iterable[Mapping[str, torch.Tensor]], *, max_shard_size="2GB",
+                 file_metadata: Mapping[str, str] | None = None, index_metadata: Mapping | None = None) -> list[str]:
+    """Write ``groups`` (dicts of named tensors kept in one shard) as safetensors into ``directory``;
+    returns the file names. More than one shard gets ``model.safetensors.index.json``."""
+    limit = parse_size(max_shard_size)
+    shards, cur, size = [], [], 0
+    for g in groups:
+        n = _nbytes(g)
+        if cur and size + n > limit:
+            shards.append(cur)
+            cur, size = [], 0
+        cur.append(g)
+        size += n
+    if cur or not shards:
+        shards.append(cur)
+    names = [SINGLE] if len(shards) == 1 else \
+        [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    weight_map, total = {}, 0
+    for name, shard in zip(names, shards):
+        tensors = {n: t.detach().to("cpu").contiguous() for g in shard for n, t in g.items()}
+        save_file(tensors, str(directory / name), metadata=dict(file_metadata or {}))
+        weight_map.update({n: name for n in tensors})
+        total += _nbytes(tensors)
+        del tensors
+    if len(shards) > 1:
+        index = {"metadata": {"total_size": total, **dict(index_metadata or {})}, "weight_map": weight_map}
+        (directory / INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    return names
+
+
+def read_json(path: Path, what: str):
+    """A JSON file, or :class:`CheckpointError` naming it."""
+    if not path.is_file():
+        raise CheckpointError(f"{path}: missing ({what})")
+    try:
+        return json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path}: malformed JSON ({e})") from None
+
+
+def open_shards(root: Path) -> tuple[dict[str, str], dict[str, object]]:
+    """``{tensor name: file}`` and open handles, validating the index against the files."""
+    if (root / INDEX).is_file():
+        index = read_json(root / INDEX, "shard index")
+        wmap = index.get("weight_map") if isinstance(index, dict) else None
+        if not isinstance(wmap, dict) or not all(isinstance(v, str) for v in wmap.values()):
+            raise CheckpointError(f"{root / INDEX}: needs a 'weight_map' object of tensor name -> file name")
+        files = sorted(set(wmap.values()))
+    elif (root / SINGLE).is_file():
+        wmap, files = None, [SINGLE]
+    else:
+        raise CheckpointError(f"{root}: no {SINGLE} and no {INDEX}")
+    handles, located = {}, {}
+    for f in files:
+        if "/" in f or "\\" in f or f.startswith("."):
+            raise CheckpointError(f"{root / INDEX}: shard name {f!r} is not a plain file name")
+        path = root / f
+        if not path.is_file():
+            raise CheckpointError(f"{path}: shard listed in the index is missing")
+        try:
+            h = safe_open(str(path), framework="pt", device="cpu")
+            keys = list(h.keys())
+        except Exception as e:  # safetensors raises its own error types for truncated/garbled files
+            raise CheckpointError(f"{path}: not a readable safetensors file ({type(e).__name__}: {e})") from None
+        handles[f] = h
+        for k in keys:
+            if k in located:
+                raise CheckpointError(f"{path}: tensor {k!r} is also stored in {located[k]}")
+            located[k] = f
+    if wmap is not None:
+        for k, f in wmap.items():
+            if located.get(k) != f:
+                raise CheckpointError(f"{root / INDEX}: tensor {k!r} is mapped to {f}, but "
+                                      + (f"it is stored in {located[k]}" if k in located else "no shard holds it"))
+    return located, handles
+
+
+def check_headers(root: Path, located: Mapping[str, str], handles: Mapping, expected: Mapping[str, tuple]) -> None:
+    """Exactly the ``expected`` ``{name: (shape, dtype)}`` are stored, from the headers alone."""
+    missing = sorted(set(expected) - set(located))
+    extra = sorted(set(located) - set(expected))
+    if missing:
+        raise CheckpointError(f"{root}: missing tensor(s) {missing[:5]}" + (" ..." if len(missing) > 5 else ""))
+    if extra:
+        raise CheckpointError(f"{root / located[extra[0]]}: unexpected tensor(s) {extra[:5]} (not in the model "
+                              "or its quantization_config)")
+    for name, (shape, dtype) in expected.items():
+        sl = handles[located[name]].get_slice(name)
+        got_shape, got_dtype = tuple(sl.get_shape()), sl.get_dtype()
+        want_dtype = ST_DTYPES.get(dtype, str(dtype).removeprefix("torch."))
+        if got_shape != tuple(shape) or got_dtype != want_dtype:
+            raise CheckpointError(f"{root / located[name]}: tensor {name!r} has shape {list(got_shape)} and dtype "
+                                  f"{got_dtype}, expected {list(shape)} and {want_dtype}")
+
+
+def header_bytes(located: Mapping[str, str], handles: Mapping) -> dict[str, int]:
+    """``{stored tensor name: bytes}`` from the shard headers (no tensor data is read)."""
+    out = {}
+    for name, f in located.items():
+        sl = handles[f].get_slice(name)
+        n = 1
+        for d in sl.get_shape():
+            n *= d
+        out[name] = n * _WIDTH.get(sl.get_dtype(), 1)
+    return out

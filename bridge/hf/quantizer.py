@@ -1,0 +1,154 @@
+"""transformers integration: ``quant_method: "qtransform"``.
+
+Importing :mod:`bridge` registers :class:`~bridge.hf.config.QTransformConfig` and
+:class:`QTransformHfQuantizer` with transformers, so that
+
+1. ``AutoModelForCausalLM.from_pretrained(saved_dir)`` loads a checkpoint written by
+   :func:`bridge.save` (or ``save_pretrained`` of a quantized model), version 1 or 2: the float
+   modules are replaced by quantized skeletons on ``meta`` *before* the weights load, and the
+   packed codes and scales load straight into them (nothing is dequantized);
+2. ``from_pretrained(path, quantization_config=QTransformConfig(recipe=...))`` quantizes each
+   weight as it is read, running the recipe's steps on that one tensor (calibration-free steps
+   that fit one tensor at a time: ``rtn``, ``hqq``, or one of yours registered with
+   ``local=True``); anything else is refused before loading starts;
+3. ``generate()`` works on the result, and ``save_pretrained`` writes it back.
+
+This package is a leaf: nothing else in the bridge imports it. It records the quantization
+config of models that :func:`bridge.to_module` rebuilds through a rebuild hook.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers.core_model_loading import ConversionOps
+from transformers.quantizers import auto as hf_auto
+from transformers.quantizers.base import HfQuantizer
+from transformers.quantizers.quantizers_utils import should_convert_module
+
+import qtransform as qt
+
+from ..checkpoint import metadata
+from ..checkpoint.layout import NATIVE, abstract_qtensor, check_like
+from ..checkpoint.metadata import CheckpointError, Entry
+from ..modules import QModule
+from ..pipeline import plan as model_plan
+from ..tree import REBUILD_HOOKS, replace_module, submodule
+from .config import QTransformConfig
+
+__all__ = ["QTransformHfQuantizer", "attach_config", "register"]
+
+
+def _untie(model: nn.Module, paths) -> None:
+    """Drop transformers' weight-tying entries that involve a quantized weight."""
+    tied = getattr(model, "all_tied_weights_keys", None)
+    if tied:
+        for k, v in list(tied.items()):
+            if k in paths or v in paths:
+                tied.pop(k)
+
+
+class QTransformHfQuantizer(HfQuantizer):
+    """Loads qtransform checkpoints and quantizes on load (see module docstring)."""
+
+    requires_calibration = False
+    quantization_config: QTransformConfig
+
+    def _process_model_before_weight_loading(self, model, dtype=None, **kwargs):
+        cfg = self.quantization_config
+        if not self.pre_quantized:
+            if cfg.recipe is None:
+                raise ValueError("QTransformConfig: quantize-on-load needs a recipe (a Recipe or QuantSpec)")
+            qt.check_steps(cfg.recipe.steps, on_load=True, where="QTransformConfig.recipe.steps")  # before loading
+            skip = self.get_modules_to_not_convert(model, cfg.skip_modules, getattr(model, "_keep_in_fp32_modules", None))
+            self.plan = model_plan(model, cfg.recipe)
+            cfg.entries = {}
+            for path, spec in self.plan.specs.items():
+                if should_convert_module(qt.module_of(path), skip):
+                    w = submodule(model, path)[0].weight
+                    cfg.entries[path] = Entry(spec, tuple(w.shape), w.dtype)
+        if not cfg.entries:
+            raise ValueError("QTransformConfig: no module to quantize (empty recipe match or empty checkpoint config)")
+        for path, e in cfg.entries.items():
+            try:
+                module = submodule(model, path)[0]
+            except AttributeError:
+                raise CheckpointError(f"config.json: quantized tensor {path!r} names no module of "
+                                      f"{type(model).__name__}") from None
+            if not isinstance(module, QModule) and tuple(module.weight.shape) != e.shape:
+                raise CheckpointError(f"config.json: quantized tensor {path!r} has shape {list(e.shape)}, "
+                                      f"the model's is {list(module.weight.shape)}")
+            replace_module(model, path, abstract_qtensor(e.shape, e.dtype, e.spec))
+            if dtype is not None:
+                submodule(model, path)[0].compute_dtype = dtype
+        _untie(model, set(cfg.entries))
+
+    def param_needs_quantization(self, model, param_name: str, **kwargs) -> bool:
+        return not self.pre_quantized and param_name in self.quantization_config.entries
+
+    def get_quantize_ops(self):
+        return _QuantizeOnLoad(self)
+
+    def _process_model_after_weight_loading(self, model, **kwargs):
+        for path, e in self.quantization_config.entries.items():
+            module = submodule(model, path)[0]
+            q = module.qweight
+            bad = [n for n in module._qnames if module._buffers[n].is_meta]
+            if bad:
+                raise CheckpointError(f"checkpoint: quantized tensor(s) {[path.rpartition('.')[0] + '.' + n for n in bad]} "
+                                      "are missing")
+            check_like(path, q, abstract_qtensor(e.shape, e.dtype, e.spec), where="checkpoint")
+            module._cache = None
+        return model
+
+    def is_serializable(self):
+        return True
+
+    @property
+    def is_trainable(self) -> bool:
+        return False
+
+
+class _QuantizeOnLoad(ConversionOps):
+    """Float weight -> ``{path: codes, path_scale: ..., ...}`` as the checkpoint is read."""
+
+    def __init__(self, quantizer: QTransformHfQuantizer):
+        self.quantizer = quantizer
+
+    def convert(self, input_dict, source_patterns=None, target_patterns=None, full_layer_name=None, **kwargs):
+        (key, value), = input_dict.items()
+        w = value[0] if isinstance(value, list) else value
+        with torch.no_grad():  # the recipe's steps on this one weight (checked: local, calibration-free)
+            q = qt.quantize_tree({key: w}, self.quantizer.plan.restrict([key]))[key]
+        return NATIVE.parts(key, q)
+
+
+def attach_config(model: nn.Module, quantized: dict, plan: qt.Plan | None = None) -> None:
+    """Rebuild hook: a transformers model rebuilt with quantized modules records its quantization
+    config (entries, and the recipe and rules when the plan is known), for ``save_pretrained``."""
+    config = getattr(model, "config", None)
+    if not quantized or config is None or not hasattr(model, "all_tied_weights_keys"):
+        return
+    cfg = getattr(config, "quantization_config", None)
+    if not isinstance(cfg, QTransformConfig):
+        cfg = QTransformConfig()
+    cfg.entries = {**cfg.entries, **metadata.entries_of(quantized)}
+    if plan is not None:
+        cfg.recipe = plan.recipe
+        cfg.rules = {**cfg.rules, **{p: plan[p].rule for p in quantized if p in plan}}
+    config.quantization_config = cfg
+    model.hf_quantizer = QTransformHfQuantizer(cfg, pre_quantized=True)
+    model.is_quantized = True
+    model.quantization_method = metadata.QUANT_METHOD
+    _untie(model, set(quantized))
+
+
+def register() -> None:
+    """Register the config and quantizer with transformers (idempotent; done on ``import bridge``)."""
+    hf_auto.AUTO_QUANTIZATION_CONFIG_MAPPING[metadata.QUANT_METHOD] = QTransformConfig
+    hf_auto.AUTO_QUANTIZER_MAPPING[metadata.QUANT_METHOD] = QTransformHfQuantizer
+    if "transformers" not in REBUILD_HOOKS:
+        REBUILD_HOOKS.register("transformers", attach_config)
+
+
+register()

@@ -1,0 +1,118 @@
+"""Forward paths of the quantized modules, chosen per module and device: the tables and the choice.
+
+=================  ===========================================================  ================
+kernel             when                                                         modules
+=================  ===========================================================  ================
+``int4pack_cpu``   CPU, integer codes of at most 4 bits, per-group scales       QLinear
+                   (group 32/64/128/256 along in_features) or per-channel,
+                   ``out_features % 16 == 0``: ``aten._weight_int4pack_mm_for_cpu``
+``int8pack_cpu``   CPU, 8-bit integer codes, per-channel symmetric scales:      QLinear
+                   ``aten._weight_int8pack_mm``
+``fp8_scaled_mm``  CUDA with compute capability >= 8.9, float8_e4m3fn weights   QLinear
+                   with per-tensor/per-channel scales *and* a float8_e4m3fn
+                   input quantizer (real W8A8 fp8): ``torch._scaled_mm``
+``gather``         embedding rows: dequantize only the rows looked up           QEmbedding(Bag)
+``dequant``        everything: dequantize this one layer's weight, then the     all
+                   float op (the reference)
+=================  ===========================================================  ================
+
+``module.kernel`` tells which path runs; ``kernel="dequant"`` (or any eligible name) forces
+one. The packed CPU kernels compute in bfloat16 (activations and scales are cast to bf16,
+accumulation is fp32): their output matches ``F.linear(x, dequantize(q))`` to bf16
+rounding. The fp8 path quantizes activations as the module's input quantizer says, so
+it matches the fake-quantized reference. Packed weights are derived on first use and
+cached per device (never saved: their layout depends on the CPU).
+
+>>> import torch, qtransform as qt
+>>> from bridge.modules import QLinear
+>>> lin = torch.nn.Linear(256, 64)
+>>> spec = qt.QuantSpec(format="int4", granularity=qt.PerGroup(128))
+>>> m = QLinear.from_float(lin, qt.quantize(lin.weight.detach(), qt.choose_qparams(lin.weight.detach(), spec)))
+>>> m.kernel, m.available_kernels()
+('int4pack_cpu', ('int4pack_cpu', 'dequant'))
+"""
+
+from __future__ import annotations
+
+from typing import Callable, NamedTuple
+
+import torch
+
+import qtransform as qt
+from qtransform.formats import IntCodec
+
+__all__ = ["Kernel", "LINEAR_KERNELS", "EMBEDDING_KERNELS", "CONV_KERNELS", "register_kernel", "eligible", "choose",
+           "always", "grid", "int_codec", "rows", "linear_common", "has_op"]
+
+
+class Kernel(NamedTuple):
+    """A forward path: ``check(module, forced) -> reason or None``, ``prepare(module) -> state``,
+    ``run(module, state, x, **kw) -> y`` (bias excluded). ``quantizes_input``: ``run`` consumes
+    the module's input quantizer itself (a low-precision matmul), so it is not applied before."""
+
+    name: str
+    check: Callable
+    prepare: Callable | None
+    run: Callable
+    quantizes_input: bool = False
+
+
+def _check_kernel(name: str, k) -> None:
+    if not isinstance(k, Kernel) or k.name != name:
+        raise TypeError(f"register_kernel: expected a Kernel named {name!r}, got {k!r}")
+
+
+#: Kernel tables, fastest first (registration order): the first eligible kernel runs.
+LINEAR_KERNELS = qt.Registry("linear kernel", check=_check_kernel)
+EMBEDDING_KERNELS = qt.Registry("embedding kernel", check=_check_kernel)
+CONV_KERNELS = qt.Registry("conv kernel", check=_check_kernel)
+
+
+def register_kernel(table: qt.Registry, kernel: Kernel) -> Kernel:
+    """Add ``kernel`` to ``table`` (after the ones already there)."""
+    return table.register(kernel.name, kernel)
+
+
+def has_op(name: str) -> bool:
+    return hasattr(torch.ops.aten, name)
+
+
+def grid(module):
+    """Effective scale grid shape (shapes only; works on meta buffers)."""
+    s, _ = module.qweight.qparams.effective()
+    return tuple(s.shape)
+
+
+def int_codec(module):
+    codec = module.spec.fmt.codec
+    return codec if isinstance(codec, IntCodec) else None
+
+
+def rows(x: torch.Tensor, k: int) -> torch.Tensor:
+    return x.reshape(-1, k)
+
+
+def linear_common(module) -> str | None:
+    return "transposed (Conv1D) layout" if module.transposed else None
+
+
+def always(module, forced):
+    """Eligible everywhere (the reference paths)."""
+    return None
+
+
+def eligible(module, table: dict[str, Kernel]) -> tuple[str, ...]:
+    """Names of the kernels of ``table`` that apply to ``module`` on its device, fastest first."""
+    return tuple(name for name, k in table.items() if k.check(module, False) is None)
+
+
+def choose(module, table: dict[str, Kernel], request: str) -> str:
+    """Resolve ``request`` (``"auto"`` or a kernel name) for ``module``; ``ValueError`` if it cannot run."""
+    if request == "auto":
+        return eligible(module, table)[0]
+    if request not in table:
+        raise ValueError(f"kernel must be 'auto' or one of {list(table)}, got {request!r}")
+    reason = table[request].check(module, True)
+    if reason is not None:
+        raise ValueError(f"kernel {request!r} cannot run this {type(module).__name__}: {reason}")
+    return request

@@ -1,0 +1,128 @@
+"""CPU weight-only kernels: PyTorch's packed int4 (``_weight_int4pack_mm_for_cpu``) and int8
+(``_weight_int8pack_mm``) matmuls, computing in bfloat16 (output = ``F.linear(x, dequantize(q))`` to
+bf16 rounding). Packed weights are derived on first use and cached per device (never saved:
+their layout depends on the CPU)."""
+
+from __future__ import annotations
+
+import torch
+
+import qtransform as qt
+
+from .base import LINEAR_KERNELS, Kernel, grid, has_op, int_codec, linear_common, register_kernel, rows
+
+__all__ = ["INT4_GROUPS", "int4pack_linear", "int8pack_linear"]
+
+INT4_GROUPS = (256, 128, 64, 32)
+
+
+def _int4_check(module, forced: bool) -> str | None:
+    if (r := linear_common(module)) is not None:
+        return r
+    if module.weight.device.type != "cpu":
+        return "not on CPU"
+    if not (has_op("_weight_int4pack_mm_for_cpu") and has_op("_convert_weight_to_int4pack_for_cpu")):
+        return "this torch has no int4pack CPU kernel"
+    codec = int_codec(module)
+    if codec is None or codec.bits > 4:
+        return f"codes are not integers of at most 4 bits ({module.spec.format})"
+    n, k = module.qweight.shape
+    if n % 16:
+        return f"out_features {n} is not a multiple of 16"
+    rows, groups = grid(module)
+    if rows not in (1, n) or k % groups or _int4_group(k, groups) is None:
+        return f"scale grid {(rows, groups)} is not per-channel or per-group (32..256) along in_features"
+    return None
+
+
+def _int4_group(k: int, groups: int) -> int | None:
+    g = k // groups
+    if g in INT4_GROUPS:
+        return g
+    # coarser scales (per channel / per tensor) repeat onto the largest supported group dividing them
+    return next((c for c in INT4_GROUPS if g % c == 0), None)
+
+
+def _int4_prepare(module):
+    q = module.qweight
+    codec = int_codec(module)
+    n, k = q.shape
+    s, z = q.qparams.effective()
+    group = _int4_group(k, s.shape[1])
+    nibbles = (qt.unpacked_codes(q).to(torch.int32) - codec.qmin).contiguous()  # 0 .. 2^bits - 1
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(nibbles, 2)
+    # the kernel computes (nibble - 8) * scale + zero; ours is (code - zero_point) * scale
+    zero = (codec.qmin + 8 - (0.0 if z is None else z)) * s
+    rep = (k // group) // s.shape[1]
+    s, zero = (t.expand(n, -1).repeat_interleave(rep, dim=1) for t in (s, zero))
+    scale_zeros = torch.stack([s.t(), zero.t()], dim=-1).to(torch.bfloat16).contiguous()
+    return {"packed": packed, "group": group, "scale_zeros": scale_zeros}
+
+
+def int4pack_linear(x: torch.Tensor, packed: torch.Tensor, group: int, scale_zeros: torch.Tensor) -> torch.Tensor:
+    """``x @ W.T`` for an int4pack weight (bf16 compute); ``x``: ``(..., K)`` -> ``(..., N)`` in x.dtype."""
+    k = x.shape[-1]
+    n = scale_zeros.shape[1]
+    x2 = rows(x, k)
+    if x2.shape[0] == 0:
+        return x.new_zeros(*x.shape[:-1], n)
+    y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2.to(torch.bfloat16).contiguous(), packed, group, scale_zeros)
+    return y.to(x.dtype).reshape(*x.shape[:-1], n)
+
+
+def _int4_run(module, st, x, **kw):
+    return int4pack_linear(x, st["packed"], st["group"], st["scale_zeros"])
+
+
+def _int8_shift(codec) -> int:
+    return 0 if codec.signed else 128
+
+
+def _int8_check(module, forced: bool) -> str | None:
+    if (r := linear_common(module)) is not None:
+        return r
+    if module.weight.device.type != "cpu":
+        return "not on CPU"
+    if not has_op("_weight_int8pack_mm"):
+        return "this torch has no int8pack kernel"
+    codec = int_codec(module)
+    if codec is None or codec.bits != 8:
+        return f"codes are not 8-bit integers ({module.spec.format})"
+    n, _ = module.qweight.shape
+    if grid(module) not in ((n, 1), (1, 1)):
+        return "scales are not per-channel (axis 0) or per-tensor"
+    _, z = module.qweight.qparams.effective()
+    if z is not None:
+        if z.device.type == "meta":
+            return "zero points not loaded yet"
+        if not bool((z == _int8_shift(codec)).all()):
+            return "asymmetric (zero points other than the symmetric one)"
+    return None
+
+
+def _int8_prepare(module):
+    q = module.qweight
+    n, _ = q.shape
+    codes = qt.unpacked_codes(q).to(torch.int16) - _int8_shift(int_codec(module))
+    s, _ = q.qparams.effective()
+    return {"codes": codes.to(torch.int8).contiguous(),
+            "scale": s.expand(n, 1).reshape(n).to(torch.bfloat16).contiguous()}
+
+
+def int8pack_linear(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``x @ (codes * scale[:, None]).T`` with int8 ``codes`` (N, K) (bf16 compute)."""
+    k = x.shape[-1]
+    n = codes.shape[0]
+    x2 = rows(x, k)
+    if x2.shape[0] == 0:
+        return x.new_zeros(*x.shape[:-1], n)
+    y = torch.ops.aten._weight_int8pack_mm(x2.to(torch.bfloat16).contiguous(), codes, scale)
+    return y.to(x.dtype).reshape(*x.shape[:-1], n)
+
+
+def _int8_run(module, st, x, **kw):
+    return int8pack_linear(x, st["codes"], st["scale"])
+
+
+register_kernel(LINEAR_KERNELS, Kernel("int4pack_cpu", _int4_check, _int4_prepare, _int4_run))
+register_kernel(LINEAR_KERNELS, Kernel("int8pack_cpu", _int8_check, _int8_prepare, _int8_run))

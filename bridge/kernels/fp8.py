@@ -1,0 +1,81 @@
+"""GPU W8A8 fp8: ``torch._scaled_mm`` for float8_e4m3fn weights with per-tensor/per-channel scales and a
+float8_e4m3fn input quantizer (compute capability >= 8.9)."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+import qtransform as qt
+
+from .base import LINEAR_KERNELS, Kernel, grid, linear_common, register_kernel, rows
+
+__all__ = ["fp8_linear"]
+
+
+@functools.lru_cache(maxsize=64)
+def _decode_is_cast(spec: qt.QuantSpec) -> bool:
+    """The codec's decode of float8_e4m3fn codes is the plain cast (so _scaled_mm may consume them)."""
+    codec = spec.fmt.codec
+    if codec.code_dtype != torch.float8_e4m3fn:
+        return False
+    codes = torch.arange(256, dtype=torch.int16).to(torch.uint8).view(torch.float8_e4m3fn)
+    plain = codes.to(torch.float32)
+    ok = torch.isfinite(plain)
+    return bool(torch.equal(codec.decode(codes)[ok], plain[ok]))
+
+
+def _fp8_check(module, forced: bool) -> str | None:
+    if (r := linear_common(module)) is not None:
+        return r
+    if not hasattr(torch, "_scaled_mm"):
+        return "this torch has no _scaled_mm"
+    dev = module.weight.device
+    if not forced:
+        if dev.type != "cuda" or torch.cuda.get_device_capability(dev) < (8, 9):
+            return "needs a CUDA device with compute capability >= 8.9"
+    q = module.qweight
+    if not _decode_is_cast(q.spec) or q.qparams.zero_point is not None or q.qparams.global_scale is not None:
+        return f"weights are not plain float8_e4m3fn codes with float scales ({q.spec.format})"
+    n, k = q.shape
+    if n % 16 or k % 16:
+        return "in/out features are not multiples of 16"
+    if grid(module) not in ((n, 1), (1, 1)):
+        return "weight scales are not per-tensor or per-channel"
+    spec = getattr(module, "input_spec", None)
+    if spec is None or not _decode_is_cast(spec) or spec.granularity not in (qt.PerTensor(), qt.PerChannel(0)):
+        return "no float8_e4m3fn per-tensor/per-token input quantizer (fp8 _scaled_mm is W8A8)"
+    return None
+
+
+def fp8_linear(x_codes, x_scale, w_codes, w_scale, *, out_dtype: torch.dtype) -> torch.Tensor:
+    """``(x_codes * x_scale) @ (w_codes * w_scale).T`` via ``torch._scaled_mm``.
+
+    ``x_codes`` (M, K) and ``w_codes`` (N, K) float8_e4m3fn; scales float32 of shape () / (1, 1)
+    (per tensor) or (M, 1) / (N, 1) (per row). Returns (M, N) in ``out_dtype``.
+    """
+    m, n = x_codes.shape[0], w_codes.shape[0]
+    sa, sb = x_scale.to(torch.float32), w_scale.to(torch.float32)
+    if sa.numel() == 1 and sb.numel() == 1:
+        return torch._scaled_mm(x_codes, w_codes.t(), scale_a=sa.reshape(()), scale_b=sb.reshape(()),
+                                out_dtype=out_dtype)
+    sa = sa.reshape(-1, 1).expand(m, 1).contiguous()
+    sb = sb.reshape(1, -1).expand(1, n).contiguous()
+    y = torch._scaled_mm(x_codes, w_codes.t(), scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16)
+    return y.to(out_dtype)
+
+
+def _fp8_run(module, st, x, **kw):
+    k = x.shape[-1]
+    x2 = rows(x, k)
+    qp = module.input_qparams(x2)
+    qx = qt.quantize(x2, qp)
+    sx, _ = qp.effective()
+    q = module.qweight
+    sw, _ = q.qparams.effective()
+    y = fp8_linear(qx.codes, sx, q.codes, sw, out_dtype=x.dtype)
+    return y.reshape(*x.shape[:-1], q.shape[0])
+
+
+register_kernel(LINEAR_KERNELS, Kernel("fp8_scaled_mm", _fp8_check, None, _fp8_run, quantizes_input=True))

@@ -1,0 +1,69 @@
+"""Module -> parameter tree.
+
+``extract(model)`` returns the state-dict tree ``{path: tensor}`` (the model's own tensors,
+detached, no copies), usable with ``torch.func.functional_call(model, params, args)``.
+Quantized modules contribute their weight as one :class:`~qtransform.QTensor` leaf, so
+``extract`` of a quantized model is the quantized tree that :func:`bridge.save` writes.
+``module_types(model)`` maps each path to its module's class name, for
+``Recipe.type_rules``.
+
+>>> import torch
+>>> model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.LayerNorm(3))
+>>> params = extract(model)
+>>> sorted(params), module_types(model)["0.weight"]
+(['0.bias', '0.weight', '1.bias', '1.weight'], 'Linear')
+>>> torch.func.functional_call(model, params, (torch.ones(1, 4),)).shape
+torch.Size([1, 3])
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from ..modules import QModule, quantized_class
+
+__all__ = ["extract", "module_types", "weight_paths"]
+
+
+def _check(model):
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+
+
+def extract(model: nn.Module) -> dict:
+    """The parameter tree of ``model``: state-dict paths -> tensors (QTensor for quantized weights)."""
+    _check(model)
+    out = {}
+    qmods = {name: m for name, m in model.named_modules() if isinstance(m, QModule)}
+    skip = set()
+    for name, m in qmods.items():
+        prefix = f"{name}." if name else ""
+        out[prefix + "weight"] = m.qweight
+        skip.update(prefix + n for n in m._qnames)
+    for path, t in model.state_dict(keep_vars=True).items():
+        if path not in skip:
+            out[path] = t.detach()
+    return out
+
+
+def module_types(model: nn.Module) -> dict[str, str]:
+    """``{path: module class name}`` for every state-dict path (quantized modules by their float name)."""
+    _check(model)
+    owners = {}
+    for name, m in model.named_modules():
+        prefix = f"{name}." if name else ""
+        kind = type(m).__name__
+        if isinstance(m, QModule):
+            kind = "Conv1D" if m.transposed else kind.removeprefix("Q")
+        local = [n for n, p in m._parameters.items() if p is not None]
+        local += [n for n, b in m._buffers.items() if b is not None and n not in m._non_persistent_buffers_set]
+        for key in local:
+            owners.setdefault(prefix + key, kind)
+    return owners
+
+
+def weight_paths(model: nn.Module) -> dict[str, nn.Module]:
+    """``{"<module>.weight": module}`` for every module a quantized module can replace."""
+    _check(model)
+    return {(f"{name}." if name else "") + "weight": m for name, m in model.named_modules()
+            if quantized_class(m) is not None}

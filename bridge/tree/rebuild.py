@@ -1,0 +1,147 @@
+"""Quantized tree -> module: ``to_module``.
+
+``to_module(model, qtree)`` returns a model with the structure of ``model`` and the values
+of ``qtree``: every :class:`~qtransform.QTensor` leaf at ``"<module>.weight"`` turns its
+module (Linear, Conv2d, ConvTranspose2d, Embedding, EmbeddingBag, transformers Conv1D)
+into the quantized module; other leaves are assigned as they are. With ``inplace=False``
+(the default) the original model is untouched: the copy is built as a skeleton on the
+``meta`` device and filled from the tree, so no weight is copied (unquantized tensors
+are shared with the tree, i.e. with the original model when the tree came from
+:func:`bridge.extract`). Paths missing from the tree keep the original's tensors.
+
+Functions registered in :data:`REBUILD_HOOKS` run on every rebuilt model (the transformers
+integration records the model's quantization config there, for ``save_pretrained``).
+
+>>> import torch, qtransform as qt
+>>> from bridge.tree import extract, to_module
+>>> model = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.ReLU(), torch.nn.Linear(32, 16))
+>>> qtree = qt.quantize_tree(extract(model), qt.QuantSpec(format="int4", granularity=qt.PerGroup(32)))
+>>> qmodel = to_module(model, qtree)
+>>> [type(m).__name__ for m in qmodel], type(model[0]).__name__
+(['QLinear', 'ReLU', 'QLinear'], 'Linear')
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Mapping
+
+import torch
+from torch import nn
+
+import qtransform as qt
+from qtransform import QTensor
+
+from ..modules import QModule, quantized_class
+
+__all__ = ["to_module", "submodule", "replace_module", "meta_skeleton", "REBUILD_HOOKS"]
+
+
+def _check_hook(name: str, hook) -> None:
+    if not callable(hook):
+        raise TypeError(f"rebuild hook {name}: expected hook(model, quantized, plan), got {type(hook).__name__}")
+
+
+#: ``name -> hook(model, quantized, plan)`` run at the end of :func:`to_module` (``quantized`` is
+#: ``{path: QTensor}``, ``plan`` the :class:`~qtransform.Plan` when the caller has one).
+REBUILD_HOOKS = qt.Registry("rebuild hook", check=_check_hook)
+
+
+def submodule(model: nn.Module, path: str) -> tuple[nn.Module, str]:
+    """``(owner module, attribute name)`` of the parameter or module at ``path``."""
+    parent, _, name = path.rpartition(".")
+    return (model.get_submodule(parent) if parent else model), name
+
+
+def meta_skeleton(model: nn.Module) -> nn.Module:
+    """A deep copy of ``model`` whose parameters and buffers are on ``meta`` (ties preserved)."""
+    memo = {}
+    for t in [t for _, t in model.named_parameters(remove_duplicate=False)] + [t for _, t in model.named_buffers(remove_duplicate=False)]:
+        if id(t) not in memo:
+            meta = torch.empty_like(t, device="meta")
+            memo[id(t)] = nn.Parameter(meta, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else meta
+    return copy.deepcopy(model, memo)
+
+
+def replace_module(model: nn.Module, path: str, q: QTensor, kernel: str = "auto") -> None:
+    """Make the module owning ``path`` (its weight) a quantized module holding ``q`` (in place)."""
+    module, leaf = submodule(model, path)
+    cls = quantized_class(module)
+    if cls is None or leaf != "weight":
+        raise ValueError(f"{path}: only the weight of Linear, Conv2d, ConvTranspose2d, Embedding, EmbeddingBag "
+                         f"and transformers Conv1D modules can be quantized; this is {type(module).__name__}.{leaf}")
+    if isinstance(module, QModule):
+        module.set_qweight(q)
+        return
+    if module is model:
+        raise ValueError(f"{path}: the root module itself cannot be replaced; wrap it in a container")
+    if tuple(q.shape) != tuple(module.weight.shape):
+        raise ValueError(f"{path}: quantized tensor has shape {tuple(q.shape)}, the {type(module).__name__} "
+                         f"weight is {tuple(module.weight.shape)}")
+    new = cls.from_float(module, q, kernel=kernel)
+    new.train(module.training)
+    parent, name = submodule(model, path.rpartition(".")[0])
+    parent._modules[name] = new
+
+
+def _assign(model: nn.Module, values: Mapping[str, torch.Tensor], original: nn.Module | None) -> None:
+    """Fill parameters/buffers from ``values`` (else from ``original``), preserving ties."""
+    src = dict(original.state_dict(keep_vars=True)) if original is not None else {}
+    done: dict[int, torch.Tensor] = {}
+    for path, t in list(model.named_parameters(remove_duplicate=False)):
+        owner, name = submodule(model, path)
+        if id(t) not in done:
+            v = values.get(path, src.get(path))
+            if v is None:
+                if t.is_meta:
+                    raise ValueError(f"{path}: no value in the tree or the original model")
+                continue
+            v = v.detach() if isinstance(v, torch.Tensor) else v
+            done[id(t)] = nn.Parameter(v, requires_grad=t.requires_grad and v.is_floating_point())
+        owner._parameters[name] = done[id(t)]
+    orig_buffers = dict(original.named_buffers(remove_duplicate=False)) if original is not None else {}
+    for path, b in list(model.named_buffers(remove_duplicate=False)):
+        owner, name = submodule(model, path)
+        if isinstance(owner, QModule) and name in owner._qnames:
+            continue
+        v = values.get(path)
+        if v is None and b.is_meta:
+            v = orig_buffers.get(path)
+            if v is None:
+                raise ValueError(f"{path}: no value in the tree or the original model")
+            v = v.clone() if name in owner._non_persistent_buffers_set else v
+        if v is not None:
+            owner._buffers[name] = v.detach()
+
+
+def to_module(model: nn.Module, qtree: Any, *, inplace: bool = False, kernel: str = "auto",
+              plan: qt.Plan | None = None) -> nn.Module:
+    """A model with quantized modules where ``qtree`` holds QTensors (see module docstring).
+
+    Args:
+        model: the float (or already partly quantized) model giving the structure.
+        qtree: ``{path: Tensor | QTensor}`` (e.g. ``qt.quantize_tree(bridge.extract(model), recipe)``).
+        inplace: modify ``model`` itself instead of returning a new model.
+        kernel: kernel request for every new quantized module (``"auto"`` or e.g. ``"dequant"``).
+        plan: the plan that made ``qtree``, handed to the rebuild hooks (recipe, rules).
+
+    Returns:
+        The quantized model (``model`` itself when ``inplace``).
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    leaves = qt.flatten_tree(qtree)
+    known = set(model.state_dict())
+    unknown = sorted(p for p in leaves if p not in known)
+    if unknown:
+        raise ValueError(f"to_module: tree paths not in the model: {unknown[:5]}"
+                         + (f" (+{len(unknown) - 5} more)" if len(unknown) > 5 else ""))
+    target = model if inplace else meta_skeleton(model)
+    quantized = {p: v for p, v in leaves.items() if isinstance(v, QTensor)}
+    for path, q in quantized.items():
+        replace_module(target, path, q, kernel)
+    plain = {p: v for p, v in leaves.items() if not isinstance(v, QTensor)}
+    _assign(target, plain, None if inplace else model)
+    for hook in REBUILD_HOOKS.values():
+        hook(target, quantized, plan)
+    return target

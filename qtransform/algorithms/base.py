@@ -1,0 +1,202 @@
+"""The algorithm contract: steps that return new weights *and* quantization parameters.
+
+An algorithm is a pure function
+
+    ``fn(params, plan, *, context, **options) -> Fit``
+
+* ``params``: the flat parameter tree ``{path: tensor}`` as the steps before it left it (a
+  copy of the dict; the tensors must not be modified in place);
+* ``plan``: the recipe resolved for the tree (:class:`~qtransform.Plan`): ``plan.specs`` are
+  the paths to quantize with their specs;
+* ``context``: what the pipeline hands over (:class:`Context`): the statistics it asked for,
+  and a progress wrapper;
+* the result, :class:`Fit`, holds updated tensors for any paths it changes (a weight, or a
+  weight *and* the norm before it) and quantization parameters for any paths it fits.
+
+An algorithm declares what it needs from calibration (``needs``): nothing (``None``: RTN,
+HQQ), or statistics of named activation sites (:class:`SiteStats`: SmoothQuant, AWQ's
+scales), which the caller's calibrator collects on the tree as the previous steps left it.
+``local=True`` says each path's result depends on that tensor alone, so the step can run
+one tensor at a time while a checkpoint loads.
+
+>>> import torch, qtransform as qt
+>>> def shrink(params, plan, *, context, factor=0.5):
+...     new = {p: params[p] - factor * (params[p] - params[p].mean(-1, keepdim=True)) for p in plan.specs}
+...     return qt.Fit(params=new)
+>>> algo = qt.register_algorithm("shrink_demo", shrink, local=True)
+>>> params = {"fc.weight": torch.tensor([[1.0, 3.0]])}
+>>> fit = algo(params, qt.QuantSpec(format="int8"), factor=0.5)
+>>> fit.params["fc.weight"].tolist(), qt.apply_fit(params, fit)["fc.weight"].tolist()
+([[1.5, 2.5]], [[1.5, 2.5]])
+>>> _ = qt.ALGORITHMS.unregister("shrink_demo")
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Iterable, Mapping, NamedTuple
+
+import torch
+
+from .. import _tree
+from .._tree import pytree_dataclass
+from ..registry import Registry
+from ..spec import as_plan
+from ..tensor import QParams
+
+__all__ = ["Fit", "Context", "SiteStats", "Algorithm", "ALGORITHMS", "register_algorithm", "get_algorithm",
+           "check_algorithm_options", "apply_fit"]
+
+
+@pytree_dataclass(static=())
+class Fit:
+    """What a step returns: ``params`` ``{path: tensor}`` it changed and ``qparams``
+    ``{path: QParams}`` it fitted (a pytree: tensors are leaves)."""
+
+    params: Mapping[str, torch.Tensor] = dataclasses.field(default_factory=dict)
+    qparams: Mapping[str, QParams] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self):
+        for name, kind in (("params", torch.Tensor), ("qparams", QParams)):
+            value = getattr(self, name)
+            if not isinstance(value, Mapping):
+                raise TypeError(f"Fit.{name} must be a mapping of path -> {kind.__name__}, got {type(value).__name__}")
+            bad = [k for k, v in value.items() if not isinstance(k, str) or not isinstance(v, kind)]
+            if bad:
+                raise TypeError(f"Fit.{name}[{bad[0]!r}] must be a {kind.__name__} keyed by its path, got "
+                                f"{type(value[bad[0]]).__name__}")
+            object.__setattr__(self, name, dict(value))
+
+
+def apply_fit(params: Any, fit: Fit) -> Any:
+    """``params`` with the tensors ``fit`` changed put in (a new tree; the input is untouched).
+
+    Like optax's ``apply_updates``: the one function that applies a step's result. Raises
+    ``ValueError`` naming the path for a path not in the tree or a changed shape or dtype.
+    """
+    if not isinstance(fit, Fit):
+        raise TypeError(f"apply_fit: fit must be a Fit, got {type(fit).__name__}")
+    seen = set()
+
+    def one(path, leaf):
+        if path not in fit.params:
+            return leaf
+        new = fit.params[path]
+        if not isinstance(leaf, torch.Tensor) or new.shape != leaf.shape or new.dtype != leaf.dtype:
+            got = f"{tuple(leaf.shape)} {leaf.dtype}" if isinstance(leaf, torch.Tensor) else type(leaf).__name__
+            raise ValueError(f"{path}: a step returned a tensor of shape {tuple(new.shape)} and dtype {new.dtype} "
+                             f"for a leaf of {got}; steps keep shapes and dtypes")
+        seen.add(path)
+        return new
+
+    out = _tree.map_with_path(one, params)
+    unknown = sorted(set(fit.params) - seen)
+    if unknown:
+        raise ValueError(f"apply_fit: a step returned tensors for paths not in the tree: {unknown[:5]}")
+    return out
+
+
+class SiteStats(NamedTuple):
+    """The step needs statistics of activation sites: ``sites(plan, **options)`` returns
+    ``{Site: observer}`` (an observer name, dict or instance, for observers that need no spec) or
+    ``{Site: empty statistics}`` (``qt.init_stats(spec, observer=...)``, e.g. activation ranges);
+    the step receives ``context.stats`` = ``{Site: statistics}`` folded over the calibration data."""
+
+    sites: Callable[..., Mapping]
+
+
+class Context(NamedTuple):
+    """What the pipeline hands a step: ``stats`` (for :class:`SiteStats` steps) and ``progress``
+    (``progress(iterable, desc=..., total=...)``, e.g. ``tqdm.tqdm``, or ``None``)."""
+
+    stats: Mapping | None = None
+    progress: Callable | None = None
+
+    def track(self, iterable: Iterable, *, desc: str = "", total: int | None = None) -> Iterable:
+        """``iterable`` wrapped by the progress bar, if any."""
+        if self.progress is None:
+            return iterable
+        return self.progress(iterable, desc=desc, total=len(iterable) if total is None and
+                             hasattr(iterable, "__len__") else total)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Algorithm:
+    """A registered algorithm (see the module docstring).
+
+    Calling it runs it alone: ``algo(params, recipe, **options) -> Fit`` (a recipe's steps run
+    in order through :func:`qtransform.run_steps`).
+    """
+
+    name: str
+    fn: Callable
+    needs: SiteStats | None = None
+    local: bool = False
+    check_options: Callable | None = None
+    description: str = ""
+
+    def __call__(self, params: Any, recipe, *, types: Mapping[str, str] | None = None, stats: Mapping | None = None,
+                 progress: Callable | None = None, **options) -> Fit:
+        """Run this algorithm alone on ``params`` for ``recipe`` (a Recipe, QuantSpec or Plan); a
+        :class:`SiteStats` algorithm takes its statistics as ``stats``."""
+        check_algorithm_options(self.name, options)
+        if self.needs is not None and stats is None:
+            raise ValueError(f"algorithm {self.name!r} needs statistics of activation sites: pass stats=")
+        plan = as_plan(recipe, params, types=types)
+        flat = dict(_tree.flatten_with_paths(params)[0])
+        fit = self.fn(flat, plan, context=Context(stats=stats, progress=progress), **options)
+        if not isinstance(fit, Fit):
+            raise TypeError(f"algorithm {self.name!r} returned {type(fit).__name__}, not a qtransform.Fit")
+        return fit
+
+
+def _check_algorithm(name: str, algo) -> None:
+    if not isinstance(algo, Algorithm):
+        raise TypeError(f"register_algorithm: expected an Algorithm, got {type(algo).__name__}")
+    if algo.needs is not None and not isinstance(algo.needs, SiteStats):
+        raise TypeError(f"register_algorithm {name}: needs must be None or SiteStats, got {type(algo.needs).__name__}")
+
+
+#: The registry: algorithm name -> :class:`Algorithm`.
+ALGORITHMS = Registry("algorithm", check=_check_algorithm)
+
+
+def register_algorithm(name: str, fn: Callable, *, needs: SiteStats | None = None, local: bool = False,
+                       check_options: Callable | None = None, description: str = "",
+                       replace: bool = False) -> Algorithm:
+    """Register ``fn`` (see the module docstring) as the step ``name``; returns the :class:`Algorithm`.
+
+    ``check_options(*, path=None, **options)``, when given, raises ``ValueError``/``TypeError`` for
+    options ``fn`` does not take; recipes are checked with it before any work starts.
+    """
+    if not callable(fn):
+        raise TypeError(f"register_algorithm: fn must be callable, got {type(fn).__name__}")
+    if check_options is not None and not callable(check_options):
+        raise TypeError(f"register_algorithm: check_options must be callable, got {type(check_options).__name__}")
+    if not isinstance(local, bool):
+        raise TypeError(f"register_algorithm: local must be a bool, got {local!r}")
+    algo = Algorithm(name=name, fn=fn, needs=needs, local=local, check_options=check_options,
+                     description=description)
+    return ALGORITHMS.register(name, algo, replace=replace)
+
+
+def get_algorithm(name: str) -> Algorithm:
+    """The algorithm registered as ``name``, with a clear error listing the known names."""
+    return ALGORITHMS[name]
+
+
+def check_algorithm_options(name: str, options: Mapping[str, Any], *, path: str | None = None) -> None:
+    """Raise ``ValueError``/``TypeError`` naming the option when ``options`` do not fit the
+    algorithm ``name`` (its ``check_options``). Without one, options are checked when it runs.
+
+    >>> check_algorithm_options("rtn", {"iters": 3})
+    Traceback (most recent call last):
+    ...
+    ValueError: rtn: unknown option(s) ['iters']; known: ['observer']
+    """
+    algo = get_algorithm(name)
+    if not isinstance(options, Mapping) or not all(isinstance(k, str) for k in options):
+        raise TypeError(f"{path + ': ' if path else ''}algorithm options must map option names to values, "
+                        f"got {options!r}")
+    if algo.check_options is not None:
+        algo.check_options(path=path, **options)

@@ -1,0 +1,47 @@
+"""``rtn``: round to nearest, with the quantization range chosen by an observer.
+
+Each selected tensor gets ``choose_qparams(w, spec, observer=...)``: ``minmax`` (default,
+clips nothing), ``percentile`` or ``mse`` (:mod:`qtransform.observers`). A recipe without
+steps quantizes this way with ``minmax``.
+
+>>> import torch, qtransform as qt
+>>> w = torch.cat([torch.linspace(-1, 1, 63), torch.tensor([9.0])]).reshape(1, 64)
+>>> spec = qt.QuantSpec(format="int4", granularity=qt.PerChannel(0))
+>>> mse = qt.get_algorithm("rtn")({"fc.weight": w}, spec, observer="mse").qparams["fc.weight"]
+>>> bool(mse.scale < qt.choose_qparams(w, spec).scale)  # the outlier is clipped
+True
+"""
+
+from __future__ import annotations
+
+from .._checks import where
+from ..observers import choose_qparams, make_observer
+from .base import Fit, register_algorithm
+
+__all__ = ["rtn", "check_options"]
+
+
+def check_options(*, path: str | None = None, **options) -> None:
+    """``observer``: a name (``"mse"``), a dict ``{"name": ..., **options}`` or an observer instance."""
+    unknown = sorted(set(options) - {"observer"})
+    if unknown:
+        raise ValueError(f"{where(path)}rtn: unknown option(s) {unknown}; known: ['observer']")
+    if "observer" in options:
+        try:
+            obs = make_observer(options["observer"])
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"{where(path)}rtn: observer: {e}") from None
+        if not obs.gives_range:
+            raise ValueError(f"{where(path)}rtn: observer {obs.name!r} gives no quantization range "
+                             "(use minmax, percentile or mse)")
+
+
+def rtn(params, plan, *, context, observer=None) -> Fit:
+    """Round-to-nearest parameters for every path the plan quantizes."""
+    obs = make_observer(observer)
+    return Fit(qparams={path: choose_qparams(params[path], spec, observer=obs, path=path)
+                        for path, spec in context.track(plan.specs.items(), desc="rtn")})
+
+
+register_algorithm("rtn", rtn, local=True, check_options=check_options,
+                   description="round to nearest (observer: minmax, percentile or mse)")

@@ -1,0 +1,72 @@
+"""``hessian``: the input Gram matrix ``XᵀX`` of a linear layer and its sample count (GPTQ's Hessian).
+
+A batch ``x`` of shape ``(..., in)`` adds ``x2ᵀ x2`` (``x2 = x.reshape(-1, in)``) to ``xtx`` and its
+row count to ``count``; both reduce by sum across batches and processes. ``finalize`` gives
+the mean outer product ``XᵀX / n`` (``(in, in)``), the Hessian of the layer's squared output
+error up to the factor 2 that GPTQ's damping makes irrelevant.
+
+>>> import torch, qtransform as qt
+>>> x = torch.tensor([[1.0, 2.0], [3.0, 0.0]])
+>>> s = qt.observe(qt.observe(qt.init_stats(observer="hessian"), x[:1]), x[1:])
+>>> s.xtx.tolist(), int(s.count), qt.finalize_stats(s).tolist()
+([[10.0, 2.0], [2.0, 4.0]], 2, [[5.0, 1.0], [1.0, 2.0]])
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from .._checks import check_finite, where
+from .._tree import pytree_dataclass
+from ..spec import QuantSpec
+from .base import Observer, register_observer
+
+__all__ = ["Hessian", "HessianStats"]
+
+_DTYPES = {"float32": torch.float32, "float64": torch.float64}
+
+
+@pytree_dataclass(static=("spec", "observer"))
+class HessianStats:
+    """``xtx`` (in, in) summed outer products and ``count`` (int64, shape ()) rows observed."""
+
+    xtx: torch.Tensor | None = None
+    count: torch.Tensor | None = None
+    spec: QuantSpec | None = None
+    observer: Observer | None = None
+
+
+@register_observer
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Hessian(Observer):
+    """Sum of ``xᵀx`` over the rows of every batch, accumulated in ``dtype`` (``"float32"`` or
+    ``"float64"``)."""
+
+    dtype: str = "float32"
+
+    name = "hessian"
+    reduction = {"xtx": "sum", "count": "sum"}
+
+    def __post_init__(self):
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"hessian: dtype must be one of {list(_DTYPES)}, got {self.dtype!r}")
+
+    def init(self, spec=None):
+        return HessianStats(observer=self)
+
+    def batch(self, stats, x, *, path=None):
+        check_finite(x, path=path)
+        x2 = x.detach().reshape(-1, x.shape[-1]).to(_DTYPES[self.dtype])
+        count = torch.tensor(x2.shape[0], dtype=torch.int64, device=x.device)
+        return dataclasses.replace(stats, xtx=x2.T @ x2, count=count)
+
+    def merge(self, a, b, *, path=None):
+        if a.xtx.shape != b.xtx.shape:
+            raise ValueError(f"{where(path)}merge_stats: hessians of {tuple(a.xtx.shape)} and "
+                             f"{tuple(b.xtx.shape)} (inputs of different widths)")
+        return dataclasses.replace(a, xtx=a.xtx + b.xtx, count=a.count + b.count)
+
+    def finalize(self, stats, *, path=None) -> torch.Tensor:
+        return stats.xtx / stats.count.clamp(min=1).to(stats.xtx.dtype)

@@ -1,0 +1,10 @@
+"""The pipeline: a recipe's steps run in order (``run_steps``), named presets, recipe files."""
+
+from .run import Calibrator, check_steps, run_steps
+from .presets import (DEFAULT_EXCLUDE, LINEAR_TYPES, PRESETS, Preset, get_preset, hqq_spec, linear_recipe,
+                      presets, register_preset)
+from .recipe_files import from_hqq_config, recipe_from_dict
+
+__all__ = ["Calibrator", "check_steps", "run_steps", "Preset", "PRESETS", "register_preset", "presets",
+           "get_preset", "hqq_spec", "linear_recipe", "LINEAR_TYPES", "DEFAULT_EXCLUDE", "from_hqq_config",
+           "recipe_from_dict"]

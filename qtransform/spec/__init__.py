@@ -1,0 +1,10 @@
+"""What to quantize and how: ``QuantSpec`` (what decoding needs), ``Recipe`` (which path gets
+which spec, and the steps that fit them) and ``Plan`` (a recipe resolved once for a tree)."""
+
+from .quantspec import CALIBRATION_FIELDS, SCALE_RULES, QuantSpec
+from .step import Step
+from .plan import ROLES, Match, Plan, Site, module_of
+from .recipe import Recipe, as_plan, as_recipe
+
+__all__ = ["QuantSpec", "SCALE_RULES", "CALIBRATION_FIELDS", "Step", "Match", "Plan", "Site", "ROLES",
+           "module_of", "Recipe", "as_plan", "as_recipe"]

@@ -1,0 +1,104 @@
+"""``Plan``: a recipe resolved once for a parameter tree.
+
+The plan maps every tensor path of the tree to a :class:`Match` (the spec, the rule that
+chose it and the module type the caller gave), in tree order, and carries the recipe's
+steps. Everything downstream (the steps, calibration, ``quantize_tree``, the bridge's
+rebuild, checkpoints and reports) reads the plan instead of resolving the recipe again.
+
+Activation *sites* are named by module path and role: ``Site("model.layers.0.mlp.down_proj",
+"input")`` is what enters that module. :meth:`Plan.sites` lists the modules of the quantized
+weights, the sites that calibration hooks watch.
+
+>>> import torch, qtransform as qt
+>>> params = {"fc1.weight": torch.ones(8, 16), "fc1.bias": torch.ones(8), "fc2.weight": torch.ones(4, 8)}
+>>> plan = qt.Recipe(default=qt.QuantSpec(format="int8"), exclude=["fc2.*"]).plan(params)
+>>> list(plan.specs), plan["fc2.weight"].rule
+(['fc1.weight'], 'exclude[fc2.*]')
+>>> plan.sites()
+{Site(module='fc1', role='input'): ('fc1.weight',)}
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Iterable, Iterator, NamedTuple
+
+from .quantspec import QuantSpec
+
+__all__ = ["Match", "Site", "Plan", "ROLES", "module_of"]
+
+#: Activation roles of a site: what enters a module, what leaves it.
+ROLES = ("input", "output")
+
+
+class Match(NamedTuple):
+    """The spec a path resolved to (``None``: left in full precision), the rule that decided, and
+    the module type the path belongs to (when the caller knows it)."""
+
+    spec: QuantSpec | None
+    rule: str
+    module_type: str | None = None
+
+
+class Site(NamedTuple):
+    """An activation site: the ``role`` (``"input"`` or ``"output"``) of the module at path ``module``."""
+
+    module: str
+    role: str = "input"
+
+
+def module_of(path: str) -> str:
+    """The module path of a parameter path: ``"a.b.weight"`` -> ``"a.b"`` (``""`` for a top-level name)."""
+    return path.rpartition(".")[0]
+
+
+class Plan(Mapping):
+    """``{path: Match}`` for every tensor leaf of a tree, with the recipe that made it.
+
+    Build one with :meth:`qtransform.Recipe.plan`. Read-only.
+    """
+
+    def __init__(self, recipe, matches: Mapping[str, Match]):
+        self.recipe = recipe
+        self._matches = dict(matches)
+        self._specs = {p: m.spec for p, m in self._matches.items() if m.spec is not None}
+
+    @property
+    def steps(self) -> tuple:
+        """The recipe's steps, in order."""
+        return self.recipe.steps
+
+    @property
+    def specs(self) -> Mapping[str, QuantSpec]:
+        """``{path: spec}`` of the paths to quantize, in tree order."""
+        return self._specs
+
+    def sites(self, role: str = "input") -> dict[Site, tuple[str, ...]]:
+        """``{Site(module, role): (quantized paths of that module, ...)}`` in tree order."""
+        if role not in ROLES:
+            raise ValueError(f"Plan.sites: role must be one of {list(ROLES)}, got {role!r}")
+        out: dict[Site, tuple[str, ...]] = {}
+        for path in self._specs:
+            site = Site(module_of(path), role)
+            out[site] = out.get(site, ()) + (path,)
+        return out
+
+    def restrict(self, paths: Iterable[str]) -> "Plan":
+        """The plan of a sub-tree holding only ``paths`` (e.g. one weight read while loading)."""
+        paths = list(paths)
+        missing = [p for p in paths if p not in self._matches]
+        if missing:
+            raise ValueError(f"Plan.restrict: path(s) not in the plan: {missing[:5]}")
+        return Plan(self.recipe, {p: self._matches[p] for p in paths})
+
+    def __getitem__(self, path: str) -> Match:
+        return self._matches[path]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._matches)
+
+    def __len__(self) -> int:
+        return len(self._matches)
+
+    def __repr__(self) -> str:
+        return f"Plan({len(self._specs)} of {len(self._matches)} tensors quantized, steps={list(self.steps)})"

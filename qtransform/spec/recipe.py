@@ -1,0 +1,178 @@
+"""``Recipe``: which spec each path of a parameter tree gets.
+
+Resolution order for a path: ``exclude`` globs (kept in full precision), then
+``rules`` in order (first matching glob wins; a ``None`` spec keeps the tensor in full
+precision), then ``type_rules`` keyed by module type name (when the caller knows the
+types, as the bridge does), then ``default``. Type rules and the default apply only to
+floating tensors with at least ``min_ndim`` dimensions (a ``Linear`` rule selects the
+weight, not the bias; norm weights stay as they are); glob rules apply regardless.
+Non-floating tensors are never quantized.
+
+``steps`` are the algorithms that fit the selected tensors, in order (see :class:`Step`):
+none means round to nearest from each tensor's min/max.
+
+>>> import qtransform as qt
+>>> r = qt.Recipe(default=qt.QuantSpec(format="int4", granularity=qt.PerGroup(32)),
+...               rules={"*.down_proj.weight": qt.QuantSpec(format="int8", granularity=qt.PerChannel(0))},
+...               exclude=["lm_head*"])
+>>> r.resolve("model.layers.0.mlp.down_proj.weight").rule
+'rules[*.down_proj.weight]'
+>>> r.resolve("lm_head.weight").spec is None
+True
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+from typing import Any, Mapping
+
+import torch
+
+from .. import _tree
+from .plan import Match, Plan
+from .quantspec import QuantSpec
+from .step import Step
+
+__all__ = ["Recipe", "as_recipe", "as_plan"]
+
+
+def _pairs(name: str, value) -> tuple[tuple[str, QuantSpec | None], ...]:
+    items = value.items() if isinstance(value, Mapping) else value
+    try:
+        pairs = tuple((k, v) for k, v in items)
+    except (TypeError, ValueError):
+        raise TypeError(f"Recipe.{name} must be a mapping of glob -> QuantSpec (or None)") from None
+    for k, v in pairs:
+        if not isinstance(k, str):
+            raise TypeError(f"Recipe.{name}: keys must be glob strings, got {k!r}")
+        if v is not None and not isinstance(v, QuantSpec):
+            raise TypeError(f"Recipe.{name}[{k!r}] must be a QuantSpec or None, got {type(v).__name__}")
+    return pairs
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Recipe:
+    """Glob rules from tree paths to :class:`QuantSpec`, and the steps that fit them (hashable,
+    JSON round-trippable).
+
+    Args:
+        default: spec of floating tensors with at least ``min_ndim`` dimensions no rule names.
+        rules: ``{glob: spec or None}``, first match wins.
+        type_rules: ``{module type name: spec or None}`` (``"Linear"``, ``"Conv1D"``...).
+        exclude: globs kept in full precision whatever else matches.
+        min_ndim: the default applies to tensors with at least this many dimensions.
+        steps: algorithms run in order (names, :class:`Step` objects or their dicts).
+    """
+
+    default: QuantSpec | None = None
+    rules: Any = ()
+    type_rules: Any = ()
+    exclude: Any = ()
+    min_ndim: int = 2
+    steps: Any = ()
+
+    def __post_init__(self):
+        if self.default is not None and not isinstance(self.default, QuantSpec):
+            raise TypeError(f"Recipe.default must be a QuantSpec or None, got {type(self.default).__name__}")
+        object.__setattr__(self, "rules", _pairs("rules", self.rules))
+        object.__setattr__(self, "type_rules", _pairs("type_rules", self.type_rules))
+        excl = (self.exclude,) if isinstance(self.exclude, str) else tuple(self.exclude)
+        if any(not isinstance(e, str) for e in excl):
+            raise TypeError("Recipe.exclude must be a list of glob strings")
+        object.__setattr__(self, "exclude", excl)
+        if not isinstance(self.min_ndim, int) or isinstance(self.min_ndim, bool) or self.min_ndim < 1:
+            raise ValueError(f"Recipe.min_ndim must be a positive int, got {self.min_ndim!r}")
+        steps = (self.steps,) if isinstance(self.steps, (str, Step, Mapping)) else self.steps
+        try:
+            steps = tuple(steps)
+        except TypeError:
+            raise TypeError(f"Recipe.steps must be a list of steps, got {type(self.steps).__name__}") from None
+        object.__setattr__(self, "steps", tuple(Step.from_value(s, where=f"Recipe.steps[{i}]")
+                                                for i, s in enumerate(steps)))
+
+    def resolve(self, path: str, *, module_type: str | None = None, ndim: int | None = None,
+                floating: bool = True) -> Match:
+        """The spec for ``path`` and the name of the rule that chose it."""
+        if not floating:
+            return Match(None, "skipped (not a floating-point tensor)")
+        for pattern in self.exclude:
+            if fnmatch.fnmatchcase(path, pattern):
+                return Match(None, f"exclude[{pattern}]")
+        for pattern, spec in self.rules:
+            if fnmatch.fnmatchcase(path, pattern):
+                return Match(spec, f"rules[{pattern}]")
+        if ndim is not None and ndim < self.min_ndim:  # type rules and the default select weights
+            return Match(None, f"skipped (ndim {ndim} < min_ndim {self.min_ndim})" if (
+                self.default is not None or module_type in dict(self.type_rules)) else "no rule")
+        if module_type is not None:
+            for name, spec in self.type_rules:
+                if name == module_type:
+                    return Match(spec, f"type_rules[{name}]")
+        if self.default is None:
+            return Match(None, "no rule")
+        return Match(self.default, "default")
+
+    def plan(self, tree: Any, *, types: Mapping[str, str] | None = None) -> Plan:
+        """Resolve every tensor leaf of ``tree`` once: a :class:`Plan` (``{path: Match}`` in tree order).
+
+        ``types`` maps paths to module type names, for ``type_rules``.
+        """
+        if types is not None and not isinstance(types, Mapping):
+            raise TypeError(f"types must map tree paths to module type names, got {type(types).__name__}")
+        pairs, _ = _tree.flatten_with_paths(tree)
+        types = types or {}
+        matches = {}
+        for path, leaf in pairs:
+            if isinstance(leaf, torch.Tensor):
+                kind = types.get(path)
+                m = self.resolve(path, module_type=kind, ndim=leaf.dim(), floating=leaf.is_floating_point())
+                matches[path] = m._replace(module_type=kind)
+        return Plan(self, matches)
+
+    def unmatched(self, paths) -> list[str]:
+        """Rule and exclude globs that match none of ``paths`` (likely typos)."""
+        paths = list(paths)
+        globs = [p for p, _ in self.rules] + list(self.exclude)
+        return [g for g in globs if not any(fnmatch.fnmatchcase(p, g) for p in paths)]
+
+    def to_dict(self) -> dict:
+        spec = lambda s: None if s is None else s.to_dict()  # noqa: E731
+        return {
+            "default": spec(self.default),
+            "rules": [[k, spec(v)] for k, v in self.rules],
+            "type_rules": [[k, spec(v)] for k, v in self.type_rules],
+            "exclude": list(self.exclude),
+            "min_ndim": self.min_ndim,
+            "steps": [s.to_dict() for s in self.steps],
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Recipe":
+        if not isinstance(d, dict):
+            raise TypeError(f"Recipe.from_dict expects a dict, got {type(d).__name__}")
+        unknown = sorted(set(d) - {"default", "rules", "type_rules", "exclude", "min_ndim", "steps"})
+        if unknown:
+            raise ValueError(f"Recipe.from_dict: unknown field(s) {unknown}")
+        spec = lambda s: None if s is None else QuantSpec.from_dict(s)  # noqa: E731
+        pairs = lambda items: [(k, spec(v)) for k, v in (items.items() if isinstance(items, dict) else items)]  # noqa: E731
+        return cls(default=spec(d.get("default")), rules=pairs(d.get("rules", [])),
+                   type_rules=pairs(d.get("type_rules", [])), exclude=d.get("exclude", ()),
+                   min_ndim=d.get("min_ndim", 2), steps=d.get("steps", ()))
+
+
+def as_recipe(recipe) -> Recipe:
+    """A :class:`Recipe`, or a bare :class:`QuantSpec` as ``Recipe(default=spec)``."""
+    if isinstance(recipe, Recipe):
+        return recipe
+    if isinstance(recipe, QuantSpec):
+        return Recipe(default=recipe)
+    raise TypeError(f"recipe must be a qtransform Recipe or QuantSpec, got {type(recipe).__name__}")
+
+
+def as_plan(recipe, tree: Any, *, types: Mapping[str, str] | None = None) -> Plan:
+    """``recipe`` resolved for ``tree``: a :class:`Plan` is used as it is (resolved once, upstream);
+    a :class:`Recipe` or bare :class:`QuantSpec` is resolved with ``types``."""
+    if isinstance(recipe, Plan):
+        return recipe
+    return as_recipe(recipe).plan(tree, types=types)

@@ -1,0 +1,160 @@
+"""``quantize`` / ``dequantize`` / ``fake_quantize``: pure, vectorized, transform-friendly.
+
+>>> import torch, qtransform as qt
+>>> x = torch.tensor([[0.1, -0.5, 0.25, 1.0]])
+>>> spec = qt.QuantSpec(format="int4", granularity=qt.PerChannel(0))
+>>> qp = qt.choose_qparams(x, spec)
+>>> q = qt.quantize(x, qp)
+>>> qt.dequantize(q)  # scale 1/7.5 ("full" range): +amax maps to 7.5 and saturates to 7
+tensor([[ 0.1333, -0.5333,  0.2667,  0.9333]])
+
+All three work under ``torch.func.grad``, ``torch.func.vmap`` and ``torch.compile``
+and never modify their inputs. ``fake_quantize`` has a straight-through gradient:
+1 for inputs inside the representable range, 0 where they are clipped, and the
+LSQ gradient with respect to a float32 scale (``round(v) - v`` inside the range).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import formats
+from .._checks import check_finite, check_float_tensor, under_transform, where
+from ..spec import QuantSpec
+from . import blocks
+from .types import QParams, QTensor
+
+__all__ = ["quantize", "dequantize", "fake_quantize", "element_range", "roundtrip_blocks"]
+
+
+def element_range(spec: QuantSpec) -> tuple[float | None, float | None]:
+    """Saturation bounds of the element domain (``(None, None)`` for ``saturate=False``)."""
+    if not spec.saturate:
+        return None, None
+    return spec.fmt.codec.qrange(symmetric=spec.symmetric, restricted=spec.restricted)
+
+
+def _noise(shape, device, spec: QuantSpec, generator):
+    if spec.rounding != "stochastic":
+        return None
+    if generator is None:
+        raise ValueError("rounding='stochastic' needs explicit randomness: pass generator=torch.Generator "
+                         "or generator=<int seed> (qtransform never draws from the global RNG)")
+    if isinstance(generator, int) and not isinstance(generator, bool):
+        generator = torch.Generator(device=device).manual_seed(generator)
+    if not isinstance(generator, torch.Generator):
+        raise TypeError(f"generator must be a torch.Generator or an int seed, got {type(generator).__name__}")
+    return torch.rand(shape, generator=generator, device=device)
+
+
+def _blocked(x: torch.Tensor, qparams: QParams, path):
+    """Validate and return (plan, x blocked, scale, zero point) broadcast over blocks."""
+    if not isinstance(qparams, QParams):
+        raise TypeError(f"{where(path)}qparams must be a QParams, got {type(qparams).__name__}")
+    check_float_tensor(x, path=path)
+    spec = qparams.spec
+    p = blocks.plan(x.shape, spec, sub_block=True, path=path)
+    s, z = qparams.effective()
+    if tuple(s.shape) != p.grid:
+        raise ValueError(f"{where(path)}qparams scale grid {tuple(s.shape)} does not match x of shape "
+                         f"{tuple(x.shape)} under {spec.granularity} (expected grid {p.grid})")
+    if s.device != x.device:
+        raise ValueError(f"{where(path)}qparams are on {s.device} but x is on {x.device}; move one "
+                         "explicitly (qtransform never moves tensors between devices)")
+    xb = blocks.view(x.to(torch.float32), p)
+    s = blocks.expand(s, p)
+    z = None if z is None else blocks.expand(z, p)
+    return p, xb, s, z
+
+
+def _to_element(xb, s, z, *, differentiable: bool = False):
+    if z is None:
+        return xb / s
+    # addcdiv is one pass, but its backward is not exactly 1/s; the STE path divides plainly
+    return xb / s + z if differentiable else torch.addcdiv(z, xb, s)
+
+
+def _from_element(vals, s, z, *, inplace: bool = False):
+    """``(vals - z) * s``; with ``inplace`` the fresh ``vals`` buffer is reused (two passes, no copies)."""
+    if inplace:
+        return (vals if z is None else vals.sub_(z)).mul_(s)
+    return (vals if z is None else vals - z) * s
+
+
+def quantize(x: torch.Tensor, qparams: QParams, *, generator=None, path: str | None = None) -> QTensor:
+    """Quantize ``x`` with ``qparams``: ``codes = encode(x / scale + zero_point)``.
+
+    Args:
+        x: floating tensor whose shape fits ``qparams`` (same grid).
+        qparams: from :func:`compute_qparams`, :func:`choose_qparams` or an algorithm.
+        generator: ``torch.Generator`` or int seed; required for stochastic rounding.
+        path: tree path, for error messages.
+
+    Returns:
+        A :class:`QTensor` with compact codes (sub-byte codes bit-packed along the last axis).
+    """
+    p, xb, s, z = _blocked(x, qparams, path)
+    check_finite(x, path=path)
+    spec = qparams.spec
+    codec = spec.fmt.codec
+    lo, hi = element_range(spec)
+    v = _to_element(xb, s, z)
+    codes = codec.encode(v, rounding=spec.rounding, noise=_noise(v.shape, x.device, spec, generator),
+                         lo=lo, hi=hi)
+    codes = blocks.unview(codes, p)
+    if codec.packed:
+        codes = formats.pack(codes, codec.bits)
+    return QTensor(codes=codes, qparams=qparams, width=x.shape[-1], dtype=x.dtype)
+
+
+def unpacked_codes(q: QTensor) -> torch.Tensor:
+    """The codes of ``q`` in their unpacked container, shape ``q.shape``."""
+    codec = q.spec.fmt.codec
+    if not codec.packed:
+        return q.codes
+    codes = formats.unpack(q.codes, codec.bits, q.width, signed=codec.signed)
+    return codes if codes.dtype == codec.code_dtype else codes.to(codec.code_dtype)
+
+
+def dequantize(q: QTensor, *, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``(decode(codes) - zero_point) * scale`` in ``q.dtype`` (or ``dtype``), shape ``q.shape``."""
+    if not isinstance(q, QTensor):
+        raise TypeError(f"dequantize expects a QTensor, got {type(q).__name__}")
+    spec = q.spec
+    codes = unpacked_codes(q)
+    p = blocks.plan(codes.shape, spec, sub_block=True)
+    s, z = q.qparams.effective()
+    decoded = spec.fmt.codec.decode(codes)  # elementwise: decode before padding (float8 cannot be gathered)
+    vals = blocks.view(decoded, p)
+    inplace = (not under_transform(vals) and not s.requires_grad and (z is None or not z.requires_grad)
+               and decoded.data_ptr() != codes.data_ptr())
+    y = _from_element(vals, blocks.expand(s, p), None if z is None else blocks.expand(z, p), inplace=inplace)
+    return blocks.unview(y, p).to(q.dtype if dtype is None else dtype)
+
+
+def roundtrip_blocks(v: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
+    """Element-domain values rounded onto the format's grid (half to even, saturating)."""
+    lo, hi = element_range(spec)
+    rounding = "half_even" if spec.rounding == "stochastic" else spec.rounding
+    return spec.fmt.codec.round(v, rounding=rounding, lo=lo, hi=hi)
+
+
+def fake_quantize(x: torch.Tensor, qparams: QParams, *, generator=None, path: str | None = None) -> torch.Tensor:
+    """``dequantize(quantize(x, qparams))`` with a straight-through gradient.
+
+    Differentiable with respect to ``x`` (1 inside the representable range, 0 where clipped)
+    and to a float32 ``qparams.scale`` / float ``zero_point`` (LSQ-style).
+    """
+    p, xb, s, z = _blocked(x, qparams, path)
+    check_finite(x, path=path)
+    spec = qparams.spec
+    lo, hi = element_range(spec)
+    needs_grad = x.requires_grad or s.requires_grad or (z is not None and z.requires_grad)
+    v = _to_element(xb, s, z, differentiable=needs_grad)
+    g = spec.fmt.codec.round(v.detach(), rounding=spec.rounding,
+                             noise=_noise(v.shape, x.device, spec, generator), lo=lo, hi=hi)
+    if not needs_grad:  # nothing to differentiate: the rounded values, rescaled in place
+        return blocks.unview(_from_element(g, s, z, inplace=not under_transform(g)), p).to(x.dtype)
+    vc = v if lo is None else v.clamp(lo, hi)
+    vq = vc + (g - vc).detach()
+    return blocks.unview(_from_element(vq, s, z), p).to(x.dtype)

