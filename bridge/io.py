@@ -29,7 +29,6 @@ import os
 import shutil
 from pathlib import Path
 
-import torch
 from torch import nn
 
 import qtransform as qt

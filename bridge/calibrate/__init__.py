@@ -1,6 +1,8 @@
 """Calibration: forward passes over calibration data that fold the statistics the pipeline's steps
-ask for (hooks on named activation sites)."""
+ask for (hooks on named activation sites), or hand a step one block at a time with its inputs."""
 
-from .sites import ModelCalibrator, first_tensor, run_batch
+from .sites import first_tensor, fold_sites, run_batch
+from .blocks import blockwise, capture_inputs, find_blocks
+from .calibrator import ModelCalibrator
 
-__all__ = ["ModelCalibrator", "first_tensor", "run_batch"]
+__all__ = ["ModelCalibrator", "first_tensor", "fold_sites", "run_batch", "blockwise", "capture_inputs", "find_blocks"]

@@ -5,9 +5,9 @@
 and ``hqq`` (half-quadratic optimization, calibration-free).
 """
 
-from .base import (ALGORITHMS, Algorithm, Context, Fit, SiteStats, apply_fit, check_algorithm_options,
-                   get_algorithm, register_algorithm)
+from .base import (ALGORITHMS, Algorithm, Block, BlockInputs, Context, Fit, SiteStats, apply_fit,
+                   check_algorithm_options, get_algorithm, register_algorithm)
 from . import rtn, hqq
 
-__all__ = ["ALGORITHMS", "Algorithm", "Context", "Fit", "SiteStats", "apply_fit", "check_algorithm_options",
+__all__ = ["ALGORITHMS", "Algorithm", "Block", "BlockInputs", "Context", "Fit", "SiteStats", "apply_fit", "check_algorithm_options",
            "get_algorithm", "register_algorithm", "rtn", "hqq"]

@@ -14,8 +14,11 @@ An algorithm is a pure function
   weight *and* the norm before it) and quantization parameters for any paths it fits.
 
 An algorithm declares what it needs from calibration (``needs``): nothing (``None``: RTN,
-HQQ), or statistics of named activation sites (:class:`SiteStats`: SmoothQuant, AWQ's
-scales), which the caller's calibrator collects on the tree as the previous steps left it.
+HQQ), statistics of named activation sites (:class:`SiteStats`: SmoothQuant, AWQ's scales),
+which the caller's calibrator collects on the tree as the previous steps left it, or the
+inputs of one block at a time (:class:`BlockInputs`: GPTQ, AWQ's search): the calibrator then
+calls the algorithm once per block (``context.block``, a :class:`Block`), each block's inputs
+being the outputs of the blocks before it as already fitted and quantized.
 ``local=True`` says each path's result depends on that tensor alone, so the step can run
 one tensor at a time while a checkpoint loads.
 
@@ -34,7 +37,7 @@ one tensor at a time while a checkpoint loads.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Iterable, Mapping, NamedTuple
+from typing import Any, Callable, Iterable, Mapping, NamedTuple, Sequence
 
 import torch
 
@@ -44,7 +47,7 @@ from ..registry import Registry
 from ..spec import as_plan
 from ..tensor import QParams
 
-__all__ = ["Fit", "Context", "SiteStats", "Algorithm", "ALGORITHMS", "register_algorithm", "get_algorithm",
+__all__ = ["Fit", "Context", "SiteStats", "BlockInputs", "Block", "Algorithm", "ALGORITHMS", "register_algorithm", "get_algorithm",
            "check_algorithm_options", "apply_fit"]
 
 
@@ -105,12 +108,42 @@ class SiteStats(NamedTuple):
     sites: Callable[..., Mapping]
 
 
+class BlockInputs(NamedTuple):
+    """The step runs one block at a time on that block's calibration inputs (``context.block``).
+
+    Its :class:`Fit` for a block may only touch that block's tensors; the calibrator quantizes the
+    block with the parameters fitted so far (round to nearest where none were) before computing
+    the next block's inputs."""
+
+
+class Block(NamedTuple):
+    """One block of a model, handed to a :class:`BlockInputs` step.
+
+    Attributes:
+        name: the block's module path (``"model.layers.3"``).
+        paths: the tree paths of its tensors.
+        inputs: per calibration batch, the block's ``(args, kwargs)`` (outputs of the blocks before it).
+        run: ``run(params) -> [output per batch]``: the block on its inputs with its tensors taken from
+            ``params`` (``{path: tensor}``; missing paths keep the current tree's).
+        site_stats: ``site_stats(params, {Site: empty statistics}) -> {Site: statistics}``: the block on
+            its inputs with hooks, for sites inside it.
+    """
+
+    name: str
+    paths: tuple[str, ...]
+    inputs: Sequence[Any]
+    run: Callable[[Mapping[str, torch.Tensor]], list]
+    site_stats: Callable[[Mapping[str, torch.Tensor], Mapping], Mapping]
+
+
 class Context(NamedTuple):
-    """What the pipeline hands a step: ``stats`` (for :class:`SiteStats` steps) and ``progress``
-    (``progress(iterable, desc=..., total=...)``, e.g. ``tqdm.tqdm``, or ``None``)."""
+    """What the pipeline hands a step: ``stats`` (for :class:`SiteStats` steps), ``block`` (for
+    :class:`BlockInputs` steps) and ``progress`` (``progress(iterable, desc=..., total=...)``, e.g.
+    ``tqdm.tqdm``, or ``None``)."""
 
     stats: Mapping | None = None
     progress: Callable | None = None
+    block: Block | None = None
 
     def track(self, iterable: Iterable, *, desc: str = "", total: int | None = None) -> Iterable:
         """``iterable`` wrapped by the progress bar, if any."""
@@ -130,7 +163,7 @@ class Algorithm:
 
     name: str
     fn: Callable
-    needs: SiteStats | None = None
+    needs: SiteStats | BlockInputs | None = None
     local: bool = False
     check_options: Callable | None = None
     description: str = ""
@@ -140,6 +173,9 @@ class Algorithm:
         """Run this algorithm alone on ``params`` for ``recipe`` (a Recipe, QuantSpec or Plan); a
         :class:`SiteStats` algorithm takes its statistics as ``stats``."""
         check_algorithm_options(self.name, options)
+        if isinstance(self.needs, BlockInputs):
+            raise ValueError(f"algorithm {self.name!r} runs block by block on calibration data: run it in a "
+                             "recipe (qt.run_steps with a calibrator, bridge.quantize(..., calibration=...))")
         if self.needs is not None and stats is None:
             raise ValueError(f"algorithm {self.name!r} needs statistics of activation sites: pass stats=")
         plan = as_plan(recipe, params, types=types)
@@ -153,15 +189,16 @@ class Algorithm:
 def _check_algorithm(name: str, algo) -> None:
     if not isinstance(algo, Algorithm):
         raise TypeError(f"register_algorithm: expected an Algorithm, got {type(algo).__name__}")
-    if algo.needs is not None and not isinstance(algo.needs, SiteStats):
-        raise TypeError(f"register_algorithm {name}: needs must be None or SiteStats, got {type(algo.needs).__name__}")
+    if algo.needs is not None and not isinstance(algo.needs, (SiteStats, BlockInputs)):
+        raise TypeError(f"register_algorithm {name}: needs must be None, SiteStats or BlockInputs, got "
+                        f"{type(algo.needs).__name__}")
 
 
 #: The registry: algorithm name -> :class:`Algorithm`.
 ALGORITHMS = Registry("algorithm", check=_check_algorithm)
 
 
-def register_algorithm(name: str, fn: Callable, *, needs: SiteStats | None = None, local: bool = False,
+def register_algorithm(name: str, fn: Callable, *, needs: SiteStats | BlockInputs | None = None, local: bool = False,
                        check_options: Callable | None = None, description: str = "",
                        replace: bool = False) -> Algorithm:
     """Register ``fn`` (see the module docstring) as the step ``name``; returns the :class:`Algorithm`.

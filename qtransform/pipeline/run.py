@@ -8,10 +8,12 @@ left it; a step that changes a tensor drops the quantization parameters earlier 
 fitted for it (they described the old tensor). The result is one :class:`~qtransform.Fit`:
 the changed tensors and the quantization parameters still valid.
 
-Steps that need statistics of activation sites get them from a *calibrator*, supplied by
-whoever can run the model (the bridge runs forward passes with hooks): an object with
-``site_stats(params, sites) -> {Site: statistics}``, called on the tree as it stands before
-that step.
+Steps that need data get it from a *calibrator*, supplied by whoever can run the model (the
+bridge runs forward passes with hooks): ``site_stats(params, sites) -> {Site: statistics}`` for
+:class:`~qtransform.SiteStats` steps, called on the tree as it stands before that step, and
+``blockwise(params, plan, fit_block) -> Fit`` for :class:`~qtransform.BlockInputs` steps, which
+calls ``fit_block(block)`` for each block in order and quantizes each block before computing the
+next one's inputs.
 
 >>> import torch, qtransform as qt
 >>> spec = qt.QuantSpec(format="uint4", granularity=qt.PerGroup(32), symmetric=False, zero_point_domain="float")
@@ -28,7 +30,7 @@ from typing import Any, Callable, Mapping, Protocol, Sequence
 import torch
 
 from .. import _tree
-from ..algorithms import ALGORITHMS, Context, Fit, SiteStats, check_algorithm_options
+from ..algorithms import ALGORITHMS, Block, BlockInputs, Context, Fit, SiteStats, check_algorithm_options
 from ..observers import Observer, init_stats
 from ..spec import Plan, Site, Step, as_plan
 from ..tensor import QParams
@@ -43,6 +45,12 @@ class Calibrator(Protocol):
         """``sites`` maps each site to empty statistics (``init_stats(...)``); returns them with every
         calibration batch's activations at that site folded in (``observe``), the model's tensors
         taken from ``params``."""
+
+    def blockwise(self, params: Mapping[str, torch.Tensor], plan: Plan,
+                  fit_block: Callable[[Block, Mapping[str, torch.Tensor]], Fit]) -> Fit:
+        """``fit_block(block, params)`` for each block in order (``params`` as the blocks before left
+        it), each block then quantized (its fitted parameters, else round to nearest) to compute the
+        next block's inputs; returns the blocks' fits combined."""
 
 
 def check_steps(steps: Sequence[Step], *, calibrated: bool | None = None, on_load: bool = False,
@@ -68,21 +76,43 @@ def check_steps(steps: Sequence[Step], *, calibrated: bool | None = None, on_loa
                              f"({', '.join(local)}); {step.name!r} {why}. Quantize the model first "
                              "(bridge.quantize or `qtransform quantize`) and load the checkpoint")
         if algo.needs is not None and calibrated is False:
-            raise ValueError(f"{at}: {step.name!r} needs statistics of activation sites, i.e. calibration data; "
+            what = ("runs block by block on" if isinstance(algo.needs, BlockInputs)
+                    else "needs statistics of activation sites, i.e.")
+            raise ValueError(f"{at}: {step.name!r} {what} calibration data; "
                              "pass calibration batches (bridge.quantize(model, recipe, calibration=...), "
                              "`qtransform quantize --calib N`) or a calibrator")
+
+
+def _sites(algo, step: Step, plan: Plan, at: str) -> dict:
+    sites = {}
+    for site, want in algo.needs.sites(plan, **step.options).items():
+        if not isinstance(site, Site):
+            raise TypeError(f"{at}: SiteStats.sites must return {{Site: observer or statistics}}, got key {site!r}")
+        sites[site] = want if isinstance(getattr(want, "observer", None), Observer) else init_stats(observer=want)
+    return sites
+
+
+def _run_step(algo, step: Step, plan: Plan, current: dict, calibrator: Calibrator | None, progress, at: str) -> Fit:
+    """One step on the current tree (copies of the dict: steps never change the tree they are handed)."""
+    if isinstance(algo.needs, BlockInputs):
+        def fit_block(block: Block, params: Mapping) -> Fit:
+            fit = algo.fn(dict(params), plan, context=Context(block=block, progress=progress), **step.options)
+            _check_fit(fit, f"{at} block {block.name}", plan, current)
+            outside = sorted(set(fit.params) - set(block.paths))
+            if outside:
+                raise ValueError(f"{at} block {block.name}: returned tensors outside the block: {outside[:5]}")
+            return fit
+
+        return calibrator.blockwise(dict(current), plan, fit_block)
+    stats = _collect(algo, step, plan, current, calibrator, at)
+    return algo.fn(dict(current), plan, context=Context(stats=stats, progress=progress), **step.options)
 
 
 def _collect(algo, step: Step, plan: Plan, current: Mapping, calibrator: Calibrator | None, at: str):
     if algo.needs is None:
         return None
     if isinstance(algo.needs, SiteStats):
-        sites = {}
-        for site, want in algo.needs.sites(plan, **step.options).items():
-            if not isinstance(site, Site):
-                raise TypeError(f"{at}: SiteStats.sites must return {{Site: observer or statistics}}, got key {site!r}")
-            sites[site] = want if isinstance(getattr(want, "observer", None), Observer) else init_stats(observer=want)
-        return calibrator.site_stats(current, sites)
+        return calibrator.site_stats(dict(current), _sites(algo, step, plan, at))
     raise TypeError(f"{at}: unknown need {type(algo.needs).__name__}")
 
 
@@ -126,8 +156,7 @@ def run_steps(params: Any, recipe, *, types: Mapping[str, str] | None = None, ca
     for i, step in enumerate(plan.steps):
         at = f"recipe.steps[{i}] ({step.name})"
         algo = ALGORITHMS[step.name]
-        stats = _collect(algo, step, plan, dict(current), calibrator, at)  # copies: steps never change the tree
-        fit = algo.fn(dict(current), plan, context=Context(stats=stats, progress=progress), **step.options)
+        fit = _run_step(algo, step, plan, current, calibrator, progress, at)
         _check_fit(fit, at, plan, current)
         for path in fit.params:
             qparams.pop(path, None)

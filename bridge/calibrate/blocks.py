@@ -1,0 +1,133 @@
+"""Block-by-block calibration: the inputs of a model's repeated blocks, one block at a time.
+
+The blocks are the children of the model's largest ``nn.ModuleList`` of modules of one class (a
+decoder's layers: ``model.layers`` of Llama, Mistral, Qwen2, Phi-3; ``model.decoder.layers`` of
+OPT; ``transformer.h`` of GPT-2; ``encoder.layer`` of BERT). The first block's inputs are captured
+once per calibration batch (the forward stops there); then for each block in order the step fits
+it (:class:`qtransform.Block` gives its inputs, a ``run`` and ``site_stats`` over them), the block
+is quantized with what was fitted (round to nearest where nothing was) and run on its inputs to
+give the next block's. Peak memory: the model, plus one block's inputs and outputs per batch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+from typing import Callable, Mapping
+
+import torch
+from torch import nn
+
+import qtransform as qt
+
+from .sites import first_tensor, fold_sites, run_batch
+
+__all__ = ["find_blocks", "capture_inputs", "blockwise"]
+
+
+def find_blocks(model: nn.Module) -> tuple[str, ...]:
+    """Module paths of the model's repeated blocks (see the module docstring); ``ValueError`` naming
+    the model when it has none."""
+    best, size = None, 0
+    for name, m in model.named_modules():
+        if isinstance(m, nn.ModuleList) and len(m) and len({type(c) for c in m}) == 1:
+            n = sum(p.numel() for p in m.parameters())
+            if n > size:
+                best, size = (name, m), n
+    if best is None:
+        raise ValueError(f"block-by-block calibration: {type(model).__name__} has no repeated blocks (an "
+                         "nn.ModuleList of modules of one class, such as a decoder's layers)")
+    name, blocks = best
+    return tuple(f"{name}.{i}" if name else str(i) for i in range(len(blocks)))
+
+
+class _Captured(Exception):
+    pass
+
+
+def _no_cache(model: nn.Module, batch):
+    """Calibration runs every block on fixed inputs: no key/value cache may carry state between runs."""
+    if "use_cache" in inspect.signature(model.forward).parameters:
+        if isinstance(batch, Mapping):
+            return {**batch, "use_cache": False}
+        if isinstance(batch, torch.Tensor):
+            return {"input_ids": batch, "use_cache": False} if "input_ids" in inspect.signature(
+                model.forward).parameters else batch
+    return batch
+
+
+def capture_inputs(model: nn.Module, params: Mapping, block: str, batches) -> list:
+    """``(args, kwargs)`` of module ``block`` for every batch (the forward stops at the block)."""
+    inputs = []
+
+    def stop(m, args, kwargs):
+        inputs.append((args, kwargs))
+        raise _Captured
+
+    handle = model.get_submodule(block).register_forward_pre_hook(stop, with_kwargs=True)
+    try:
+        for batch in batches:
+            with contextlib.suppress(_Captured):
+                run_batch(model, params, _no_cache(model, batch))
+    finally:
+        handle.remove()
+    if not inputs:
+        raise ValueError("calibration: no batches (the calibration data is empty or already consumed)")
+    return inputs
+
+
+def _with_first(args, kwargs, h):
+    """The block's next inputs: its output ``h`` in place of the first tensor input (hidden states)."""
+    if args:
+        return (h, *args[1:]), kwargs
+    key = next(k for k, v in kwargs.items() if isinstance(v, torch.Tensor))
+    return args, {**kwargs, key: h}
+
+
+def _local(params: Mapping, prefix: str) -> dict:
+    n = len(prefix) + 1
+    return {p[n:]: t for p, t in params.items() if p.startswith(prefix + ".")}
+
+
+def _quantized(params: dict, paths, plan: qt.Plan, qparams: Mapping) -> dict:
+    """The block's tensors as quantized (dequantized back): the next block sees the quantized model."""
+    out = dict(params)
+    for p in paths:
+        spec = plan.specs.get(p)
+        if spec is not None:
+            qp = qparams[p] if p in qparams else qt.choose_qparams(params[p], spec, path=p)
+            out[p] = qt.dequantize(qt.quantize(params[p], qp, path=p))
+    return out
+
+
+def blockwise(model: nn.Module, params: Mapping, plan: qt.Plan, batches, fit_block: Callable,
+              *, progress: Callable | None = None) -> qt.Fit:
+    """Run ``fit_block(block, params) -> Fit`` block by block (see the module docstring)."""
+    names = find_blocks(model)
+    current = dict(params)
+    inputs = capture_inputs(model, current, names[0], batches)
+    new, fitted = {}, {}
+    order = progress(names, desc="blocks", total=len(names)) if progress is not None else names
+    for name in order:
+        module = model.get_submodule(name)
+        paths = tuple(p for p in current if p.startswith(name + "."))
+
+        def run(tensors, name=name, module=module, inputs=inputs):
+            local = _local({**current, **tensors}, name)
+            with torch.no_grad():
+                return [torch.func.functional_call(module, local, args, kwargs) for args, kwargs in inputs]
+
+        def site_stats(tensors, sites, run=run, name=name):
+            return fold_sites(model, sites, lambda: run(tensors), where=f"block {name}")
+
+        block = qt.Block(name=name, paths=paths, inputs=tuple(inputs), run=run, site_stats=site_stats)
+        fit = fit_block(block, current)
+        current.update(fit.params)
+        new.update(fit.params)
+        for p in fit.params:
+            fitted.pop(p, None)
+        fitted.update(fit.qparams)
+        quantized = _quantized(current, paths, plan, fitted)
+        outputs = run({p: quantized[p] for p in paths})
+        inputs = [_with_first(args, kwargs, first_tensor(out)) for (args, kwargs), out in zip(inputs, outputs)]
+    return qt.Fit(params=new, qparams=fitted)
