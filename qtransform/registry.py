@@ -3,7 +3,8 @@ kernels, checkpoint layouts and rebuild hooks).
 
 A :class:`Registry` is a read-only mapping from names to items with one way to add an item
 (:meth:`Registry.register`, refusing to overwrite unless ``replace=True``) and one error for an
-unknown name, which lists the known ones.
+unknown name, which lists the known ones (a ``ValueError`` whose ``unknown`` attribute is
+``(kind, name)``).
 
 >>> from qtransform.registry import Registry
 >>> colours = Registry("colour")
@@ -58,7 +59,9 @@ class Registry(Mapping):
         if not isinstance(name, str):
             raise TypeError(f"{self.kind} must be a name (str), got {type(name).__name__}")
         if name not in self._items:
-            raise ValueError(f"unknown {self.kind} {name!r}; known: {', '.join(sorted(self._items))}")
+            err = ValueError(f"unknown {self.kind} {name!r}; known: {', '.join(sorted(self._items))}")
+            err.unknown = (self.kind, name)  # lets a caller tell "not registered" from other errors
+            raise err
         return name
 
     def __getitem__(self, name: str) -> Any:

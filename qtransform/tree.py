@@ -16,10 +16,10 @@ from typing import Any, Callable, Mapping
 import torch
 
 from . import _tree
-from .algorithms import Fit
+from .algorithms import Fit, apply_fit
 from .observers import choose_qparams, compute_qparams, init_stats, merge_stats, observe
 from .pipeline import Calibrator, run_steps
-from .spec import Recipe, as_plan
+from .spec import Plan, Recipe, as_plan
 from .tensor import QParams, QTensor, dequantize, quantize
 
 __all__ = ["quantize_tree", "dequantize_tree", "observe_tree", "merge_stats_tree", "qparams_tree",
@@ -71,6 +71,12 @@ def quantize_tree(params: Any, recipe: Recipe | Any, *, qparams: Mapping[str, QP
     unknown = sorted(set(given) - set(plan))
     if unknown:
         raise ValueError(f"quantize_tree: qparams given for paths not in the tree: {unknown[:5]}")
+    for path, qp in given.items():  # checked before any step runs
+        match = plan[path]
+        if match.spec is None:
+            raise ValueError(f"{path}: qparams given but the recipe leaves this path unquantized ({match.rule})")
+        if qp.spec != match.spec:
+            raise ValueError(f"{path}: qparams were made for {qp.spec}, the recipe asks for {match.spec}")
     fit = run_steps(params, plan, calibrator=calibrator, progress=progress) if plan.steps else Fit()
     clash = sorted(set(given) & (set(fit.qparams) | set(fit.params)))
     if clash:
@@ -78,21 +84,15 @@ def quantize_tree(params: Any, recipe: Recipe | Any, *, qparams: Mapping[str, QP
     fitted = {**fit.qparams, **given}
 
     def one(path: str, leaf):
-        leaf = fit.params.get(path, leaf)
         match = plan.get(path)
         if match is None or match.spec is None:
-            if path in fitted:
-                raise ValueError(f"{path}: qparams given but the recipe leaves this path unquantized "
-                                 f"({match.rule if match else 'not a tensor'})")
             return leaf
         qp = fitted.get(path)
         if qp is None:
-            return quantize(leaf, choose_qparams(leaf, match.spec, path=path), generator=generator, path=path)
-        if qp.spec != match.spec:
-            raise ValueError(f"{path}: qparams were made for {qp.spec}, the recipe asks for {match.spec}")
+            qp = choose_qparams(leaf, match.spec, path=path)
         return quantize(leaf, qp, generator=generator, path=path)
 
-    return _tree.map_with_path(one, params)
+    return _tree.map_with_path(one, apply_fit(params, fit))
 
 
 def dequantize_tree(qtree: Any, *, dtype: torch.dtype | None = None) -> Any:
@@ -108,8 +108,16 @@ def observe_tree(stats: Mapping[str, Any] | None, tensors: Mapping[str, torch.Te
     ``stats`` is ``None`` for the first batch. Paths the recipe leaves unquantized are skipped.
     ``observer`` (default ``minmax``) and ``options`` as for :func:`~qtransform.init_stats`.
     """
+    tensors = dict(tensors)
+    if isinstance(recipe, Plan):
+        unknown = sorted(set(tensors) - set(recipe))
+        if unknown:
+            raise ValueError(f"observe_tree: tensors for paths not in the plan: {unknown[:5]}")
+        specs = {p: s for p, s in recipe.specs.items() if p in tensors}
+    else:
+        specs = as_plan(recipe, tensors).specs
     out = dict(stats or {})
-    for path, spec in as_plan(recipe, dict(tensors)).specs.items():
+    for path, spec in specs.items():
         prev = out.get(path)
         if prev is None:
             prev = init_stats(spec, observer=observer, **options)

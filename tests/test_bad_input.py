@@ -67,8 +67,13 @@ def test_merge_and_compute_reject_mismatches():
         qt.merge_stats(a, b)
     with pytest.raises(ValueError, match="no data observed"):
         qt.compute_qparams(qt.init_stats(SPEC))
-    with pytest.raises(ValueError, match="gathered for"):
+    with pytest.raises(ValueError, match="gathered on another grid"):
         qt.compute_qparams(a, qt.QuantSpec(format="int4", granularity=qt.PerGroup(16)))
+    with pytest.raises(ValueError, match="pad=False.*pad=True"):  # same granularity, padded grid
+        qt.compute_qparams(a, qt.QuantSpec(format="int4", granularity=qt.PerGroup(32), pad=True))
+    mx = qt.observe(qt.init_stats(qt.QuantSpec(format="mx6")), torch.randn(2, 64))
+    with pytest.raises(ValueError, match="sub-block 2"):  # micro-exponent statistics per sub-block
+        qt.compute_qparams(mx, qt.QuantSpec(format="nvfp4"))
     other = qt.QuantSpec(format="int8", granularity=qt.PerGroup(32))
     with pytest.raises(ValueError, match="different specs"):
         qt.merge_stats(a, qt.observe(qt.init_stats(other), torch.randn(2, 64)))

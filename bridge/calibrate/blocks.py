@@ -106,7 +106,7 @@ def blockwise(model: nn.Module, params: Mapping, plan: qt.Plan, batches, fit_blo
     names = find_blocks(model)
     current = dict(params)
     inputs = capture_inputs(model, current, names[0], batches)
-    new, fitted = {}, {}
+    total = qt.Fit()
     order = progress(names, desc="blocks", total=len(names)) if progress is not None else names
     for name in order:
         module = model.get_submodule(name)
@@ -123,11 +123,8 @@ def blockwise(model: nn.Module, params: Mapping, plan: qt.Plan, batches, fit_blo
         block = qt.Block(name=name, paths=paths, inputs=tuple(inputs), run=run, site_stats=site_stats)
         fit = fit_block(block, current)
         current.update(fit.params)
-        new.update(fit.params)
-        for p in fit.params:
-            fitted.pop(p, None)
-        fitted.update(fit.qparams)
-        quantized = _quantized(current, paths, plan, fitted)
+        total = total.then(fit)
+        quantized = _quantized(current, paths, plan, total.qparams)
         outputs = run({p: quantized[p] for p in paths})
         inputs = [_with_first(args, kwargs, first_tensor(out)) for (args, kwargs), out in zip(inputs, outputs)]
-    return qt.Fit(params=new, qparams=fitted)
+    return total

@@ -14,8 +14,9 @@ shapes and dtypes of its stored parts. Specs hold what decoding needs only.
 
 Version 1 (qtransform 0.1) stored calibration choices in every spec (``observer``,
 ``percentile``, ``histogram_bins``) and the algorithm apart from the recipe (``algorithm``,
-``algorithm_options``); :func:`decode` reads it by upgrading it to version 2 (the choices are
-dropped: decoding never needed them; the algorithm becomes the recipe's step).
+``algorithm_options``); :func:`decode` reads it by upgrading it to version 2: the choices leave the
+specs (decoding never needed them), the algorithm becomes the recipe's step, and round to nearest
+keeps the observer as its option when every spec of the recipe chose the same one.
 
 >>> import torch, qtransform as qt
 >>> spec = qt.QuantSpec(format="int4", granularity=qt.PerGroup(32))
@@ -29,6 +30,7 @@ True
 from __future__ import annotations
 
 import copy
+import json
 import types
 from typing import Mapping, NamedTuple
 
@@ -106,6 +108,31 @@ def _strip_calibration(spec: dict) -> dict:
     return {k: v for k, v in spec.items() if k not in qt.spec.CALIBRATION_FIELDS} if isinstance(spec, dict) else spec
 
 
+def _observer(spec) -> str | None:
+    """A version-1 spec's calibration choice as an ``rtn`` observer option (JSON), ``None`` for minmax."""
+    if not isinstance(spec, dict) or spec.get("observer", "minmax") == "minmax":
+        return None
+    option = {"name": spec["observer"]}
+    if "histogram_bins" in spec:
+        option["bins"] = spec["histogram_bins"]
+    if spec["observer"] == "percentile" and "percentile" in spec:
+        option["percentile"] = spec["percentile"]
+    return json.dumps(option, sort_keys=True)
+
+
+def _v1_steps(recipe: dict, algorithm, options) -> list | None:
+    """The version-1 algorithm as the recipe's steps; round to nearest keeps its observer when every
+    quantized spec of the recipe chose the same one."""
+    if algorithm not in (None, "rtn"):
+        return [{"name": algorithm, "options": dict(options)}]
+    specs = [recipe.get("default")] + [v for key in ("rules", "type_rules") if isinstance(recipe.get(key), list)
+                                       for _, v in recipe[key]]
+    chosen = {_observer(s) for s in specs if s is not None}
+    if len(chosen) == 1 and None not in chosen:
+        return [{"name": "rtn", "options": {**dict(options), "observer": json.loads(chosen.pop())}}]
+    return [{"name": "rtn", "options": dict(options)}] if options else None
+
+
 def upgrade(d: Mapping, *, where: str = "quantization_config") -> dict:
     """A version-1 ``quantization_config`` as version 2 (a new dict; version 2 passes through)."""
     d = copy.deepcopy(dict(d))
@@ -115,13 +142,14 @@ def upgrade(d: Mapping, *, where: str = "quantization_config") -> dict:
     algorithm, options = d.pop("algorithm", None), d.pop("algorithm_options", None) or {}
     recipe = d.get("recipe")
     if isinstance(recipe, dict):
+        steps = _v1_steps(recipe, algorithm, options)
         if recipe.get("default") is not None:
             recipe["default"] = _strip_calibration(recipe["default"])
         for key in ("rules", "type_rules"):
             if isinstance(recipe.get(key), list):
                 recipe[key] = [[k, None if v is None else _strip_calibration(v)] for k, v in recipe[key]]
-        if algorithm not in (None, "rtn") or options:
-            recipe["steps"] = [{"name": algorithm or "rtn", "options": dict(options)}]
+        if steps:
+            recipe["steps"] = steps
     d["version"], d["layout"] = VERSION, "native"
     return d
 

@@ -64,11 +64,28 @@ class Fit:
             value = getattr(self, name)
             if not isinstance(value, Mapping):
                 raise TypeError(f"Fit.{name} must be a mapping of path -> {kind.__name__}, got {type(value).__name__}")
-            bad = [k for k, v in value.items() if not isinstance(k, str) or not isinstance(v, kind)]
+            keys = [k for k in value if not isinstance(k, str)]
+            if keys:
+                raise TypeError(f"Fit.{name} must be keyed by tree paths (str), got the key {keys[0]!r}")
+            bad = [k for k, v in value.items() if not isinstance(v, kind)]
             if bad:
-                raise TypeError(f"Fit.{name}[{bad[0]!r}] must be a {kind.__name__} keyed by its path, got "
-                                f"{type(value[bad[0]]).__name__}")
+                raise TypeError(f"Fit.{name}[{bad[0]!r}] must be a {kind.__name__}, got {type(value[bad[0]]).__name__}")
             object.__setattr__(self, name, dict(value))
+
+    def then(self, later: "Fit") -> "Fit":
+        """This fit followed by ``later``: ``later``'s tensors replace this one's, and a tensor ``later``
+        changes drops the quantization parameters fitted before for it (they described the old tensor).
+
+        >>> import torch, qtransform as qt
+        >>> a = qt.Fit(params={"w": torch.zeros(1)}, qparams={"w": qt.choose_qparams(torch.ones(1), qt.QuantSpec(format="int8"))})
+        >>> b = qt.Fit(params={"w": torch.ones(1)})
+        >>> sorted(a.then(b).params), sorted(a.then(b).qparams)
+        (['w'], [])
+        """
+        if not isinstance(later, Fit):
+            raise TypeError(f"Fit.then: expected a Fit, got {type(later).__name__}")
+        kept = {p: q for p, q in self.qparams.items() if p not in later.params}
+        return Fit(params={**self.params, **later.params}, qparams={**kept, **later.qparams})
 
 
 def apply_fit(params: Any, fit: Fit) -> Any:
@@ -172,7 +189,7 @@ class Algorithm:
                  progress: Callable | None = None, **options) -> Fit:
         """Run this algorithm alone on ``params`` for ``recipe`` (a Recipe, QuantSpec or Plan); a
         :class:`SiteStats` algorithm takes its statistics as ``stats``."""
-        check_algorithm_options(self.name, options)
+        self.check(options)
         if isinstance(self.needs, BlockInputs):
             raise ValueError(f"algorithm {self.name!r} runs block by block on calibration data: run it in a "
                              "recipe (qt.run_steps with a calibrator, bridge.quantize(..., calibration=...))")
@@ -184,6 +201,15 @@ class Algorithm:
         if not isinstance(fit, Fit):
             raise TypeError(f"algorithm {self.name!r} returned {type(fit).__name__}, not a qtransform.Fit")
         return fit
+
+    def check(self, options: Mapping[str, Any], *, path: str | None = None) -> None:
+        """Raise ``ValueError``/``TypeError`` naming the option when ``options`` do not fit (its
+        ``check_options``; without one, options are checked when it runs)."""
+        if not isinstance(options, Mapping) or not all(isinstance(k, str) for k in options):
+            raise TypeError(f"{path + ': ' if path else ''}algorithm options must map option names to values, "
+                            f"got {options!r}")
+        if self.check_options is not None:
+            self.check_options(path=path, **options)
 
 
 def _check_algorithm(name: str, algo) -> None:
@@ -231,9 +257,4 @@ def check_algorithm_options(name: str, options: Mapping[str, Any], *, path: str 
     ...
     ValueError: rtn: unknown option(s) ['iters']; known: ['observer']
     """
-    algo = get_algorithm(name)
-    if not isinstance(options, Mapping) or not all(isinstance(k, str) for k in options):
-        raise TypeError(f"{path + ': ' if path else ''}algorithm options must map option names to values, "
-                        f"got {options!r}")
-    if algo.check_options is not None:
-        algo.check_options(path=path, **options)
+    get_algorithm(name).check(options, path=path)

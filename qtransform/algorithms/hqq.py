@@ -284,7 +284,10 @@ def qparams_tree(params: Any, recipe, *, types: Mapping[str, str] | None = None,
     """
     o = _options(None, **options)
     plan = as_plan(recipe, params, types=types)
-    flat = dict(_tree.flatten_with_paths(params)[0])
+    return _fit(dict(_tree.flatten_with_paths(params)[0]), plan, o, paths=paths, progress=progress)
+
+
+def _fit(flat: Mapping[str, torch.Tensor], plan, o, *, paths=None, progress=None) -> dict[str, QParams]:
     out = {}
     for path, w, spec in select(flat, plan, paths=paths, accept=supports, progress=progress, desc="hqq"):
         check_finite(w, name="w", path=path)
@@ -295,7 +298,7 @@ def qparams_tree(params: Any, recipe, *, types: Mapping[str, str] | None = None,
 def step(params, plan, *, context, **options) -> Fit:
     """The ``hqq`` step: :func:`qparams_tree` over the plan (other specs are left to the next steps or
     to round to nearest)."""
-    return Fit(qparams=qparams_tree(params, plan, progress=context.progress, **options))
+    return Fit(qparams=_fit(params, plan, _options(None, **options), progress=context.progress))
 
 
 register_algorithm("hqq", step, local=True, check_options=check_options,

@@ -14,7 +14,7 @@ from . import shared_exp as _shared_exp  # noqa: F401  (registers mx4, mx6, mx9,
 from . import nvfp4 as _nvfp4  # noqa: F401  (registers nvfp4)
 from .int import IntCodec
 from .codebook import CodebookCodec, NF4_VALUES
-from .minifloat import MinifloatCodec
+from .minifloat_codec import MinifloatCodec
 from .floats import minifloat
 from .mx import FixedPointCodec, mx_format
 from .shared_exp import SymmetricIntCodec

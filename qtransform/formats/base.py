@@ -42,7 +42,7 @@ def round_values(v: torch.Tensor, rounding: str, noise: torch.Tensor | None = No
         return torch.sign(v) * torch.floor(v.abs() + 0.5)
     if rounding == "stochastic":
         if noise is None:
-            raise ValueError("rounding='stochastic' needs noise: pass generator= or seed= to quantize")
+            raise ValueError("rounding='stochastic' needs noise: pass generator= (a torch.Generator or an int seed) to quantize")
         return torch.floor(v + noise)
     raise ValueError(f"rounding must be one of {ROUNDINGS}, got {rounding!r}")
 

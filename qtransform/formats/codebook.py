@@ -70,7 +70,7 @@ class CodebookCodec(Codec):
             up = (t > 0.5) | ((t == 0.5) & (upper.abs() > lower.abs()))
         elif rounding == "stochastic":
             if noise is None:
-                raise ValueError("rounding='stochastic' needs noise: pass generator= or seed= to quantize")
+                raise ValueError("rounding='stochastic' needs noise: pass generator= (a torch.Generator or an int seed) to quantize")
             up = noise < t
         else:
             raise ValueError(f"unknown rounding {rounding!r}")

@@ -1,6 +1,6 @@
 """Minifloat formats: the :func:`minifloat` factory and the built-in fp8, fp6 and fp4 formats.
 
-The element codec is :class:`~qtransform.formats.minifloat.MinifloatCodec`; a format adds its
+The element codec is :class:`~qtransform.formats.minifloat_codec.MinifloatCodec`; a format adds its
 scaling rules (symmetric, per tensor with a float32 scale ``amax / max_value`` unless told
 otherwise). A new minifloat is one line and is property-tested like the built-ins:
 
@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from .base import Format, register_format
-from .minifloat import MinifloatCodec
+from .minifloat_codec import MinifloatCodec
 
 __all__ = ["minifloat"]
 

@@ -48,7 +48,7 @@ import torch
 from ..granularity import PerGroup
 from .base import Codec, Format, get_format, register_format, round_values
 from .int import _RNE_MAGIC
-from .minifloat import _clamp
+from .minifloat_codec import _clamp
 
 __all__ = ["FixedPointCodec", "mx_format", "MX_BLOCK"]
 

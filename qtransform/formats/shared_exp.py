@@ -47,13 +47,12 @@ from ..granularity import PerGroup
 from .base import Format, register_format
 from .int import IntCodec
 from .packing import pack, unpack
-from .scaling import AFFINE, E8M0_BIAS, Scheme, check_e8m0
+from .scaling import E8M0_BIAS, AffineScheme, Scheme, check_e8m0
 
 __all__ = ["SymmetricIntCodec", "MicroExponentScheme", "BlockFloatScheme", "MICROEXP_BLOCK", "BFP_BLOCK"]
 
 MICROEXP_BLOCK = 16
 BFP_BLOCK = 8
-_E8M0_BIAS = E8M0_BIAS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,7 +73,7 @@ class SymmetricIntCodec(IntCodec):
 
 def _exponent(a: torch.Tensor) -> torch.Tensor:
     """The float32 exponent field of ``a >= 0`` minus the bias: floor(log2 a), -127 for 0 and subnormals."""
-    return (a.contiguous().view(torch.int32) >> 23) - _E8M0_BIAS
+    return (a.contiguous().view(torch.int32) >> 23) - E8M0_BIAS
 
 
 def _fixed_rule(spec, path):
@@ -97,7 +96,7 @@ class MicroExponentScheme(Scheme):
         blocked = pair_exp.reshape(shape[:axis] + [shape[axis] // ratio, ratio] + shape[axis + 1:])
         block_exp = blocked.amax(axis + 1)
         shift = (pair_exp < block_exp.repeat_interleave(ratio, dim=axis)).to(torch.uint8)
-        return {"scale": (block_exp + _E8M0_BIAS).to(torch.uint8), "micro_exponent": pack(shift, 1)}
+        return {"scale": (block_exp + E8M0_BIAS).to(torch.uint8), "micro_exponent": pack(shift, 1)}
 
     def effective(self, qparams):
         """Per-pair float32 steps ``2^(E - shift - bits + 2)`` (the sub-block grid)."""
@@ -109,12 +108,13 @@ class MicroExponentScheme(Scheme):
         axis = spec.granularity.axis % qparams.scale.ndim
         block_exp = qparams.scale.to(torch.int32).repeat_interleave(fmt.block // fmt.sub_block, dim=axis)
         shift = unpack(qparams.micro_exponent, 1, block_exp.shape[-1]).to(torch.int32)
-        k = block_exp - shift - (_E8M0_BIAS + fmt.codec.bits - 2)
+        k = block_exp - shift - (E8M0_BIAS + fmt.codec.bits - 2)
         return torch.exp2(k.to(torch.float32)), None
 
 
-class BlockFloatScheme(Scheme):
-    """BFP16: ``2^(floor(log2 amax) - emax)``, doubled when the block maximum would round past qmax."""
+class BlockFloatScheme(AffineScheme):
+    """BFP16: ``2^(floor(log2 amax) - emax)``, doubled when the block maximum would round past qmax
+    (read back as any E8M0 affine scale)."""
 
     def from_range(self, lo, hi, spec, *, path=None) -> dict:
         _fixed_rule(spec, path)
@@ -122,11 +122,8 @@ class BlockFloatScheme(Scheme):
         amax = torch.maximum(-lo, hi)
         k = torch.frexp(amax)[1] - 1 - codec.emax
         k = k + (hi >= (codec.qmax + 0.5) * torch.exp2(k.to(torch.float32))).to(k.dtype)
-        k = torch.where(amax > 0, k, -_E8M0_BIAS).clamp(-_E8M0_BIAS, _E8M0_BIAS)
-        return {"scale": (k + _E8M0_BIAS).to(torch.uint8)}
-
-    def effective(self, qparams):
-        return AFFINE.effective(qparams)
+        k = torch.where(amax > 0, k, -E8M0_BIAS).clamp(-E8M0_BIAS, E8M0_BIAS)
+        return {"scale": (k + E8M0_BIAS).to(torch.uint8)}
 
 
 MICROEXP = MicroExponentScheme()

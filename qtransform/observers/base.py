@@ -103,7 +103,11 @@ OBSERVERS = Registry("observer", check=_check_observer)
 
 def register_observer(cls: type, *, replace: bool = False) -> type:
     """Register an :class:`Observer` subclass under ``cls.name`` (usable as a class decorator)."""
-    OBSERVERS.register(getattr(cls, "name", None), cls, replace=replace)
+    name = getattr(cls, "name", None)
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"register_observer: {getattr(cls, '__name__', cls)!r} needs a class attribute `name` "
+                         f"(a non-empty string: the name recipes use), got {name!r}")
+    OBSERVERS.register(name, cls, replace=replace)
     return cls
 
 

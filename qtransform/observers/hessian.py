@@ -50,7 +50,9 @@ class Hessian(Observer):
     reduction = {"xtx": "sum", "count": "sum"}
 
     def __post_init__(self):
-        if self.dtype not in _DTYPES:
+        if isinstance(self.dtype, torch.dtype):  # torch.float64 -> "float64" (options stay JSON-able)
+            object.__setattr__(self, "dtype", str(self.dtype).removeprefix("torch."))
+        if not isinstance(self.dtype, str) or self.dtype not in _DTYPES:
             raise ValueError(f"hessian: dtype must be one of {list(_DTYPES)}, got {self.dtype!r}")
 
     def init(self, spec=None):

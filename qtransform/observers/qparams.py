@@ -26,8 +26,8 @@ def compute_qparams(stats, spec: QuantSpec | None = None, *, path: str | None = 
     ``mse``).
 
     ``spec`` defaults to the spec the statistics were made with; a different spec must use the
-    same granularity (e.g. another format or scale dtype: the MSE search scores its candidates
-    with the spec given here).
+    same grid (granularity, padding, micro-exponent sub-block), e.g. another format or scale
+    dtype: the MSE search scores its candidates with the spec given here.
     """
     observer = getattr(stats, "observer", None)
     if observer is None or not hasattr(observer, "gives_range"):
@@ -41,9 +41,11 @@ def compute_qparams(stats, spec: QuantSpec | None = None, *, path: str | None = 
         raise TypeError(f"{where(path)}compute_qparams: spec must be a QuantSpec, got {type(spec).__name__}")
     if is_empty(stats):
         raise ValueError(f"{where(path)}compute_qparams: no data observed yet (call observe first)")
-    if spec.granularity != stats.spec.granularity:
-        raise ValueError(f"{where(path)}compute_qparams: statistics were gathered for {stats.spec.granularity}; "
-                         f"spec asks for {spec.granularity}")
+    grid = lambda s: (s.granularity, s.pad, s.fmt.sub_block)  # noqa: E731  what the statistics' shape follows
+    if grid(spec) != grid(stats.spec):
+        raise ValueError(f"{where(path)}compute_qparams: statistics were gathered on another grid "
+                         f"({stats.spec.granularity}, pad={stats.spec.pad}, sub-block {stats.spec.fmt.sub_block}); "
+                         f"spec asks for ({spec.granularity}, pad={spec.pad}, sub-block {spec.fmt.sub_block})")
     lo, hi = observer.range(stats, spec, path=path)
     return QParams.from_range(lo, hi, spec, path=path)
 

@@ -111,9 +111,14 @@ def presets() -> dict[str, Preset]:
     out = {}
     for name, make in PRESETS.items():
         try:
-            out[name] = make()
-        except ValueError:  # e.g. "unknown format": this preset's format is not registered here
-            continue
+            preset = make()
+        except (ValueError, TypeError) as e:
+            if getattr(e, "unknown", (None,))[0] == "format":  # its format is not registered here
+                continue
+            raise type(e)(f"preset {name!r}: {e}") from e
+        if not isinstance(preset, Preset):
+            raise TypeError(f"preset {name!r}: its function returned {type(preset).__name__}, not a qtransform.Preset")
+        out[name] = preset
     return out
 
 

@@ -104,12 +104,21 @@ def recipe_from_dict(d: Mapping, *, name: str = "recipe") -> Preset:
     unknown = sorted(set(d) - known)
     if unknown:
         raise ValueError(f"recipe: unknown key(s) {unknown}; known: {sorted(known)}")
+    hqq_keys = {"dynamic_config", "nbits", "group_size", "axis", "skip_modules"}
+    native_keys = {"default", "rules", "type_rules", "exclude", "min_ndim"}
     if "dynamic_config" in d or "nbits" in d:
+        mixed = sorted(native_keys & set(d))
+        if mixed:
+            raise ValueError(f"recipe: {mixed} cannot be combined with the HqqConfig form (nbits/dynamic_config); "
+                             "use one form or the other")
         steps = _steps(d, (Step("hqq"),))
         recipe = from_hqq_config(nbits=d.get("nbits", 4), group_size=d.get("group_size", 64), axis=d.get("axis", 1),
                                  dynamic_config=d.get("dynamic_config"),
                                  skip_modules=d.get("skip_modules", ("lm_head",)), steps=steps)
         return Preset(name, recipe, "HQQ-style config")
+    stray = sorted((hqq_keys - {"dynamic_config", "nbits"}) & set(d))
+    if stray:
+        raise ValueError(f"recipe: {stray} belong to the HqqConfig form, which needs 'nbits' or 'dynamic_config'")
     steps = _steps(d, ())
     for key in ("rules", "type_rules"):
         if not isinstance(d.get(key, {}), Mapping):

@@ -12,7 +12,7 @@ Steps that need data get it from a *calibrator*, supplied by whoever can run the
 bridge runs forward passes with hooks): ``site_stats(params, sites) -> {Site: statistics}`` for
 :class:`~qtransform.SiteStats` steps, called on the tree as it stands before that step, and
 ``blockwise(params, plan, fit_block) -> Fit`` for :class:`~qtransform.BlockInputs` steps, which
-calls ``fit_block(block)`` for each block in order and quantizes each block before computing the
+calls ``fit_block(block, params)`` for each block in order and quantizes each block before computing the
 next one's inputs.
 
 >>> import torch, qtransform as qt
@@ -30,7 +30,7 @@ from typing import Any, Callable, Mapping, Protocol, Sequence
 import torch
 
 from .. import _tree
-from ..algorithms import ALGORITHMS, Block, BlockInputs, Context, Fit, SiteStats, check_algorithm_options
+from ..algorithms import ALGORITHMS, Block, BlockInputs, Context, Fit, SiteStats
 from ..observers import Observer, init_stats
 from ..spec import Plan, Site, Step, as_plan
 from ..tensor import QParams
@@ -68,7 +68,7 @@ def check_steps(steps: Sequence[Step], *, calibrated: bool | None = None, on_loa
             algo = ALGORITHMS[step.name]
         except ValueError as e:
             raise ValueError(f"{at}: {e}") from None
-        check_algorithm_options(step.name, step.options, path=at)
+        algo.check(step.options, path=at)
         if on_load and (algo.needs is not None or not algo.local):
             why = "needs calibration data" if algo.needs is not None else "changes several tensors together"
             local = sorted(n for n, a in ALGORITHMS.items() if a.local and a.needs is None)
@@ -151,17 +151,28 @@ def run_steps(params: Any, recipe, *, types: Mapping[str, str] | None = None, ca
     """
     plan = as_plan(recipe, params, types=types)
     check_steps(plan.steps, calibrated=calibrator is not None)
+    _check_calibrator(plan.steps, calibrator)
     flat = dict(_tree.flatten_with_paths(params)[0])
-    current, qparams, changed = dict(flat), {}, set()
+    total = Fit()
     for i, step in enumerate(plan.steps):
         at = f"recipe.steps[{i}] ({step.name})"
-        algo = ALGORITHMS[step.name]
-        fit = _run_step(algo, step, plan, current, calibrator, progress, at)
+        current = {**flat, **total.params}
+        try:
+            fit = _run_step(ALGORITHMS[step.name], step, plan, current, calibrator, progress, at)
+        except (ValueError, TypeError) as e:  # name the step in errors raised while it runs
+            if type(e) not in (ValueError, TypeError) or str(e).startswith("recipe.steps["):
+                raise
+            raise type(e)(f"{at}: {e}") from e
         _check_fit(fit, at, plan, current)
-        for path in fit.params:
-            qparams.pop(path, None)
-        current.update(fit.params)
-        changed.update(fit.params)
-        qparams.update(fit.qparams)
-    return Fit(params={p: current[p] for p in flat if p in changed}, qparams=qparams)
+        total = total.then(fit)
+    return total
+
+
+def _check_calibrator(steps: Sequence[Step], calibrator) -> None:
+    for i, step in enumerate(steps):
+        needs = ALGORITHMS[step.name].needs
+        method = "blockwise" if isinstance(needs, BlockInputs) else "site_stats" if needs is not None else None
+        if method is not None and not callable(getattr(calibrator, method, None)):
+            raise TypeError(f"recipe.steps[{i}] ({step.name}): the calibrator ({type(calibrator).__name__}) has no "
+                            f"{method}() method, which this step needs (see qtransform.Calibrator)")
 

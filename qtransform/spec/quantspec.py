@@ -54,7 +54,7 @@ class QuantSpec:
             ``ceil(log2 amax) - emax`` of Quark's and torchao's CEIL), ``"even"`` (Quark: round
             amax to the element's mantissa width first). ``None`` takes the format's default.
         rounding: ``"half_even"`` (default), ``"half_away"`` or ``"stochastic"`` (needs an
-            explicit ``generator=`` or ``seed=`` when quantizing).
+            explicit ``generator=`` (a generator or an int seed) when quantizing).
         dynamic: quantization parameters are computed from each input at run time.
         pad: allow group/block sizes that do not divide the axis (the last block is padded
             for the computation; results keep the original shape). Always on for formats

@@ -174,5 +174,14 @@ def as_plan(recipe, tree: Any, *, types: Mapping[str, str] | None = None) -> Pla
     """``recipe`` resolved for ``tree``: a :class:`Plan` is used as it is (resolved once, upstream);
     a :class:`Recipe` or bare :class:`QuantSpec` is resolved with ``types``."""
     if isinstance(recipe, Plan):
+        if types is not None:
+            raise TypeError("types cannot be given with a Plan: the plan already holds each path's module type")
+        paths = [p for p, leaf in _tree.flatten_with_paths(tree)[0] if isinstance(leaf, torch.Tensor)]
+        if paths != list(recipe):
+            extra = sorted(set(paths) - set(recipe))
+            missing = sorted(set(recipe) - set(paths))
+            raise ValueError(f"the Plan was resolved for another tree: tensor paths not in the plan "
+                             f"{extra[:5]}, plan paths not in the tree {missing[:5]}"
+                             + ("" if extra or missing else " (same paths, different order)"))
         return recipe
     return as_recipe(recipe).plan(tree, types=types)

@@ -112,6 +112,12 @@ def test_rtn_with_each_range_observer_equals_choose_qparams():
         fit = qt.get_algorithm("rtn")({"w": w}, spec, **({} if observer is None else {"observer": observer}))
         want = qt.choose_qparams(w, spec, observer=observer)
         assert torch.equal(fit.qparams["w"].scale, want.scale), observer
+    # computed here: symmetric int4 on [-8, 7] puts each group's absmax at 7.5 steps
+    minmax = qt.get_algorithm("rtn")({"w": w}, spec).qparams["w"]
+    torch.testing.assert_close(minmax.scale, w.reshape(16, 2, 32).abs().amax(-1) / 7.5, rtol=1e-6, atol=0)
+    mse = qt.get_algorithm("rtn")({"w": w}, spec, observer="mse").qparams["w"]
+    err = lambda qp: (qt.dequantize(qt.quantize(w, qp)) - w).pow(2).reshape(16, 2, 32).sum(-1)  # noqa: E731
+    assert bool((err(mse) <= err(minmax) * (1 + 1e-6)).all()) and float(err(mse).sum()) < float(err(minmax).sum())
     pct = qt.get_algorithm("rtn")({"w": w}, spec, observer={"name": "percentile", "percentile": 90.0}).qparams["w"]
     assert float(pct.scale[3, 0]) < float(qt.choose_qparams(w, spec).scale[3, 0])  # the outlier's group clips
     with pytest.raises(ValueError, match="rtn: observer 'hessian' gives no quantization range"):

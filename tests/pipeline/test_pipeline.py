@@ -198,7 +198,9 @@ def test_recipe_files_name_steps():
                        ({"steps": [{"name": "hqq", "itres": 3}]}, r"hqq: unknown option\(s\) \['itres'\]"),
                        ({"steps": ["hqq"], "algorithm": "rtn"}, "either 'steps' or 'algorithm'"),
                        ({"steps": "hqq"}, "recipe.steps must be a list"),
-                       ({"rules": ["*.w"]}, "recipe.rules must be a table")]:
+                       ({"rules": ["*.w"]}, "recipe.rules must be a table"),
+                       ({"nbits": 4, "default": "int8-channel"}, r"\['default'\] cannot be combined with the HqqConfig"),
+                       ({"group_size": 32, "default": "int8-channel"}, r"\['group_size'\] belong to the HqqConfig")]:
         with pytest.raises((ValueError, TypeError), match=match):
             qt.recipe_from_dict(bad)
 
@@ -214,3 +216,16 @@ def test_presets_registry():
             qt.get_preset("needs-a-missing-format")
     finally:
         qt.PRESETS.unregister("needs-a-missing-format")
+    # other errors are not hidden: they name the preset
+    qt.register_preset("broken", lambda: qt.Preset("broken", qt.Recipe(default=qt.QuantSpec(format="int4", bits=3)), ""))
+    try:
+        with pytest.raises((ValueError, TypeError), match="preset 'broken'"):
+            qt.presets()
+    finally:
+        qt.PRESETS.unregister("broken")
+    qt.register_preset("not-a-preset", lambda: qt.Recipe(default=qt.QuantSpec(format="int4")))
+    try:
+        with pytest.raises(TypeError, match="preset 'not-a-preset'.*not a qtransform.Preset"):
+            qt.presets()
+    finally:
+        qt.PRESETS.unregister("not-a-preset")

@@ -7,6 +7,7 @@ choices (mse and percentile observers) stored in the specs, tied embeddings writ
 in-memory quantized model that wrote it.
 """
 
+import json
 from pathlib import Path
 
 import pytest
@@ -72,3 +73,19 @@ def test_resaving_writes_version_2(tmp_path):
     back = AutoModelForCausalLM.from_pretrained(tmp_path / "v2").eval()
     with torch.no_grad():
         assert torch.equal(back(expected["input_ids"]).logits, expected["logits"])
+
+
+def test_upgrade_keeps_one_observer_choice_as_the_rtn_step():
+    from bridge.checkpoint import metadata
+
+    d = json.loads((FIXTURES / "gpt2-observers" / "config.json").read_text())["quantization_config"]
+    mixed = metadata.upgrade(d)  # mse, percentile and minmax rules: no single step expresses them
+    assert "steps" not in mixed["recipe"]
+    for _, spec in d["recipe"]["rules"] + d["recipe"]["type_rules"]:
+        spec.update(observer="percentile", percentile=99.5, histogram_bins=512)
+    same = metadata.upgrade(d)
+    assert same["recipe"]["steps"] == [{"name": "rtn", "options": {
+        "observer": {"name": "percentile", "bins": 512, "percentile": 99.5}}}]
+    steps = qt.Recipe.from_dict(same["recipe"]).steps
+    assert steps == (qt.Step("rtn", observer={"name": "percentile", "bins": 512, "percentile": 99.5}),)
+    qt.check_steps(steps)  # a valid rtn option: the observer it names exists with those options

@@ -202,7 +202,7 @@ class MinifloatCodec(Codec):
             n.add_(0.5).floor_().add_(_TWO23)
         elif rounding == "stochastic":
             if noise is None:
-                raise ValueError("rounding='stochastic' needs noise: pass generator= or seed= to quantize")
+                raise ValueError("rounding='stochastic' needs noise: pass generator= (a torch.Generator or an int seed) to quantize")
             n.add_(noise).floor_().add_(_TWO23)
         else:
             raise ValueError(f"unknown rounding {rounding!r}")
@@ -221,7 +221,7 @@ class MinifloatCodec(Codec):
             bits.add_(1 << (drop - 1))
         elif rounding == "stochastic":
             if noise is None:
-                raise ValueError("rounding='stochastic' needs noise: pass generator= or seed= to quantize")
+                raise ValueError("rounding='stochastic' needs noise: pass generator= (a torch.Generator or an int seed) to quantize")
             bits.add_((noise * float(1 << drop)).to(torch.int32))
         else:
             raise ValueError(f"unknown rounding {rounding!r}")
