@@ -229,3 +229,60 @@ def test_presets_registry():
             qt.presets()
     finally:
         qt.PRESETS.unregister("not-a-preset")
+
+
+def test_given_qparams_are_checked_before_any_step_runs(steps):
+    params = {"fc.weight": _w(), "fc.bias": torch.zeros(16)}
+    wrong = qt.choose_qparams(params["fc.weight"], qt.QuantSpec(format="int4"))
+    recipe = qt.Recipe(default=qt.QuantSpec(format="int8"), steps=["spy"])
+    with pytest.raises(ValueError, match="fc.weight: qparams were made for int4"):
+        qt.quantize_tree(params, recipe, qparams={"fc.weight": wrong})
+    bias_qp = qt.choose_qparams(params["fc.bias"], qt.QuantSpec(format="int8"))
+    with pytest.raises(ValueError, match="fc.bias: qparams given but the recipe leaves this path unquantized"):
+        qt.quantize_tree(params, recipe, qparams={"fc.bias": bias_qp})
+    assert steps == []  # the spy never ran
+
+
+def test_a_plan_is_only_used_on_the_tree_it_was_resolved_for():
+    params = {"fc.weight": _w(), "fc.bias": torch.zeros(16)}
+    plan = qt.Recipe(default=qt.QuantSpec(format="int8")).plan(params)
+    assert qt.as_plan(plan, params) is plan
+    with pytest.raises(ValueError, match=r"tensor paths not in the plan \['other.weight'\]"):
+        qt.quantize_tree({**params, "other.weight": _w()}, plan)
+    with pytest.raises(ValueError, match=r"plan paths not in the tree \['fc.bias'\]"):
+        qt.run_steps({"fc.weight": params["fc.weight"]}, plan)
+    with pytest.raises(TypeError, match="types cannot be given with a Plan"):
+        qt.quantize_tree(params, plan, types={"fc.weight": "Linear"})
+    # observe_tree folds activations named like the plan's paths, a subset at a time
+    stats = qt.observe_tree(None, {"fc.weight": torch.tensor([[-2.0, 1.0]])}, plan)
+    assert list(stats) == ["fc.weight"] and abs(float(qt.compute_qparams(stats["fc.weight"]).scale) - 2.0 / 127.5) < 1e-8
+    with pytest.raises(ValueError, match=r"observe_tree: tensors for paths not in the plan: \['x'\]"):
+        qt.observe_tree(None, {"x": torch.ones(2, 2)}, plan)
+
+
+def test_errors_raised_inside_a_step_name_it_and_calibrators_are_checked(steps):
+    def fails(params, plan, *, context):
+        raise ValueError("something about the weights")
+
+    qt.register_algorithm("fails", fails)
+    try:
+        with pytest.raises(ValueError, match=r"^recipe.steps\[1\] \(fails\): something about the weights$"):
+            qt.run_steps({"fc.weight": _w()}, qt.Recipe(default=qt.QuantSpec(format="int8"), steps=["spy", "fails"]))
+    finally:
+        qt.ALGORITHMS.unregister("fails")
+    with pytest.raises(TypeError, match=r"recipe.steps\[0\] \(sites\): the calibrator \(object\) has no site_stats"):
+        qt.run_steps({"fc.weight": _w()}, qt.Recipe(default=qt.QuantSpec(format="int8"), steps=["sites"]),
+                     calibrator=object())
+
+
+def test_fits_combine_in_order():
+    w, spec = _w(), qt.QuantSpec(format="int8")
+    first = qt.Fit(params={"a": w}, qparams={"a": qt.choose_qparams(w, spec), "b": qt.choose_qparams(w, spec)})
+    later = qt.Fit(params={"a": w + 1})
+    both = first.then(later)
+    assert torch.equal(both.params["a"], w + 1) and list(both.qparams) == ["b"]  # a's old qparams dropped
+    assert first.then(qt.Fit()).qparams.keys() == first.qparams.keys()
+    with pytest.raises(TypeError, match="Fit.then: expected a Fit"):
+        first.then({})
+    with pytest.raises(TypeError, match="Fit.params must be keyed by tree paths"):
+        qt.Fit(params={0: w})
