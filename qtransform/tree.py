@@ -77,7 +77,7 @@ def quantize_tree(params: Any, recipe: Recipe | Any, *, qparams: Mapping[str, QP
             raise ValueError(f"{path}: qparams given but the recipe leaves this path unquantized ({match.rule})")
         if qp.spec != match.spec:
             raise ValueError(f"{path}: qparams were made for {qp.spec}, the recipe asks for {match.spec}")
-    fit = run_steps(params, plan, calibrator=calibrator, progress=progress) if plan.steps else Fit()
+    fit = run_steps(params, plan, calibrator=calibrator, progress=progress, qparams=given) if plan.steps else Fit()
     clash = sorted(set(given) & (set(fit.qparams) | set(fit.params)))
     if clash:
         raise ValueError(f"quantize_tree: qparams given for {clash[:5]}, which the recipe's steps also fit")

@@ -2,6 +2,7 @@
 
 ``site_stats`` folds the activations of named sites over every calibration batch
 (:mod:`.sites`); ``blockwise`` hands a step one block at a time with its inputs (:mod:`.blocks`).
+The model runs in eval mode (no dropout, batch-norm statistics untouched), its modes restored after.
 Batches come from any re-iterable (a list, a ``DataLoader``...), read once per request.
 
 >>> import torch, qtransform as qt
@@ -21,8 +22,8 @@ from torch import nn
 
 import qtransform as qt
 
-from .blocks import blockwise
-from .sites import fold_sites, run_batch
+from .blocks import blockwise, find_blocks
+from .sites import evaluating, fold_sites, run_batch
 
 __all__ = ["ModelCalibrator"]
 
@@ -34,21 +35,29 @@ class ModelCalibrator:
         model: the float model whose tree the pipeline transforms (its structure is used, not changed).
         batches: an iterable of calibration batches, read once per request (a list, or a re-iterable
             such as a ``DataLoader``).
+        blocks: module path of the ``nn.ModuleList`` whose children are the blocks of block-by-block
+            calibration (default: the one holding the most parameters).
         progress: ``progress(iterable, desc=..., total=...)``, e.g. ``tqdm.tqdm``.
     """
 
-    def __init__(self, model: nn.Module, batches: Iterable, *, progress: Callable | None = None):
+    def __init__(self, model: nn.Module, batches: Iterable, *, blocks: str | None = None,
+                 progress: Callable | None = None):
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         if isinstance(batches, (torch.Tensor, Mapping)) or not isinstance(batches, Iterable):
             raise TypeError("calibration must be an iterable of batches (a list of token-id tensors or dicts of "
                             f"model inputs, a DataLoader...), got {type(batches).__name__}")
-        self.model, self.batches, self.progress = model, batches, progress
+        if blocks is not None:
+            find_blocks(model, blocks)  # a wrong path fails here, before any work
+        self.model, self.batches, self.blocks, self.progress = model, batches, blocks, progress
 
     def _batches(self):
         if self.progress is None:
             return iter(self.batches)
-        total = len(self.batches) if hasattr(self.batches, "__len__") else None
+        try:
+            total = len(self.batches)
+        except TypeError:  # e.g. a DataLoader over an IterableDataset
+            total = None
         return iter(self.progress(self.batches, desc="calibration", total=total))
 
     def site_stats(self, params: Mapping[str, torch.Tensor], sites: Mapping[qt.Site, Any]) -> dict[qt.Site, Any]:
@@ -59,7 +68,11 @@ class ModelCalibrator:
                 seen += 1
             return seen
 
-        return fold_sites(self.model, sites, run_all, where="calibration")
+        with evaluating(self.model):
+            return fold_sites(self.model, sites, run_all, where="calibration")
 
-    def blockwise(self, params: Mapping[str, torch.Tensor], plan: qt.Plan, fit_block) -> qt.Fit:
-        return blockwise(self.model, params, plan, self._batches(), fit_block, progress=self.progress)
+    def blockwise(self, params: Mapping[str, torch.Tensor], plan: qt.Plan, fit_block, *,
+                  qparams: Mapping | None = None) -> qt.Fit:
+        with evaluating(self.model):
+            return blockwise(self.model, params, plan, self._batches(), fit_block, qparams=qparams,
+                             blocks=self.blocks, progress=self.progress)

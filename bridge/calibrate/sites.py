@@ -11,6 +11,7 @@ device. No activation is kept: each batch is folded into the statistics as it pa
 from __future__ import annotations
 
 import contextlib
+import inspect
 from typing import Any, Callable, Mapping
 
 import torch
@@ -18,7 +19,7 @@ from torch import nn
 
 import qtransform as qt
 
-__all__ = ["fold_sites", "run_batch", "first_tensor", "untied"]
+__all__ = ["fold_sites", "run_batch", "first_tensor", "untied", "takes", "evaluating"]
 
 
 def first_tensor(value) -> torch.Tensor | None:
@@ -58,8 +59,17 @@ def untied(model: nn.Module, params: Mapping[str, torch.Tensor]) -> dict:
     return out
 
 
+def takes(model: nn.Module, name: str) -> bool:
+    """Whether ``model.forward`` takes the keyword ``name``."""
+    try:
+        return name in inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return False
+
+
 def run_batch(model: nn.Module, params: Mapping[str, torch.Tensor], batch) -> Any:
-    """``model`` on one calibration ``batch`` with its tensors taken from ``params`` (see :func:`untied`)."""
+    """``model`` on one calibration ``batch`` with its tensors taken from ``params`` (see :func:`untied`);
+    with ``use_cache=False`` where the forward takes it (no key/value cache carries state between runs)."""
     device = next((t.device for t in params.values() if isinstance(t, torch.Tensor)), torch.device("cpu"))
     batch = _to(batch, device)
     if isinstance(batch, Mapping):
@@ -71,6 +81,8 @@ def run_batch(model: nn.Module, params: Mapping[str, torch.Tensor], batch) -> An
     else:
         raise TypeError(f"calibration batches must be tensors, dicts of model inputs or tuples of them, got "
                         f"{type(batch).__name__}")
+    if takes(model, "use_cache"):
+        kwargs["use_cache"] = False
     return torch.func.functional_call(model, untied(model, params), args, kwargs)
 
 
@@ -78,6 +90,9 @@ def fold_sites(model: nn.Module, sites: Mapping[qt.Site, Any], run_all: Callable
                where: str) -> dict[qt.Site, Any]:
     """Hooks on the sites' modules of ``model`` fold what passes into each site's statistics while
     ``run_all()`` runs forward passes (it returns how many, or anything when it cannot be empty)."""
+    bad = [s for s in sites if not isinstance(s, qt.Site) or s.role not in qt.spec.ROLES]
+    if bad:
+        raise ValueError(f"{where}: {bad[0]!r} is not a Site(module, role) with role in {list(qt.spec.ROLES)}")
     modules = dict(model.named_modules())
     missing = sorted({s.module for s in sites if s.module not in modules})
     if missing:
@@ -103,4 +118,20 @@ def fold_sites(model: nn.Module, sites: Mapping[qt.Site, Any], run_all: Callable
             seen = run_all()
     if seen == 0:
         raise ValueError(f"{where}: no batches (the calibration data is empty or already consumed)")
+    unreached = [f"{s.module} ({s.role})" for s, st in stats.items() if qt.observers.is_empty(st)]
+    if unreached:
+        raise ValueError(f"{where}: no activation reached site(s) {unreached[:5]}: the forward pass never runs "
+                         "those modules")
     return stats
+
+
+@contextlib.contextmanager
+def evaluating(model: nn.Module):
+    """``model`` in eval mode (dropout off, batch-norm statistics frozen), each module's mode restored after."""
+    modes = [(m, m.training) for m in model.modules()]
+    model.eval()
+    try:
+        yield model
+    finally:
+        for m, mode in modes:
+            m.training = mode

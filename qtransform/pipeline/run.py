@@ -47,10 +47,12 @@ class Calibrator(Protocol):
         taken from ``params``."""
 
     def blockwise(self, params: Mapping[str, torch.Tensor], plan: Plan,
-                  fit_block: Callable[[Block, Mapping[str, torch.Tensor]], Fit]) -> Fit:
+                  fit_block: Callable[[Block, Mapping[str, torch.Tensor]], Fit], *,
+                  qparams: Mapping[str, QParams] | None = None) -> Fit:
         """``fit_block(block, params)`` for each block in order (``params`` as the blocks before left
-        it), each block then quantized (its fitted parameters, else round to nearest) to compute the
-        next block's inputs; returns the blocks' fits combined."""
+        it), each block then quantized (what the step fitted, else ``qparams`` fitted before it for an
+        unchanged tensor, else round to nearest) to compute the next block's inputs; returns the
+        blocks' fits combined."""
 
 
 def check_steps(steps: Sequence[Step], *, calibrated: bool | None = None, on_load: bool = False,
@@ -92,7 +94,8 @@ def _sites(algo, step: Step, plan: Plan, at: str) -> dict:
     return sites
 
 
-def _run_step(algo, step: Step, plan: Plan, current: dict, calibrator: Calibrator | None, progress, at: str) -> Fit:
+def _run_step(algo, step: Step, plan: Plan, current: dict, calibrator: Calibrator | None, progress, at: str,
+              qparams: Mapping[str, QParams]) -> Fit:
     """One step on the current tree (copies of the dict: steps never change the tree they are handed)."""
     if isinstance(algo.needs, BlockInputs):
         def fit_block(block: Block, params: Mapping) -> Fit:
@@ -103,7 +106,7 @@ def _run_step(algo, step: Step, plan: Plan, current: dict, calibrator: Calibrato
                 raise ValueError(f"{at} block {block.name}: returned tensors outside the block: {outside[:5]}")
             return fit
 
-        return calibrator.blockwise(dict(current), plan, fit_block)
+        return calibrator.blockwise(dict(current), plan, fit_block, qparams=dict(qparams))
     stats = _collect(algo, step, plan, current, calibrator, at)
     return algo.fn(dict(current), plan, context=Context(stats=stats, progress=progress), **step.options)
 
@@ -135,7 +138,7 @@ def _check_fit(fit, at: str, plan: Plan, current: Mapping[str, torch.Tensor]) ->
 
 
 def run_steps(params: Any, recipe, *, types: Mapping[str, str] | None = None, calibrator: Calibrator | None = None,
-              progress: Callable | None = None) -> Fit:
+              progress: Callable | None = None, qparams: Mapping[str, QParams] | None = None) -> Fit:
     """Run ``recipe``'s steps in order on ``params`` (see the module docstring).
 
     Args:
@@ -144,6 +147,8 @@ def run_steps(params: Any, recipe, *, types: Mapping[str, str] | None = None, ca
         types: module type name by path, for ``Recipe.type_rules``.
         calibrator: runs the model for steps that need statistics.
         progress: ``progress(iterable, desc=..., total=...)``, e.g. ``tqdm.tqdm``.
+        qparams: parameters the caller fixed for paths no step fits (``quantize_tree(qparams=...)``):
+            block-by-block steps quantize the blocks before the next one's inputs with them.
 
     Returns:
         :class:`~qtransform.Fit`: the tensors the steps changed (as the last step left them) and the
@@ -158,7 +163,8 @@ def run_steps(params: Any, recipe, *, types: Mapping[str, str] | None = None, ca
         at = f"recipe.steps[{i}] ({step.name})"
         current = {**flat, **total.params}
         try:
-            fit = _run_step(ALGORITHMS[step.name], step, plan, current, calibrator, progress, at)
+            known = {**{p: q for p, q in (qparams or {}).items() if p not in total.params}, **total.qparams}
+            fit = _run_step(ALGORITHMS[step.name], step, plan, current, calibrator, progress, at, known)
         except (ValueError, TypeError) as e:  # name the step in errors raised while it runs
             if type(e) not in (ValueError, TypeError) or str(e).startswith("recipe.steps["):
                 raise

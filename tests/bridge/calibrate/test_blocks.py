@@ -137,3 +137,77 @@ def test_block_steps_need_calibration_and_stay_inside_their_block():
             qt.get_algorithm("greedy")(bridge.extract(model), SPEC)
     finally:
         qt.ALGORITHMS.unregister("greedy")
+
+
+def test_tuple_batches_carry_no_key_value_cache_between_runs(recorder):
+    torch.manual_seed(4)
+    model = tiny_causal_lm("llama").eval()
+    ids = torch.randint(0, 128, (2, 6))
+    bridge.quantize_params(model, qt.Recipe(type_rules={"Linear": SPEC}, steps=["recorder"]), calibration=[(ids,)])
+    block = recorder[0][3]
+    v = "model.layers.0.self_attn.v_proj.weight"
+    first, again = block.run({}), block.run({})
+    torch.testing.assert_close(first[0][0] if isinstance(first[0], tuple) else first[0],
+                               again[0][0] if isinstance(again[0], tuple) else again[0])
+    zeroed = block.run({v: torch.zeros_like(model.get_parameter(v))})  # attention must read the new values
+    assert not torch.allclose(bridge.calibrate.first_tensor(zeroed[0]), bridge.calibrate.first_tensor(first[0]))
+    _, kwargs = block.inputs[0]
+    assert not any(type(x).__name__.endswith("Cache") for x in kwargs.values() if x is not None)
+
+
+class _Hybrid(torch.nn.Module):
+    """Layers of two classes, the second holding a list of experts run side by side."""
+
+    class Attn(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = torch.nn.Linear(32, 32)
+
+        def forward(self, h):
+            return h + self.proj(h)
+
+    class MoE(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.experts = torch.nn.ModuleList(torch.nn.Linear(32, 32) for _ in range(3))
+
+        def forward(self, h):
+            return h + sum(e(h) for e in self.experts) / 3
+
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.ModuleList([self.Attn(), self.MoE(), self.Attn(), self.MoE()])
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def test_hybrid_layers_are_the_blocks_not_the_experts():
+    model = _Hybrid()
+    assert find_blocks(model) == ("layers.0", "layers.1", "layers.2", "layers.3")
+    assert find_blocks(model, "layers.1.experts") == ("layers.1.experts.0", "layers.1.experts.1", "layers.1.experts.2")
+    with pytest.raises(ValueError, match=r"blocks='layers.9' is not a non-empty nn.ModuleList of _Hybrid"):
+        find_blocks(model, "layers.9")
+    with pytest.raises(ValueError, match=r"blocks='layers.0' is not a non-empty nn.ModuleList"):
+        bridge.ModelCalibrator(model, [torch.ones(1, 32)], blocks="layers.0")
+
+
+def test_blocks_are_quantized_with_what_earlier_steps_fitted(recorder):
+    """hqq then a block step: the next block's inputs come from the HQQ-quantized block, not round to nearest."""
+    torch.manual_seed(5)
+    model = tiny_causal_lm("llama").eval()
+    batches = [torch.randint(0, 128, (2, 6))]
+    hqq_spec = qt.QuantSpec(format="uint3", granularity=qt.PerGroup(32), symmetric=False, zero_point_domain="float",
+                            scale_dtype="float16")
+    recipe = qt.Recipe(type_rules={"Linear": hqq_spec}, exclude=["lm_head*"], steps=[qt.Step("hqq", iters=10),
+                                                                                     "recorder"])
+    r = bridge.quantize_params(model, recipe, calibration=batches)
+    ref = copy.deepcopy(model)  # block 0 as HQQ quantized it, computed from the result
+    for name, m in ref.model.layers[0].named_modules():
+        if isinstance(m, torch.nn.Linear):
+            with torch.no_grad():
+                m.weight.copy_(qt.dequantize(r.qtree[f"model.layers.0.{name}.weight"]))
+    for got, want in zip(recorder[1][2], _hidden_into(ref, "model.layers.1", batches)):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)

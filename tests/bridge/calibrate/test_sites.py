@@ -116,3 +116,50 @@ def test_a_step_that_needs_site_statistics_through_bridge_quantize(input_scaled)
         torch.testing.assert_close(qm.model.layers[i].mlp.down_proj.dequantized_weight(), want)
     assert isinstance(qm.model.layers[0].mlp.down_proj, bridge.QLinear)
     assert type(qm.model.layers[0].mlp.up_proj).__name__ == "Linear"
+
+
+def test_calibration_runs_in_eval_mode_and_leaves_the_model_as_it_was():
+    torch.manual_seed(3)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4), torch.nn.Dropout(0.5),
+                                torch.nn.Linear(4, 2))  # train mode, as built
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    x = torch.randn(8, 4)
+    site = {qt.Site("3"): qt.init_stats(observer="channel")}
+    a = bridge.ModelCalibrator(model, [x]).site_stats(bridge.extract(model), site)
+    b = bridge.ModelCalibrator(model, [x]).site_stats(bridge.extract(model), site)
+    assert torch.equal(qt.finalize_stats(a[qt.Site("3")]).absmax, qt.finalize_stats(b[qt.Site("3")]).absmax)  # no dropout
+    with torch.no_grad():
+        want = model.eval()[:3](x).abs().amax(0)
+    model.train()
+    torch.testing.assert_close(qt.finalize_stats(a[qt.Site("3")]).absmax, want)  # running statistics used
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())  # batch-norm buffers untouched
+    assert model.training and all(m.training for m in model.modules())  # modes restored
+
+
+def test_misnamed_roles_and_sites_no_batch_reaches_are_named():
+    model = torch.nn.ModuleDict({"used": torch.nn.Linear(3, 3), "unused": torch.nn.Linear(3, 3)})
+    model.forward = lambda x: model["used"](x)
+    cal = bridge.ModelCalibrator(model, [torch.ones(1, 3)])
+    with pytest.raises(ValueError, match=r"Site\(module='used', role='inputs'\) is not a Site\(module, role\)"):
+        cal.site_stats(bridge.extract(model), {qt.Site("used", "inputs"): qt.init_stats(observer="channel")})
+    with pytest.raises(ValueError, match=r"no activation reached site\(s\) \['unused \(input\)'\]"):
+        cal.site_stats(bridge.extract(model), {qt.Site("used"): qt.init_stats(observer="channel"),
+                                               qt.Site("unused"): qt.init_stats(observer="channel")})
+
+
+def test_a_dataloader_without_a_length_shows_progress():
+    class Stream(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            return iter([torch.ones(2, 3), torch.full((2, 3), -2.0)])
+
+    model = torch.nn.Sequential(torch.nn.Linear(3, 2))
+    seen = []
+
+    def progress(it, desc="", total=None):
+        seen.append(total)
+        return it
+
+    loader = torch.utils.data.DataLoader(Stream(), batch_size=None)
+    stats = bridge.ModelCalibrator(model, loader, progress=progress).site_stats(
+        bridge.extract(model), {qt.Site("0"): qt.init_stats(observer="channel")})
+    assert qt.finalize_stats(stats[qt.Site("0")]).absmax.tolist() == [2.0, 2.0, 2.0] and seen == [None]
