@@ -27,6 +27,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from collections.abc import Mapping
 from pathlib import Path
 
 from torch import nn
@@ -37,7 +38,7 @@ from .checkpoint import metadata, store
 from .checkpoint.layout import LAYOUTS
 from .checkpoint.metadata import CheckpointError
 from .checkpoint.tree_io import CONFIG, check_aliases, quantized_parts, read_metadata, read_tree, tensor_groups
-from .tree import extract, to_module
+from .tree import extract, tie_groups, to_module
 
 __all__ = ["save", "load", "TOKENIZER_FILES"]
 
@@ -82,6 +83,9 @@ def save(model_or_qtree, directory, *, max_shard_size="2GB", overwrite: bool = F
     """
     store.parse_size(max_shard_size)  # bad arguments fail before anything is written
     model = model_or_qtree if isinstance(model_or_qtree, nn.Module) else None
+    if model is None and not isinstance(model_or_qtree, (Mapping, list, tuple)):
+        raise TypeError(f"save: model_or_qtree must be a module or a tree of tensors and QTensors, got "
+                        f"{type(model_or_qtree).__name__}")
     tree = extract(model) if model is not None else qt.flatten_tree(model_or_qtree)
     layout = LAYOUTS["native"]
     groups, aliases = tensor_groups(tree, layout)
@@ -92,6 +96,10 @@ def save(model_or_qtree, directory, *, max_shard_size="2GB", overwrite: bool = F
                               recipe_name=recipe_name or getattr(cfg, "recipe_name", None),
                               rules=rules if rules is not None else getattr(cfg, "rules", None), aliases=aliases,
                               skip_modules=getattr(cfg, "skip_modules", None))
+    try:  # what is written must read back: checked before anything is written
+        metadata.decode(qconfig, where="bridge.save")
+    except metadata.CheckpointError as e:
+        raise ValueError(f"{e} (check the recipe_name= and rules= arguments)") from None
     with store.atomic_directory(directory, overwrite=overwrite) as tmp:
         store.write_shards(tmp, groups, max_shard_size=max_shard_size,
                            file_metadata={"format": "pt", "quant_method": metadata.QUANT_METHOD,
@@ -103,11 +111,8 @@ def save(model_or_qtree, directory, *, max_shard_size="2GB", overwrite: bool = F
 def _tied_aliases(like: nn.Module, stored: set) -> dict[str, str]:
     """Paths of ``like`` whose parameter or buffer *is* another stored path's (tied weights, which
     ``save_pretrained`` writes once)."""
-    by_id: dict[int, list[str]] = {}
-    for path, t in list(like.named_parameters(remove_duplicate=False)) + list(like.named_buffers(remove_duplicate=False)):
-        by_id.setdefault(id(t), []).append(path)
     out = {}
-    for paths in by_id.values():
+    for paths in tie_groups(like):
         present = [p for p in paths if p in stored]
         if present:
             out.update({p: present[0] for p in paths if p not in stored})

@@ -37,15 +37,18 @@ def plan(model: nn.Module, recipe) -> qt.Plan:
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    resolved = qt.as_recipe(recipe).plan(extract(model), types=module_types(model))
+    given = isinstance(recipe, qt.Plan)  # resolved upstream: checked against this model, not re-resolved
+    resolved = qt.as_plan(recipe, extract(model)) if given else qt.as_recipe(recipe).plan(
+        extract(model), types=module_types(model))
     quantizable = set(weight_paths(model))
     matches = {}
     for path, m in resolved.items():
         if m.spec is not None and path not in quantizable:
-            if m.rule != "default":
-                raise ValueError(f"{path}: recipe {m.rule} selects a {m.module_type or 'tensor'} that no quantized "
-                                 "module holds; only the weights of Linear, Conv1D, Conv2d, ConvTranspose2d, "
-                                 "Embedding and EmbeddingBag modules can be quantized")
+            if given or m.rule != "default":
+                what = f"a tensor of a {m.module_type}" if m.module_type else "a tensor"
+                raise ValueError(f"{path}: recipe {m.rule} selects {what} that is not the weight of a quantizable "
+                                 "module; only the weights of Linear, Conv1D, Conv2d, ConvTranspose2d, Embedding "
+                                 "and EmbeddingBag modules can be quantized")
             m = qt.Match(None, "skipped (default: not the weight of a quantizable module)", m.module_type)
         matches[path] = m
     return qt.Plan(resolved.recipe, matches)
@@ -72,7 +75,11 @@ def quantize_params(model: nn.Module, recipe, *, calibration: Iterable | None = 
         progress: ``progress(iterable, desc=..., total=...)``, e.g. ``tqdm.tqdm``.
         generator: ``torch.Generator`` or seed for stochastic rounding.
     """
-    p = recipe if isinstance(recipe, qt.Plan) else plan(model, recipe)
+    p = plan(model, recipe)
+    meta = next((path for path, t in extract(model).items() if getattr(t, "is_meta", False)), None)
+    if meta is not None:
+        raise ValueError(f"{meta}: the model's tensors are on the meta device (no values to quantize); load its "
+                         "weights first, or quantize while loading (from_pretrained with a QTransformConfig)")
     if not p.specs:
         raise ValueError(f"the recipe selects no tensor of this {type(model).__name__} to quantize "
                          f"({len(p)} tensors, e.g. {next(iter(p.items()), ('-', ''))[0]!r}: "

@@ -1,6 +1,7 @@
 """The ``qtransform`` command.
 
-    qtransform quantize [--model PATH] [--recipe NAME|FILE] [--calib N] [--out DIR] [--plot] [--json FILE]
+    qtransform quantize [--model PATH] [--recipe NAME|FILE] [--algorithm NAME] [--calib N [--calib-batch B]]
+                        [--out DIR [--overwrite]] [--plot] [--json FILE] [--no-eval]
     qtransform eval --model DIR [--baseline PATH]
     qtransform formats | recipes | inspect DIR
 

@@ -19,6 +19,8 @@ from torch import nn
 
 import qtransform as qt
 
+from ..tree import tie_groups
+
 __all__ = ["fold_sites", "run_batch", "first_tensor", "untied", "takes", "evaluating"]
 
 
@@ -44,11 +46,8 @@ def untied(model: nn.Module, params: Mapping[str, torch.Tensor]) -> dict:
     """``params`` with one name per group of tied tensors (``functional_call`` ties the others to it).
 
     Raises ``ValueError`` naming them when the tree holds different tensors for tied names."""
-    groups: dict[int, list[str]] = {}
-    for name, t in list(model.named_parameters(remove_duplicate=False)) + list(model.named_buffers(remove_duplicate=False)):
-        groups.setdefault(id(t), []).append(name)
     out = dict(params)
-    for names in groups.values():
+    for names in tie_groups(model):
         given = [n for n in names if n in out]
         for n in given[1:]:
             a, b = out[given[0]], out[n]

@@ -133,7 +133,7 @@ def _v1_steps(recipe: dict, algorithm, options) -> list | None:
     return [{"name": "rtn", "options": dict(options)}] if options else None
 
 
-def upgrade(d: Mapping, *, where: str = "quantization_config") -> dict:
+def upgrade(d: Mapping) -> dict:
     """A version-1 ``quantization_config`` as version 2 (a new dict; version 2 passes through)."""
     d = copy.deepcopy(dict(d))
     if d.get("version") != 1:
@@ -170,7 +170,7 @@ def decode(d, *, where: str = "quantization_config") -> Metadata:
         _fail(where, f"has no integer 'version' (got {version!r})")
     if version not in READABLE:
         _fail(where, f"has version {version}; this qtransform reads versions {list(READABLE)} (upgrade qtransform)")
-    d = upgrade(d, where=where)
+    d = upgrade(d)
     layout = d.get("layout", "native")
     if layout not in LAYOUTS:
         _fail(where, f"has layout {layout!r}; known: {sorted(LAYOUTS)}")
@@ -186,8 +186,14 @@ def decode(d, *, where: str = "quantization_config") -> Metadata:
     entries = {}
     for path, t in tensors.items():
         try:
-            spec = specs[t["spec"]]
-            shape = tuple(int(n) for n in t["shape"])
+            index, raw_shape = t["spec"], t["shape"]
+            if not isinstance(index, int) or isinstance(index, bool) or index < 0:
+                raise IndexError(f"spec index {index!r} is not an index of 'specs'")
+            if not isinstance(raw_shape, list) or not all(isinstance(n, int) and not isinstance(n, bool)
+                                                          for n in raw_shape):
+                raise TypeError(f"shape {raw_shape!r} is not a list of ints")
+            spec = specs[index]
+            shape = tuple(raw_shape)
             dtype = dtype_from_name(t["dtype"])
         except (KeyError, TypeError, IndexError, ValueError) as e:
             _fail(where, f"entry for tensor {path!r} is malformed ({type(e).__name__}: {e}); expected "
@@ -209,5 +215,7 @@ def decode(d, *, where: str = "quantization_config") -> Metadata:
     if skip is not None and (not isinstance(skip, list) or not all(isinstance(m, str) for m in skip)):
         _fail(where, "'skip_modules' must be a list of module names or null")
     name = d.get("recipe_name")
-    return Metadata(entries=entries, layout=layout, recipe=recipe, recipe_name=name if isinstance(name, str) else None,
+    if name is not None and not isinstance(name, str):
+        _fail(where, f"'recipe_name' must be a string, got {type(name).__name__}")
+    return Metadata(entries=entries, layout=layout, recipe=recipe, recipe_name=name,
                     rules=dict(rules), aliases=dict(aliases), skip_modules=skip, version=version)

@@ -58,7 +58,9 @@ def parse_size(size) -> int:
 def atomic_directory(directory, *, overwrite: bool = False):
     """Yield a temporary directory that becomes ``directory`` when the block ends without error."""
     target = Path(directory)
-    if target.exists() and (not target.is_dir() or (any(target.iterdir()) and not overwrite)):
+    if target.exists() and not target.is_dir():
+        raise FileExistsError(f"{target} exists and is not a directory; a checkpoint never replaces a file")
+    if target.exists() and any(target.iterdir()) and not overwrite:
         raise FileExistsError(f"{target} exists and is not an empty directory; pass overwrite=True to replace it")
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))

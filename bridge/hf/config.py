@@ -76,9 +76,15 @@ class QTransformConfig(QuantizationConfigMixin):
             self.entries, self.aliases, self.rules = meta.entries, dict(meta.aliases), dict(meta.rules)
             self.recipe_name, self.layout = meta.recipe_name, meta.layout
         else:
+            stray = sorted(set(saved) - {"quant_method"})
+            if stray:
+                raise ValueError(f"QTransformConfig: {stray} describe a saved checkpoint and come with its 'version'; "
+                                 "to quantize on load give recipe=, steps= and skip_modules=")
+            if saved.get("quant_method", metadata.QUANT_METHOD) != metadata.QUANT_METHOD:
+                raise ValueError(f"QTransformConfig: quant_method must be {metadata.QUANT_METHOD!r}, got "
+                                 f"{saved['quant_method']!r}")
             self.entries: dict[str, Entry] = {}
-            self.aliases, self.rules = dict(saved.get("aliases") or {}), dict(saved.get("rules") or {})
-            self.recipe_name, self.layout = saved.get("recipe_name"), "native"
+            self.aliases, self.rules, self.recipe_name, self.layout = {}, {}, None, "native"
         recipe = _as_recipe(recipe)
         if algorithm_options is not None and not isinstance(algorithm_options, dict):
             raise TypeError(f"QTransformConfig: algorithm_options must be a dict, got {type(algorithm_options).__name__}")
@@ -92,6 +98,10 @@ class QTransformConfig(QuantizationConfigMixin):
             recipe = dataclasses.replace(recipe, steps=steps)
         if recipe is not None and "version" not in saved:  # a saved recipe is provenance: loading never runs it
             qt.check_steps(recipe.steps, where="QTransformConfig.recipe.steps")  # names and options, now
+        if skip_modules is not None and (isinstance(skip_modules, str) or not isinstance(skip_modules, (list, tuple))
+                                         or not all(isinstance(m, str) for m in skip_modules)):
+            raise TypeError(f"QTransformConfig: skip_modules must be a list of module names or None, got "
+                            f"{skip_modules!r}")
         self.recipe = recipe
         self.skip_modules = None if skip_modules is None else list(skip_modules)
 

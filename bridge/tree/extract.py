@@ -22,7 +22,7 @@ from torch import nn
 
 from ..modules import QModule, quantized_class
 
-__all__ = ["extract", "module_types", "weight_paths"]
+__all__ = ["extract", "module_types", "weight_paths", "tie_groups"]
 
 
 def _check(model):
@@ -67,3 +67,12 @@ def weight_paths(model: nn.Module) -> dict[str, nn.Module]:
     _check(model)
     return {(f"{name}." if name else "") + "weight": m for name, m in model.named_modules()
             if quantized_class(m) is not None}
+
+
+def tie_groups(model: nn.Module) -> list[list[str]]:
+    """The paths of each parameter or buffer of ``model``, one list per tensor object (tied weights
+    share one; the first path is the one ``state_dict`` keeps)."""
+    groups: dict[int, list[str]] = {}
+    for path, t in list(model.named_parameters(remove_duplicate=False)) + list(model.named_buffers(remove_duplicate=False)):
+        groups.setdefault(id(t), []).append(path)
+    return list(groups.values())

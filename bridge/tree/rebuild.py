@@ -63,21 +63,28 @@ def meta_skeleton(model: nn.Module) -> nn.Module:
     return copy.deepcopy(model, memo)
 
 
-def replace_module(model: nn.Module, path: str, q: QTensor, kernel: str = "auto") -> None:
-    """Make the module owning ``path`` (its weight) a quantized module holding ``q`` (in place)."""
+def check_replacement(model: nn.Module, path: str, q: QTensor):
+    """Raise ``ValueError`` naming ``path`` unless :func:`replace_module` can put ``q`` there; returns
+    ``(module, quantized class)``."""
     module, leaf = submodule(model, path)
     cls = quantized_class(module)
     if cls is None or leaf != "weight":
         raise ValueError(f"{path}: only the weight of Linear, Conv2d, ConvTranspose2d, Embedding, EmbeddingBag "
                          f"and transformers Conv1D modules can be quantized; this is {type(module).__name__}.{leaf}")
+    if module is model and not isinstance(module, QModule):
+        raise ValueError(f"{path}: the root module itself cannot be replaced; wrap it in a container")
+    if not isinstance(module, QModule) and tuple(q.shape) != tuple(module.weight.shape):
+        raise ValueError(f"{path}: quantized tensor has shape {tuple(q.shape)}, the {type(module).__name__} "
+                         f"weight is {tuple(module.weight.shape)}")
+    return module, cls
+
+
+def replace_module(model: nn.Module, path: str, q: QTensor, kernel: str = "auto") -> None:
+    """Make the module owning ``path`` (its weight) a quantized module holding ``q`` (in place)."""
+    module, cls = check_replacement(model, path, q)
     if isinstance(module, QModule):
         module.set_qweight(q)
         return
-    if module is model:
-        raise ValueError(f"{path}: the root module itself cannot be replaced; wrap it in a container")
-    if tuple(q.shape) != tuple(module.weight.shape):
-        raise ValueError(f"{path}: quantized tensor has shape {tuple(q.shape)}, the {type(module).__name__} "
-                         f"weight is {tuple(module.weight.shape)}")
     new = cls.from_float(module, q, kernel=kernel)
     new.train(module.training)
     parent, name = submodule(model, path.rpartition(".")[0])
@@ -136,8 +143,10 @@ def to_module(model: nn.Module, qtree: Any, *, inplace: bool = False, kernel: st
     if unknown:
         raise ValueError(f"to_module: tree paths not in the model: {unknown[:5]}"
                          + (f" (+{len(unknown) - 5} more)" if len(unknown) > 5 else ""))
-    target = model if inplace else meta_skeleton(model)
     quantized = {p: v for p, v in leaves.items() if isinstance(v, QTensor)}
+    for path, q in quantized.items():  # every path checked before anything is replaced
+        check_replacement(model, path, q)
+    target = model if inplace else meta_skeleton(model)
     for path, q in quantized.items():
         replace_module(target, path, q, kernel)
     plain = {p: v for p, v in leaves.items() if not isinstance(v, QTensor)}

@@ -99,6 +99,17 @@ def test_save_refuses_non_empty_dir_and_is_atomic(tmp_path, monkeypatch):
     assert "keep.txt" not in os.listdir(tmp_path / "ck")
     with pytest.raises(ValueError, match="max_shard_size"):
         bridge.save(qmodel, tmp_path / "x", max_shard_size="lots")
+    # arguments that would write a checkpoint load cannot read fail before anything is written
+    with pytest.raises(ValueError, match="'rules' must be an object of path -> string.*rules= arguments"):
+        bridge.save(qmodel, tmp_path / "x", rules={"0.weight": 3})
+    with pytest.raises(ValueError, match="'recipe_name' must be a string"):
+        bridge.save(qmodel, tmp_path / "x", recipe_name=5)
+    with pytest.raises(TypeError, match="save: model_or_qtree must be a module or a tree"):
+        bridge.save("abc", tmp_path / "x")
+    assert not (tmp_path / "x").exists()
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(FileExistsError, match="exists and is not a directory"):
+        bridge.save(qmodel, tmp_path / "file", overwrite=True)
 
 
 @pytest.fixture
@@ -150,6 +161,12 @@ BAD_FILES = {
                        r"config\.json: quantization_config specs\[0\] is not a valid QuantSpec: unknown format 'int42'"),
     "bad entry": (lambda d: _edit_config(d, lambda c: c["tensors"]["0.weight"].pop("shape")),
                   r"entry for tensor '0.weight' is malformed"),
+    "negative spec index": (lambda d: _edit_config(d, lambda c: c["tensors"]["0.weight"].update(spec=-1)),
+                            r"entry for tensor '0.weight' is malformed \(IndexError: spec index -1"),
+    "shape as text": (lambda d: _edit_config(d, lambda c: c["tensors"]["0.weight"].update(shape="32")),
+                      r"entry for tensor '0.weight' is malformed \(TypeError: shape '32' is not a list of ints"),
+    "recipe_name not text": (lambda d: _edit_config(d, lambda c: c.update(recipe_name=5)),
+                             r"'recipe_name' must be a string"),
     "entry not in model": (lambda d: _edit_config(d, lambda c: c["tensors"].update({"9.weight": c["tensors"]["0.weight"]})),
                            r"tensor '9.weight' is not a tensor of Sequential"),
     "wrong quant_method": (lambda d: _edit_config(d, lambda c: c.update(quant_method="gptq")),

@@ -103,6 +103,10 @@ def test_quantize_on_load_default_skips_and_runs_the_recipe_steps(tmp_path, scal
         bridge.QTransformConfig(recipe=spec, algorithm="rtn", algorithm_options={"factor": 0.5})
     with pytest.raises(ValueError, match="unknown algorithm 'nope'"):
         bridge.QTransformConfig(recipe=spec, algorithm="nope")
+    with pytest.raises(TypeError, match="skip_modules must be a list of module names"):
+        bridge.QTransformConfig(recipe=spec, skip_modules="lm_head")
+    with pytest.raises(ValueError, match=r"\['rules'\] describe a saved checkpoint and come with its 'version'"):
+        bridge.QTransformConfig(recipe=spec, rules={"a": 1})
     with pytest.raises(ValueError, match="'test_global' changes several tensors together"):
         auto_class("llama").from_pretrained(tmp_path / "fp", quantization_config=bridge.QTransformConfig(
             recipe=spec, steps=["test_global"]))

@@ -53,6 +53,10 @@ def test_to_module_inplace_and_errors():
     wrong = qt.quantize(torch.randn(16, 64), qt.choose_qparams(torch.randn(16, 64), SPEC))
     with pytest.raises(ValueError, match="0.weight: quantized tensor has shape \\(16, 64\\)"):
         bridge.to_module(model, {"0.weight": wrong})
+    q_ln = qt.quantize(torch.randn(32), qt.choose_qparams(torch.randn(32), qt.QuantSpec(format="int8")))
+    with pytest.raises(ValueError, match="1.weight: only the weight of Linear"):  # checked before any replacement
+        bridge.to_module(model, {**qtree, "1.weight": q_ln}, inplace=True)
+    assert isinstance(model[0], nn.Linear)  # nothing was converted half-way
     out = bridge.to_module(model, qtree, inplace=True)
     assert out is model and isinstance(model[0], bridge.QLinear)
     assert isinstance(bridge.extract(model)["0.weight"], qt.QTensor)
@@ -68,7 +72,16 @@ def test_plan_uses_type_rules_and_supported_modules_only():
     assert list(p.specs) == ["fc.weight", "emb.weight"]
     assert p["c.weight"].spec is None and p["emb.weight"].rule == "type_rules[Embedding]"
     assert p["fc.bias"].spec is None and p["ln.weight"].spec is None and p["c.weight"].module_type == "Conv1D"
-    with pytest.raises(ValueError, match=r"ln.weight: recipe rules\[ln.\*\] selects a LayerNorm that no quantized"):
+    with pytest.raises(ValueError, match=r"ln.weight: recipe rules\[ln.\*\] selects a tensor of a LayerNorm that is not the weight of a quantizable"):
         bridge.plan(model, qt.Recipe(rules={"ln.*": SPEC}))
+    foreign = qt.Recipe(rules={"ln.weight": qt.QuantSpec(format="int8")}, min_ndim=1).plan(bridge.extract(model))
+    with pytest.raises(ValueError, match=r"ln.weight: recipe rules\[ln.weight\] selects a tensor that is not the weight"):
+        bridge.quantize(model, foreign, inplace=True)  # a Plan made elsewhere is checked against the model too
+    assert isinstance(model["fc"], nn.Linear)
+    with pytest.raises(ValueError, match="the Plan was resolved for another tree"):
+        bridge.quantize(nn.Sequential(nn.Linear(64, 32)), p)
+    meta = nn.Sequential(nn.Linear(64, 32, device="meta"))
+    with pytest.raises(ValueError, match="0.weight: the model's tensors are on the meta device"):
+        bridge.quantize(meta, SPEC)
     qm = bridge.quantize(model, SPEC)
     assert isinstance(qm["c"], bridge.QLinear) and qm["c"].transposed and isinstance(qm["ln"], nn.LayerNorm)
