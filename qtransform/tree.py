@@ -21,6 +21,7 @@ from .observers import choose_qparams, compute_qparams, init_stats, merge_stats,
 from .pipeline import Calibrator, run_steps
 from .spec import Plan, Recipe, as_plan
 from .tensor import QParams, QTensor, dequantize, quantize
+from .tensor.checks import check_out_dtype
 
 __all__ = ["quantize_tree", "dequantize_tree", "observe_tree", "merge_stats_tree", "qparams_tree",
            "is_qtensor", "flatten_tree"]
@@ -65,6 +66,9 @@ def quantize_tree(params: Any, recipe: Recipe | Any, *, qparams: Mapping[str, QP
     if qparams is not None and not isinstance(qparams, Mapping):
         raise TypeError(f"quantize_tree: qparams must map tree paths to QParams, got {type(qparams).__name__}")
     given = dict(qparams or {})
+    keys = [p for p in given if not isinstance(p, str)]
+    if keys:
+        raise TypeError(f"quantize_tree: qparams must be keyed by tree paths (str), got the key {keys[0]!r}")
     bad = [p for p, q in given.items() if not isinstance(q, QParams)]
     if bad:
         raise TypeError(f"quantize_tree: qparams[{bad[0]!r}] must be a QParams, got {type(given[bad[0]]).__name__}")
@@ -96,7 +100,9 @@ def quantize_tree(params: Any, recipe: Recipe | Any, *, qparams: Mapping[str, QP
 
 
 def dequantize_tree(qtree: Any, *, dtype: torch.dtype | None = None) -> Any:
-    """Replace every :class:`QTensor` leaf by its dequantized tensor."""
+    """Replace every :class:`QTensor` leaf by its dequantized tensor (in ``dtype``, a floating dtype, if given)."""
+    if dtype is not None:
+        check_out_dtype(dtype, name="dequantize_tree: dtype")
     return _tree.tree_map(lambda x: dequantize(x, dtype=dtype) if is_qtensor(x) else x, qtree,
                           is_leaf=is_qtensor)
 

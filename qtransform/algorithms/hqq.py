@@ -44,9 +44,10 @@ options perplexity is lower than hqq's at 4, 3 and 2 bits (at 4 bits for a weigh
 hqq's).
 
 Only asymmetric unsigned integer specs with a float zero point fit (``uint1`` .. ``uint8``,
-``symmetric=False``, ``zero_point_domain="float"``); any granularity whose blocks tile the
-tensor without padding works (``PerGroup(size, axis=...)``, ``PerChannel``, ``PerTensor``,
-``PerBlock``). The result is an ordinary :class:`~qtransform.QParams`: hqq's inverse scale
+``symmetric=False``, ``zero_point_domain="float"``), with any granularity (``PerGroup(size,
+axis=...)``, ``PerChannel``, ``PerTensor``, ``PerBlock``), padded too (``pad=True``: the short
+last block of an axis is fitted on its real elements only, so padding never weighs in).
+The result is an ordinary :class:`~qtransform.QParams`: hqq's inverse scale
 ``s'`` is ``1 / scale`` and its zero is ``zero_point``.
 
 >>> import torch, qtransform as qt
@@ -165,19 +166,51 @@ def check_spec(spec: QuantSpec, *, path: str | None = None) -> None:
         raise ValueError(f"{w}hqq: spec {spec} is not an HQQ spec: {why}")
 
 
+def _pieces(plan: blocks.BlockPlan):
+    """Per axis, the ``(elements, grid cells, block length)`` ranges whose blocks tile exactly: all
+    of an axis the block divides; else its whole blocks and the short last block (padding left out)."""
+    out = []
+    for n, b, g in zip(plan.shape, plan.block, plan.grid):
+        if n % b == 0:
+            out.append(((slice(0, n), slice(0, g), b),))
+        else:
+            whole = (g - 1) * b
+            tail = (slice(whole, n), slice(g - 1, g), n - whole)
+            out.append(((slice(0, whole), slice(0, g - 1), b), tail) if g > 1 else (tail,))
+    return out
+
+
+def _solve_pieces(wf: torch.Tensor, grids, plan: blocks.BlockPlan, spec: QuantSpec, o: Options, axis: int = 0,
+                  ranges=()):
+    """HQQ on the blocks of ``wf`` (float32, ``plan.shape``) with their grid-shaped ``(s0, z0, lo, hi)``.
+
+    A padded grid is solved piece by piece (whole blocks; the short last blocks on their real
+    elements only), so padding never enters a block's error; the pieces are joined with ``cat``
+    (no in-place writes: works under ``vmap``)."""
+    if axis == len(plan.shape):
+        elems = tuple(r[0] for r in ranges)
+        cells = tuple(r[1] for r in ranges)
+        part = wf[elems]
+        block = tuple(r[2] for r in ranges)
+        sub = blocks.BlockPlan(tuple(part.shape), block, tuple(part.shape),
+                               tuple(n // b for n, b in zip(part.shape, block)))
+        flat = blocks.flat(blocks.view(part, sub), sub)
+        s, z = solve(flat.reshape(-1, flat.shape[-1]), *(t[cells].reshape(-1, 1) for t in grids), spec, o)
+        return s.reshape(sub.grid), z.reshape(sub.grid)
+    parts = [_solve_pieces(wf, grids, plan, spec, o, axis + 1, ranges + (r,)) for r in _pieces(plan)[axis]]
+    if len(parts) == 1:
+        return parts[0]
+    return torch.cat([p[0] for p in parts], dim=axis), torch.cat([p[1] for p in parts], dim=axis)
+
+
 def _optimize(w: torch.Tensor, spec: QuantSpec, o: Options, path: str | None) -> QParams:
     plan = blocks.plan(w.shape, spec, path=path)
-    if plan.needs_pad:
-        raise ValueError(f"{where(path)}hqq: the blocks of {spec.granularity} do not tile shape "
-                         f"{tuple(w.shape)}; HQQ needs blocks that divide every axis (no padding)")
-    stats = observe(init_stats(spec), w, path=path)
+    stats = observe(init_stats(spec), w, path=path)  # padding repeats the last element: real ranges
     init = compute_qparams(stats, spec, path=path)  # iterate 0: round-to-nearest (choose_qparams)
     s0, z0 = init.effective()
-    wf = blocks.flat(blocks.view(w.detach().to(torch.float32), plan), plan)
-    g = wf.shape[-1]
-    s, z = solve(wf.reshape(-1, g), *(t.reshape(-1, 1) for t in (s0, z0, stats.min, stats.max)), spec, o)
+    s, z = _solve_pieces(w.detach().to(torch.float32), (s0, z0, stats.min, stats.max), plan, spec, o)
     dtype = SCALE_DTYPES[spec.scale_dtype][0]
-    return QParams(scale=s.reshape(plan.grid).to(dtype), zero_point=z.reshape(plan.grid).to(dtype), spec=spec)
+    return QParams(scale=s.to(dtype), zero_point=z.to(dtype), spec=spec)
 
 
 # ----------------------------------------------------------------------------- public
@@ -188,7 +221,7 @@ def optimize(w: torch.Tensor, spec: QuantSpec, *, lp_norm: float = 0.7, beta: fl
     """HQQ parameters for ``w`` under ``spec``.
 
     Args:
-        w: floating tensor (a weight), any shape the spec's blocks tile without padding.
+        w: floating tensor (a weight), any shape the spec's blocks tile (or pad, with ``spec.pad``).
             It is not modified; the result carries no gradient.
         spec: asymmetric ``uintN`` spec with ``zero_point_domain="float"`` (see :func:`check_spec`);
             scale and zero point are stored (and optimized) in ``spec.scale_dtype``.

@@ -55,8 +55,10 @@ E8M0_BIAS = 127
 
 
 def _floor_log2(a: torch.Tensor) -> torch.Tensor:
-    """Exact ``floor(log2(a))`` for positive finite ``a`` (int32)."""
-    return torch.frexp(a)[1] - 1
+    """Exact ``floor(log2(a))`` for positive finite ``a`` (int32); 128 for ``+inf`` (a width or a
+    rounded amax beyond the largest float32, which is below ``2^129``)."""
+    e = torch.frexp(a)[1] - 1
+    return torch.where(torch.isinf(a), torch.full_like(e, 128), e)
 
 
 def _ceil_log2(a: torch.Tensor) -> torch.Tensor:
@@ -74,11 +76,12 @@ def _round_mantissa(a: torch.Tensor, mbits: int) -> torch.Tensor:
     return bits.view(torch.float32)
 
 
-def pow2_exponent(amax: torch.Tensor, ideal: torch.Tensor, spec) -> torch.Tensor:
+def pow2_exponent(amax: torch.Tensor, ideal: torch.Tensor, spec, *, path: str | None = None) -> torch.Tensor:
     """Exponent ``k`` (int32) of the power-of-two scale ``2^k`` under ``spec.scale_rule``.
 
-    ``amax`` is the magnitude the element range must hold, ``ideal`` the exact float
-    scale ``amax / D``. A zero ``amax`` gives the smallest exponent.
+    ``amax`` is the magnitude the element range must hold (``+inf`` when it exceeds float32), ``ideal``
+    the exact float scale ``amax / D``. A zero ``amax`` gives the smallest exponent; an exponent above
+    127 (data at float32's limit that the rule cannot hold without clipping) raises ``ValueError``.
     """
     codec = spec.fmt.codec
     rule = spec.scale_rule
@@ -93,6 +96,12 @@ def pow2_exponent(amax: torch.Tensor, ideal: torch.Tensor, spec) -> torch.Tensor
         raise ValueError(f"unknown scale_rule {rule!r}")
     lo = -127 if spec.scale_dtype == "e8m0" else -126
     k = torch.where(amax > 0, k, torch.full_like(k, lo))
+    if not under_transform(k) and bool((k > 127).any()):
+        first = tuple(int(i) for i in (k > 127).nonzero()[0])
+        raise ValueError(f"{where(path)}the block at grid index {first} needs the power-of-two scale "
+                         f"2^{int(k[first])} (scale_rule={rule!r}, ideal scale {float(ideal[first]):.4g}), beyond the "
+                         f"largest power of two {spec.scale_dtype} holds (2^127): format {spec.format} cannot hold "
+                         "data this close to float32's limit without clipping")
     return k.clamp(lo, 127)
 
 
@@ -157,7 +166,7 @@ def _store_scale(s: torch.Tensor, amax: torch.Tensor, ideal: torch.Tensor, spec,
                  path: str | None):
     """Float32 ideal scale -> (stored scale, float32 value of the stored scale)."""
     if spec.power_of_two:
-        k = pow2_exponent(amax, ideal, spec)
+        k = pow2_exponent(amax, ideal, spec, path=path)
         value = torch.exp2(k.to(torch.float32))
         if spec.scale_dtype == "e8m0":
             return (k + E8M0_BIAS).to(torch.uint8), value
@@ -165,11 +174,23 @@ def _store_scale(s: torch.Tensor, amax: torch.Tensor, ideal: torch.Tensor, spec,
     dtype = SCALE_DTYPES[spec.scale_dtype][0]
     finfo = torch.finfo(dtype)
     s = s.clamp(min=finfo.tiny)
-    if not under_transform(s) and bool((s > finfo.max).any()):
+    if not under_transform(s) and bool((s > finfo.max).any()):  # finite float32 scales fit: not float32
         raise ValueError(f"{where(path)}a scale of {float(s.max()):.4g} overflows scale_dtype="
-                         f"{spec.scale_dtype!r} (max {finfo.max:.4g}); use float32 scales")
+                         f"{spec.scale_dtype!r} (max {finfo.max:.4g}); use scale_dtype='float32'")
     stored = round_up_to(s, dtype)
     return stored, stored.to(torch.float32)
+
+
+def _check_finite_scale(ideal: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, span: float, spec, path) -> None:
+    """A block whose range ``[lo, hi]`` is wider than float32 can scale (``(hi - lo) / steps`` beyond
+    the largest float32) has no scale: say so instead of storing Inf."""
+    if under_transform(ideal) or bool(torch.isfinite(ideal).all()):
+        return
+    first = tuple(int(i) for i in (~torch.isfinite(ideal)).nonzero()[0])
+    raise ValueError(f"{where(path)}the block at grid index {first} spans [{float(lo[first]):.4g}, "
+                     f"{float(hi[first]):.4g}]: its scale (max - min) / {span:g} "
+                     f"exceeds the largest float32 ({torch.finfo(torch.float32).max:.4g}), so format {spec.format} "
+                     "cannot hold it; use a format with more levels")
 
 
 class Scheme(abc.ABC):
@@ -207,6 +228,9 @@ class AffineScheme(Scheme):
             lo, hi = lo.clamp(max=0), hi.clamp(min=0)
         width = hi - lo
         ideal = width / span
+        # a width beyond float32 (a range near +-float32 max): the scale without forming hi - lo
+        ideal = torch.where(torch.isinf(width), hi / span - lo / span, ideal)
+        _check_finite_scale(ideal, lo, hi, span, spec, path)
         if spec.zero_point_domain == "float":
             # a (near-)constant block: keep lo / scale finite (the error stays below |lo| * 2^-61)
             ideal = torch.maximum(ideal, torch.maximum(lo.abs(), hi.abs()) * 2.0 ** -60)
@@ -223,7 +247,9 @@ class AffineScheme(Scheme):
             check_e8m0(qparams.scale, spec)
         s = decode_scale(qparams.scale, spec, qparams.global_scale)
         if spec.scale_dtype == "float8_e4m3fn":
-            s = s.clamp(min=torch.finfo(torch.float32).tiny)  # a hand-made zero fp8 block scale
+            # a hand-made zero fp8 block scale reads as the smallest normal float32; a positive product
+            # below it (subnormal data: a global scale at float32's smallest normal) is kept as it is
+            s = torch.where(s > 0, s, torch.finfo(torch.float32).tiny)
         z = None if qparams.zero_point is None else qparams.zero_point.to(torch.float32)
         return s, z
 

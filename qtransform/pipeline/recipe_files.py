@@ -43,26 +43,56 @@ def from_hqq_config(*, nbits: int = 4, group_size: int | None = 64, axis: int = 
     ``nbits``/``group_size``/``axis``; with one, only the tagged layers are quantized (as in
     transformers). ``steps`` fit the parameters (HQQ by default).
     """
+    _check_hqq_args("", nbits, group_size, axis)
+    if dynamic_config is not None and not isinstance(dynamic_config, Mapping):
+        raise TypeError(f"dynamic_config must be a dict of module tag -> {{nbits, group_size, axis}}, got "
+                        f"{type(dynamic_config).__name__}")
+    if skip_modules is not None and (isinstance(skip_modules, (str, Mapping)) or not isinstance(skip_modules, (list, tuple))
+                                     or not all(isinstance(m, str) for m in skip_modules)):
+        raise TypeError(f"skip_modules must be a list of module names (e.g. ['lm_head']), got {skip_modules!r}")
     rules = {}
     for tag, cfg in (dynamic_config or {}).items():
+        if not isinstance(tag, str):
+            raise TypeError(f"dynamic_config keys must be module tags (str), got {tag!r}")
         if not isinstance(cfg, Mapping):
             raise TypeError(f"dynamic_config[{tag!r}] must be a dict of nbits/group_size/axis")
         unknown = sorted(set(cfg) - {"nbits", "group_size", "axis", "quant_zero", "quant_scale",
                                      "offload_meta", "view_as_float"})
         if unknown:
             raise ValueError(f"dynamic_config[{tag!r}]: unknown key(s) {unknown}")
-        rules[_tag_glob(tag)] = hqq_spec(int(cfg.get("nbits", nbits)), cfg.get("group_size", group_size),
-                                         axis=int(cfg.get("axis", axis)))
+        args = (cfg.get("nbits", nbits), cfg.get("group_size", group_size), cfg.get("axis", axis))
+        _check_hqq_args(f"dynamic_config[{tag!r}].", *args)
+        rules[_tag_glob(tag)] = hqq_spec(args[0], args[1], axis=args[2])
     exclude = tuple(f"{m}*" if m == "lm_head" else _tag_glob(m) for m in (skip_modules or ()))
     type_rules = {} if rules else {t: hqq_spec(nbits, group_size, axis=axis) for t in LINEAR_TYPES}
     return Recipe(rules=rules, type_rules=type_rules, exclude=exclude, steps=steps)
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _check_hqq_args(where: str, nbits, group_size, axis) -> None:
+    """``TypeError``/``ValueError`` naming the HqqConfig key for a bad ``nbits``/``group_size``/``axis``."""
+    for name, value, ok, want in (("nbits", nbits, lambda v: 1 <= v <= 8, "an int in 1..8"),
+                                  ("group_size", group_size, lambda v: v >= 1, "a positive int or null"),
+                                  ("axis", axis, lambda v: v in (0, 1), "0 or 1")):
+        if name == "group_size" and value is None:
+            continue
+        if not _is_int(value):
+            raise TypeError(f"{where}{name} must be {want}, got {value!r}")
+        if not ok(value):
+            raise ValueError(f"{where}{name} must be {want}, got {value!r}")
 
 
 def _spec(value, where: str) -> QuantSpec | None:
     if value is None:
         return None
     if isinstance(value, str):
-        spec = get_preset(value).spec
+        try:
+            spec = get_preset(value).spec
+        except ValueError as e:
+            raise ValueError(f"{where}: {e}") from None
         if spec is None:
             raise ValueError(f"{where}: preset {value!r} has no single spec")
         return spec
@@ -112,9 +142,12 @@ def recipe_from_dict(d: Mapping, *, name: str = "recipe") -> Preset:
             raise ValueError(f"recipe: {mixed} cannot be combined with the HqqConfig form (nbits/dynamic_config); "
                              "use one form or the other")
         steps = _steps(d, (Step("hqq"),))
-        recipe = from_hqq_config(nbits=d.get("nbits", 4), group_size=d.get("group_size", 64), axis=d.get("axis", 1),
-                                 dynamic_config=d.get("dynamic_config"),
-                                 skip_modules=d.get("skip_modules", ("lm_head",)), steps=steps)
+        try:
+            recipe = from_hqq_config(nbits=d.get("nbits", 4), group_size=d.get("group_size", 64), axis=d.get("axis", 1),
+                                     dynamic_config=d.get("dynamic_config"),
+                                     skip_modules=d.get("skip_modules", ("lm_head",)), steps=steps)
+        except (TypeError, ValueError) as e:
+            raise type(e)(f"recipe.{e}") from None
         return Preset(name, recipe, "HQQ-style config")
     stray = sorted((hqq_keys - {"dynamic_config", "nbits"}) & set(d))
     if stray:
@@ -124,7 +157,10 @@ def recipe_from_dict(d: Mapping, *, name: str = "recipe") -> Preset:
         if not isinstance(d.get(key, {}), Mapping):
             raise TypeError(f"recipe.{key} must be a table/object of pattern -> spec, got {type(d[key]).__name__}")
     pairs = lambda key: {k: _spec(v, f"recipe.{key}[{k!r}]") for k, v in dict(d.get(key, {})).items()}  # noqa: E731
-    recipe = Recipe(default=_spec(d.get("default"), "recipe.default"), rules=pairs("rules"),
-                    type_rules=pairs("type_rules"), exclude=d.get("exclude", DEFAULT_EXCLUDE),
-                    min_ndim=d.get("min_ndim", 2), steps=steps)
+    default, rules, type_rules = _spec(d.get("default"), "recipe.default"), pairs("rules"), pairs("type_rules")
+    try:
+        recipe = Recipe(default=default, rules=rules, type_rules=type_rules, exclude=d.get("exclude", DEFAULT_EXCLUDE),
+                        min_ndim=d.get("min_ndim", 2), steps=steps)
+    except (TypeError, ValueError) as e:  # Recipe names the field: "Recipe.exclude must ..."
+        raise type(e)(f"recipe.{str(e).removeprefix('Recipe.')}") from None
     return Preset(name, recipe, "recipe file")

@@ -129,9 +129,10 @@ class QuantSpec:
                 _set("symmetric_range", self.symmetric_range or "full")
                 _choice("symmetric_range", self.symmetric_range, ("full", "restricted"))
                 codec = fmt.codec
-                if codec.signed and codec.bits == 1:
-                    raise ValueError("QuantSpec: int1 cannot hold a symmetric range; use uint1 with "
-                                     "symmetric=False, or int2 with symmetric_range='restricted' (ternary)")
+                if codec.bits == 1:  # int1: codes -1, 0; uint1: codes 0, 1 around the zero point 1
+                    raise ValueError(f"QuantSpec: {fmt.name} cannot hold a symmetric range (its two codes "
+                                     "give only -scale and 0); use uint1 with symmetric=False, or int2 with "
+                                     "symmetric_range='restricted' (ternary)")
             elif self.symmetric_range is not None:
                 raise ValueError(f"QuantSpec: symmetric_range applies to integer formats, not {fmt.name}")
         else:

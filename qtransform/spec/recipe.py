@@ -51,6 +51,50 @@ def _pairs(name: str, value) -> tuple[tuple[str, QuantSpec | None], ...]:
     return pairs
 
 
+def _globs(value) -> tuple[str, ...]:
+    if isinstance(value, str):
+        return (value,)
+    bad = lambda: TypeError(f"Recipe.exclude must be a glob string or a list of them, got {value!r}")  # noqa: E731
+    if isinstance(value, (Mapping, bytes)):
+        raise bad()
+    try:
+        globs = tuple(value)
+    except TypeError:
+        raise bad() from None
+    wrong = [g for g in globs if not isinstance(g, str)]
+    if wrong:
+        raise TypeError(f"Recipe.exclude must hold glob strings, got {wrong[0]!r}")
+    return globs
+
+
+def check_tree(tree: Any, *, name: str = "params") -> list[tuple[str, torch.Tensor]]:
+    """``[(path, tensor), ...]`` of a parameter tree; ``TypeError`` naming the path for a leaf that is not
+    a tensor (a numpy array, a number, a string, ``None``...): such leaves would pass through unquantized."""
+    if tree is None:
+        raise TypeError(f"{name} must be a tree of tensors (a dict, list or tuple of torch.Tensor), got None")
+    pairs = _tree.flatten_with_paths(tree)[0]
+    for path, leaf in pairs:
+        if not isinstance(leaf, torch.Tensor):
+            numpy = type(leaf).__module__.startswith("numpy")
+            kind = f"numpy.{type(leaf).__name__}" if numpy else type(leaf).__name__
+            hint = " (convert arrays with torch.from_numpy)" if numpy else ""
+            at = f"{name}[{path!r}]" if path else name
+            raise TypeError(f"{at} is not a torch.Tensor (got {kind}): {name} must be a tree (dicts, lists, "
+                            f"tuples) of tensors{hint}")
+    return pairs
+
+
+def _check_types(types) -> dict:
+    if types is None:
+        return {}
+    if not isinstance(types, Mapping):
+        raise TypeError(f"types must map tree paths to module type names, got {type(types).__name__}")
+    for k, v in types.items():
+        if not isinstance(k, str) or not isinstance(v, str):
+            raise TypeError(f"types must map tree paths (str) to module type names (str), got {k!r}: {v!r}")
+    return dict(types)
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Recipe:
     """Glob rules from tree paths to :class:`QuantSpec`, and the steps that fit them (hashable,
@@ -77,10 +121,7 @@ class Recipe:
             raise TypeError(f"Recipe.default must be a QuantSpec or None, got {type(self.default).__name__}")
         object.__setattr__(self, "rules", _pairs("rules", self.rules))
         object.__setattr__(self, "type_rules", _pairs("type_rules", self.type_rules))
-        excl = (self.exclude,) if isinstance(self.exclude, str) else tuple(self.exclude)
-        if any(not isinstance(e, str) for e in excl):
-            raise TypeError("Recipe.exclude must be a list of glob strings")
-        object.__setattr__(self, "exclude", excl)
+        object.__setattr__(self, "exclude", _globs(self.exclude))
         if not isinstance(self.min_ndim, int) or isinstance(self.min_ndim, bool) or self.min_ndim < 1:
             raise ValueError(f"Recipe.min_ndim must be a positive int, got {self.min_ndim!r}")
         steps = (self.steps,) if isinstance(self.steps, (str, Step, Mapping)) else self.steps
@@ -116,12 +157,11 @@ class Recipe:
     def plan(self, tree: Any, *, types: Mapping[str, str] | None = None) -> Plan:
         """Resolve every tensor leaf of ``tree`` once: a :class:`Plan` (``{path: Match}`` in tree order).
 
-        ``types`` maps paths to module type names, for ``type_rules``.
+        ``types`` maps paths to module type names, for ``type_rules``. Every leaf of ``tree`` must be a
+        tensor (``TypeError`` names the first that is not).
         """
-        if types is not None and not isinstance(types, Mapping):
-            raise TypeError(f"types must map tree paths to module type names, got {type(types).__name__}")
-        pairs, _ = _tree.flatten_with_paths(tree)
-        types = types or {}
+        types = _check_types(types)
+        pairs = check_tree(tree)
         matches = {}
         for path, leaf in pairs:
             if isinstance(leaf, torch.Tensor):
@@ -149,16 +189,51 @@ class Recipe:
 
     @classmethod
     def from_dict(cls, d: dict) -> "Recipe":
-        if not isinstance(d, dict):
+        """Inverse of :meth:`to_dict`. Raises ``TypeError``/``ValueError`` naming the field
+        (``Recipe.from_dict: rules['*.w']: ...``) for anything malformed."""
+        if not isinstance(d, Mapping):
             raise TypeError(f"Recipe.from_dict expects a dict, got {type(d).__name__}")
         unknown = sorted(set(d) - {"default", "rules", "type_rules", "exclude", "min_ndim", "steps"})
         if unknown:
             raise ValueError(f"Recipe.from_dict: unknown field(s) {unknown}")
-        spec = lambda s: None if s is None else QuantSpec.from_dict(s)  # noqa: E731
-        pairs = lambda items: [(k, spec(v)) for k, v in (items.items() if isinstance(items, dict) else items)]  # noqa: E731
-        return cls(default=spec(d.get("default")), rules=pairs(d.get("rules", [])),
-                   type_rules=pairs(d.get("type_rules", [])), exclude=d.get("exclude", ()),
-                   min_ndim=d.get("min_ndim", 2), steps=d.get("steps", ()))
+        try:
+            return cls(default=_spec_from(d.get("default"), "default"), rules=_pairs_from(d.get("rules", []), "rules"),
+                       type_rules=_pairs_from(d.get("type_rules", []), "type_rules"), exclude=d.get("exclude", ()),
+                       min_ndim=d.get("min_ndim", 2), steps=d.get("steps", ()))
+        except (TypeError, ValueError) as e:
+            if str(e).startswith("Recipe.from_dict"):
+                raise
+            raise type(e)(f"Recipe.from_dict: {e}") from None
+
+
+def _spec_from(value, where: str) -> QuantSpec | None:
+    if value is None or isinstance(value, QuantSpec):
+        return value
+    if not isinstance(value, Mapping):
+        raise TypeError(f"Recipe.from_dict: {where} must be a spec dict (QuantSpec.to_dict()) or null, "
+                        f"got {type(value).__name__}")
+    try:
+        return QuantSpec.from_dict(dict(value))
+    except (TypeError, ValueError) as e:
+        raise type(e)(f"Recipe.from_dict: {where}: {e}") from None
+
+
+def _pairs_from(items, name: str) -> list:
+    """``[[glob, spec dict], ...]`` (or ``{glob: spec dict}``) -> ``[(glob, QuantSpec or None), ...]``."""
+    if isinstance(items, Mapping):
+        items = list(items.items())
+    if isinstance(items, (str, bytes)) or not isinstance(items, (list, tuple)):
+        raise TypeError(f"Recipe.from_dict: {name} must be a list of [glob, spec] pairs or a "
+                        f"{{glob: spec}} object, got {type(items).__name__}")
+    out = []
+    for i, pair in enumerate(items):
+        if isinstance(pair, (str, bytes)) or not isinstance(pair, (list, tuple)) or len(pair) != 2:
+            raise TypeError(f"Recipe.from_dict: {name}[{i}] must be a [glob, spec] pair, got {pair!r}")
+        glob, value = pair
+        if not isinstance(glob, str):
+            raise TypeError(f"Recipe.from_dict: {name}[{i}]: the glob must be a string, got {glob!r}")
+        out.append((glob, _spec_from(value, f"{name}[{glob!r}]")))
+    return out
 
 
 def as_recipe(recipe) -> Recipe:
@@ -176,7 +251,7 @@ def as_plan(recipe, tree: Any, *, types: Mapping[str, str] | None = None) -> Pla
     if isinstance(recipe, Plan):
         if types is not None:
             raise TypeError("types cannot be given with a Plan: the plan already holds each path's module type")
-        paths = [p for p, leaf in _tree.flatten_with_paths(tree)[0] if isinstance(leaf, torch.Tensor)]
+        paths = [p for p, _ in check_tree(tree)]
         if paths != list(recipe):
             extra = sorted(set(paths) - set(recipe))
             missing = sorted(set(recipe) - set(paths))

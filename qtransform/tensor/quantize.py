@@ -22,6 +22,7 @@ from .. import formats
 from .._checks import check_finite, check_float_tensor, under_transform, where
 from ..spec import QuantSpec
 from . import blocks
+from .checks import check_out_dtype
 from .types import QParams, QTensor
 
 __all__ = ["quantize", "dequantize", "fake_quantize", "element_range", "roundtrip_blocks"]
@@ -81,6 +82,42 @@ def _from_element(vals, s, z, *, inplace: bool = False):
     return (vals if z is None else vals - z) * s
 
 
+_F32_MAX = torch.finfo(torch.float32).max
+
+
+def _limit(spec: QuantSpec, s: torch.Tensor, z, dtype: torch.dtype, like: torch.Tensor) -> float | None:
+    """The largest finite value of ``dtype`` (float32 at most) when a code of ``spec`` may decode
+    beyond it, else ``None``.
+
+    Data near the largest float of its dtype can decode a hair beyond it (the code ``qmin`` of a
+    "full" symmetric range, a scale rounded up to its storage dtype or to a power of two): such a
+    value saturates to the largest finite one, which is closer to the input, instead of
+    overflowing to Inf. On CPU a grid-sized check on ``s``, ``z`` (the effective parameters) tells
+    whether any code can reach it; elsewhere (no host sync) and under ``vmap``/``compile`` the
+    answer is yes. ``saturate=False`` keeps the format's Inf: ``None``.
+    """
+    if not spec.saturate:
+        return None
+    limit = min(float(torch.finfo(dtype).max), _F32_MAX)
+    if not under_transform(like) and like.device.type == "cpu":
+        lo, hi = spec.fmt.codec.qrange(symmetric=False, restricted=False)
+        reach = max(abs(lo), abs(hi)) + (0.0 if z is None else float(z.detach().abs().amax()))
+        if float(s.detach().amax()) * reach * (1.0 + 2.0 ** -10) <= limit:
+            return None
+    return limit
+
+
+def _straight_through(vq, g, s, z, limit: float) -> torch.Tensor:
+    """``(g - z) * s`` clamped to ``+-limit``, with the gradient of ``(vq - z) * s`` (``vq`` equals ``g``
+    forward): the differentiable product is formed at half scale, so it cannot overflow, and its
+    forward value cancels exactly (``t - t.detach() == 0``)."""
+    value = _from_element(g, s.detach(), None if z is None else z.detach()).clamp(-limit, limit)
+    exact = s.detach() >= 2.0 ** -125  # halving a normal scale above 2^-125 is exact
+    half = torch.where(exact, s * 0.5, s)
+    t = _from_element(vq, half, z)
+    return value + (t - t.detach()) * torch.where(exact, 2.0, 1.0)
+
+
 def quantize(x: torch.Tensor, qparams: QParams, *, generator=None, path: str | None = None) -> QTensor:
     """Quantize ``x`` with ``qparams``: ``codes = encode(x / scale + zero_point)``.
 
@@ -117,9 +154,13 @@ def unpacked_codes(q: QTensor) -> torch.Tensor:
 
 
 def dequantize(q: QTensor, *, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """``(decode(codes) - zero_point) * scale`` in ``q.dtype`` (or ``dtype``), shape ``q.shape``."""
+    """``(decode(codes) - zero_point) * scale`` in ``q.dtype`` (or ``dtype``, a floating dtype), shape
+    ``q.shape``. Values that would round past the largest finite value of ``q.dtype`` saturate to it
+    (never Inf, unless the spec says ``saturate=False``)."""
     if not isinstance(q, QTensor):
         raise TypeError(f"dequantize expects a QTensor, got {type(q).__name__}")
+    if dtype is not None:
+        check_out_dtype(dtype, name="dequantize: dtype")
     spec = q.spec
     codes = unpacked_codes(q)
     p = blocks.plan(codes.shape, spec, sub_block=True)
@@ -129,6 +170,9 @@ def dequantize(q: QTensor, *, dtype: torch.dtype | None = None) -> torch.Tensor:
     inplace = (not under_transform(vals) and not s.requires_grad and (z is None or not z.requires_grad)
                and decoded.data_ptr() != codes.data_ptr())
     y = _from_element(vals, blocks.expand(s, p), None if z is None else blocks.expand(z, p), inplace=inplace)
+    limit = _limit(spec, s, z, q.dtype, y)
+    if limit is not None:
+        y = y.clamp_(-limit, limit) if inplace else y.clamp(-limit, limit)
     return blocks.unview(y, p).to(q.dtype if dtype is None else dtype)
 
 
@@ -153,8 +197,13 @@ def fake_quantize(x: torch.Tensor, qparams: QParams, *, generator=None, path: st
     v = _to_element(xb, s, z, differentiable=needs_grad)
     g = spec.fmt.codec.round(v.detach(), rounding=spec.rounding,
                              noise=_noise(v.shape, x.device, spec, generator), lo=lo, hi=hi)
+    limit = _limit(spec, s, z, x.dtype, g)
     if not needs_grad:  # nothing to differentiate: the rounded values, rescaled in place
-        return blocks.unview(_from_element(g, s, z, inplace=not under_transform(g)), p).to(x.dtype)
+        y = _from_element(g, s, z, inplace=not under_transform(g))
+        if limit is not None:
+            y = y.clamp(-limit, limit) if under_transform(g) else y.clamp_(-limit, limit)
+        return blocks.unview(y, p).to(x.dtype)
     vc = v if lo is None else v.clamp(lo, hi)
     vq = vc + (g - vc).detach()
-    return blocks.unview(_from_element(vq, s, z), p).to(x.dtype)
+    y = _from_element(vq, s, z) if limit is None else _straight_through(vq, g, s, z, limit)
+    return blocks.unview(y, p).to(x.dtype)

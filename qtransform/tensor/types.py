@@ -15,6 +15,7 @@ import torch
 from .. import _tree
 from .._tree import pytree_dataclass
 from ..spec import QuantSpec
+from .checks import check_qtensor
 
 __all__ = ["QParams", "QTensor"]
 
@@ -45,6 +46,16 @@ class QParams:
         """Parameters for per-block ranges ``[lo, hi]`` (grid-shaped), by the format's scheme."""
         parts = spec.fmt.scheme.from_range(lo.to(torch.float32), hi.to(torch.float32), spec, path=path)
         return cls(spec=spec, **parts)
+
+    def __post_init__(self):
+        if not isinstance(self.spec, QuantSpec):
+            raise TypeError(f"QParams: spec must be a QuantSpec, got {type(self.spec).__name__}")
+        if not isinstance(self.scale, torch.Tensor):
+            raise TypeError(f"QParams: scale must be a torch.Tensor, got {type(self.scale).__name__}")
+        for name in ("zero_point", "global_scale", "micro_exponent"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, torch.Tensor):
+                raise TypeError(f"QParams: {name} must be a torch.Tensor or None, got {type(value).__name__}")
 
     def effective(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Float32 ``(scale, zero_point)`` per block of the grid (zero point ``None`` when absent):
@@ -79,6 +90,15 @@ class QTensor:
     qparams: QParams
     width: int
     dtype: torch.dtype
+
+    def __post_init__(self):
+        """Check that codes, width, dtype and the parameters' grid fit together (no data read).
+
+        Raises ``TypeError``/``ValueError`` naming the field; pytree transforms (``vmap``,
+        ``tree_map``) rebuild a QTensor without this check."""
+        if not isinstance(self.qparams, QParams):
+            raise TypeError(f"QTensor: qparams must be a QParams, got {type(self.qparams).__name__}")
+        check_qtensor(self.codes, self.qparams, self.width, self.dtype)
 
     @property
     def spec(self) -> QuantSpec:

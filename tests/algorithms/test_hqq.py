@@ -226,6 +226,52 @@ def test_kappa_changes_the_trajectory_when_shrink_is_active():
     assert not torch.equal(a.zero_point, b.zero_point)
 
 
+# ----------------------------------------------------------------------------- padded groups
+@pytest.mark.parametrize("bits", [4, 2])
+@pytest.mark.parametrize("shape,gran,whole,tail", [
+    ((48, 250), qt.PerGroup(64), (slice(None), slice(0, 192)), (slice(None), slice(192, 250))),
+    ((250, 24), qt.PerGroup(64, axis=0), (slice(0, 192), slice(None)), (slice(192, 250), slice(None))),
+    ((3, 40), qt.PerGroup(64), None, (slice(None), slice(0, 40))),
+])
+def test_padded_groups(bits, shape, gran, whole, tail):
+    """A width the group does not divide: the result keeps the shape, is never worse than RTN on the
+    same grid (per group), and the groups are fitted on their real elements only: the whole groups
+    as HQQ of the divisible part, the short last group as HQQ of the tail with its own length."""
+    w = _weight(shape, seed=21)
+    spec = _spec(bits, gran, pad=True)
+    qp, rtn = hqq.optimize(w, spec), qt.choose_qparams(w, spec)
+    assert qp.scale.shape == rtn.scale.shape
+    y = qt.dequantize(qt.quantize(w, qp))
+    assert y.shape == w.shape
+    assert _sse(w, qp) <= _sse(w, rtn)
+    axis = gran.axis % 2
+    per_group = lambda qp: (qt.dequantize(qt.quantize(w, qp)) - w).pow(2).split(64, dim=axis)  # noqa: E731
+    for a, b in zip(per_group(qp), per_group(rtn)):
+        assert bool((a.sum(axis) <= b.sum(axis) * (1 + 1e-6)).all())
+    cut = lambda t, n: t.narrow(axis, t.shape[axis] - n, n) if n else t  # noqa: E731
+    n_tail = w[tail].shape[axis]
+    alone = hqq.optimize(w[tail], _spec(bits, qt.PerGroup(n_tail, axis=gran.axis)))
+    torch.testing.assert_close(cut(qp.scale, 1), alone.scale, rtol=0, atol=0)
+    torch.testing.assert_close(cut(qp.zero_point, 1), alone.zero_point, rtol=0, atol=0)
+    if whole is not None:
+        body = hqq.optimize(w[whole], _spec(bits, gran))
+        torch.testing.assert_close(qp.scale.narrow(axis, 0, body.scale.shape[axis]), body.scale, rtol=0, atol=0)
+
+
+def test_padded_stack_and_vmap_and_steps():
+    ws = torch.stack([_weight((16, 100), seed=s) for s in range(3)])
+    spec = _spec(3, qt.PerGroup(32), pad=True)
+    loop = [hqq.optimize(w, spec) for w in ws]
+    for batched in (torch.func.vmap(lambda w: hqq.optimize(w, spec))(ws), hqq.optimize_stack(ws, spec)):
+        assert batched.scale.shape == (3, 16, 4)
+        for i, qp in enumerate(loop):
+            torch.testing.assert_close(batched.scale[i], qp.scale, rtol=1e-5, atol=0)
+    params = {"fc.weight": ws[0], "fc.bias": torch.randn(16)}
+    qtree = qt.quantize_tree(params, qt.Recipe(default=spec, steps=["hqq"]))
+    assert qtree["fc.weight"].shape == (16, 100)
+    torch.testing.assert_close(qtree["fc.weight"].qparams.scale, loop[0].scale, rtol=0, atol=0)
+
+
 # ----------------------------------------------------------------------------- batching, vmap, purity
 def test_vmap_and_stack_equal_a_loop():
     ws = torch.stack([_weight((32, 128), seed=s) for s in range(4)])
@@ -315,8 +361,6 @@ def test_bad_granularity_and_shapes():
     w = _weight((128, 250))
     with pytest.raises(ValueError, match=r"m\.w: group size 64 does not divide axis -1 of size 250"):
         hqq.optimize(w, _spec(4, qt.PerGroup(64)), path="m.w")
-    with pytest.raises(ValueError, match="do not tile shape"):
-        hqq.optimize(w, _spec(4, qt.PerGroup(64), pad=True))
     with pytest.raises(ValueError, match="axis 2 is out of range"):
         hqq.optimize(w, _spec(4, qt.PerGroup(2, axis=2)))
     with pytest.raises(ValueError, match=r"shape \(L, \*shape\)"):

@@ -32,7 +32,7 @@ def _specs(name):
     fmt = qt.FORMATS[name]
     if fmt.block is not None:
         return [qt.QuantSpec(format=name), qt.QuantSpec(format=name, granularity=qt.PerGroup(fmt.block, axis=0))]
-    if fmt.family == "int" and fmt.codec.bits == 1 and fmt.codec.signed:
+    if fmt.family == "int" and fmt.codec.bits == 1:  # int1, uint1: asymmetric only
         return [qt.QuantSpec(format=name, symmetric=False, granularity=qt.PerGroup(16), pad=True)]
     specs = [qt.QuantSpec(format=name, pad=True), qt.QuantSpec(format=name, granularity=qt.PerChannel(0)),
              qt.QuantSpec(format=name, granularity=qt.PerGroup(16), pad=True),
