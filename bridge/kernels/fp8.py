@@ -68,8 +68,8 @@ def fp8_linear(x_codes, x_scale, w_codes, w_scale, *, out_dtype: torch.dtype) ->
 
 def _fp8_run(module, st, x, **kw):
     k = x.shape[-1]
-    x2 = rows(x, k)
-    qp = module.input_qparams(x2)
+    x2 = rows(x, k)  # the (tokens, features) matrix: the view the input quantizer's spec describes
+    qp = module.input_qparams(x)  # the same scales as the dequant path's (actquant.activation_view)
     qx = qt.quantize(x2, qp)
     sx, _ = qp.effective()
     q = module.qweight

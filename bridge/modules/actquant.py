@@ -8,6 +8,16 @@ A module may quantize its input and/or output with a :class:`~qtransform.QuantSp
   ``input_scale``, ``input_zero_point``... (``output_...``), so they travel with the
   state dict.
 
+The spec applies to the activation as :func:`activation_view` shows it, on every forward path
+(the fake-quantizing reference and the fp8 ``_scaled_mm`` kernel read their scales from the same
+view): for linear layers and embeddings the **(tokens, features) matrix**, every leading axis of
+an ``(..., features)`` activation flattened into tokens. So ``PerChannel(0)`` is *per token* (one
+scale per row of that matrix, for a 2-D or a ``(batch, seq, features)`` input alike),
+``PerChannel(-1)`` per feature, ``PerGroup(g)`` groups of ``g`` features of one token. Conv
+activations keep their ``(N, C, H, W)`` shape (``PerChannel(1)``: per channel). Static QParams
+observed on a ``(batch, seq, features)`` activation (grid ``(1, 1, k)``) are taken as the
+matrix's ``(1, k)``; a grid that varies along batch or sequence cannot be (``ValueError``).
+
 By default the module fake-quantizes (``dequantize(quantize(x))``); a real low-precision
 kernel (fp8 ``_scaled_mm``) consumes the quantized input directly when it applies.
 
@@ -29,7 +39,7 @@ from torch import nn
 import qtransform as qt
 from qtransform import QParams
 
-__all__ = ["ROLES", "attach", "qparams_for", "apply"]
+__all__ = ["ROLES", "attach", "activation_view", "qparams_for", "apply"]
 
 ROLES = ("input", "output")
 
@@ -41,39 +51,60 @@ def attach(module: nn.Module, role: str, quant) -> None:
     """
     if role not in ROLES:
         raise ValueError(f"role must be one of {ROLES}, got {role!r}")
-    for f in QParams.FIELDS:
-        module._buffers.pop(f"{role}_{f}", None)
-    if quant is None:
-        setattr(module, f"{role}_spec", None)
-        return
+    spec, tensors = None, {}
     if isinstance(quant, qt.QuantSpec):
         if not quant.dynamic:
             raise ValueError(f"{role}_quant: a QuantSpec must be dynamic (dynamic=True); pass static "
                              "QParams from calibration for static activation quantization")
-        setattr(module, f"{role}_spec", quant)
-        return
-    if isinstance(quant, QParams):
+        spec = quant
+    elif isinstance(quant, QParams):
         if quant.spec.dynamic:
             raise ValueError(f"{role}_quant: QParams of a dynamic spec; pass the spec itself")
-        setattr(module, f"{role}_spec", quant.spec)
-        for f, t in quant.tensors().items():
-            module.register_buffer(f"{role}_{f}", t)
-        return
-    raise TypeError(f"{role}_quant must be None, a dynamic QuantSpec or QParams, got {type(quant).__name__}")
+        spec, tensors = quant.spec, quant.tensors()
+        if getattr(module, "token_activations", True):
+            tensors = {f: _as_matrix_grid(role, f, t) for f, t in tensors.items()}
+    elif quant is not None:
+        raise TypeError(f"{role}_quant must be None, a dynamic QuantSpec or QParams, got {type(quant).__name__}")
+    for f in QParams.FIELDS:  # checked above: nothing changes unless all of it is valid
+        module._buffers.pop(f"{role}_{f}", None)
+    setattr(module, f"{role}_spec", spec)
+    for f, t in tensors.items():
+        module.register_buffer(f"{role}_{f}", t)
+
+
+def _as_matrix_grid(role: str, field: str, t: torch.Tensor) -> torch.Tensor:
+    """A static QParams tensor as the grid of the (tokens, features) matrix (see the module docstring)."""
+    if field == "global_scale" or t.dim() == 2:
+        return t
+    if any(n != 1 for n in t.shape[:-1]):
+        raise ValueError(f"{role}_quant: static QParams apply to the (tokens, features) matrix of the activation "
+                         f"(every leading axis flattened into tokens); {field} of shape {tuple(t.shape)} varies "
+                         "along a leading axis (per batch element or position), which that matrix does not have")
+    return t.reshape(1, t.shape[-1] if t.dim() else 1)
+
+
+def activation_view(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The tensor an activation spec of ``module`` applies to: the (tokens, features) matrix
+    ``x.reshape(-1, x.shape[-1])`` for linear layers and embeddings, ``x`` itself for modules whose
+    ``token_activations`` is false (convolutions). The one definition every forward path uses."""
+    if not getattr(module, "token_activations", True) or x.dim() == 2:
+        return x
+    return x.reshape(-1, x.shape[-1]) if x.dim() else x.reshape(1, 1)
 
 
 def qparams_for(module: nn.Module, role: str, x: torch.Tensor) -> QParams | None:
-    """The QParams that quantize ``x`` in ``role`` (fitted to ``x`` when dynamic), or ``None``."""
+    """The QParams that quantize ``x`` in ``role`` (fitted to it when dynamic), or ``None``; they
+    describe :func:`activation_view` of ``x``."""
     spec = getattr(module, f"{role}_spec", None)
     if spec is None:
         return None
     if spec.dynamic:
-        return qt.choose_qparams(x.detach(), spec)
+        return qt.choose_qparams(activation_view(module, x.detach()), spec)
     fields = {f: module._buffers[f"{role}_{f}"] for f in QParams.FIELDS if f"{role}_{f}" in module._buffers}
     return QParams(spec=spec, **fields)
 
 
 def apply(module: nn.Module, role: str, x: torch.Tensor) -> torch.Tensor:
-    """Fake-quantize ``x`` for ``role`` when ``module`` has a quantizer there."""
+    """Fake-quantize ``x`` for ``role`` when ``module`` has a quantizer there (same shape as ``x``)."""
     qp = qparams_for(module, role, x)
-    return x if qp is None else qt.fake_quantize(x, qp)
+    return x if qp is None else qt.fake_quantize(activation_view(module, x), qp).reshape(x.shape)

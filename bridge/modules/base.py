@@ -38,6 +38,7 @@ class QModule(nn.Module):
 
     KERNELS: dict = {}
     transposed = False
+    token_activations = True  # activation specs apply to the (tokens, features) matrix (see actquant)
     _HYPER: tuple[str, ...] = ()  # hyper-parameters copied from the float module (conv, embedding)
     _NDIM = 2  # weight dimensions
 
@@ -181,7 +182,8 @@ class QModule(nn.Module):
         return f"weight={self.spec}{bits}{act}, kernel={self._kernel_request if self.weight.is_meta else self.kernel}"
 
     def input_qparams(self, x: torch.Tensor):
-        """The QParams that quantize the input ``x`` (fitted to it when dynamic), or ``None``."""
+        """The QParams that quantize the input ``x`` (fitted to it when dynamic), or ``None``: they describe
+        ``actquant.activation_view(self, x)``, the (tokens, features) matrix for linear layers."""
         return actquant.qparams_for(self, "input", x)
 
     def _io(self, x, fn, **kw):

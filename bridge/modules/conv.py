@@ -19,6 +19,7 @@ class _QConv(QModule):
     _HYPER = ("in_channels", "out_channels", "kernel_size", "stride", "padding", "dilation", "groups",
               "padding_mode")
     _NDIM = 4
+    token_activations = False  # activation specs apply to the (N, C, H, W) tensor as it is
 
     def __init__(self, qweight: QTensor, bias=None, **kw):
         self._set_hyper(qweight, kw)
@@ -30,8 +31,8 @@ class _QConv(QModule):
         cls._check_from(module, qweight)
         return cls(qweight, module.bias, **{k: getattr(module, k) for k in cls._HYPER}, **kw)
 
-    def forward(self, x: torch.Tensor, *args) -> torch.Tensor:
-        return self._io(x, lambda v: self._run(v, extra=args))
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._io(x, self._run)
 
     def extra_repr(self) -> str:
         return (f"{self.in_channels}, {self.out_channels}, kernel_size={self.kernel_size}, stride={self.stride}, "
@@ -41,7 +42,7 @@ class _QConv(QModule):
 class QConv2d(_QConv):
     """Quantized ``nn.Conv2d`` (any padding mode, groups, dilation)."""
 
-    def _conv(self, x, w, extra=()):
+    def _conv(self, x, w):
         b = None if self.bias is None else self.bias.to(x.dtype)
         if self.padding_mode != "zeros":
             pad = tuple(p for p in reversed(self.padding) for _ in range(2))
@@ -51,14 +52,24 @@ class QConv2d(_QConv):
 
 
 class QConvTranspose2d(_QConv):
-    """Quantized ``nn.ConvTranspose2d``; ``forward(x, output_size=None)`` as in torch."""
+    """Quantized ``nn.ConvTranspose2d``; ``forward(x, output_size=None)`` as in torch (positional or
+    keyword; ``(H, W)`` or the full ``(N, C, H, W)``)."""
 
     _HYPER = _QConv._HYPER + ("output_padding",)
 
-    def _conv(self, x, w, extra=()):
-        output_size = extra[0] if extra else None
-        out_pad = nn.ConvTranspose2d._output_padding(self, x, output_size, self.stride, self.padding,
-                                                     self.kernel_size, 2, self.dilation)
+    def forward(self, x: torch.Tensor, output_size: list[int] | None = None) -> torch.Tensor:
+        return self._io(x, self._run, output_size=output_size)
+
+    def _conv(self, x, w, output_size=None):
+        if output_size is not None and (not isinstance(output_size, (list, tuple)) or not all(
+                isinstance(n, int) and not isinstance(n, bool) for n in output_size)):
+            raise TypeError(f"{type(self).__name__}: output_size must be None or a list/tuple of ints ((H, W) or "
+                            f"(N, C, H, W)), got {output_size!r}")
+        try:
+            out_pad = nn.ConvTranspose2d._output_padding(self, x, output_size, self.stride, self.padding,
+                                                         self.kernel_size, 2, self.dilation)
+        except ValueError as e:  # torch's message (a size out of reach, a wrong length) without the name
+            raise ValueError(f"{type(self).__name__}: output_size {list(output_size)}: {e}") from None
         b = None if self.bias is None else self.bias.to(x.dtype)
         return F.conv_transpose2d(x, w, b, self.stride, self.padding, out_pad, self.groups, self.dilation)
 

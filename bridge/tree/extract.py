@@ -5,7 +5,10 @@ detached, no copies), usable with ``torch.func.functional_call(model, params, ar
 Quantized modules contribute their weight as one :class:`~qtransform.QTensor` leaf, so
 ``extract`` of a quantized model is the quantized tree that :func:`bridge.save` writes.
 ``module_types(model)`` maps each path to its module's class name, for
-``Recipe.type_rules``.
+``Recipe.type_rules``. Tensors appear as stored: GPT-2's ``Conv1D`` weights are (in, out), so a
+spec given straight to ``qt.quantize_tree`` over this tree applies to that stored layout;
+:func:`bridge.plan` and :func:`bridge.quantize` apply it to the logical (out, in) layout, as for
+``Linear`` (see :mod:`bridge.tree.logical`).
 
 >>> import torch
 >>> model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.LayerNorm(3))

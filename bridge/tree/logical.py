@@ -1,0 +1,93 @@
+"""Linear layers in their logical (out, in) layout, whatever layout stores them.
+
+transformers' ``Conv1D`` (GPT-2's ``c_attn``, ``c_fc``, ``c_proj``) is a linear layer whose weight
+is stored (in, out). A recipe speaks of every linear layer as ``nn.Linear`` does:
+
+* its specs apply to the logical (out, in) weight: ``PerChannel(0)`` is one scale per *output*
+  feature, ``PerGroup(g)`` groups ``g`` input features, ``PerBlock((a, b))`` tiles ``a`` outputs by
+  ``b`` inputs, on a ``Conv1D`` exactly as on the ``nn.Linear`` holding the same weight;
+* its ``Linear`` type rules select ``Conv1D`` weights too (a ``Conv1D`` type rule, when the recipe
+  has one, wins for them: :data:`TYPE_FALLBACK`).
+
+:func:`model_plan` resolves a recipe for a model that way. The tree keeps the tensors as stored
+(``extract`` is the state dict, ``functional_call`` works on it); the plan gives a stored-transposed
+weight the spec of the *stored* tensor (:func:`transposed_spec`, axes swapped), so the steps,
+``quantize_tree``, the quantized modules and checkpoints all work on the tensor as stored, with the
+grid an ``nn.Linear`` gets. Checkpoints record that stored spec, so files written before this rule
+(whose ``Conv1D`` specs described the stored tensor) load unchanged.
+
+>>> import torch, qtransform as qt
+>>> spec = qt.QuantSpec(format="int8", granularity=qt.PerChannel(0))
+>>> str(transposed_spec(spec, (32, 64)).granularity)
+'PerChannel(axis=1)'
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Mapping
+
+import torch
+from torch import nn
+
+import qtransform as qt
+
+from ..modules import QLinear, is_conv1d
+from .extract import module_types, weight_paths
+
+__all__ = ["TYPE_FALLBACK", "stored_transposed", "transposed_spec", "model_plan"]
+
+#: ``{module type: type whose rules it follows when the recipe has no rule for it}``.
+TYPE_FALLBACK = {"Conv1D": "Linear"}
+
+
+def stored_transposed(module: nn.Module) -> bool:
+    """Whether ``module`` stores its linear weight (in, out): a ``Conv1D``, or the ``QLinear`` replacing one."""
+    return is_conv1d(module) or (isinstance(module, QLinear) and module.transposed)
+
+
+def _other_axis(axis: int) -> int | None:
+    return {0: 1, -2: 1, 1: 0, -1: 0}.get(axis)
+
+
+def transposed_spec(spec: qt.QuantSpec, shape: tuple[int, ...]) -> qt.QuantSpec:
+    """The spec that quantizes ``w.T`` as ``spec`` quantizes the 2-D ``w`` of ``shape`` (axes swapped):
+    ``dequantize(quantize(w.T, transposed)) == dequantize(quantize(w, spec)).T``. A granularity that
+    does not fit a 2-D tensor is returned as it is (the shape check names it)."""
+    g = spec.granularity
+    if isinstance(g, qt.PerChannel) and _other_axis(g.axis) is not None:
+        g = qt.PerChannel(_other_axis(g.axis))
+    elif isinstance(g, qt.PerGroup) and _other_axis(g.axis) is not None:
+        g = qt.PerGroup(g.size, axis=-1 if _other_axis(g.axis) == 1 else 0)
+    elif isinstance(g, qt.PerBlock) and len(g.shape) <= 2 and len(shape) == 2:
+        rows, cols = g.block_size(tuple(shape))
+        g = qt.PerBlock((cols, rows))
+    else:
+        return spec
+    return dataclasses.replace(spec, granularity=g)
+
+
+def model_plan(model: nn.Module, recipe: qt.Recipe, tree: Mapping[str, torch.Tensor]) -> qt.Plan:
+    """``recipe`` resolved for ``model``'s tree ``tree`` (its :func:`~bridge.extract`), with module
+    types (``Linear`` rules reaching ``Conv1D``) and the specs of stored-transposed weights turned to
+    their stored layout (see the module docstring). ``ValueError`` names a path whose spec does not
+    fit its logical (out, in) shape."""
+    types = module_types(model)
+    named = {t for t, _ in recipe.type_rules}
+    lookup = {p: TYPE_FALLBACK[t] if t in TYPE_FALLBACK and t not in named else t for p, t in types.items()}
+    resolved = recipe.plan(tree, types=lookup)
+    transposed = {p for p, m in weight_paths(model).items() if stored_transposed(m)}
+    matches = {}
+    for path, m in resolved.items():
+        spec = m.spec
+        if spec is not None and path in transposed and tree[path].dim() == 2:
+            logical = tuple(tree[path].shape[::-1])
+            try:
+                qt.bits_per_element(spec, logical)
+            except ValueError as e:
+                raise ValueError(f"{path}: recipe {m.rule} ({spec}): {e}; a {types.get(path)} weight is stored "
+                                 f"(in, out) = {tuple(tree[path].shape)}, specs apply to its (out, in) layout "
+                                 f"{logical} as for Linear") from None
+            spec = transposed_spec(spec, logical)
+        matches[path] = qt.Match(spec, m.rule, types.get(path))
+    return qt.Plan(recipe, matches)
