@@ -15,6 +15,7 @@ steps, with a :class:`~bridge.calibrate.ModelCalibrator` for the steps that need
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Any, Callable, Iterable, Mapping, NamedTuple
 
 from torch import nn
@@ -22,24 +23,28 @@ from torch import nn
 import qtransform as qt
 
 from .calibrate import ModelCalibrator
-from .tree import extract, module_types, to_module, weight_paths
+from .tree import extract, model_plan, to_module, weight_paths
 
-__all__ = ["plan", "Quantized", "quantize_params", "quantize"]
+__all__ = ["plan", "nothing_selected", "Quantized", "quantize_params", "quantize"]
 
 
 def plan(model: nn.Module, recipe) -> qt.Plan:
-    """The recipe resolved once for ``model``'s whole tree (with module types, for ``type_rules``).
+    """The recipe resolved once for ``model``'s whole tree (with module types, for ``type_rules``; linear
+    layers in their logical (out, in) layout: a ``Linear`` rule and its spec mean the same on GPT-2's
+    ``Conv1D``, see :func:`bridge.tree.model_plan`).
 
     Only weights of modules a quantized module can replace (Linear, transformers' Conv1D, Conv2d,
     ConvTranspose2d, Embedding, EmbeddingBag) can be quantized: another tensor that the recipe's
     ``default`` would select is left in full precision (rule ``"skipped (...)"``); one that an
-    explicit rule selects is an error naming it.
+    explicit rule selects is an error naming it. Every selected spec is checked against its
+    tensor's shape here, before any work: a group that does not divide its axis (without
+    ``pad=True``) is a ``ValueError`` naming the path and the rule.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     given = isinstance(recipe, qt.Plan)  # resolved upstream: checked against this model, not re-resolved
-    resolved = qt.as_plan(recipe, extract(model)) if given else qt.as_recipe(recipe).plan(
-        extract(model), types=module_types(model))
+    tree = extract(model)
+    resolved = qt.as_plan(recipe, tree) if given else model_plan(model, qt.as_recipe(recipe), tree)
     quantizable = set(weight_paths(model))
     matches = {}
     for path, m in resolved.items():
@@ -50,8 +55,47 @@ def plan(model: nn.Module, recipe) -> qt.Plan:
                                  "module; only the weights of Linear, Conv1D, Conv2d, ConvTranspose2d, Embedding "
                                  "and EmbeddingBag modules can be quantized")
             m = qt.Match(None, "skipped (default: not the weight of a quantizable module)", m.module_type)
+        if m.spec is not None:
+            _check_grid(path, m, tuple(tree[path].shape))
         matches[path] = m
     return qt.Plan(resolved.recipe, matches)
+
+
+def _check_grid(path: str, m: qt.Match, shape: tuple[int, ...]) -> None:
+    """The spec's blocks fit ``shape`` (shapes only, nothing allocated): a group that does not
+    divide its axis fails here, not after calibration."""
+    where = f"{path}: recipe {m.rule} ({m.spec})"
+    try:
+        block = m.spec.granularity.block_size(shape)
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from None
+    what = "group size" if isinstance(m.spec.granularity, qt.PerGroup) else "block size"
+    for axis, (n, b) in enumerate(zip(shape, block)):
+        if n % b and not m.spec.pad:
+            raise ValueError(f"{where}: {what} {b} does not divide axis {axis - len(shape)} of size {n} "
+                             f"(shape {shape}); pass pad=True to pad the last block")
+
+
+def nothing_selected(model: nn.Module, p: qt.Plan) -> str:
+    """Why plan ``p`` quantizes no tensor of ``model``: the recipe's rules, the patterns and module
+    types that match nothing, and what decided for the tensors (for the error messages)."""
+    recipe = p.recipe
+    parts = [f"rules {[g for g, _ in recipe.rules]}"] if recipe.rules else []
+    parts += [f"type_rules {[t for t, _ in recipe.type_rules]}"] if recipe.type_rules else []
+    parts += ["a default spec"] if recipe.default is not None else []
+    parts += [f"exclude {list(recipe.exclude)}"] if recipe.exclude else []
+    msg = (f"the recipe ({', '.join(parts) or 'no rule, type rule or default'}) selects no tensor of this "
+           f"{type(model).__name__} to quantize")
+    unmatched = recipe.unmatched(p)
+    if unmatched:
+        msg += f"; {unmatched} match no tensor"
+    types = {m.module_type for m in p.values()}
+    absent = [t for t, _ in recipe.type_rules if t not in types]
+    if absent:
+        msg += f"; the model has no module of type {absent}"
+    decided = Counter(m.rule for m in p.values())
+    return msg + f" ({len(p)} tensors: " + ", ".join(f"{n} {rule}" for rule, n in decided.most_common(3)) + (
+        ", ..." if len(decided) > 3 else "") + ")"
 
 
 class Quantized(NamedTuple):
@@ -81,9 +125,7 @@ def quantize_params(model: nn.Module, recipe, *, calibration: Iterable | None = 
         raise ValueError(f"{meta}: the model's tensors are on the meta device (no values to quantize); load its "
                          "weights first, or quantize while loading (from_pretrained with a QTransformConfig)")
     if not p.specs:
-        raise ValueError(f"the recipe selects no tensor of this {type(model).__name__} to quantize "
-                         f"({len(p)} tensors, e.g. {next(iter(p.items()), ('-', ''))[0]!r}: "
-                         f"{next(iter(p.values()), qt.Match(None, 'no tensors')).rule})")
+        raise ValueError(nothing_selected(model, p))
     calibrator = None if calibration is None else ModelCalibrator(model, calibration, progress=progress)
     params = extract(model)
     qtree = qt.quantize_tree(params, p, qparams=qparams, calibrator=calibrator, progress=progress, generator=generator)
@@ -95,8 +137,11 @@ def quantize(model: nn.Module, recipe, *, inplace: bool = False, kernel: str = "
              generator=None) -> nn.Module:
     """``extract -> plan -> steps -> quantize_tree -> to_module`` in one call (see :func:`quantize_params`).
 
-    Returns a new model (unquantized tensors the steps left alone are shared with ``model``, not
-    copied), or ``model`` itself with ``inplace=True``.
+    Returns a new model, or ``model`` itself with ``inplace=True``. The new model is not a deep
+    copy: the tensors it does not quantize (norms, biases, embeddings the recipe leaves alone...)
+    are the very tensors of ``model`` (copying would double the memory of a large model), so an
+    in-place change to one shows in the other; quantize a ``copy.deepcopy(model)`` to keep them
+    apart. A recipe that selects no tensor is a ``ValueError`` naming its rules.
     """
     r = quantize_params(model, recipe, calibration=calibration, qparams=qparams, progress=progress,
                         generator=generator)

@@ -9,14 +9,19 @@
 observers, algorithms or presets it registers are then usable by name (in recipe files too).
 
 User mistakes (a missing model, a bad recipe file, an existing output directory, an
-unreadable corpus...) print one line on stderr and exit with status 1 (2 for bad
-arguments); nothing is written half-way: the checkpoint, ``report.json`` and the plot
-are assembled in a temporary directory that is renamed at the end.
+unreadable corpus, a damaged checkpoint...) print one line on stderr and exit with status 1
+(2 for bad arguments). Whatever can be checked without the weights (the recipe against the
+shapes of ``config.json``, where the outputs go, the numbers) is checked before the model
+loads. Nothing is written half-way: the checkpoint, ``report.json`` and the plot are
+assembled in a temporary directory that is renamed at the end, ``--json`` files are written
+under a temporary name. When the reader of stdout goes away (``| head``) the command stops
+quietly with status 141.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import shutil
@@ -25,7 +30,7 @@ import time
 import warnings
 from pathlib import Path
 
-from . import inputs
+from . import inputs, outputs
 from .inputs import UserError
 
 __all__ = ["main"]
@@ -39,6 +44,21 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
+def _at_least(low: int):
+    """An argparse type: an integer >= ``low`` (checked when the line is parsed, before any work)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be at least {low}, got {value}")
+        return value
+
+    parse.__name__ = f"integer >= {low}"
+    return parse
+
+
 def _say(msg: str = "") -> None:
     print(msg, flush=True)
 
@@ -48,17 +68,42 @@ def _warn(msg: str) -> None:
 
 
 # ------------------------------------------------------------------ quantize
-def _check_out(out: Path, overwrite: bool) -> None:
-    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not overwrite:
-        raise UserError(f"output directory {out} exists and is not empty (pass --overwrite to replace it)")
-
-
 def _progress():
     """A ``progress(iterable, desc=..., total=...)`` wrapper with a tqdm bar on stderr."""
     from tqdm.auto import tqdm
 
     return lambda it, desc="", total=None: tqdm(it, total=total, desc=desc, file=sys.stderr, leave=False,
                                                 dynamic_ncols=True)
+
+
+def _plan(model, recipe, label: str):
+    """The recipe resolved for ``model`` (a skeleton on the meta device works too): a rule hitting
+    a tensor it cannot quantize, a grid its shape does not fit, or no tensor selected is an error."""
+    from .. import pipeline
+
+    try:
+        plan = pipeline.plan(model, recipe)
+    except (TypeError, ValueError) as e:
+        raise UserError(f"recipe {label}: {e}") from None
+    if not plan.specs:
+        raise UserError(f"recipe {label}: {pipeline.nothing_selected(model, plan)}")
+    return plan
+
+
+def _publish(tmp: Path, out: Path) -> None:
+    """Rename the finished ``tmp`` to ``out`` (an old ``out`` moves aside first, comes back if the
+    rename fails, and is deleted last)."""
+    old = tmp.with_name(tmp.name + "-old")
+    if out.exists():
+        os.replace(out, old)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(tmp, out)
+    except OSError:
+        if old.exists():
+            os.replace(old, out)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def cmd_quantize(a) -> int:
@@ -72,8 +117,7 @@ def cmd_quantize(a) -> int:
     from . import evaluate, models, report
 
     t0 = time.perf_counter()
-    if a.calib < 0 or a.calib_batch < 1:
-        raise UserError("--calib must be >= 0 and --calib-batch >= 1")
+    # everything that can be checked without the weights, before minutes of loading and evaluating
     preset = inputs.load_recipe(a.recipe)
     recipe, label = preset.recipe, preset.name
     if a.algorithm and recipe.steps != (qt.Step(a.algorithm),):  # the recipe's steps give way to one step
@@ -84,24 +128,31 @@ def cmd_quantize(a) -> int:
         raise UserError(str(e)) from None
     model_name = Path(a.model).stem if a.model else models.DEFAULT_MODEL
     out = Path(a.out or f"out/{model_name}-{Path(label).stem}")
-    _check_out(out, a.overwrite)
-    if a.model is not None and not Path(a.model).exists():
-        raise UserError(f"model not found: {a.model}")
+    outputs.check_out_dir(out, overwrite=a.overwrite)
+    if a.json:
+        outputs.check_file_target(Path(a.json), option="--json")
+    if a.plot and importlib.util.find_spec("matplotlib") is None:
+        raise UserError("--plot needs matplotlib: pip install matplotlib")
+    inputs.check_model(a.model)
     text = None if a.no_eval else inputs.corpus_text(a.corpus)
+    calib_text = inputs.corpus_text(a.corpus, part="calibration") if a.calib else None
+    skeleton = inputs.skeleton(a.model)
+    if skeleton is not None:  # shapes and selection from config.json alone
+        _plan(skeleton, recipe, label)
+        if not a.no_eval or a.calib:
+            inputs.check_seq_len(skeleton, a.seq_len)
+        del skeleton
+
     _say(f"loading {a.model or models.DEFAULT_MODEL} ...")
     model, tokenizer = inputs.load_model(a.model)
+    if not a.no_eval or a.calib:
+        inputs.check_seq_len(model, a.seq_len)
     eval_seqs = None if a.no_eval else inputs.sequences(tokenizer, text, a.corpus, a.seq_len, a.eval_sequences)
-    calibration = inputs.calibration(a, tokenizer)
-
-    try:
-        plan = pipeline.plan(model, recipe)
-    except (TypeError, ValueError) as e:
-        raise UserError(f"recipe {label}: {e}") from None
+    calibration = inputs.calibration(a, tokenizer, calib_text)
+    plan = _plan(model, recipe, label)
     unmatched = recipe.unmatched(plan)
     for glob in unmatched:
         _warn(f"recipe pattern {glob!r} matches no tensor of the model")
-    if not plan.specs:
-        raise UserError(f"recipe {label} selects no tensor of this model")
 
     ppl_before = None
     if eval_seqs is not None:
@@ -110,8 +161,11 @@ def cmd_quantize(a) -> int:
 
     _say(f"quantizing with {label} ({report.steps_label(recipe.steps)}) ...")
     tq = time.perf_counter()
-    with torch.no_grad():
-        result = pipeline.quantize_params(model, plan, calibration=calibration, progress=_progress())
+    try:
+        with torch.no_grad():
+            result = pipeline.quantize_params(model, plan, calibration=calibration, progress=_progress())
+    except (TypeError, ValueError) as e:  # a step refusing the recipe's specs or options
+        raise UserError(f"recipe {label}: {e}") from None
     seconds_q = time.perf_counter() - tq
     size_before = report.tree_bytes(result.params)
     rows = report.layer_rows(result.params, result.qtree, plan)
@@ -131,7 +185,10 @@ def cmd_quantize(a) -> int:
                         eval_tokens=0 if eval_seqs is None else int(eval_seqs.numel()),
                         calib_tokens=0 if calibration is None else sum(int(b.numel()) for b in calibration),
                         out=str(out), unmatched=unmatched)
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    # assembled beside the nearest existing parent of --out and renamed: no half checkpoint, no
+    # parent directories left behind by a failure
+    base = next(p for p in out.absolute().parents if p.is_dir())
+    tmp = base / f".{out.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         io.save(qmodel, tmp, recipe=recipe, recipe_name=label, tokenizer=tokenizer,
@@ -140,14 +197,13 @@ def cmd_quantize(a) -> int:
         (tmp / "report.json").write_text(json.dumps(rep.to_dict(), indent=2) + "\n")
         if a.plot:
             rep.plot(tmp / "report.png")
-        if out.exists():
-            shutil.rmtree(out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        os.replace(tmp, out)
+        _publish(tmp, out)
+    except OSError as e:
+        raise UserError(f"cannot write {out}: {e.strerror or e}") from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     if a.json:
-        Path(a.json).write_text(json.dumps(rep.to_dict(), indent=2) + "\n")
+        outputs.write_text(Path(a.json), json.dumps(rep.to_dict(), indent=2) + "\n", option="--json")
     _say()
     _say(rep.render())
     return 0
@@ -158,9 +214,10 @@ def cmd_eval(a) -> int:
     from . import evaluate
 
     targets = [("model", a.model)] + ([("baseline", a.baseline)] if a.baseline else [])
+    if a.json:
+        outputs.check_file_target(Path(a.json), option="--json")
     for _, path in targets:
-        if path != "default" and not Path(path).exists():
-            raise UserError(f"model not found: {path}")
+        inputs.check_model(None if path == "default" else path)
     results = []
     seqs = None
     text = inputs.corpus_text(a.corpus)
@@ -169,6 +226,7 @@ def cmd_eval(a) -> int:
         model, tokenizer = inputs.load_model(None if path == "default" else path)
         if seqs is None:
             seqs = inputs.sequences(tokenizer, text, a.corpus, a.seq_len, a.eval_sequences)
+        inputs.check_seq_len(model, a.seq_len)
         ppl = evaluate.perplexity(model, seqs, progress=True).perplexity
         generation = evaluate.generate(model, tokenizer, a.prompt, max_new_tokens=a.max_new_tokens)
         results.append({"role": role, "model": path, "perplexity": ppl, "generation": generation})
@@ -183,7 +241,8 @@ def cmd_eval(a) -> int:
     for r in results:
         _say(f"[{r['role']}] {r['generation'].strip()}")
     if a.json:
-        Path(a.json).write_text(json.dumps({"tokens": int(seqs.numel()), "results": results}, indent=2) + "\n")
+        outputs.write_text(Path(a.json), json.dumps({"tokens": int(seqs.numel()), "results": results}, indent=2) + "\n",
+                           option="--json")
     return 0
 
 
@@ -222,9 +281,10 @@ def cmd_inspect(a) -> int:
     from . import describe
 
     try:
-        _say(describe.describe(Path(a.directory)))
+        text = describe.describe(Path(a.directory))
     except (OSError, ValueError) as e:
         raise UserError(str(e)) from None
+    _say(text)
     return 0
 
 
@@ -237,10 +297,10 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--model", help="transformers directory or .gguf file (default: SmolLM2-135M-Instruct)")
     q.add_argument("--recipe", default=DEFAULT_RECIPE, help=f"preset name or JSON/TOML file (default {DEFAULT_RECIPE})")
     q.add_argument("--algorithm", help="run this one algorithm instead of the recipe's steps (rtn, hqq, ...)")
-    q.add_argument("--calib", type=int, default=0, metavar="N",
+    q.add_argument("--calib", type=_at_least(0), default=0, metavar="N",
                    help="calibration sequences (of --seq-len tokens) from the corpus's calibration part, for steps "
                         "that need data")
-    q.add_argument("--calib-batch", type=int, default=4, metavar="B", help="calibration sequences per forward pass")
+    q.add_argument("--calib-batch", type=_at_least(1), default=4, metavar="B", help="calibration sequences per forward pass")
     q.add_argument("--out", help="output directory (default out/<model>-<recipe>)")
     q.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
     q.add_argument("--plot", action="store_true", help="write report.png next to the checkpoint")
@@ -251,16 +311,16 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--model", required=True, help="checkpoint or model directory (or 'default')")
     e.add_argument("--baseline", help="model to compare with (a path, or 'default' for SmolLM2-135M)")
     e.add_argument("--prompt", default=DEFAULT_PROMPT)
-    e.add_argument("--max-new-tokens", type=int, default=32)
+    e.add_argument("--max-new-tokens", type=_at_least(1), default=32)
     e.add_argument("--json", metavar="FILE", help="write the results as JSON to FILE")
 
     for cmd in (q, e):
-        cmd.add_argument("--threads", type=int, default=None,
+        cmd.add_argument("--threads", type=_at_least(1), default=None,
                          help="torch CPU threads (default: torch's; 1 is fastest on a busy machine)")
         cmd.add_argument("--corpus", default="builtin",
                          help="'builtin' (Python's docstrings), a text file, or hf:NAME[/CONFIG] (a Hugging Face dataset)")
-        cmd.add_argument("--seq-len", type=int, default=512, help="tokens per evaluation sequence")
-        cmd.add_argument("--eval-sequences", type=int, default=8, help="number of evaluation sequences")
+        cmd.add_argument("--seq-len", type=_at_least(2), default=512, help="tokens per evaluation sequence")
+        cmd.add_argument("--eval-sequences", type=_at_least(1), default=8, help="number of evaluation sequences")
 
     f = sub.add_parser("formats", help="every registered format with its bits per element and error bound")
     r = sub.add_parser("recipes", help="the named recipe presets")
@@ -280,9 +340,6 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     warnings.filterwarnings("ignore", category=UserWarning)
     if getattr(args, "threads", None) is not None:
-        if args.threads < 1:
-            print("qtransform: error: --threads must be at least 1", file=sys.stderr)
-            return 2
         import torch
         torch.set_num_threads(args.threads)
     try:
@@ -294,6 +351,18 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("qtransform: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # the reader went away (`qtransform inspect DIR | head -1`): stop quietly, as cat does
+        _silence_stdout()
+        return 141  # 128 + SIGPIPE, the status a shell reports for a writer killed by a closed pipe
+
+
+def _silence_stdout() -> None:
+    """Point stdout at /dev/null so that the interpreter's final flush does not fail again."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError):  # no real file descriptor (captured output)
+        pass
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -8,7 +8,8 @@ import os
 import sys
 from pathlib import Path
 
-__all__ = ["UserError", "load_plugins", "load_recipe", "load_model", "corpus_text", "sequences", "calibration"]
+__all__ = ["UserError", "load_plugins", "load_recipe", "check_model", "skeleton", "load_model", "check_seq_len",
+           "corpus_text", "sequences", "calibration"]
 
 
 class UserError(Exception):
@@ -68,13 +69,14 @@ def load_recipe(name_or_file: str):
         raise UserError(str(e)) from None
 
 
-def corpus_text(source: str) -> str:
+def corpus_text(source: str, part: str = "eval") -> str:
     from . import corpus
 
+    what = "corpus" if part == "eval" else f"{part} corpus"
     try:
-        return corpus.load_text(source, part="eval")
+        return corpus.load_text(source, part=part)
     except (OSError, ValueError, ImportError) as e:
-        raise UserError(f"cannot read corpus {source!r}: {e}") from None
+        raise UserError(f"cannot read {what} {source!r}: {e}") from None
 
 
 def sequences(tokenizer, text: str, source: str, seq_len: int, count: int):
@@ -86,28 +88,77 @@ def sequences(tokenizer, text: str, source: str, seq_len: int, count: int):
         raise UserError(f"corpus {source!r}: {e}") from None
 
 
-def load_model(model_arg):
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
+def check_model(model_arg) -> None:
+    """``--model`` names something loadable: a transformers directory or a GGUF file (checked by its
+    magic bytes), or the default model's package is installed. Reads no weights."""
     from . import models
 
     try:
+        models.check_gguf(models.resolve(model_arg))
+    except (OSError, ValueError, TypeError) as e:
+        raise UserError(_first_line(e)) from None
+
+
+def skeleton(model_arg):
+    """The model on the ``meta`` device from its config (``None`` for GGUF files, or when the config
+    cannot be built that way: loading then reports the problem)."""
+    from . import models
+
+    try:
+        return models.skeleton(model_arg)
+    except Exception:  # noqa: BLE001  (an optional early check; load_model names any real problem)
+        return None
+
+
+def load_model(model_arg):
+    """``(model, tokenizer)``; any failure to read the user's files (a truncated or corrupted
+    checkpoint, a damaged GGUF file) is one line naming the model."""
+    from . import models
+
+    check_model(model_arg)
+    try:
         return models.load(model_arg)
-    except (FileNotFoundError, ImportError, OSError, ValueError) as e:
-        raise UserError(str(e).splitlines()[0] if str(e) else type(e).__name__) from None
+    except ImportError as e:  # a missing optional package: the message says what to install
+        raise UserError(_first_line(e)) from None
+    except Exception as e:  # noqa: BLE001  (whatever transformers or safetensors raise on a bad file)
+        name = models.DEFAULT_MODEL if model_arg is None else model_arg
+        if models.resolve(model_arg).gguf_file is not None:  # transformers words these as "not a valid JSON file"
+            root = _root_cause(e)
+            raise UserError(f"cannot load model {name}: not a readable GGUF file "
+                            f"({type(root).__name__}: {_first_line(root)})") from None
+        raise UserError(f"cannot load model {name}: {type(e).__name__}: {_first_line(e)}") from None
 
 
-def calibration(a, tokenizer):
-    """``--calib N``: N sequences of ``--seq-len`` tokens of the corpus's calibration part (the built-in
-    corpus's is disjoint from its evaluation part), as batches of ``--calib-batch`` sequences."""
+def _root_cause(e: BaseException) -> BaseException:
+    seen = set()
+    while (e.__cause__ or e.__context__) is not None and id(e) not in seen:
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return e
+
+
+def check_seq_len(model, seq_len: int) -> None:
+    """``--seq-len`` must fit the model's positions (learned position tables crash beyond them)."""
+    config = getattr(model, "config", None)
+    limit = next((getattr(config, k) for k in ("max_position_embeddings", "n_positions")
+                  if isinstance(getattr(config, k, None), int)), None)
+    if limit is not None and seq_len > limit:
+        raise UserError(f"--seq-len {seq_len} exceeds the model's {limit} positions")
+
+
+def calibration(a, tokenizer, text: str | None):
+    """``--calib N``: N sequences of ``--seq-len`` tokens of ``text``, the corpus's calibration part
+    (the built-in corpus's is disjoint from its evaluation part), as batches of ``--calib-batch``
+    sequences; ``None`` without ``--calib``."""
     import torch
-
-    from . import corpus
 
     if not a.calib:
         return None
-    try:
-        text = corpus.load_text(a.corpus, part="calibration")
-    except (OSError, ValueError, ImportError) as e:
-        raise UserError(f"cannot read calibration corpus {a.corpus!r}: {e}") from None
     seqs = sequences(tokenizer, text, a.corpus, a.seq_len, a.calib)
     if seqs.shape[0] < a.calib:
         raise UserError(f"corpus {a.corpus!r} holds {seqs.shape[0]} calibration sequences of {a.seq_len} tokens, "

@@ -22,7 +22,7 @@ from typing import NamedTuple
 
 import torch
 
-__all__ = ["DEFAULT_MODEL", "DEFAULT_PACKAGE", "ModelSource", "default_model_file", "resolve",
+__all__ = ["DEFAULT_MODEL", "DEFAULT_PACKAGE", "ModelSource", "default_model_file", "resolve", "check_gguf", "skeleton",
            "load_model", "load_tokenizer", "load"]
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
@@ -79,9 +79,36 @@ def resolve(model: str | os.PathLike | None = None) -> ModelSource:
                             "config.json or a .gguf file)")
 
 
+def check_gguf(source: ModelSource) -> None:
+    """A GGUF source's file must start with the GGUF magic bytes (transformers would report a
+    damaged file as "not a valid JSON file"); transformers sources pass."""
+    if source.gguf_file is None:
+        return
+    path = source.directory / source.gguf_file
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic != b"GGUF":
+        raise ValueError(f"{path} is not a GGUF file (it does not start with the GGUF magic bytes)")
+
+
+def skeleton(model: str | os.PathLike | None = None):
+    """The model of a transformers directory built from its ``config.json`` on the ``meta`` device
+    (no weights read: fast), for checking a recipe against its shapes before loading; ``None`` for
+    a GGUF file (its config is only read with the whole file)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    source = resolve(model)
+    if source.gguf_file is not None:
+        return None
+    config = AutoConfig.from_pretrained(str(source.directory), local_files_only=True)
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config)
+
+
 def _needs_gguf(source: ModelSource) -> None:
     if source.gguf_file is not None and importlib.util.find_spec("gguf") is None:
         raise ImportError(f"loading {source.gguf_file} needs the gguf package: pip install gguf")
+    check_gguf(source)
 
 
 def _kwargs(source: ModelSource) -> dict:

@@ -32,6 +32,8 @@ def _int4_check(module, forced: bool) -> str | None:
     rows, groups = grid(module)
     if rows not in (1, n) or k % groups or _int4_group(k, groups) is None:
         return f"scale grid {(rows, groups)} is not per-channel or per-group (32..256) along in_features"
+    if module.spec.granularity.block_size((n, k))[-1] * groups != k:  # a padded last group
+        return f"the last group of in_features {k} is padded"
     return None
 
 
@@ -88,7 +90,9 @@ def _int8_check(module, forced: bool) -> str | None:
     codec = int_codec(module)
     if codec is None or codec.bits != 8:
         return f"codes are not 8-bit integers ({module.spec.format})"
-    n, _ = module.qweight.shape
+    n, k = module.qweight.shape
+    if k % 8:  # the aten kernel reads in_features in steps of 8 (wrong results or a crash otherwise)
+        return f"in_features {k} is not a multiple of 8"
     if grid(module) not in ((n, 1), (1, 1)):
         return "scales are not per-channel (axis 0) or per-tensor"
     _, z = module.qweight.qparams.effective()

@@ -2,7 +2,9 @@
 
 A :class:`Preset` is a named recipe for the linear layers of a model, with the steps that fit
 its parameters (none: round to nearest; ``hqq`` with its options...). Presets name formats of
-the registry; a preset whose format is not registered is not offered.
+the registry; a preset whose format is not registered is not offered. Group presets pad
+(``pad=True``): an axis their group does not divide (SmolLM2's 576-wide layers with group 128)
+gets a last, partial group, so every preset works on every model.
 
 >>> import qtransform as qt
 >>> p = qt.get_preset("hqq4-g64")
@@ -50,12 +52,13 @@ class Preset(NamedTuple):
 
 def hqq_spec(nbits: int, group_size: int | None = 64, *, axis: int = 1) -> QuantSpec:
     """HQQ's scheme: unsigned ``nbits`` codes, float zero point, fp16 scale and zero, groups
-    along in_features (``axis=1``, the kernels' layout) or down a column (``axis=0``)."""
+    along in_features (``axis=1``, the kernels' layout) or down a column (``axis=0``); a group
+    that does not divide its axis is padded."""
     if axis not in (0, 1):
         raise ValueError(f"hqq axis must be 0 or 1, got {axis!r}")
     gran = PerChannel(0) if group_size is None else PerGroup(group_size, axis=-1 if axis == 1 else 0)
     return QuantSpec(format=f"uint{nbits}", granularity=gran, symmetric=False, zero_point_domain="float",
-                     scale_dtype="float16")
+                     scale_dtype="float16", pad=group_size is not None)
 
 
 def linear_recipe(spec: QuantSpec, *steps: Step | str) -> Recipe:
@@ -85,9 +88,10 @@ def _builtin(name: str, make_spec: Callable[[], QuantSpec], description: str, *s
 
 
 for _g in (32, 64, 128):
-    _builtin(f"int4-g{_g}", lambda g=_g: QuantSpec(format="int4", granularity=PerGroup(g)),
+    _builtin(f"int4-g{_g}", lambda g=_g: QuantSpec(format="int4", granularity=PerGroup(g), pad=True),
              f"int4 symmetric weight-only, group {_g}")
-    _builtin(f"int4-g{_g}-asym", lambda g=_g: QuantSpec(format="uint4", granularity=PerGroup(g), symmetric=False),
+    _builtin(f"int4-g{_g}-asym", lambda g=_g: QuantSpec(format="uint4", granularity=PerGroup(g), symmetric=False,
+                                           pad=True),
              f"uint4 asymmetric (integer zero point) weight-only, group {_g}")
 _builtin("int8-channel", lambda: QuantSpec(format="int8", granularity=PerChannel(0)),
          "int8 symmetric weight-only, per output channel")
