@@ -44,6 +44,7 @@ bench: $(STAMP)
 	$(BIN)/python bench/bench_linear.py
 	$(BIN)/python bench/bench_formats.py
 	$(BIN)/python bench/bench_hqq.py
+	$(BIN)/python bench/bench_checkpoint.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

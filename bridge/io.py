@@ -37,7 +37,8 @@ import qtransform as qt
 from .checkpoint import metadata, store
 from .checkpoint.layout import LAYOUTS
 from .checkpoint.metadata import CheckpointError
-from .checkpoint.tree_io import CONFIG, check_aliases, quantized_parts, read_metadata, read_tree, tensor_groups
+from .checkpoint.tree_io import (CONFIG, check_aliases, quantized_parts, read_metadata, read_tree, tensor_groups,
+                                 verify_checksums)
 from .tree import extract, tie_groups, to_module
 
 __all__ = ["save", "load", "TOKENIZER_FILES"]
@@ -82,6 +83,13 @@ def save(model_or_qtree, directory, *, max_shard_size="2GB", overwrite: bool = F
         tokenizer: a tokenizer to save alongside (``save_pretrained``).
     """
     store.parse_size(max_shard_size)  # bad arguments fail before anything is written
+    if not isinstance(overwrite, bool):
+        raise TypeError(f"save: overwrite must be True or False, got {overwrite!r}")
+    if rules is not None and not isinstance(rules, Mapping):
+        raise TypeError(f"save: rules must be a dict of tensor path -> rule, got {type(rules).__name__}")
+    if tokenizer is not None and not callable(getattr(tokenizer, "save_pretrained", None)):
+        raise TypeError(f"save: tokenizer must have a save_pretrained method (a transformers tokenizer), got "
+                        f"{type(tokenizer).__name__}")
     model = model_or_qtree if isinstance(model_or_qtree, nn.Module) else None
     if model is None and not isinstance(model_or_qtree, (Mapping, list, tuple)):
         raise TypeError(f"save: model_or_qtree must be a module or a tree of tensors and QTensors, got "
@@ -119,7 +127,7 @@ def _tied_aliases(like: nn.Module, stored: set) -> dict[str, str]:
     return out
 
 
-def load(directory, *, like: nn.Module, kernel: str = "auto") -> nn.Module:
+def load(directory, *, like: nn.Module, kernel: str = "auto", verify: bool = True) -> nn.Module:
     """Rebuild the quantized model saved in ``directory``.
 
     ``like`` gives the structure: the float model (or a skeleton of it, e.g. built from its
@@ -127,10 +135,14 @@ def load(directory, *, like: nn.Module, kernel: str = "auto") -> nn.Module:
     quantized modules holding the stored codes and qparams bit for bit. Raises
     :class:`CheckpointError` naming the file and tensor for any missing, extra, truncated or
     mistyped tensor and for malformed, unknown-version or unknown-format metadata, before any
-    data is read.
+    data is read; then checks every tensor against the checksum written with it (a changed
+    byte, tensors swapped by name or offset, an edited header), unless ``verify=False``.
+    Checkpoints written before checksums existed (qtransform 0.1, 0.2) load unverified.
     """
     if not isinstance(like, nn.Module):
         raise TypeError(f"like must be a torch.nn.Module, got {type(like).__name__}")
+    if not isinstance(verify, bool):
+        raise TypeError(f"load: verify must be True or False, got {verify!r}")
     root = Path(directory)
     meta = read_metadata(root)
     located, handles = store.open_shards(root)
@@ -157,6 +169,7 @@ def load(directory, *, like: nn.Module, kernel: str = "auto") -> nn.Module:
         else:
             expected[path] = (tuple(leaf.shape), leaf.dtype)
     store.check_headers(root, located, handles, expected)
+    verify_checksums(root, located, verify=verify)
     tree = read_tree(root, meta, located, handles, expected, list(ref))
     model = to_module(like, tree, kernel=kernel)
     left = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]

@@ -3,10 +3,17 @@ checked before any data.
 
 Writing: :func:`atomic_directory` yields a temporary directory beside the target and renames it
 into place only when everything inside was written (an existing target is replaced only with
-``overwrite=True``), so a crash never leaves a half checkpoint under the target's name.
+``overwrite=True``), so a crash never leaves a half checkpoint under the target's name. The
+directory and files get the usual permissions (``0777``/``0666`` less the umask). A save that was
+killed leaves its temporary directory ``.NAME.tmp-HOST-PID-XXXXXXXX`` behind; the next save to
+the same target removes it when it is stale: written on this host by a process that no longer
+runs, or (another host, or a name without a process id) untouched for :data:`STALE_AFTER_S`
+seconds. A live save's directory is never removed.
 :func:`write_shards` groups tensors into shards of at most ``max_shard_size`` bytes (a quantized
 tensor's parts stay together) and copies each shard to the CPU only while it is written, so a
-model on a GPU is never copied whole.
+model on a GPU is never copied whole. Shards are written by :func:`write_safetensors`:
+deterministic bytes (sorted header and metadata, no random order) with a checksum of every
+tensor in the metadata (:mod:`bridge.checkpoint.checksum`).
 
 Reading: :func:`open_shards` validates the index against the files and the files against each
 other; :func:`check_headers` compares names, shapes and dtypes with what is expected, from the
@@ -19,26 +26,36 @@ import contextlib
 import json
 import os
 import re
+import secrets
 import shutil
-import tempfile
+import socket
+import struct
+import time
 from pathlib import Path
 from typing import Iterable, Mapping
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 
+from . import checksum
 from .metadata import CheckpointError
 
-__all__ = ["SINGLE", "INDEX", "ST_DTYPES", "parse_size", "atomic_directory", "write_shards", "read_json",
-           "open_shards", "check_headers", "header_bytes"]
+__all__ = ["SINGLE", "INDEX", "ST_DTYPES", "FLOAT_DTYPES", "STALE_AFTER_S", "parse_size", "atomic_directory",
+           "remove_stale", "write_safetensors", "write_shards", "read_json", "open_files", "open_shards",
+           "check_headers", "header_bytes"]
 
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 ST_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
              torch.int8: "I8", torch.uint8: "U8", torch.int16: "I16", torch.int32: "I32", torch.int64: "I64",
              torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
-             torch.float8_e4m3fnuz: "F8_E4M3FNUZ", torch.float8_e5m2fnuz: "F8_E5M2FNUZ"}
+             torch.float8_e4m3fnuz: "F8_E4M3FNUZ", torch.float8_e5m2fnuz: "F8_E5M2FNUZ",
+             torch.uint16: "U16", torch.uint32: "U32", torch.uint64: "U64"}
+#: Plain float dtypes transformers casts on load (a plain float tensor may be stored as any of them).
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+#: Seconds after which a temporary directory that cannot be traced to a dead process counts as stale.
+STALE_AFTER_S = 24 * 3600
+_HOST = re.sub(r"[^A-Za-z0-9.]", "_", socket.gethostname()) or "host"
 _WIDTH = {name: dtype.itemsize for dtype, name in ST_DTYPES.items()}
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
           "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
@@ -54,6 +71,56 @@ def parse_size(size) -> int:
     return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
 
 
+def _new_dir(parent: Path, target: Path, kind: str) -> Path:
+    """A fresh ``.NAME.<kind>-HOST-PID-XXXXXXXX`` directory, mode ``0777`` less the umask."""
+    for _ in range(100):
+        path = parent / f".{target.name}.{kind}-{_HOST}-{os.getpid()}-{secrets.token_hex(4)}"
+        try:
+            os.mkdir(path, 0o777)
+            return path
+        except FileExistsError:
+            continue
+    raise FileExistsError(f"{parent}: cannot create a temporary directory for {target.name}")
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid() or os.name == "nt":  # Windows: os.kill(pid, 0) would terminate it
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # e.g. another user's process
+        return True
+    return True
+
+
+def _stale(path: Path, target: Path, now: float) -> bool:
+    m = re.fullmatch(rf"\.{re.escape(target.name)}\.(?:tmp|old)-([A-Za-z0-9._]+)-(\d+)-[0-9a-f]{{8}}", path.name)
+    if m is not None and m.group(1) == _HOST and not _alive(int(m.group(2))):
+        return True
+    try:
+        return now - path.lstat().st_mtime > STALE_AFTER_S
+    except OSError:
+        return False
+
+
+def remove_stale(target) -> list[Path]:
+    """Remove the stale temporary directories of earlier, interrupted saves to ``target``
+    (see the module docstring); returns those removed."""
+    target = Path(target)
+    parent, now, removed = target.parent, time.time(), []
+    if not parent.is_dir():
+        return removed
+    prefixes = (f".{target.name}.tmp-", f".{target.name}.old-")
+    for path in sorted(parent.iterdir()):
+        if (path.name.startswith(prefixes) and path.is_dir() and not path.is_symlink()
+                and _stale(path, target, now)):
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    return removed
+
+
 @contextlib.contextmanager
 def atomic_directory(directory, *, overwrite: bool = False):
     """Yield a temporary directory that becomes ``directory`` when the block ends without error."""
@@ -63,11 +130,12 @@ def atomic_directory(directory, *, overwrite: bool = False):
     if target.exists() and any(target.iterdir()) and not overwrite:
         raise FileExistsError(f"{target} exists and is not an empty directory; pass overwrite=True to replace it")
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    remove_stale(target)
+    tmp = _new_dir(target.parent, target, "tmp")
     try:
         yield tmp
         if target.exists():
-            trash = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=target.parent))
+            trash = _new_dir(target.parent, target, "old")
             os.rename(target, trash / "old")
             os.rename(tmp, target)
             shutil.rmtree(trash, ignore_errors=True)
@@ -80,6 +148,39 @@ def atomic_directory(directory, *, overwrite: bool = False):
 
 def _nbytes(group: Mapping[str, torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in group.values())
+
+
+def _raw(name: str, t: torch.Tensor):
+    if t.dtype not in ST_DTYPES:
+        raise TypeError(f"tensor {name!r} has dtype {t.dtype}, which safetensors checkpoints cannot hold")
+    return t.reshape(-1).view(torch.uint8).numpy()
+
+
+def write_safetensors(path: Path, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str]) -> dict[str, str]:
+    """Write CPU-contiguous ``tensors`` as one safetensors file with deterministic bytes and the
+    checksum of every tensor in its metadata; returns ``{name: checksum}``.
+
+    The header is JSON with sorted keys; the data is ordered by element size (largest first, so
+    every tensor is aligned), then name; the file is created with ``0666`` less the umask.
+    """
+    order = sorted(tensors, key=lambda n: (-tensors[n].element_size(), n))
+    raw = {n: _raw(n, tensors[n]) for n in order}
+    header, offset = {}, 0
+    for n in order:
+        header[n] = {"dtype": ST_DTYPES[tensors[n].dtype], "shape": [int(d) for d in tensors[n].shape],
+                     "data_offsets": [offset, offset + raw[n].nbytes]}
+        offset += raw[n].nbytes
+    sums = checksum.digests((n, header[n]["dtype"], header[n]["shape"], raw[n]) for n in order)
+    meta = {str(k): str(v) for k, v in metadata.items()}
+    header["__metadata__"] = {**meta, **checksum.checksum_metadata(sums)}
+    text = json.dumps(header, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+    text += b" " * (-len(text) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(text)))
+        f.write(text)
+        for n in order:
+            f.write(raw[n].data)
+    return sums
 
 
 def write_shards(directory: Path, groups: Iterable[Mapping[str, torch.Tensor]], *, max_shard_size="2GB",
@@ -102,7 +203,7 @@ def write_shards(directory: Path, groups: Iterable[Mapping[str, torch.Tensor]], 
     weight_map, total = {}, 0
     for name, shard in zip(names, shards):
         tensors = {n: t.detach().to("cpu").contiguous() for g in shard for n, t in g.items()}
-        save_file(tensors, str(directory / name), metadata=dict(file_metadata or {}))
+        write_safetensors(directory / name, tensors, dict(file_metadata or {}))
         weight_map.update({n: name for n in tensors})
         total += _nbytes(tensors)
         del tensors

@@ -19,11 +19,12 @@ import torch
 
 import qtransform as qt
 
-from . import metadata, store
+from . import checksum, metadata, store
 from .layout import LAYOUTS
 from .metadata import CheckpointError, Metadata
 
-__all__ = ["CONFIG", "tensor_groups", "read_metadata", "quantized_parts", "check_aliases", "read_tree", "load_tree"]
+__all__ = ["CONFIG", "tensor_groups", "read_metadata", "quantized_parts", "check_aliases", "verify_checksums",
+           "read_tree", "load_tree"]
 
 CONFIG = "config.json"
 
@@ -104,12 +105,23 @@ def check_aliases(meta: Metadata, stored_paths) -> None:
             raise CheckpointError(f"{CONFIG}: alias {path!r} -> {target!r} does not name a stored tensor")
 
 
-def load_tree(directory) -> dict:
+def verify_checksums(root: Path, located, *, verify: bool) -> None:
+    """Check the shards' checksums (:mod:`bridge.checkpoint.checksum`), unless ``verify`` is false."""
+    if not isinstance(verify, bool):
+        raise TypeError(f"verify must be True or False, got {verify!r}")
+    if verify:
+        checksum.verify_files(root / f for f in sorted(set(located.values())))
+
+
+def load_tree(directory, *, verify: bool = True) -> dict:
     """The checkpoint's tree ``{path: Tensor | QTensor}``, without a model (quantized tensors bit for bit).
 
     Every quantized tensor's parts are checked against the metadata (names, shapes, dtypes) from the
-    headers before any data is read; raises :class:`CheckpointError` naming the file and tensor.
+    headers before any data is read, then every tensor against the checksum written with it
+    (``verify=False`` skips that); raises :class:`CheckpointError` naming the file and tensor.
     """
+    if not isinstance(verify, bool):  # bad arguments fail before any file is opened
+        raise TypeError(f"load_tree: verify must be True or False, got {verify!r}")
     root = Path(directory)
     meta = read_metadata(root)
     located, handles = store.open_shards(root)
@@ -122,6 +134,7 @@ def load_tree(directory) -> dict:
         sl = handles[located[name]].get_slice(name)
         expected[name] = (tuple(sl.get_shape()), _dtype_of(sl.get_dtype(), root / located[name], name))
     store.check_headers(root, located, handles, expected)
+    verify_checksums(root, located, verify=verify)
     return read_tree(root, meta, located, handles, expected, list(meta.entries) + plain + list(meta.aliases))
 
 

@@ -55,13 +55,16 @@ class QTransformConfig(QuantizationConfigMixin):
         algorithm, algorithm_options: shorthand for ``steps=[Step(algorithm, **algorithm_options)]``.
         skip_modules: module names kept in full precision (``None``: transformers' defaults: the
             output embeddings, tied weights and the last module; ``[]`` quantizes every supported module).
+        verify: when loading a checkpoint, check every tensor against the checksum written with it
+            (default). ``from_pretrained(path, quantization_config=QTransformConfig(verify=False))``
+            skips that for speed; the headers are checked either way. Not saved.
         **saved: the fields of a saved checkpoint's ``quantization_config`` (``version``, ``specs``,
             ``tensors``, ``aliases``, ``recipe_name``, ``rules``, ``layout``...), read with
             :func:`bridge.checkpoint.metadata.decode` (versions 1 and 2).
     """
 
     def __init__(self, recipe=None, *, steps=None, algorithm: str | None = None, algorithm_options: dict | None = None,
-                 skip_modules: list[str] | None = None, **saved):
+                 skip_modules: list[str] | None = None, verify: bool = True, **saved):
         unknown = sorted(set(saved) - set(_SAVED))
         if unknown:
             raise ValueError(f"QTransformConfig: unknown field(s) {unknown}")
@@ -102,12 +105,19 @@ class QTransformConfig(QuantizationConfigMixin):
                                          or not all(isinstance(m, str) for m in skip_modules)):
             raise TypeError(f"QTransformConfig: skip_modules must be a list of module names or None, got "
                             f"{skip_modules!r}")
+        if not isinstance(verify, bool):
+            raise TypeError(f"QTransformConfig: verify must be True or False, got {verify!r}")
+        self.verify = verify
         self.recipe = recipe
         self.skip_modules = None if skip_modules is None else list(skip_modules)
 
     def to_dict(self) -> dict[str, Any]:
         return metadata.encode(self.entries, layout=self.layout, recipe=self.recipe, recipe_name=self.recipe_name,
                                rules=self.rules, aliases=self.aliases, skip_modules=self.skip_modules)
+
+    def get_loading_attributes(self) -> dict[str, Any]:
+        """What a config passed to ``from_pretrained`` changes in a checkpoint's own (transformers' protocol)."""
+        return {"verify": self.verify}
 
     def to_diff_dict(self) -> dict[str, Any]:
         return self.to_dict()

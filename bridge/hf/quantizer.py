@@ -34,6 +34,7 @@ from ..checkpoint.metadata import CheckpointError, Entry
 from ..modules import QModule
 from ..pipeline import plan as model_plan
 from ..tree import REBUILD_HOOKS, replace_module, submodule
+from . import checks
 from .config import QTransformConfig
 
 __all__ = ["QTransformHfQuantizer", "attach_config", "register"]
@@ -82,6 +83,8 @@ class QTransformHfQuantizer(HfQuantizer):
             if dtype is not None:
                 submodule(model, path)[0].compute_dtype = dtype
         _untie(model, set(cfg.entries))
+        if self.pre_quantized:  # the files against the skeleton, before transformers reads any data
+            checks.check_checkpoint(model, cfg, kwargs.get("checkpoint_files"), verify=cfg.verify)
 
     def param_needs_quantization(self, model, param_name: str, **kwargs) -> bool:
         return not self.pre_quantized and param_name in self.quantization_config.entries
@@ -147,6 +150,7 @@ def register() -> None:
     """Register the config and quantizer with transformers (idempotent; done on ``import bridge``)."""
     hf_auto.AUTO_QUANTIZATION_CONFIG_MAPPING[metadata.QUANT_METHOD] = QTransformConfig
     hf_auto.AUTO_QUANTIZER_MAPPING[metadata.QUANT_METHOD] = QTransformHfQuantizer
+    checks.install(QTransformConfig)
     if "transformers" not in REBUILD_HOOKS:
         REBUILD_HOOKS.register("transformers", attach_config)
 

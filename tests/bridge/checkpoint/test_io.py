@@ -90,7 +90,7 @@ def test_save_refuses_non_empty_dir_and_is_atomic(tmp_path, monkeypatch):
 
     def boom(*a, **k):
         raise OSError("disk full")
-    monkeypatch.setattr(store, "save_file", boom)
+    monkeypatch.setattr(store, "write_safetensors", boom)
     with pytest.raises(OSError, match="disk full"):
         bridge.save(qmodel, tmp_path / "ck", overwrite=True)
     assert sorted(os.listdir(tmp_path)) == ["ck"] and os.listdir(tmp_path / "ck") == ["keep.txt"]

@@ -11,7 +11,7 @@ ARCHS = ["llama", "mistral", "qwen2", "opt", "gpt2", "bert"]
 RECIPE = qt.Recipe(default=qt.QuantSpec(format="int4", granularity=qt.PerGroup(32), symmetric=False),
                    rules={"*mlp.down_proj.weight": qt.QuantSpec(format="int8", granularity=qt.PerChannel(0)),
                           "*.fc2.weight": qt.QuantSpec(format="nf4")},
-                   type_rules={"Conv1D": qt.QuantSpec(format="int8", granularity=qt.PerChannel(1))},
+                   type_rules={"Conv1D": qt.QuantSpec(format="int8", granularity=qt.PerChannel(0))},
                    exclude=["lm_head*", "*embed*", "*wte*", "*wpe*", "cls.*"])
 
 
