@@ -45,6 +45,7 @@ bench: $(STAMP)
 	$(BIN)/python bench/bench_formats.py
 	$(BIN)/python bench/bench_hqq.py
 	$(BIN)/python bench/bench_checkpoint.py
+	$(BIN)/python bench/bench_w8a8.py --threads 1
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

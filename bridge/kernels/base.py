@@ -1,27 +1,42 @@
 """Forward paths of the quantized modules, chosen per module and device: the tables and the choice.
 
-=================  ===========================================================  ================
-kernel             when                                                         modules
-=================  ===========================================================  ================
-``int4pack_cpu``   CPU, integer codes of at most 4 bits, per-group scales       QLinear
-                   (group 32/64/128/256 along in_features) or per-channel,
-                   ``out_features % 16 == 0``: ``aten._weight_int4pack_mm_for_cpu``
-``int8pack_cpu``   CPU, 8-bit integer codes, per-channel symmetric scales:      QLinear
-                   ``aten._weight_int8pack_mm``
-``fp8_scaled_mm``  CUDA with compute capability >= 8.9, float8_e4m3fn weights   QLinear
-                   with per-tensor/per-channel scales *and* a float8_e4m3fn
-                   input quantizer (real W8A8 fp8): ``torch._scaled_mm``
-``gather``         embedding rows: dequantize only the rows looked up           QEmbedding(Bag)
-``dequant``        everything: dequantize this one layer's weight, then the     all
-                   float op (the reference)
-=================  ===========================================================  ================
+===================  ===========================================================  ================
+kernel               when                                                         modules
+===================  ===========================================================  ================
+``int4pack_cpu``     CPU, integer codes of at most 4 bits, per-group scales       QLinear
+                     (group 32/64/128/256 along in_features) or per-channel,
+                     ``out_features % 16 == 0``: ``aten._weight_int4pack_mm_for_cpu``
+``int8pack_cpu``     CPU, 8-bit integer codes, per-channel symmetric scales:      QLinear
+                     ``aten._weight_int8pack_mm``
+``fp8_scaled_mm``    CUDA with compute capability >= 8.9, float8_e4m3fn weights   QLinear
+                     with per-tensor/per-channel scales *and* a float8_e4m3fn
+                     input quantizer (real W8A8 fp8): ``torch._scaled_mm``
+``int8_int_mm_cpu``  CPU, 8-bit integer weight codes with symmetric per-channel/  QLinear
+                     per-tensor scales *and* an 8-bit integer input quantizer
+                     (dynamic per-token or per-tensor, static per-tensor; an
+                     integer zero point allowed), ``in_features <= 65535``
+                     (real W8A8 int8): ``torch._int_mm``. Opt-in: ``auto``
+                     never chooses it (see below)
+``gather``           embedding rows: dequantize only the rows looked up           QEmbedding(Bag)
+``dequant``          everything: dequantize this one layer's weight, then the     all
+                     float op (the reference)
+===================  ===========================================================  ================
 
 ``module.kernel`` tells which path runs; ``kernel="dequant"`` (or any eligible name) forces
 one. The packed CPU kernels compute in bfloat16 (activations and scales are cast to bf16,
 accumulation is fp32): their output matches ``F.linear(x, dequantize(q))`` to bf16
-rounding. The fp8 path quantizes activations as the module's input quantizer says, so
-it matches the fake-quantized reference. Packed weights are derived on first use and
-cached per device (never saved: their layout depends on the CPU).
+rounding. The fp8 and int8 W8A8 paths quantize activations as the module's input quantizer
+says, so they match the fake-quantized reference (the int8 one to float rounding: its int32
+accumulation is exact). Packed weights are derived on first use and cached per device (never
+saved: their layout depends on the CPU).
+
+Where ``int8_int_mm_cpu`` pays, measured by ``bench/bench_w8a8.py --threads 1`` (AVX2 CPU
+without VNNI, torch 2.13): ``torch._int_mm`` runs about 1 GMAC/s there, so against the dequant
+reference it is 4.4x faster only at 1 token on a 4096x4096 layer (the reference dequantizes
+the whole weight per call) and 2.5x to 25x slower at 16 to 512 tokens on every shape; the
+weight-only ``int8pack_cpu`` (bf16) beats it at every size, so no token threshold would help.
+Hence ``auto`` never chooses it; CPUs with VNNI/AMX, where oneDNN has an int8 GEMM, may make it
+pay (not measured in this project yet: run the bench there before making it a default).
 
 >>> import torch, qtransform as qt
 >>> from bridge.modules import QLinear
