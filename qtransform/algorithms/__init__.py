@@ -1,13 +1,14 @@
 """Algorithms: pure steps from weights (and statistics) to new weights and quantization parameters.
 
 ``ALGORITHMS`` names them for recipes, recipe files, the command line and quantize-on-load
-(:mod:`.base` has the contract). Built-ins: ``rtn`` (round to nearest with a chosen observer)
-and ``hqq`` (half-quadratic optimization, calibration-free).
+(:mod:`.base` has the contract). Built-ins: ``rtn`` (round to nearest with a chosen observer),
+``hqq`` (half-quadratic optimization, calibration-free) and ``smoothquant`` (activation outliers
+folded into the weights, block by block on calibration data; :mod:`.smoothing` has the groups).
 """
 
 from .base import (ALGORITHMS, Algorithm, Block, BlockInputs, Context, Fit, SiteStats, apply_fit,
                    check_algorithm_options, get_algorithm, register_algorithm)
-from . import rtn, hqq
+from . import rtn, hqq, smoothing, smoothquant
 
 __all__ = ["ALGORITHMS", "Algorithm", "Block", "BlockInputs", "Context", "Fit", "SiteStats", "apply_fit", "check_algorithm_options",
-           "get_algorithm", "register_algorithm", "rtn", "hqq"]
+           "get_algorithm", "register_algorithm", "rtn", "hqq", "smoothing", "smoothquant"]

@@ -23,6 +23,8 @@ def tiny_causal_lm(arch: str):
         return tf.MistralForCausalLM(tf.MistralConfig(num_key_value_heads=2, **common))
     if arch == "qwen2":
         return tf.Qwen2ForCausalLM(tf.Qwen2Config(num_key_value_heads=2, **common))
+    if arch == "phi3":  # fused qkv_proj and gate_up_proj
+        return tf.Phi3ForCausalLM(tf.Phi3Config(num_key_value_heads=2, pad_token_id=0, **common))
     if arch == "opt":
         return tf.OPTForCausalLM(tf.OPTConfig(vocab_size=128, hidden_size=64, ffn_dim=128, num_hidden_layers=2,
                                               num_attention_heads=4, max_position_embeddings=64,
@@ -59,3 +61,18 @@ class EmbedNet(nn.Module):
 
     def forward(self, tokens, bag_ids, offsets):
         return self.out(self.emb(tokens).mean(1) + self.bag(bag_ids, offsets))
+
+
+def format_specs(group: int = 16) -> list:
+    """One spec per (format, symmetric) the registry allows (groups of ``group`` where the format has no
+    block of its own): adding a format adds test cases."""
+    import qtransform as qt
+    out = []
+    for name, fmt in sorted(qt.FORMATS.items()):
+        gran = fmt.default_granularity if fmt.block else qt.PerGroup(group)
+        for sym in (True, False):
+            try:
+                out.append(qt.QuantSpec(format=name, granularity=gran, symmetric=sym))
+            except ValueError:
+                continue
+    return out

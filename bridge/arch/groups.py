@@ -1,0 +1,179 @@
+"""A model's smoothing groups from the architecture tables, and handing them to the steps that take them.
+
+:func:`find_arch` recognises the family by ``config.model_type``, else by structure (the blocks and
+every module a table names, with norm classes that fold); :func:`smoothing_groups` resolves the
+table for every block into the plain dicts that ``qtransform.algorithms.smoothing`` reads;
+:func:`with_groups` gives them to each step of a plan whose algorithm takes a ``groups`` option and
+was given none (``smoothquant``; AWQ the same way), which is how :func:`bridge.quantize` runs them.
+
+>>> import transformers as tf
+>>> m = tf.LlamaForCausalLM(tf.LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+...                         num_attention_heads=4, num_key_value_heads=2))
+>>> find_arch(m).name, [g["prev"] for g in smoothing_groups(m)][:2]
+('llama', ['model.layers.0.input_layernorm', 'model.layers.0.self_attn.v_proj'])
+>>> smoothing_groups(m)[1]
+{'prev': 'model.layers.0.self_attn.v_proj', 'linears': ['model.layers.0.self_attn.o_proj'], 'head_dim': 4}
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from typing import Iterable
+
+from torch import nn
+
+import qtransform as qt
+
+from ..tree import stored_transposed
+from .tables import ARCHS, FOLDABLE_NORMS, Arch, GroupTemplate
+
+__all__ = ["find_arch", "smoothing_groups", "with_groups", "takes_groups"]
+
+KINDS = ("norm", "linear")
+
+
+def _module(model: nn.Module, path: str) -> nn.Module | None:
+    try:
+        return model.get_submodule(path)
+    except AttributeError:
+        return None
+
+
+def _is_linear(m: nn.Module) -> bool:
+    return isinstance(m, nn.Linear) or stored_transposed(m)
+
+
+def _missing(model: nn.Module, arch: Arch) -> str | None:
+    """Why ``arch`` does not fit ``model`` (``None``: it fits)."""
+    cfg = getattr(model, "config", None)
+    for name, value in arch.requires:
+        if getattr(cfg, name, None) != value:
+            return f"config.{name} must be {value!r} (got {getattr(cfg, name, None)!r})"
+    blocks = _module(model, arch.blocks)
+    if not isinstance(blocks, nn.ModuleList) or not len(blocks):
+        return f"no module list {arch.blocks!r}"
+    first = f"{arch.blocks}.0"
+    for t in arch.groups:
+        for rel in (t.prev, *t.linears):
+            m = _module(model, f"{first}.{rel}")
+            if m is None:
+                return f"no module {first}.{rel}"
+            if rel in t.linears and not _is_linear(m):
+                return f"{first}.{rel} is a {type(m).__name__}, not a linear layer"
+        prev = _module(model, f"{first}.{t.prev}")
+        if not _is_linear(prev) and type(prev).__name__ not in FOLDABLE_NORMS:
+            return (f"{first}.{t.prev} is a {type(prev).__name__}, not a norm known to fold a scale "
+                    f"({sorted(FOLDABLE_NORMS)})")
+        if not _is_linear(prev) and getattr(prev, "weight", None) is None:
+            return f"{first}.{t.prev} has no weight (elementwise_affine=False) to fold a scale into"
+    return None
+
+
+def find_arch(model: nn.Module) -> Arch:
+    """The table of ``model``'s family: by ``config.model_type``, else the first table whose structure fits.
+
+    ``ValueError`` naming the model type and, per table, what is missing, for an unsupported model.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    named = [a for a in ARCHS if model_type in a.model_types]
+    for arch in named or ARCHS:
+        if _missing(model, arch) is None:
+            return arch
+    why = "; ".join(f"{a.name}: {_missing(model, a)}" for a in (named or ARCHS))
+    raise ValueError(f"smoothing groups: no architecture table fits {type(model).__name__} (model_type "
+                     f"{model_type!r}); supported: {sorted({t for a in ARCHS for t in a.model_types})}. "
+                     f"What is missing: {why}")
+
+
+def _head_dim(model: nn.Module, attn: nn.Module | None) -> int:
+    d = getattr(attn, "head_dim", None)
+    cfg = getattr(model, "config", None)
+    if not isinstance(d, int):
+        d = getattr(cfg, "head_dim", None) or (getattr(cfg, "hidden_size", 0) // max(getattr(
+            cfg, "num_attention_heads", 1) or 1, 1))
+    if not isinstance(d, int) or d < 1:
+        raise ValueError(f"smoothing groups: cannot tell the attention head size of {type(model).__name__} "
+                         "(no head_dim on the attention module or the config)")
+    return d
+
+
+def _rows(kind: str, prev: nn.Module, reader: nn.Module, where: str) -> list[int]:
+    w = prev.weight.T if stored_transposed(prev) else prev.weight
+    r = reader.weight.T if stored_transposed(reader) else reader.weight
+    out, n_q = w.shape[0], r.shape[1]
+    if kind == "v":
+        kv = (out - n_q) // 2
+        if kv <= 0 or n_q + 2 * kv != out:
+            raise ValueError(f"{where}: a fused [q; k; v] of {out} outputs does not fit an output projection "
+                             f"reading {n_q}")
+        return [out - kv, out]
+    if kind == "up":
+        if out % 2:
+            raise ValueError(f"{where}: a fused [gate; up] needs an even number of outputs, got {out}")
+        return [out // 2, out]
+    raise ValueError(f"{where}: unknown rows kind {kind!r}")
+
+
+def _resolve(model: nn.Module, block: str, t: GroupTemplate) -> dict:
+    prev = model.get_submodule(f"{block}.{t.prev}")
+    linears = [f"{block}.{rel}" for rel in t.linears]
+    mods = [model.get_submodule(p) for p in linears] + ([prev] if _is_linear(prev) else [])
+    layouts = {stored_transposed(m) for m in mods}
+    if len(layouts) != 1:
+        raise ValueError(f"{block}.{t.prev}: the group mixes weights stored (out, in) and (in, out)")
+    g: dict = {"prev": f"{block}.{t.prev}", "linears": linears}
+    if t.rows is not None:
+        g["rows"] = _rows(t.rows, prev, model.get_submodule(linears[0]), f"{block}.{t.prev}")
+    if t.heads:
+        g["head_dim"] = _head_dim(model, _module(model, f"{block}.{t.prev}".rpartition(".")[0]))
+    if layouts == {True}:
+        g["transposed"] = True
+    return g
+
+
+def smoothing_groups(model: nn.Module, *, kinds: Iterable[str] = KINDS) -> list[dict]:
+    """``model``'s smoothing groups, block by block in table order, as plain dicts
+    (``{"prev", "linears", "rows"?, "head_dim"?, "transposed"?}``: the ``groups`` option of ``smoothquant``).
+
+    ``kinds``: ``"norm"`` (a norm feeds the linears) and/or ``"linear"`` (a linear's output: v -> o,
+    up -> down, fc1 -> fc2). ``ValueError`` for an unsupported architecture (see :func:`find_arch`).
+    """
+    kinds = tuple(kinds)
+    bad = [k for k in kinds if k not in KINDS]
+    if bad or not kinds:
+        raise ValueError(f"smoothing_groups: kinds must be some of {list(KINDS)}, got {list(kinds)}")
+    arch = find_arch(model)
+    cfg = getattr(model, "config", None)
+    out = []
+    for i in range(len(model.get_submodule(arch.blocks))):
+        block = f"{arch.blocks}.{i}"
+        for t in arch.groups:
+            if t.when is not None and getattr(cfg, t.when[0], None) not in t.when[1]:
+                continue
+            kind = "linear" if _is_linear(model.get_submodule(f"{block}.{t.prev}")) else "norm"
+            if kind in kinds:
+                out.append(_resolve(model, block, t))
+    return out
+
+
+def takes_groups(step: qt.Step) -> bool:
+    """Whether ``step``'s algorithm takes a ``groups`` option."""
+    try:
+        return "groups" in inspect.signature(qt.get_algorithm(step.name).fn).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def with_groups(model: nn.Module, plan: qt.Plan) -> qt.Plan:
+    """``plan`` with ``groups=smoothing_groups(model)`` given to every step that takes the option and
+    has none (the plan itself when no step does: other recipes never look the architecture up)."""
+    steps = plan.steps
+    if not any(takes_groups(s) and s.options.get("groups") is None for s in steps):
+        return plan
+    groups = smoothing_groups(model)
+    filled = tuple(qt.Step(s.name, **{**s.options, "groups": groups})
+                   if takes_groups(s) and s.options.get("groups") is None else s for s in steps)
+    return qt.Plan(dataclasses.replace(plan.recipe, steps=filled), dict(plan.items()))

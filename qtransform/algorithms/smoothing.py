@@ -1,0 +1,244 @@
+"""Smoothing groups: moving per-channel magnitude from a producer into the linear layers that read it.
+
+A :class:`SmoothGroup` names a producer ``prev`` and the ``linears`` reading its output (module
+paths of a flat parameter tree ``{"<module>.weight": tensor, ...}``):
+
+* ``prev`` a **norm** (1-D ``weight``, optional ``bias``: RMSNorm ``y = w ⊙ x̂``, LayerNorm
+  ``y = w ⊙ x̂ + b``): its output channel ``j`` is divided by ``s_j``;
+* ``prev`` a **linear** (2-D ``weight``): its output channels ``rows`` (all by default; the value
+  part of a fused ``[q; k; v]``, the ``up`` half of a fused ``[gate; up]``) are divided by ``s``,
+  bias too. Between ``prev`` and the linears may sit an operation that commutes with a positive
+  per-channel scale: attention (the output of head ``h`` is a convex combination of value rows),
+  ``act(gate) * up``, ReLU. With grouped-query attention the values of ``n_kv`` heads are read by
+  ``n_kv * n_rep`` heads: ``head_dim`` says how ``prev``'s channel ``(k, d)`` maps to the linears'
+  input channels ``(k * n_rep + r, d)``, ``r < n_rep`` (``n_rep`` follows from the shapes);
+* each linear's input column ``j`` is multiplied by ``s_j`` (expanded over the repeated heads).
+
+For any positive ``s`` the float function is unchanged: the linears see ``x / s`` through
+``W · diag(s)``. :func:`fold` does it, as a pure function returning the changed tensors. Weights
+are read in their logical ``(out, in)`` layout; ``transposed=True`` says they are stored
+``(in, out)`` (GPT-2's ``Conv1D``). Groups are plain data (``to_dict``/``from_value``), so recipes,
+recipe files and the bridge's architecture tables carry them.
+
+>>> import torch
+>>> params = {"norm.weight": torch.ones(2), "fc.weight": torch.tensor([[1.0, 2.0], [3.0, 4.0]])}
+>>> g = SmoothGroup.from_value({"prev": "norm", "linears": ["fc"]})
+>>> new = fold(params, g, torch.tensor([2.0, 0.5]))
+>>> new["norm.weight"].tolist(), new["fc.weight"].tolist()
+([0.5, 2.0], [[2.0, 1.0], [6.0, 2.0]])
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, NamedTuple, Sequence
+
+import torch
+
+__all__ = ["SmoothGroup", "as_groups", "group_shape", "GroupShape", "logical_weight", "weight_absmax",
+           "to_prev", "to_input", "fold"]
+
+
+class SmoothGroup(NamedTuple):
+    """A producer and the linears reading its output (see the module docstring).
+
+    Attributes:
+        prev: module path of the norm or linear whose output channels are divided by the scales.
+        linears: module paths of the linears whose input columns are multiplied by them.
+        rows: ``(start, stop)``: the output channels of a linear ``prev`` that feed the linears.
+        head_dim: for a linear ``prev`` whose ``rows`` are attention heads read by ``n_rep`` times
+            as many heads (grouped-query attention): the head size.
+        transposed: the linears' (and a linear ``prev``'s) weights are stored ``(in, out)``.
+    """
+
+    prev: str
+    linears: tuple[str, ...]
+    rows: tuple[int, int] | None = None
+    head_dim: int | None = None
+    transposed: bool = False
+
+    @classmethod
+    def from_value(cls, value: Any, *, where: str = "group") -> "SmoothGroup":
+        """A group from a :class:`SmoothGroup` or its dict form ``{"prev": ..., "linears": [...], ...}``."""
+        if isinstance(value, SmoothGroup):
+            d = value._asdict()
+        elif isinstance(value, Mapping):
+            d = dict(value)
+        else:
+            raise TypeError(f"{where}: expected a SmoothGroup or a dict {{'prev': ..., 'linears': [...]}}, got "
+                            f"{type(value).__name__}")
+        unknown = sorted(set(d) - set(cls._fields))
+        if unknown:
+            raise ValueError(f"{where}: unknown key(s) {unknown}; known: {list(cls._fields)}")
+        prev, linears = d.get("prev"), d.get("linears")
+        if not isinstance(prev, str) or not prev:
+            raise ValueError(f"{where}: 'prev' must be a module path (a non-empty string), got {prev!r}")
+        if isinstance(linears, str) or not isinstance(linears, Sequence) or not linears or not all(
+                isinstance(p, str) and p for p in linears):
+            raise ValueError(f"{where}: 'linears' must be a non-empty list of module paths, got {linears!r}")
+        rows = d.get("rows")
+        if rows is not None:
+            if (isinstance(rows, str) or not isinstance(rows, Sequence) or len(rows) != 2
+                    or not all(isinstance(r, int) and not isinstance(r, bool) for r in rows)
+                    or not 0 <= rows[0] < rows[1]):
+                raise ValueError(f"{where}: 'rows' must be [start, stop] with 0 <= start < stop, got {rows!r}")
+            rows = (int(rows[0]), int(rows[1]))
+        head_dim = d.get("head_dim")
+        if head_dim is not None and (not isinstance(head_dim, int) or isinstance(head_dim, bool) or head_dim < 1):
+            raise ValueError(f"{where}: 'head_dim' must be a positive int, got {head_dim!r}")
+        transposed = d.get("transposed", False)
+        if not isinstance(transposed, bool):
+            raise TypeError(f"{where}: 'transposed' must be a bool, got {transposed!r}")
+        return cls(prev, tuple(linears), rows, head_dim, transposed)
+
+    def to_dict(self) -> dict:
+        """JSON-able form (``from_value(g.to_dict()) == g``); defaults left out."""
+        d: dict = {"prev": self.prev, "linears": list(self.linears)}
+        if self.rows is not None:
+            d["rows"] = list(self.rows)
+        if self.head_dim is not None:
+            d["head_dim"] = self.head_dim
+        if self.transposed:
+            d["transposed"] = True
+        return d
+
+
+def as_groups(value: Any, *, where: str = "groups") -> tuple[SmoothGroup, ...]:
+    """A tuple of groups from a list of groups or dicts (``ValueError`` naming the bad entry)."""
+    if isinstance(value, (str, Mapping, SmoothGroup)) or not isinstance(value, Sequence):
+        raise TypeError(f"{where}: expected a list of smoothing groups, got {type(value).__name__}")
+    return tuple(SmoothGroup.from_value(g, where=f"{where}[{i}]") for i, g in enumerate(value))
+
+
+class GroupShape(NamedTuple):
+    """Channel counts of a group in a tree: ``channels`` (the linears' input features), ``prev``
+    (the producer's channels that feed them), ``n_rep`` (``channels = n_rep * prev``)."""
+
+    channels: int
+    prev: int
+    n_rep: int
+
+
+def _weight(params: Mapping[str, torch.Tensor], module: str, role: str) -> torch.Tensor:
+    w = params.get(f"{module}.weight")
+    if not isinstance(w, torch.Tensor) or not w.is_floating_point():
+        raise ValueError(f"{module}.weight: smoothing group {role} {module!r} has no floating-point weight in "
+                         "the tree")
+    return w
+
+
+def logical_weight(w: torch.Tensor, transposed: bool) -> torch.Tensor:
+    """A linear weight in its ``(out, in)`` layout."""
+    return w.T if transposed else w
+
+
+def group_shape(params: Mapping[str, torch.Tensor], group: SmoothGroup) -> GroupShape:
+    """Check ``group`` against the tree and return its channel counts (``ValueError`` naming the path)."""
+    ins = []
+    for lin in group.linears:
+        w = _weight(params, lin, "linear")
+        if w.dim() != 2:
+            raise ValueError(f"{lin}.weight: a smoothing group's linear must have a 2-D weight, got shape "
+                             f"{tuple(w.shape)}")
+        ins.append(logical_weight(w, group.transposed).shape[1])
+    if len(set(ins)) != 1:
+        raise ValueError(f"smoothing group of {group.prev!r}: its linears {list(group.linears)} read "
+                         f"different widths {ins}; they must share one input")
+    c = ins[0]
+    pw = _weight(params, group.prev, "prev")
+    if pw.dim() == 1:  # a norm
+        if group.rows is not None or group.head_dim is not None:
+            raise ValueError(f"{group.prev}.weight: 'rows' and 'head_dim' apply to a linear prev, not a norm")
+        if pw.shape[0] != c:
+            raise ValueError(f"{group.prev}.weight: the norm has {pw.shape[0]} channels, its linears read {c}")
+        bias = params.get(f"{group.prev}.bias")
+        if bias is not None and tuple(bias.shape) != (c,):
+            raise ValueError(f"{group.prev}.bias: shape {tuple(bias.shape)}, expected ({c},)")
+        return GroupShape(c, c, 1)
+    if pw.dim() != 2:
+        raise ValueError(f"{group.prev}.weight: prev must be a norm (1-D weight) or a linear (2-D), got shape "
+                         f"{tuple(pw.shape)}")
+    out = logical_weight(pw, group.transposed).shape[0]
+    start, stop = group.rows if group.rows is not None else (0, out)
+    if stop > out:
+        raise ValueError(f"{group.prev}.weight: rows {[start, stop]} exceed its {out} output channels")
+    n = stop - start
+    if n == c:
+        return GroupShape(c, n, 1)
+    if group.head_dim is None or c % n or n % group.head_dim:
+        raise ValueError(f"{group.prev}.weight: rows {[start, stop]} give {n} channels, its linears read {c}; "
+                         "they must be equal, or (grouped-query attention) a multiple with 'head_dim' dividing "
+                         f"{n} (head_dim={group.head_dim})")
+    return GroupShape(c, n, c // n)
+
+
+def weight_absmax(params: Mapping[str, torch.Tensor], group: SmoothGroup) -> torch.Tensor:
+    """``max |W[:, j]|`` over the rows of all the group's linears, per input channel ``j`` (float32)."""
+    cols = [logical_weight(params[f"{lin}.weight"], group.transposed).detach().abs().amax(0).float()
+            for lin in group.linears]
+    return torch.stack(cols).amax(0)
+
+
+def to_prev(t: torch.Tensor, group: SmoothGroup, shape: GroupShape) -> torch.Tensor:
+    """Per-input-channel values (``(..., channels)``) reduced by max over repeated heads to the
+    producer's channels (``(..., prev)``); unchanged without repetition."""
+    if shape.n_rep == 1:
+        return t
+    d = group.head_dim
+    return t.reshape(*t.shape[:-1], shape.prev // d, shape.n_rep, d).amax(-2).reshape(*t.shape[:-1], shape.prev)
+
+
+def to_input(s: torch.Tensor, group: SmoothGroup, shape: GroupShape) -> torch.Tensor:
+    """Producer-channel scales (``(..., prev)``) expanded to the linears' input channels."""
+    if shape.n_rep == 1:
+        return s
+    d = group.head_dim
+    lead = s.shape[:-1]
+    return s.reshape(*lead, shape.prev // d, 1, d).expand(*lead, shape.prev // d, shape.n_rep, d).reshape(
+        *lead, shape.channels)
+
+
+def _compute_dtype(t: torch.Tensor) -> torch.dtype:
+    return torch.promote_types(t.dtype, torch.float32)
+
+
+def fold(params: Mapping[str, torch.Tensor], group: SmoothGroup, s: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The tensors of ``group`` with the scales ``s`` folded in (new tensors, same shapes and dtypes).
+
+    Args:
+        params: flat tree ``{path: tensor}`` (not modified).
+        group: the :class:`SmoothGroup`.
+        s: positive scales, one per producer channel (``group_shape(params, group).prev``).
+
+    Returns:
+        ``{path: tensor}`` for ``prev``'s weight (and bias) and each linear's weight. Computed in
+        float32 (or wider) and cast back.
+    """
+    shape = group_shape(params, group)
+    if not isinstance(s, torch.Tensor) or tuple(s.shape) != (shape.prev,):
+        got = tuple(s.shape) if isinstance(s, torch.Tensor) else type(s).__name__
+        raise ValueError(f"smoothing group of {group.prev!r}: scales of shape {got}, expected ({shape.prev},)")
+    if not bool((s > 0).all()) or not bool(torch.isfinite(s).all()):
+        raise ValueError(f"smoothing group of {group.prev!r}: scales must be positive and finite")
+    out = {}
+    pw = params[f"{group.prev}.weight"]
+    if pw.dim() == 1:
+        inv = 1.0 / s
+        factors = {f"{group.prev}.weight": inv}
+        if params.get(f"{group.prev}.bias") is not None:
+            factors[f"{group.prev}.bias"] = inv
+    else:
+        n_out = logical_weight(pw, group.transposed).shape[0]
+        start, stop = group.rows if group.rows is not None else (0, n_out)
+        ones = s.new_ones(())
+        inv = torch.cat([ones.expand(start), 1.0 / s, ones.expand(n_out - stop)])
+        factors = {f"{group.prev}.weight": inv[None, :] if group.transposed else inv[:, None]}
+        if params.get(f"{group.prev}.bias") is not None:
+            factors[f"{group.prev}.bias"] = inv
+    cols = to_input(s, group, shape)
+    for lin in group.linears:
+        factors[f"{lin}.weight"] = cols[:, None] if group.transposed else cols[None, :]
+    for path, f in factors.items():
+        t = params[path]
+        dt = _compute_dtype(t)
+        out[path] = (t.to(dt) * f.to(device=t.device, dtype=dt)).to(t.dtype)
+    return out
