@@ -39,6 +39,7 @@ from .checkpoint.layout import LAYOUTS
 from .checkpoint.metadata import CheckpointError
 from .checkpoint.tree_io import (CONFIG, check_aliases, quantized_parts, read_metadata, read_tree, tensor_groups,
                                  verify_checksums)
+from .modules.actquant import activation_specs, static_buffers
 from .tree import extract, tie_groups, to_module
 
 __all__ = ["save", "load", "TOKENIZER_FILES"]
@@ -103,7 +104,8 @@ def save(model_or_qtree, directory, *, max_shard_size="2GB", overwrite: bool = F
     qconfig = metadata.encode(metadata.entries_of(quantized), layout=layout.name, recipe=recipe,
                               recipe_name=recipe_name or getattr(cfg, "recipe_name", None),
                               rules=rules if rules is not None else getattr(cfg, "rules", None), aliases=aliases,
-                              skip_modules=getattr(cfg, "skip_modules", None))
+                              skip_modules=getattr(cfg, "skip_modules", None),
+                              activations=activation_specs(model) if model is not None else None)
     try:  # what is written must read back: checked before anything is written
         metadata.decode(qconfig, where="bridge.save")
     except metadata.CheckpointError as e:
@@ -124,6 +126,24 @@ def _tied_aliases(like: nn.Module, stored: set) -> dict[str, str]:
         present = [p for p in paths if p in stored]
         if present:
             out.update({p: present[0] for p in paths if p not in stored})
+    return out
+
+
+def _activation_parts(like: nn.Module, meta) -> dict:
+    """``{Site: {stored name: (shape, dtype)}}`` of the checkpoint's static activation quantizers."""
+    out = {}
+    for site, spec in meta.activations.items():
+        try:
+            module = like.get_submodule(site.module)
+        except AttributeError:
+            raise CheckpointError(f"{CONFIG}: activation quantizer of {site.module!r} names no module of "
+                                  f"{type(like).__name__}") from None
+        if not spec.dynamic:
+            try:
+                parts = static_buffers(module, site.role, spec)
+            except ValueError as e:
+                raise CheckpointError(f"{CONFIG}: activation quantizer {site.module}:{site.role}: {e}") from None
+            out[site] = {f"{site.module}.{n}": v for n, v in parts.items()}
     return out
 
 
@@ -168,10 +188,17 @@ def load(directory, *, like: nn.Module, kernel: str = "auto", verify: bool = Tru
             raise CheckpointError(f"{CONFIG}: {path!r} is quantized in the model but not in the checkpoint")
         else:
             expected[path] = (tuple(leaf.shape), leaf.dtype)
+    act_parts = _activation_parts(like, meta)
+    expected.update({n: v for parts in act_parts.values() for n, v in parts.items()})
     store.check_headers(root, located, handles, expected)
     verify_checksums(root, located, verify=verify)
     tree = read_tree(root, meta, located, handles, expected, list(ref))
-    model = to_module(like, tree, kernel=kernel)
+    acts = {}
+    for site, spec in meta.activations.items():
+        names = act_parts.get(site, {})
+        acts[site] = spec if spec.dynamic else qt.QParams(spec=spec, **{
+            n.rpartition(".")[2].removeprefix(f"{site.role}_"): handles[located[n]].get_tensor(n) for n in names})
+    model = to_module(like, tree, kernel=kernel, activations=acts)
     left = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
     if left:
         raise CheckpointError(f"{root}: {left[:5]} have no value (not in the checkpoint; build `like` on a real "

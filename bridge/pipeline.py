@@ -22,6 +22,7 @@ from torch import nn
 
 import qtransform as qt
 
+from .arch import with_groups
 from .calibrate import ModelCalibrator
 from .tree import extract, model_plan, to_module, weight_paths
 
@@ -100,15 +101,18 @@ def nothing_selected(model: nn.Module, p: qt.Plan) -> str:
 
 class Quantized(NamedTuple):
     """What the pipeline made of a model: the tree before (``params``, the model's own tensors), the
-    quantized tree after the steps (``qtree``), and the ``plan``."""
+    quantized tree after the steps (``qtree``), the ``plan``, and the activation quantizers
+    (``{Site: dynamic QuantSpec | calibrated QParams}``)."""
 
     params: dict
     qtree: dict
     plan: qt.Plan
+    activations: dict = {}
 
 
 def quantize_params(model: nn.Module, recipe, *, calibration: Iterable | None = None,
-                    qparams: Mapping | None = None, progress: Callable | None = None, generator=None) -> Quantized:
+                    qparams: Mapping | None = None, progress: Callable | None = None, generator=None,
+                    act_observer=None) -> Quantized:
     """Run the pipeline up to the quantized tree (the model is not changed).
 
     Args:
@@ -118,6 +122,9 @@ def quantize_params(model: nn.Module, recipe, *, calibration: Iterable | None = 
         qparams: precomputed quantization parameters by path (paths the steps do not fit).
         progress: ``progress(iterable, desc=..., total=...)``, e.g. ``tqdm.tqdm``.
         generator: ``torch.Generator`` or seed for stochastic rounding.
+        act_observer: the observer of static activation specs (``"minmax"``, the default;
+            ``"percentile"``, ``"mse"``... or ``{"name": ..., **options}``), folded over ``calibration``
+            with the weights quantized.
     """
     p = plan(model, recipe)
     meta = next((path for path, t in extract(model).items() if getattr(t, "is_meta", False)), None)
@@ -126,15 +133,27 @@ def quantize_params(model: nn.Module, recipe, *, calibration: Iterable | None = 
                          "weights first, or quantize while loading (from_pretrained with a QTransformConfig)")
     if not p.specs:
         raise ValueError(nothing_selected(model, p))
+    static = [f"{s.module} ({s.role})" for s, spec in p.activations.items() if not spec.dynamic]
+    if static and calibration is None:  # before any step runs
+        raise ValueError(f"the recipe's static activation specs ({static[:2]}{' ...' if len(static) > 2 else ''}) need "
+                         "calibration data: pass calibration=batches (`qtransform quantize --calib N`), or use "
+                         "dynamic=True activation specs")
+    observer = dict(act_observer) if isinstance(act_observer, Mapping) else {"name": act_observer}
     calibrator = None if calibration is None else ModelCalibrator(model, calibration, progress=progress)
+    if calibrator is not None:  # steps taking smoothing groups (smoothquant) get the model's, from bridge.arch
+        p = with_groups(model, p)
     params = extract(model)
     qtree = qt.quantize_tree(params, p, qparams=qparams, calibrator=calibrator, progress=progress, generator=generator)
-    return Quantized(params, qtree, p)
+    acts = {}
+    if p.activations:
+        weights = {path: qt.dequantize(v) if isinstance(v, qt.QTensor) else v for path, v in qtree.items()}
+        acts = qt.activation_quantizers(weights, p, calibrator, observer=observer.pop("name", None), **observer)
+    return Quantized(params, qtree, p, acts)
 
 
 def quantize(model: nn.Module, recipe, *, inplace: bool = False, kernel: str = "auto",
              calibration: Iterable | None = None, qparams: Mapping | None = None, progress: Callable | None = None,
-             generator=None) -> nn.Module:
+             generator=None, act_observer=None) -> nn.Module:
     """``extract -> plan -> steps -> quantize_tree -> to_module`` in one call (see :func:`quantize_params`).
 
     Returns a new model, or ``model`` itself with ``inplace=True``. The new model is not a deep
@@ -144,6 +163,6 @@ def quantize(model: nn.Module, recipe, *, inplace: bool = False, kernel: str = "
     apart. A recipe that selects no tensor is a ``ValueError`` naming its rules.
     """
     r = quantize_params(model, recipe, calibration=calibration, qparams=qparams, progress=progress,
-                        generator=generator)
+                        generator=generator, act_observer=act_observer)
     changed: dict[str, Any] = {p: v for p, v in r.qtree.items() if v is not r.params.get(p)}
-    return to_module(model, changed, inplace=inplace, kernel=kernel, plan=r.plan)
+    return to_module(model, changed, inplace=inplace, kernel=kernel, plan=r.plan, activations=r.activations)

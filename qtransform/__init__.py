@@ -24,8 +24,9 @@ from .observers import (OBSERVERS, HistogramStats, MinMaxStats, Observer, choose
                         finalize_stats, init_stats, make_observer, merge_stats, observe, register_observer)
 from .algorithms import (ALGORITHMS, Algorithm, Block, BlockInputs, Context, Fit, SiteStats, apply_fit,
                          check_algorithm_options, get_algorithm, register_algorithm)
-from .pipeline import (PRESETS, Calibrator, Preset, check_steps, from_hqq_config, get_preset, presets,
-                       recipe_from_dict, register_preset, run_steps)
+from .pipeline import (PRESETS, Calibrator, Preset, activation_quantizers, check_activation_spec, check_steps,
+                       from_hqq_config, get_preset, kv_cache_rules, presets, recipe_from_dict, register_preset,
+                       run_steps)
 from .tree import (dequantize_tree, flatten_tree, is_qtensor, merge_stats_tree, observe_tree, qparams_tree,
                    quantize_tree)
 
@@ -40,10 +41,10 @@ __all__ = [
     "bits_per_element",
     "OBSERVERS", "Observer", "register_observer", "make_observer", "init_stats", "observe", "merge_stats",
     "finalize_stats", "compute_qparams", "choose_qparams", "MinMaxStats", "HistogramStats",
-    "ALGORITHMS", "Algorithm", "Block", "BlockInputs", "Context", "Fit", "SiteStats", "apply_fit", "check_algorithm_options",
+    "activation_quantizers", "check_activation_spec", "ALGORITHMS", "Algorithm", "Block", "BlockInputs", "Context", "Fit", "SiteStats", "apply_fit", "check_algorithm_options",
     "get_algorithm", "register_algorithm",
     "PRESETS", "Preset", "Calibrator", "check_steps", "run_steps", "from_hqq_config", "get_preset", "presets",
-    "recipe_from_dict", "register_preset",
+    "recipe_from_dict", "register_preset", "kv_cache_rules",
     "dequantize_tree", "flatten_tree", "is_qtensor", "merge_stats_tree", "observe_tree", "qparams_tree",
     "quantize_tree",
 ]

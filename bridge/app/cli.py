@@ -126,6 +126,11 @@ def cmd_quantize(a) -> int:
         qt.check_steps(recipe.steps, calibrated=bool(a.calib))
     except (TypeError, ValueError) as e:
         raise UserError(str(e)) from None
+    static = [s for s in [recipe.input, recipe.output, *(v for _, v in recipe.act_rules)]
+              if s is not None and not s.dynamic]
+    if static and not a.calib:
+        raise UserError(f"recipe {label} quantizes activations with static scales ({static[0]}), which are calibrated "
+                        "from data: pass --calib N")
     model_name = Path(a.model).stem if a.model else models.DEFAULT_MODEL
     out = Path(a.out or f"out/{model_name}-{Path(label).stem}")
     outputs.check_out_dir(out, overwrite=a.overwrite)
@@ -151,6 +156,11 @@ def cmd_quantize(a) -> int:
     calibration = inputs.calibration(a, tokenizer, calib_text)
     plan = _plan(model, recipe, label)
     unmatched = recipe.unmatched(plan)
+    kv = [g for g in qt.pipeline.KV_SITES if g in dict(recipe.act_rules)]
+    if kv and all(g in unmatched for g in kv):
+        raise UserError(f"recipe {label} quantizes the key/value cache at {kv}, but this {type(model).__name__} has "
+                        "no separate key/value projections (k_proj/v_proj; GPT-2 and Phi-3 fuse them, encoders "
+                        "have no cache)")
     for glob in unmatched:
         _warn(f"recipe pattern {glob!r} matches no tensor of the model")
 
@@ -170,7 +180,8 @@ def cmd_quantize(a) -> int:
     size_before = report.tree_bytes(result.params)
     rows = report.layer_rows(result.params, result.qtree, plan)
     changed = {p: v for p, v in result.qtree.items() if v is not result.params.get(p)}
-    qmodel = to_module(model, changed, inplace=True, plan=plan)
+    qmodel = to_module(model, changed, inplace=True, plan=plan, activations=result.activations)
+    act_rows = report.activation_rows(result.activations)
     del result
 
     ppl_after = None
@@ -184,7 +195,7 @@ def cmd_quantize(a) -> int:
                         ppl_before=ppl_before, ppl_after=ppl_after,
                         eval_tokens=0 if eval_seqs is None else int(eval_seqs.numel()),
                         calib_tokens=0 if calibration is None else sum(int(b.numel()) for b in calibration),
-                        out=str(out), unmatched=unmatched)
+                        out=str(out), unmatched=unmatched, activations=act_rows)
     # assembled beside the nearest existing parent of --out and renamed: no half checkpoint, no
     # parent directories left behind by a failure
     base = next(p for p in out.absolute().parents if p.is_dir())

@@ -99,6 +99,7 @@ class Report:
     out: str = ""
     unmatched: list[str] = dataclasses.field(default_factory=list)
     calib_tokens: int = 0
+    activations: list[dict] = dataclasses.field(default_factory=list)
 
     @property
     def quantized_numel(self) -> int:
@@ -144,6 +145,15 @@ class Report:
         lines += ["", "worst layers (relative error ||W - Ŵ||² / ||W||²):"]
         lines += table([["tensor", "spec", "rel. error"]] +
                         [[r.path, r.spec, f"{r.rel_error:.5f}"] for r in self.worst()])
+        if self.activations:
+            static = [a for a in self.activations if not a["dynamic"]]
+            lines += ["", f"activations: {len(self.activations)} quantized "
+                      f"({len(static)} static, {len(self.activations) - len(static)} dynamic)"
+                      + ("; widest static ranges:" if static else "")]
+            widest = sorted(static, key=lambda a: a["range"][1] - a["range"][0], reverse=True)[:5]
+            lines += table([["site", "spec", "range"]] + [[f"{a['module']} ({a['role']})", a["spec"],
+                                                           f"[{a['range'][0]:.4g}, {a['range'][1]:.4g}]"]
+                                                          for a in widest]) if widest else []
         ratio = self.size_before / self.size_after if self.size_after else float("nan")
         summary = [["", "before", "after"],
                    ["model size", format_bytes(self.size_before), f"{format_bytes(self.size_after)} ({ratio:.2f}x smaller)"],
@@ -189,6 +199,24 @@ class Report:
         fig.tight_layout()
         fig.savefig(path, dpi=110)
         plt.close(fig)
+
+
+def activation_rows(activations: Mapping) -> list[dict]:
+    """One row per activation quantizer: site, spec, dynamic, and for static ones the range the
+    calibrated parameters represent (what the largest codes dequantize to)."""
+    rows = []
+    for site, q in activations.items():
+        spec = q if isinstance(q, qt.QuantSpec) else q.spec
+        row = {"module": site.module, "role": site.role, "spec": str(spec), "dynamic": bool(spec.dynamic)}
+        if isinstance(q, qt.QParams):
+            width = q.scale.shape[-1] if q.scale.dim() else 1
+            x = torch.tensor([-3e38, 3e38]).reshape(2, 1).expand(2, width)
+            if q.scale.dim() > 2:
+                x = x.reshape((2,) + (1,) * (q.scale.dim() - 2) + (width,))
+            y = qt.fake_quantize(x, q)
+            row["range"] = [float(y.min()), float(y.max())]
+        rows.append(row)
+    return rows
 
 
 def table(rows: list[list[str]]) -> list[str]:

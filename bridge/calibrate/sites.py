@@ -42,6 +42,10 @@ def _to(value, device):
     return value
 
 
+class _Split(ValueError):
+    """Tied names of a model hold different tensors in a tree."""
+
+
 def untied(model: nn.Module, params: Mapping[str, torch.Tensor]) -> dict:
     """``params`` with one name per group of tied tensors (``functional_call`` ties the others to it).
 
@@ -52,7 +56,7 @@ def untied(model: nn.Module, params: Mapping[str, torch.Tensor]) -> dict:
         for n in given[1:]:
             a, b = out[given[0]], out[n]
             if a is not b and (a.data_ptr() != b.data_ptr() or a.shape != b.shape):
-                raise ValueError(f"{given[0]} and {n} are tied in {type(model).__name__}, but the tree holds "
+                raise _Split(f"{given[0]} and {n} are tied in {type(model).__name__}, but the tree holds "
                                  "different tensors for them")
             del out[n]
     return out
@@ -82,7 +86,13 @@ def run_batch(model: nn.Module, params: Mapping[str, torch.Tensor], batch) -> An
                         f"{type(batch).__name__}")
     if takes(model, "use_cache"):
         kwargs["use_cache"] = False
-    return torch.func.functional_call(model, untied(model, params), args, kwargs)
+    try:
+        return torch.func.functional_call(model, untied(model, params), args, kwargs)
+    except _Split:
+        pass
+    # tied names holding different tensors (one of them quantized: the quantized model unties them):
+    # each name gets its own value
+    return torch.func.functional_call(model, dict(params), args, kwargs, tie_weights=False)
 
 
 def fold_sites(model: nn.Module, sites: Mapping[qt.Site, Any], run_all: Callable[[], Any], *,

@@ -8,6 +8,14 @@ Version 2::
      "recipe": <Recipe.to_dict(), steps included> | null, "recipe_name": "hqq4-g64",
      "rules": {path: rule}, "aliases": {path: path}, "skip_modules": [...] | null}
 
+Version 3 is version 2 with activation quantizers, written only when a model has some (older
+readers refuse it rather than drop them)::
+
+     "activations": {"model.layers.0.mlp.up_proj:input": <spec index>, ...}
+
+a spec with ``dynamic: true`` is fitted at run time; a static one's parameters are the module's
+stored tensors ``<module>.input_scale`` (``input_zero_point``...; ``output_...`` for outputs).
+
 ``tensors`` lists every quantized tensor: its spec (an index into ``specs``), logical shape and
 dequantized dtype; with the layout (:mod:`bridge.checkpoint.layout`) this fixes the exact names,
 shapes and dtypes of its stored parts. Specs hold what decoding needs only.
@@ -40,11 +48,13 @@ import qtransform as qt
 
 from .layout import LAYOUTS, dtype_from_name, dtype_name
 
-__all__ = ["VERSION", "READABLE", "QUANT_METHOD", "Entry", "Metadata", "CheckpointError", "encode", "decode",
+__all__ = ["VERSION", "VERSION_ACTIVATIONS", "READABLE", "QUANT_METHOD", "Entry", "Metadata", "CheckpointError", "encode", "decode",
            "entries_of", "upgrade"]
 
 VERSION = 2
-READABLE = (1, 2)
+#: The version of checkpoints with activation quantizers.
+VERSION_ACTIVATIONS = 3
+READABLE = (1, 2, 3)
 QUANT_METHOD = "qtransform"
 _EMPTY: Mapping[str, str] = types.MappingProxyType({})
 
@@ -72,6 +82,7 @@ class Metadata(NamedTuple):
     aliases: Mapping[str, str] = _EMPTY
     skip_modules: list[str] | None = None
     version: int = VERSION
+    activations: Mapping[qt.Site, qt.QuantSpec] = _EMPTY
 
 
 def entries_of(quantized: Mapping) -> dict[str, Entry]:
@@ -81,19 +92,28 @@ def entries_of(quantized: Mapping) -> dict[str, Entry]:
 
 def encode(entries: Mapping[str, Entry], *, layout: str = "native", recipe: qt.Recipe | None = None,
            recipe_name: str | None = None, rules: Mapping[str, str] | None = None,
-           aliases: Mapping[str, str] | None = None, skip_modules=None) -> dict:
-    """JSON-able version-2 ``quantization_config`` (absent optional fields are left out)."""
+           aliases: Mapping[str, str] | None = None, skip_modules=None,
+           activations: Mapping[qt.Site, qt.QuantSpec] | None = None) -> dict:
+    """JSON-able ``quantization_config``: version 2, or 3 with ``activations`` (absent optional fields
+    are left out)."""
     specs: list[qt.QuantSpec] = []
     index: dict[qt.QuantSpec, int] = {}
-    tensors = {}
-    for path, e in entries.items():
-        if e.spec not in index:
-            index[e.spec] = len(specs)
-            specs.append(e.spec)
-        tensors[path] = {"spec": index[e.spec], "shape": [int(n) for n in e.shape], "dtype": dtype_name(e.dtype)}
-    d = {"quant_method": QUANT_METHOD, "version": VERSION, "qtransform_version": qt.__version__, "layout": layout,
+
+    def spec_index(spec):
+        if spec not in index:
+            index[spec] = len(specs)
+            specs.append(spec)
+        return index[spec]
+
+    tensors = {path: {"spec": spec_index(e.spec), "shape": [int(n) for n in e.shape], "dtype": dtype_name(e.dtype)}
+               for path, e in entries.items()}
+    acts = {f"{site.module}:{site.role}": spec_index(spec) for site, spec in (activations or {}).items()}
+    d = {"quant_method": QUANT_METHOD, "version": VERSION_ACTIVATIONS if acts else VERSION,
+         "qtransform_version": qt.__version__, "layout": layout,
          "specs": [s.to_dict() for s in specs], "tensors": tensors,
          "recipe": None if recipe is None else recipe.to_dict(), "skip_modules": skip_modules}
+    if acts:
+        d["activations"] = acts
     for key, value in (("recipe_name", recipe_name), ("rules", dict(rules or {})), ("aliases", dict(aliases or {}))):
         if value:
             d[key] = value
@@ -218,4 +238,21 @@ def decode(d, *, where: str = "quantization_config") -> Metadata:
     if name is not None and not isinstance(name, str):
         _fail(where, f"'recipe_name' must be a string, got {type(name).__name__}")
     return Metadata(entries=entries, layout=layout, recipe=recipe, recipe_name=name,
-                    rules=dict(rules), aliases=dict(aliases), skip_modules=skip, version=version)
+                    rules=dict(rules), aliases=dict(aliases), skip_modules=skip, version=version,
+                    activations=_activations(d.get("activations"), specs, where))
+
+
+def _activations(raw, specs: list, where: str) -> dict:
+    if raw is None:
+        return {}
+    if not isinstance(raw, Mapping):
+        _fail(where, f"'activations' must be an object of '<module>:<role>' -> spec index, got {type(raw).__name__}")
+    out = {}
+    for key, index in raw.items():
+        module, _, role = key.rpartition(":")
+        if role not in ("input", "output") or not module:
+            _fail(where, f"'activations' key {key!r} is not '<module>:input' or '<module>:output'")
+        if not isinstance(index, int) or isinstance(index, bool) or not 0 <= index < len(specs):
+            _fail(where, f"'activations' entry {key!r}: {index!r} is not an index of 'specs'")
+        out[qt.Site(module, role)] = specs[index]
+    return out

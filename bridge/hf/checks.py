@@ -75,6 +75,10 @@ def check_checkpoint(model, cfg, files, *, verify: bool = True) -> None:
     exact = {}
     for path, e in cfg.entries.items():
         exact.update(layout.expected(path, e.spec, e.shape, e.dtype))
+    for site, spec in getattr(cfg, "activations", {}).items():  # static quantizers: buffers on the skeleton
+        module = model.get_submodule(site.module)
+        exact.update({f"{site.module}.{n}": (tuple(b.shape), b.dtype) for n, b in module._buffers.items()
+                      if b is not None and n.startswith(f"{site.role}_")})
     plain = {n: t for n, t in model.state_dict().items() if n not in exact}
     tied = {**(getattr(model, "all_tied_weights_keys", None) or {}), **cfg.aliases}
     strict = _strict_names(model)

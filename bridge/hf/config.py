@@ -31,7 +31,7 @@ from ..checkpoint.metadata import Entry
 __all__ = ["QTransformConfig"]
 
 _SAVED = ("quant_method", "version", "qtransform_version", "layout", "specs", "tensors", "aliases", "recipe_name",
-          "rules", "skip_modules", "recipe", "algorithm", "algorithm_options")
+          "rules", "skip_modules", "recipe", "algorithm", "algorithm_options", "activations")
 
 
 def _as_recipe(recipe) -> qt.Recipe | None:
@@ -78,6 +78,7 @@ class QTransformConfig(QuantizationConfigMixin):
             algorithm = algorithm_options = None  # version 1's algorithm is the decoded recipe's step
             self.entries, self.aliases, self.rules = meta.entries, dict(meta.aliases), dict(meta.rules)
             self.recipe_name, self.layout = meta.recipe_name, meta.layout
+            self.activations = dict(meta.activations)
         else:
             stray = sorted(set(saved) - {"quant_method"})
             if stray:
@@ -88,6 +89,7 @@ class QTransformConfig(QuantizationConfigMixin):
                                  f"{saved['quant_method']!r}")
             self.entries: dict[str, Entry] = {}
             self.aliases, self.rules, self.recipe_name, self.layout = {}, {}, None, "native"
+            self.activations: dict = {}
         recipe = _as_recipe(recipe)
         if algorithm_options is not None and not isinstance(algorithm_options, dict):
             raise TypeError(f"QTransformConfig: algorithm_options must be a dict, got {type(algorithm_options).__name__}")
@@ -113,7 +115,8 @@ class QTransformConfig(QuantizationConfigMixin):
 
     def to_dict(self) -> dict[str, Any]:
         return metadata.encode(self.entries, layout=self.layout, recipe=self.recipe, recipe_name=self.recipe_name,
-                               rules=self.rules, aliases=self.aliases, skip_modules=self.skip_modules)
+                               rules=self.rules, aliases=self.aliases, skip_modules=self.skip_modules,
+                               activations=self.activations)
 
     def get_loading_attributes(self) -> dict[str, Any]:
         """What a config passed to ``from_pretrained`` changes in a checkpoint's own (transformers' protocol)."""

@@ -32,6 +32,7 @@ from ..checkpoint import metadata
 from ..checkpoint.layout import NATIVE, abstract_qtensor, check_like
 from ..checkpoint.metadata import CheckpointError, Entry
 from ..modules import QModule
+from ..modules.actquant import abstract_qparams, activation_specs
 from ..pipeline import plan as model_plan
 from ..tree import REBUILD_HOOKS, replace_module, submodule
 from . import checks
@@ -82,6 +83,15 @@ class QTransformHfQuantizer(HfQuantizer):
             replace_module(model, path, abstract_qtensor(e.shape, e.dtype, e.spec))
             if dtype is not None:
                 submodule(model, path)[0].compute_dtype = dtype
+        for site, spec in cfg.activations.items():
+            try:
+                module = submodule(model, site.module + ".weight")[0]
+            except AttributeError:
+                module = None
+            if not isinstance(module, QModule):
+                raise CheckpointError(f"config.json: activation quantizer {site.module}:{site.role} is not on a "
+                                      "quantized module")
+            module.set_activation(site.role, spec if spec.dynamic else abstract_qparams(module, site.role, spec))
         _untie(model, set(cfg.entries))
         if self.pre_quantized:  # the files against the skeleton, before transformers reads any data
             checks.check_checkpoint(model, cfg, kwargs.get("checkpoint_files"), verify=cfg.verify)
@@ -96,7 +106,7 @@ class QTransformHfQuantizer(HfQuantizer):
         for path, e in self.quantization_config.entries.items():
             module = submodule(model, path)[0]
             q = module.qweight
-            bad = [n for n in module._qnames if module._buffers[n].is_meta]
+            bad = [n for n in module._buffers if module._buffers[n] is not None and module._buffers[n].is_meta]
             if bad:
                 raise CheckpointError(f"checkpoint: quantized tensor(s) {[path.rpartition('.')[0] + '.' + n for n in bad]} "
                                       "are missing")
@@ -136,6 +146,7 @@ def attach_config(model: nn.Module, quantized: dict, plan: qt.Plan | None = None
     if not isinstance(cfg, QTransformConfig):
         cfg = QTransformConfig()
     cfg.entries = {**cfg.entries, **metadata.entries_of(quantized)}
+    cfg.activations = activation_specs(model)
     if plan is not None:
         cfg.recipe = plan.recipe
         cfg.rules = {**cfg.rules, **{p: plan[p].rule for p in quantized if p in plan}}

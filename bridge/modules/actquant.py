@@ -39,7 +39,8 @@ from torch import nn
 import qtransform as qt
 from qtransform import QParams
 
-__all__ = ["ROLES", "attach", "activation_view", "qparams_for", "apply"]
+__all__ = ["ROLES", "attach", "activation_view", "qparams_for", "apply", "activation_specs", "static_buffers",
+           "abstract_qparams"]
 
 ROLES = ("input", "output")
 
@@ -108,3 +109,45 @@ def apply(module: nn.Module, role: str, x: torch.Tensor) -> torch.Tensor:
     """Fake-quantize ``x`` for ``role`` when ``module`` has a quantizer there (same shape as ``x``)."""
     qp = qparams_for(module, role, x)
     return x if qp is None else qt.fake_quantize(activation_view(module, x), qp).reshape(x.shape)
+
+
+def activation_specs(model: nn.Module) -> dict[qt.Site, qt.QuantSpec]:
+    """``{Site: spec}`` of every activation quantizer of ``model``'s modules (for checkpoints)."""
+    out = {}
+    for name, m in model.named_modules():
+        for role in ROLES:
+            spec = getattr(m, f"{role}_spec", None)
+            if isinstance(spec, qt.QuantSpec):
+                out[qt.Site(name, role)] = spec
+    return out
+
+
+def _example(module: nn.Module, role: str) -> torch.Tensor:
+    """A zero activation of the shape ``role`` of ``module`` has (one token / one pixel)."""
+    if hasattr(module, "nf") and not hasattr(module, "in_features"):  # transformers' Conv1D: weight (in, out)
+        return torch.zeros(1, module.weight.shape[0] if role == "input" else module.nf, device="cpu")
+    for i, o in (("in_features", "out_features"), ("in_channels", "out_channels")):
+        if hasattr(module, i):
+            n = getattr(module, i if role == "input" else o)
+            shape = (1, n) if getattr(module, "token_activations", True) else (1, n, 1, 1)
+            return torch.zeros(shape, device="cpu")
+    if role == "output" and hasattr(module, "embedding_dim"):
+        return torch.zeros(1, module.embedding_dim, device="cpu")
+    raise ValueError(f"{type(module).__name__}: no {role} activation quantizer for this module type")
+
+
+def static_buffers(module: nn.Module, role: str, spec: qt.QuantSpec) -> dict[str, tuple[tuple, torch.dtype]]:
+    """``{buffer name: (shape, dtype)}`` the static quantizer ``spec`` of ``role`` stores on ``module``
+    (``input_scale``, ``input_zero_point``...), from shapes alone."""
+    qp = qt.choose_qparams(_example(module, role), spec)
+    tensors = qp.tensors()
+    if getattr(module, "token_activations", True):
+        tensors = {f: _as_matrix_grid(role, f, t) for f, t in tensors.items()}
+    return {f"{role}_{f}": (tuple(t.shape), t.dtype) for f, t in tensors.items()}
+
+
+def abstract_qparams(module: nn.Module, role: str, spec: qt.QuantSpec) -> QParams:
+    """Static QParams of ``spec`` for ``role`` of ``module`` on the ``meta`` device (values to be loaded)."""
+    shapes = static_buffers(module, role, spec)
+    return QParams(spec=spec, **{n.removeprefix(f"{role}_"): torch.empty(shape, dtype=dtype, device="meta")
+                                 for n, (shape, dtype) in shapes.items()})

@@ -82,6 +82,13 @@ class QModule(nn.Module):
         self.spec, self.weight_width, self.weight_dtype = q.spec, q.width, q.dtype
         self._cache = None
 
+    def set_activation(self, role: str, quant) -> None:
+        """Give the module an activation quantizer for ``role`` (``"input"``/``"output"``): ``None``, a
+        dynamic :class:`~qtransform.QuantSpec` or static :class:`~qtransform.QParams` (see
+        :mod:`bridge.modules.actquant`); the forward path is chosen again."""
+        actquant.attach(self, role, quant)
+        self._cache = None
+
     @staticmethod
     def _check_from(module: nn.Module, q) -> None:
         want = tuple(module.weight.shape)

@@ -121,8 +121,30 @@ def _assign(model: nn.Module, values: Mapping[str, torch.Tensor], original: nn.M
             owner._buffers[name] = v.detach()
 
 
+def _check_activations(model: nn.Module, quantized: Mapping, activations: Mapping | None) -> None:
+    """Each activation site names a module that is or becomes quantized, with a valid quantizer."""
+    if activations is None:
+        return
+    if not isinstance(activations, Mapping):
+        raise TypeError(f"activations must map qtransform Sites to QuantSpec/QParams, got {type(activations).__name__}")
+    modules = {qt.module_of(p) for p in quantized}
+    for site, quant in activations.items():
+        if not isinstance(site, qt.Site) or site.role not in ("input", "output"):
+            raise TypeError(f"activations: keys must be qtransform.Site(module, 'input'|'output'), got {site!r}")
+        try:
+            module = model.get_submodule(site.module)
+        except AttributeError:
+            raise ValueError(f"activations: {site.module!r} is not a module of {type(model).__name__}") from None
+        if site.module not in modules and not isinstance(module, QModule):
+            raise ValueError(f"activations: {site.module!r} ({type(module).__name__}) has no quantized weight; "
+                             "activation quantizers go on quantized modules")
+        if not isinstance(quant, (qt.QuantSpec, qt.QParams)):
+            raise TypeError(f"activations[{site}]: expected a dynamic QuantSpec or static QParams, got "
+                            f"{type(quant).__name__}")
+
+
 def to_module(model: nn.Module, qtree: Any, *, inplace: bool = False, kernel: str = "auto",
-              plan: qt.Plan | None = None) -> nn.Module:
+              plan: qt.Plan | None = None, activations: Mapping | None = None) -> nn.Module:
     """A model with quantized modules where ``qtree`` holds QTensors (see module docstring).
 
     Args:
@@ -131,6 +153,8 @@ def to_module(model: nn.Module, qtree: Any, *, inplace: bool = False, kernel: st
         inplace: modify ``model`` itself instead of returning a new model.
         kernel: kernel request for every new quantized module (``"auto"`` or e.g. ``"dequant"``).
         plan: the plan that made ``qtree``, handed to the rebuild hooks (recipe, rules).
+        activations: ``{Site: dynamic QuantSpec | static QParams}`` attached to the quantized modules
+            (:func:`qtransform.activation_quantizers`).
 
     Returns:
         The quantized model (``model`` itself when ``inplace``).
@@ -146,11 +170,14 @@ def to_module(model: nn.Module, qtree: Any, *, inplace: bool = False, kernel: st
     quantized = {p: v for p, v in leaves.items() if isinstance(v, QTensor)}
     for path, q in quantized.items():  # every path checked before anything is replaced
         check_replacement(model, path, q)
+    _check_activations(model, quantized, activations)
     target = model if inplace else meta_skeleton(model)
     for path, q in quantized.items():
         replace_module(target, path, q, kernel)
     plain = {p: v for p, v in leaves.items() if not isinstance(v, QTensor)}
     _assign(target, plain, None if inplace else model)
+    for site, quant in (activations or {}).items():
+        target.get_submodule(site.module).set_activation(site.role, quant)
     for hook in REBUILD_HOOKS.values():
         hook(target, quantized, plan)
     return target

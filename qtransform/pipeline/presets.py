@@ -24,7 +24,8 @@ from ..granularity import PerChannel, PerGroup
 from ..registry import Registry
 from ..spec import QuantSpec, Recipe, Step
 
-__all__ = ["Preset", "PRESETS", "register_preset", "presets", "get_preset", "hqq_spec", "linear_recipe",
+__all__ = ["Preset", "PRESETS", "register_preset", "presets", "get_preset", "hqq_spec", "linear_recipe", "kv_cache_rules",
+           "KV_SITES",
            "LINEAR_TYPES", "DEFAULT_EXCLUDE"]
 
 #: Module types a preset quantizes (transformers' GPT-2 Conv1D is a linear layer too).
@@ -61,10 +62,10 @@ def hqq_spec(nbits: int, group_size: int | None = 64, *, axis: int = 1) -> Quant
                      scale_dtype="float16", pad=group_size is not None)
 
 
-def linear_recipe(spec: QuantSpec, *steps: Step | str) -> Recipe:
+def linear_recipe(spec: QuantSpec, *steps: Step | str, input: QuantSpec | None = None) -> Recipe:
     """``spec`` for every linear layer (``Linear`` and transformers' ``Conv1D``), ``lm_head`` kept,
-    fitted by ``steps``."""
-    return Recipe(type_rules={t: spec for t in LINEAR_TYPES}, exclude=DEFAULT_EXCLUDE, steps=steps)
+    fitted by ``steps``; ``input``: the activation spec of their inputs (W8A8)."""
+    return Recipe(type_rules={t: spec for t in LINEAR_TYPES}, exclude=DEFAULT_EXCLUDE, steps=steps, input=input)
 
 
 def _check_preset(name: str, make) -> None:
@@ -108,6 +109,42 @@ _builtin("nvfp4", lambda: QuantSpec(format="nvfp4"), "NVFP4 (e2m1, block 16, fp8
 _builtin("mx6", lambda: QuantSpec(format="mx6"), "MX6 (shared micro-exponents, 6 bits/weight)")
 _builtin("mx9", lambda: QuantSpec(format="mx9"), "MX9 (shared micro-exponents, 9 bits/weight)")
 _builtin("bfp16", lambda: QuantSpec(format="bfp16"), "block floating point, block 8, int8 codes")
+
+
+def _w8a8(name: str, weight: Callable[[], QuantSpec], act: Callable[[], QuantSpec], description: str) -> None:
+    register_preset(name, lambda: Preset(name, linear_recipe(weight(), input=act()), description))
+
+
+_w8a8("w8a8-int8", lambda: QuantSpec(format="int8", granularity=PerChannel(0)), lambda: QuantSpec(format="int8"),
+      "int8 weights per output channel, int8 inputs with static per-tensor scales (needs --calib)")
+_w8a8("w8a8-int8-dynamic", lambda: QuantSpec(format="int8", granularity=PerChannel(0)),
+      lambda: QuantSpec(format="int8", granularity=PerChannel(0), dynamic=True),
+      "int8 weights per output channel, int8 inputs with dynamic per-token scales")
+register_preset("w8a8-int8-sq", lambda: Preset("w8a8-int8-sq", linear_recipe(
+    QuantSpec(format="int8", granularity=PerChannel(0)), Step("smoothquant", alpha="auto"), input=QuantSpec(format="int8")),
+    "w8a8-int8 after SmoothQuant with alpha searched per layer (auto-SmoothQuant; needs --calib)"))
+_w8a8("fp8-w8a8", lambda: QuantSpec(format="fp8_e4m3", granularity=PerChannel(0)),
+      lambda: QuantSpec(format="fp8_e4m3"),
+      "fp8 e4m3 weights per output channel, fp8 inputs with static per-tensor scales (needs --calib)")
+
+
+#: Where the key/value cache is written from: the outputs of the key and value projections (Llama,
+#: Mistral, Qwen2, OPT, Phi-3 without fused qkv...); :func:`kv_cache_rules` quantizes them.
+KV_SITES = ("*.k_proj:output", "*.v_proj:output")
+
+
+def kv_cache_rules(spec: QuantSpec) -> dict[str, QuantSpec]:
+    """``act_rules`` quantizing the key/value cache with ``spec`` (static per tensor: one ``k_scale``
+    and one ``v_scale`` per attention layer, what vLLM reads), as Quark does: on the outputs of the
+    key and value projections (before rotary embeddings; a per-tensor scale barely differs after)."""
+    return {site: spec for site in KV_SITES}
+
+
+register_preset("fp8-w8a8-kv", lambda: Preset(
+    "fp8-w8a8-kv", Recipe(type_rules={t: QuantSpec(format="fp8_e4m3", granularity=PerChannel(0)) for t in LINEAR_TYPES},
+                          exclude=DEFAULT_EXCLUDE, input=QuantSpec(format="fp8_e4m3"),
+                          act_rules=kv_cache_rules(QuantSpec(format="fp8_e4m3"))),
+    "fp8-w8a8 with an fp8 e4m3 key/value cache (static per-tensor k/v scales; needs --calib)"))
 
 
 def presets() -> dict[str, Preset]:

@@ -4,7 +4,7 @@
 
     {"steps": ["hqq"] | [{"name": "hqq", "options": {"error_norm": 4}}],
      "default": spec, "rules": {glob: spec | null}, "type_rules": {...}, "exclude": [...],
-     "min_ndim": 2}
+     "min_ndim": 2, "input": spec, "output": spec, "act_rules": {"<module glob>:<role>": spec | null}}
 
 where a spec is a ``QuantSpec.to_dict()`` dict or a preset name. ``"algorithm"`` with
 ``"options"`` is shorthand for one step. The ``HqqConfig`` form has ``nbits``, ``group_size``,
@@ -129,13 +129,13 @@ def recipe_from_dict(d: Mapping, *, name: str = "recipe") -> Preset:
     docstring). Raises ``ValueError``/``TypeError`` naming the key for anything malformed."""
     if not isinstance(d, Mapping):
         raise TypeError(f"a recipe file must hold a table/object, got {type(d).__name__}")
-    known = {"steps", "algorithm", "options", "default", "rules", "type_rules", "exclude", "min_ndim",
-             "dynamic_config", "nbits", "group_size", "axis", "skip_modules"}
+    known = {"steps", "algorithm", "options", "default", "rules", "type_rules", "exclude", "min_ndim", "input",
+             "output", "act_rules", "dynamic_config", "nbits", "group_size", "axis", "skip_modules"}
     unknown = sorted(set(d) - known)
     if unknown:
         raise ValueError(f"recipe: unknown key(s) {unknown}; known: {sorted(known)}")
     hqq_keys = {"dynamic_config", "nbits", "group_size", "axis", "skip_modules"}
-    native_keys = {"default", "rules", "type_rules", "exclude", "min_ndim"}
+    native_keys = {"default", "rules", "type_rules", "exclude", "min_ndim", "input", "output", "act_rules"}
     if "dynamic_config" in d or "nbits" in d:
         mixed = sorted(native_keys & set(d))
         if mixed:
@@ -153,14 +153,15 @@ def recipe_from_dict(d: Mapping, *, name: str = "recipe") -> Preset:
     if stray:
         raise ValueError(f"recipe: {stray} belong to the HqqConfig form, which needs 'nbits' or 'dynamic_config'")
     steps = _steps(d, ())
-    for key in ("rules", "type_rules"):
+    for key in ("rules", "type_rules", "act_rules"):
         if not isinstance(d.get(key, {}), Mapping):
             raise TypeError(f"recipe.{key} must be a table/object of pattern -> spec, got {type(d[key]).__name__}")
     pairs = lambda key: {k: _spec(v, f"recipe.{key}[{k!r}]") for k, v in dict(d.get(key, {})).items()}  # noqa: E731
     default, rules, type_rules = _spec(d.get("default"), "recipe.default"), pairs("rules"), pairs("type_rules")
     try:
         recipe = Recipe(default=default, rules=rules, type_rules=type_rules, exclude=d.get("exclude", DEFAULT_EXCLUDE),
-                        min_ndim=d.get("min_ndim", 2), steps=steps)
+                        min_ndim=d.get("min_ndim", 2), steps=steps, input=_spec(d.get("input"), "recipe.input"),
+                        output=_spec(d.get("output"), "recipe.output"), act_rules=pairs("act_rules"))
     except (TypeError, ValueError) as e:  # Recipe names the field: "Recipe.exclude must ..."
         raise type(e)(f"recipe.{str(e).removeprefix('Recipe.')}") from None
     return Preset(name, recipe, "recipe file")

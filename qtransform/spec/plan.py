@@ -83,6 +83,25 @@ class Plan(Mapping):
             out[site] = out.get(site, ()) + (path,)
         return out
 
+    @property
+    def activations(self) -> dict[Site, QuantSpec]:
+        """``{Site: spec}`` of the activations to quantize: the inputs and outputs of the modules whose
+        weight is quantized, as the recipe's ``input``/``output``/``act_rules`` say (an embedding's
+        input, token ids, never). Static specs must be calibrated, dynamic ones are fitted at run time."""
+        resolve = getattr(self.recipe, "resolve_activation", None)
+        if resolve is None:
+            return {}
+        out = {}
+        for path in self._specs:
+            module, kind = module_of(path), self._matches[path].module_type
+            for role in ROLES:
+                if role == "input" and kind in ("Embedding", "EmbeddingBag"):
+                    continue
+                spec = resolve(module, role).spec
+                if spec is not None:
+                    out[Site(module, role)] = spec
+        return out
+
     def restrict(self, paths: Iterable[str]) -> "Plan":
         """The plan of a sub-tree holding only ``paths`` (e.g. one weight read while loading)."""
         paths = list(paths)

@@ -11,6 +11,12 @@ Non-floating tensors are never quantized.
 ``steps`` are the algorithms that fit the selected tensors, in order (see :class:`Step`):
 none means round to nearest from each tensor's min/max.
 
+Activations: ``input`` and ``output`` are the specs of what enters and leaves every module whose
+weight is quantized (``None``: left in full precision); ``act_rules`` override them per site,
+``{"<module glob>:<role>": spec or None}``, first match wins (``"*.down_proj:input"``). A
+``dynamic=True`` spec is fitted to each activation at run time; a static one is calibrated from
+data (see :attr:`Plan.activations`).
+
 >>> import qtransform as qt
 >>> r = qt.Recipe(default=qt.QuantSpec(format="int4", granularity=qt.PerGroup(32)),
 ...               rules={"*.down_proj.weight": qt.QuantSpec(format="int8", granularity=qt.PerChannel(0))},
@@ -30,6 +36,7 @@ from typing import Any, Mapping
 import torch
 
 from .. import _tree
+from ..granularity import PerChannel
 from .plan import Match, Plan
 from .quantspec import QuantSpec
 from .step import Step
@@ -107,6 +114,8 @@ class Recipe:
         exclude: globs kept in full precision whatever else matches.
         min_ndim: the default applies to tensors with at least this many dimensions.
         steps: algorithms run in order (names, :class:`Step` objects or their dicts).
+        input, output: activation specs of every quantized module's input and output.
+        act_rules: ``{"<module glob>:<role>": spec or None}`` overriding ``input``/``output``.
     """
 
     default: QuantSpec | None = None
@@ -115,10 +124,25 @@ class Recipe:
     exclude: Any = ()
     min_ndim: int = 2
     steps: Any = ()
+    input: QuantSpec | None = None
+    output: QuantSpec | None = None
+    act_rules: Any = ()
 
     def __post_init__(self):
-        if self.default is not None and not isinstance(self.default, QuantSpec):
-            raise TypeError(f"Recipe.default must be a QuantSpec or None, got {type(self.default).__name__}")
+        for name in ("default", "input", "output"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), QuantSpec):
+                raise TypeError(f"Recipe.{name} must be a QuantSpec or None, got {type(getattr(self, name)).__name__}")
+        object.__setattr__(self, "act_rules", _pairs("act_rules", self.act_rules))
+        for glob, _ in self.act_rules:
+            if glob.rpartition(":")[2] not in ("input", "output"):
+                raise ValueError(f"Recipe.act_rules[{glob!r}]: keys are '<module glob>:input' or "
+                                 "'<module glob>:output'")
+        for name, spec in [("input", self.input), ("output", self.output)] + [
+                (f"act_rules[{g!r}]", v) for g, v in self.act_rules]:
+            g = getattr(spec, "granularity", None)
+            if spec is not None and not spec.dynamic and isinstance(g, PerChannel) and g.axis == 0:
+                raise ValueError(f"Recipe.{name}: a static activation spec cannot be per token (PerChannel(0): "
+                                 "tokens differ at run time); use dynamic=True, or PerTensor / PerChannel(-1)")
         object.__setattr__(self, "rules", _pairs("rules", self.rules))
         object.__setattr__(self, "type_rules", _pairs("type_rules", self.type_rules))
         object.__setattr__(self, "exclude", _globs(self.exclude))
@@ -154,6 +178,14 @@ class Recipe:
             return Match(None, "no rule")
         return Match(self.default, "default")
 
+    def resolve_activation(self, module: str, role: str) -> Match:
+        """The activation spec of ``role`` (``"input"``/``"output"``) of the module at path ``module``."""
+        for pattern, spec in self.act_rules:
+            if fnmatch.fnmatchcase(f"{module}:{role}", pattern):
+                return Match(spec, f"act_rules[{pattern}]")
+        spec = self.input if role == "input" else self.output
+        return Match(spec, role if spec is not None else "no rule")
+
     def plan(self, tree: Any, *, types: Mapping[str, str] | None = None) -> Plan:
         """Resolve every tensor leaf of ``tree`` once: a :class:`Plan` (``{path: Match}`` in tree order).
 
@@ -174,7 +206,9 @@ class Recipe:
         """Rule and exclude globs that match none of ``paths`` (likely typos)."""
         paths = list(paths)
         globs = [p for p, _ in self.rules] + list(self.exclude)
-        return [g for g in globs if not any(fnmatch.fnmatchcase(p, g) for p in paths)]
+        out = [g for g in globs if not any(fnmatch.fnmatchcase(p, g) for p in paths)]
+        sites = [f"{p.rpartition('.')[0]}:{r}" for p in paths for r in ("input", "output")]
+        return out + [g for g, _ in self.act_rules if not any(fnmatch.fnmatchcase(s, g) for s in sites)]
 
     def to_dict(self) -> dict:
         spec = lambda s: None if s is None else s.to_dict()  # noqa: E731
@@ -185,6 +219,9 @@ class Recipe:
             "exclude": list(self.exclude),
             "min_ndim": self.min_ndim,
             "steps": [s.to_dict() for s in self.steps],
+            **({"input": spec(self.input)} if self.input is not None else {}),
+            **({"output": spec(self.output)} if self.output is not None else {}),
+            **({"act_rules": [[k, spec(v)] for k, v in self.act_rules]} if self.act_rules else {}),
         }
 
     @classmethod
@@ -193,13 +230,16 @@ class Recipe:
         (``Recipe.from_dict: rules['*.w']: ...``) for anything malformed."""
         if not isinstance(d, Mapping):
             raise TypeError(f"Recipe.from_dict expects a dict, got {type(d).__name__}")
-        unknown = sorted(set(d) - {"default", "rules", "type_rules", "exclude", "min_ndim", "steps"})
+        unknown = sorted(set(d) - {"default", "rules", "type_rules", "exclude", "min_ndim", "steps", "input", "output",
+                                   "act_rules"})
         if unknown:
             raise ValueError(f"Recipe.from_dict: unknown field(s) {unknown}")
         try:
             return cls(default=_spec_from(d.get("default"), "default"), rules=_pairs_from(d.get("rules", []), "rules"),
                        type_rules=_pairs_from(d.get("type_rules", []), "type_rules"), exclude=d.get("exclude", ()),
-                       min_ndim=d.get("min_ndim", 2), steps=d.get("steps", ()))
+                       min_ndim=d.get("min_ndim", 2), steps=d.get("steps", ()),
+                       input=_spec_from(d.get("input"), "input"), output=_spec_from(d.get("output"), "output"),
+                       act_rules=_pairs_from(d.get("act_rules", []), "act_rules"))
         except (TypeError, ValueError) as e:
             if str(e).startswith("Recipe.from_dict"):
                 raise

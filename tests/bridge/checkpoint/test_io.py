@@ -11,20 +11,7 @@ from torch import nn
 import qtransform as qt
 import bridge
 from bridge import CheckpointError
-from bridge_util import ConvNet, EmbedNet, same_bits
-
-
-def format_specs():
-    """One spec per (format, symmetric) the registry allows: adding a format adds cases here."""
-    out = []
-    for name, fmt in sorted(qt.FORMATS.items()):
-        gran = fmt.default_granularity if fmt.block else qt.PerGroup(16)
-        for sym in (True, False):
-            try:
-                out.append(qt.QuantSpec(format=name, granularity=gran, symmetric=sym))
-            except ValueError:
-                continue
-    return out
+from bridge_util import ConvNet, EmbedNet, format_specs, same_bits
 
 
 def assert_same_model(a: nn.Module, b: nn.Module):
@@ -156,7 +143,7 @@ BAD_FILES = {
     "no version": (lambda d: _edit_config(d, lambda c: c.pop("version")),
                    r"config\.json: quantization_config has no integer 'version'"),
     "future version": (lambda d: _edit_config(d, lambda c: c.update(version=99)),
-                       r"config\.json: quantization_config has version 99; this qtransform reads versions \[1, 2\]"),
+                       r"config\.json: quantization_config has version 99; this qtransform reads versions \[1, 2, 3\]"),
     "unknown format": (lambda d: _edit_config(d, lambda c: c["specs"][0].update(format="int42")),
                        r"config\.json: quantization_config specs\[0\] is not a valid QuantSpec: unknown format 'int42'"),
     "bad entry": (lambda d: _edit_config(d, lambda c: c["tensors"]["0.weight"].pop("shape")),

@@ -13,7 +13,7 @@ import torch
 import qtransform as qt
 import bridge
 from bridge.checkpoint import store
-from bridge_util import tiny_causal_lm
+from bridge_util import format_specs, tiny_causal_lm
 
 SAVE = """
 import sys, torch, qtransform as qt, bridge
@@ -87,19 +87,7 @@ def test_stale_temporary_directories_are_removed_live_ones_kept(tmp_path):
     assert not [n for n in left if n.startswith(".ck.") and n not in {live.name, elsewhere.name, fresh.name}]
 
 
-def _specs():
-    out = []
-    for name, fmt in sorted(qt.FORMATS.items()):
-        gran = fmt.default_granularity if fmt.block else qt.PerGroup(32)
-        for sym in (True, False):
-            try:
-                out.append(qt.QuantSpec(format=name, granularity=gran, symmetric=sym))
-            except ValueError:
-                continue
-    return out
-
-
-@pytest.mark.parametrize("spec", _specs(), ids=str)
+@pytest.mark.parametrize("spec", format_specs(32), ids=str)
 def test_every_format_loads_through_from_pretrained(spec, tmp_path):
     from transformers import AutoModelForCausalLM
     torch.manual_seed(0)

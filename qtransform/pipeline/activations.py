@@ -1,0 +1,77 @@
+"""Activation quantizers of a plan: dynamic specs as they are, static ones calibrated from data.
+
+``activation_quantizers(params, plan, calibrator)`` returns ``{Site: QuantSpec | QParams}`` for
+every site of :attr:`Plan.activations`: a dynamic spec (fitted to each activation at run time)
+as it is, a static one as :class:`~qtransform.QParams` from an observer (``minmax`` by default,
+or ``percentile``/``mse``/``histogram`` with their options) folded over the calibration batches
+at that site, the model's tensors taken from ``params`` (the bridge passes the weights as they
+will run: quantized and dequantized). A static spec applies to the activation's (tokens,
+features) matrix (every leading axis flattened into tokens; convolution activations keep their
+``(N, C, H, W)`` layout): per tensor, per feature (``PerChannel(-1)``) or per group of features;
+per token (``PerChannel(0)``) only dynamically.
+
+>>> import torch, qtransform as qt
+>>> params = {"fc.weight": torch.eye(3)}
+>>> spec = qt.QuantSpec(format="int8", granularity=qt.PerChannel(0), dynamic=True)
+>>> plan = qt.Recipe(default=qt.QuantSpec(format="int8"), input=spec).plan(params)
+>>> {site: (str(q), q.dynamic) for site, q in activation_quantizers(params, plan).items()}
+{Site(module='fc', role='input'): ('int8 channel(axis=0) sym', True)}
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping
+
+from ..granularity import PerChannel
+from ..observers import compute_qparams, init_stats
+from ..spec import Plan, QuantSpec, Site
+from ..tensor import QParams
+
+__all__ = ["activation_quantizers", "check_activation_spec", "CONV_TYPES"]
+
+#: Module types whose activations keep their layout (no (tokens, features) matrix).
+CONV_TYPES = ("Conv2d", "ConvTranspose2d")
+
+
+def check_activation_spec(spec: QuantSpec, where: str, *, conv: bool = False) -> None:
+    """``ValueError`` naming ``where`` for a static spec no calibration can give (per token)."""
+    if not spec.dynamic and not conv and isinstance(spec.granularity, PerChannel) and spec.granularity.axis == 0:
+        raise ValueError(f"{where}: a static activation spec cannot be per token (PerChannel(0) on the (tokens, "
+                         f"features) matrix: tokens differ at run time); use dynamic=True, or PerTensor / "
+                         f"PerChannel(-1) (per feature) for static scales ({spec})")
+
+
+def _stats_spec(spec: QuantSpec, conv: bool) -> QuantSpec:
+    """The spec the statistics are gathered with on the raw activation (features on the last axis)."""
+    g = spec.granularity
+    if not conv and isinstance(g, PerChannel) and g.axis == 1:
+        return dataclasses.replace(spec, granularity=PerChannel(-1))
+    return spec
+
+
+def activation_quantizers(params: Mapping[str, Any], plan: Plan, calibrator=None, *, observer=None,
+                          **options) -> dict[Site, QuantSpec | QParams]:
+    """``{Site: dynamic QuantSpec | calibrated QParams}`` (see the module docstring). Static specs
+    need a ``calibrator`` (``ValueError`` naming the sites otherwise)."""
+    sites = plan.activations
+    conv = {s: plan[p].module_type in CONV_TYPES for s in sites for p in plan.sites(s.role).get(s, ())}
+    for s, spec in sites.items():
+        check_activation_spec(spec, f"{s.module} ({s.role})", conv=conv.get(s, False))
+    out: dict[Site, Any] = {s: spec for s, spec in sites.items() if spec.dynamic}
+    static = {s: spec for s, spec in sites.items() if not spec.dynamic}
+    if not static:
+        return out
+    if calibrator is None:
+        names = [f"{s.module} ({s.role})" for s in static]
+        raise ValueError(f"static activation specs need calibration data for {names[:3]}"
+                         + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+                         + ": pass calibration batches (bridge.quantize(..., calibration=...), `qtransform quantize "
+                           "--calib N`), or use dynamic=True specs")
+    empty = {s: init_stats(_stats_spec(spec, conv.get(s, False)), observer=observer, **options)
+             for s, spec in static.items()}
+    stats = calibrator.site_stats(dict(params), empty)
+    for s, spec in static.items():
+        qp = compute_qparams(stats[s], path=f"{s.module} ({s.role})")
+        out[s] = QParams(spec=spec, **qp.tensors())
+    return {s: out[s] for s in sites}
