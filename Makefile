@@ -9,7 +9,7 @@ TORCH   := torch==2.13.0
 STAMP   := $(VENV)/.installed
 PYTEST  := $(BIN)/python -m pytest
 
-.PHONY: install test quick demo bench clean
+.PHONY: install test quick test-long demo bench clean
 
 $(STAMP): pyproject.toml Makefile .ci/constraints.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -24,11 +24,15 @@ install: $(STAMP)
 
 ## the whole suite: tests/, property_tests/ and the doctests of qtransform/ and bridge/
 test: $(STAMP)
-	HYPOTHESIS_PROFILE=ci $(PYTEST) -q
+	HYPOTHESIS_PROFILE=ci $(PYTEST) -q -m "not long"
+
+## whole pipelines on the default model, minutes each (W8A8 presets from the command line on SmolLM2)
+test-long: $(STAMP)
+	HYPOTHESIS_PROFILE=ci $(PYTEST) -q -m long
 
 ## the same without tests marked slow
 quick: $(STAMP)
-	HYPOTHESIS_PROFILE=ci $(PYTEST) -q -m "not slow"
+	HYPOTHESIS_PROFILE=ci $(PYTEST) -q -m "not slow and not long"
 
 DEMO_OUT := out/smollm2-hqq4-g64
 

@@ -68,3 +68,33 @@ def test_hqq_beats_hqq_on_real_weights(smollm2, bits, group):
                                       device="cpu", compute_dtype=torch.float32)
         theirs += float(((wq.float() - meta["zero"]) * meta["scale"] - w.reshape(-1, group)).pow(2).sum())
     assert ours < theirs < rtn
+
+
+@pytest.mark.long
+@pytest.mark.parametrize("preset,bound", [("w8a8-int8", 4.0), ("w8a8-int8-dynamic", 1.3), ("w8a8-int8-sq", 1.3),
+                                          ("fp8-w8a8", 1.3), ("fp8-w8a8-kv", 1.3)])
+def test_w8a8_presets_from_the_command_line_on_the_default_model(preset, bound, tmp_path, monkeypatch):
+    """`qtransform quantize --recipe P --calib N` on SmolLM2 itself: it runs, the activations are
+    quantized (the report lists them), and the checkpoint reloads with its activation quantizers
+    (the block-by-block SmoothQuant step and the fp8 key/value cache: the other W8A8 presets run the
+    same paths, on six architectures, in test_cli_archs.py)."""
+    import json
+
+    from transformers import AutoModelForCausalLM
+
+    import bridge
+    from bridge.app.cli import main
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    out = tmp_path / "ck"
+    rc = main(["quantize", "--recipe", preset, "--calib", "4", "--seq-len", "128", "--eval-sequences", "2",
+               "--out", str(out)])
+    assert rc == 0
+    rep = json.loads((out / "report.json").read_text())
+    assert len(rep["layers"]) == 210 and len([a for a in rep["activations"] if a["role"] == "input"]) == 210
+    assert rep["ppl_after"] < bound * rep["ppl_before"]
+    kv = preset.endswith("-kv")
+    assert len([a for a in rep["activations"] if a["role"] == "output"]) == (60 if kv else 0)
+    back = AutoModelForCausalLM.from_pretrained(out)
+    specs = bridge.modules.actquant.activation_specs(back)
+    assert len(specs) == len(rep["activations"])
