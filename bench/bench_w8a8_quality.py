@@ -9,6 +9,7 @@ printed beside ours (Quark's SmoothQuant run took ~500 s on this kind of machine
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import time
 
@@ -18,7 +19,7 @@ import qtransform as qt
 import bridge
 from bridge.app import corpus, evaluate, models
 
-from common import markdown, write
+from common import RESULTS, markdown, write
 
 W8 = qt.QuantSpec(format="int8", granularity=qt.PerChannel(0))
 A8 = qt.QuantSpec(format="int8")
@@ -67,11 +68,21 @@ def main() -> None:
                      "quantize_s": round(seconds, 1), "quark": QUARK.get(name, "-")})
         print(rows[-1], flush=True)
         del qm
+    rows = merged(rows)
     table = markdown(["scheme", "perplexity", "ratio (ours)", "ratio (Quark 0.13)", "quantize + calibrate, s"],
                      [[r["scheme"], r["ppl"], f"x{r['ratio']}", r["quark"], r["quantize_s"]] for r in rows])
     table += (f"\n\nfloat perplexity {fp:.3f} on {ev.numel()} tokens; calibration {a.calib}x{a.seq_len} tokens; "
               f"load average {os.getloadavg()[0]:.1f}")
     write("w8a8_quality", rows, table, {"fp_ppl": fp, "load_average": os.getloadavg()[0]})
+
+
+def merged(rows: list[dict]) -> list[dict]:
+    """``rows`` with the schemes of an earlier run (``--only``) that this run did not repeat, in scheme order."""
+    path = RESULTS / "w8a8_quality.json"
+    old = json.loads(path.read_text())["rows"] if path.is_file() else []
+    new = {r["scheme"]: r for r in rows}
+    names = [n for n in schemes() if n in new or any(r["scheme"] == n for r in old)]
+    return [new.get(n) or next(r for r in old if r["scheme"] == n) for n in names]
 
 
 if __name__ == "__main__":
