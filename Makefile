@@ -50,6 +50,7 @@ bench: $(STAMP)
 	$(BIN)/python bench/bench_hqq.py
 	$(BIN)/python bench/bench_checkpoint.py
 	$(BIN)/python bench/bench_w8a8.py --threads 1
+	$(BIN)/python bench/bench_w8a8_quality.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis
