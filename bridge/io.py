@@ -192,12 +192,12 @@ def load(directory, *, like: nn.Module, kernel: str = "auto", verify: bool = Tru
     expected.update({n: v for parts in act_parts.values() for n, v in parts.items()})
     store.check_headers(root, located, handles, expected)
     verify_checksums(root, located, verify=verify)
-    tree = read_tree(root, meta, located, handles, expected, list(ref))
+    act_names = [n for parts in act_parts.values() for n in parts]
+    tree = read_tree(root, meta, located, handles, expected, list(ref) + act_names)  # every tensor read once
     acts = {}
     for site, spec in meta.activations.items():
-        names = act_parts.get(site, {})
         acts[site] = spec if spec.dynamic else qt.QParams(spec=spec, **{
-            n.rpartition(".")[2].removeprefix(f"{site.role}_"): handles[located[n]].get_tensor(n) for n in names})
+            n.rpartition(".")[2].removeprefix(f"{site.role}_"): tree.pop(n) for n in act_parts.get(site, {})})
     model = to_module(like, tree, kernel=kernel, activations=acts)
     left = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
     if left:

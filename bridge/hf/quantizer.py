@@ -85,7 +85,7 @@ class QTransformHfQuantizer(HfQuantizer):
                 submodule(model, path)[0].compute_dtype = dtype
         for site, spec in cfg.activations.items():
             try:
-                module = submodule(model, site.module + ".weight")[0]
+                module = model.get_submodule(site.module)
             except AttributeError:
                 module = None
             if not isinstance(module, QModule):
