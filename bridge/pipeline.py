@@ -102,12 +102,14 @@ def nothing_selected(model: nn.Module, p: qt.Plan) -> str:
 class Quantized(NamedTuple):
     """What the pipeline made of a model: the tree before (``params``, the model's own tensors), the
     quantized tree after the steps (``qtree``), the ``plan``, and the activation quantizers
-    (``{Site: dynamic QuantSpec | calibrated QParams}``)."""
+    (``{Site: dynamic QuantSpec | calibrated QParams}``), and what the steps reported (``info``:
+    ``{path: {name: value}}``, e.g. GPTQ's layer losses)."""
 
     params: dict
     qtree: dict
     plan: qt.Plan
     activations: dict = {}
+    info: dict = {}
 
 
 def quantize_params(model: nn.Module, recipe, *, calibration: Iterable | None = None,
@@ -143,12 +145,13 @@ def quantize_params(model: nn.Module, recipe, *, calibration: Iterable | None = 
     if calibrator is not None:  # steps taking smoothing groups (smoothquant) get the model's, from bridge.arch
         p = with_groups(model, p)
     params = extract(model)
-    qtree = qt.quantize_tree(params, p, qparams=qparams, calibrator=calibrator, progress=progress, generator=generator)
+    qtree, info = qt.quantize_tree(params, p, qparams=qparams, calibrator=calibrator, progress=progress,
+                                   generator=generator, with_info=True)
     acts = {}
     if p.activations:
         weights = {path: qt.dequantize(v) if isinstance(v, qt.QTensor) else v for path, v in qtree.items()}
         acts = qt.activation_quantizers(weights, p, calibrator, observer=observer.pop("name", None), **observer)
-    return Quantized(params, qtree, p, acts)
+    return Quantized(params, qtree, p, acts, info)
 
 
 def quantize(model: nn.Module, recipe, *, inplace: bool = False, kernel: str = "auto",

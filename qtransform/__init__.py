@@ -17,7 +17,7 @@ quantize: QuantSpec, Recipe, Plan) -> ``tensor`` (QParams/QTensor, quantize) -> 
 from .registry import Registry
 from .formats import FORMATS, Codec, Format, get_format, minifloat, mx_format, pack, register_format, unpack
 from .granularity import PerBlock, PerChannel, PerGroup, PerTensor
-from .spec import Match, Plan, QuantSpec, Recipe, Site, Step, as_plan, as_recipe, module_of
+from .spec import Match, Plan, QuantSpec, Recipe, Site, Step, as_plan, as_recipe, module_of, transposed_spec
 from .tensor import (QParams, QTensor, bits_per_element, dequantize, error_bound, fake_quantize, quantize,
                      unpacked_codes)
 from .observers import (OBSERVERS, HistogramStats, MinMaxStats, Observer, choose_qparams, compute_qparams,
@@ -36,7 +36,7 @@ __all__ = [
     "Registry",
     "FORMATS", "Codec", "Format", "get_format", "register_format", "minifloat", "mx_format", "pack", "unpack",
     "PerBlock", "PerChannel", "PerGroup", "PerTensor",
-    "QuantSpec", "Recipe", "Step", "Plan", "Match", "Site", "as_plan", "as_recipe", "module_of",
+    "QuantSpec", "Recipe", "Step", "Plan", "Match", "Site", "as_plan", "as_recipe", "module_of", "transposed_spec",
     "QParams", "QTensor", "quantize", "dequantize", "fake_quantize", "unpacked_codes", "error_bound",
     "bits_per_element",
     "OBSERVERS", "Observer", "register_observer", "make_observer", "init_stats", "observe", "merge_stats",

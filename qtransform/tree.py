@@ -43,7 +43,7 @@ def flatten_tree(tree: Any) -> dict[str, Any]:
 
 def quantize_tree(params: Any, recipe: Recipe | Any, *, qparams: Mapping[str, QParams] | None = None,
                   types: Mapping[str, str] | None = None, calibrator: Calibrator | None = None,
-                  progress: Callable | None = None, generator=None) -> Any:
+                  progress: Callable | None = None, generator=None, with_info: bool = False) -> Any:
     """Run the recipe's steps, then quantize every leaf the recipe selects.
 
     Args:
@@ -56,6 +56,8 @@ def quantize_tree(params: Any, recipe: Recipe | Any, *, qparams: Mapping[str, QP
         calibrator: runs the model for steps that need calibration data (see :func:`run_steps`).
         progress: progress wrapper handed to the steps (``tqdm.tqdm``).
         generator: ``torch.Generator`` or int seed for stochastic rounding.
+        with_info: also return what the steps reported (``Fit.info``: ``{path: {name: value}}``,
+            GPTQ's layer losses, SmoothQuant's α...): ``(tree, info)``.
 
     Returns:
         A tree of the same structure with :class:`QTensor` leaves where quantized and the tensors
@@ -96,7 +98,10 @@ def quantize_tree(params: Any, recipe: Recipe | Any, *, qparams: Mapping[str, QP
             qp = choose_qparams(leaf, match.spec, path=path)
         return quantize(leaf, qp, generator=generator, path=path)
 
-    return _tree.map_with_path(one, apply_fit(params, fit))
+    if not isinstance(with_info, bool):
+        raise TypeError(f"quantize_tree: with_info must be True or False, got {with_info!r}")
+    out = _tree.map_with_path(one, apply_fit(params, fit))
+    return (out, fit.info) if with_info else out
 
 
 def dequantize_tree(qtree: Any, *, dtype: torch.dtype | None = None) -> Any:

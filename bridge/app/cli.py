@@ -182,6 +182,7 @@ def cmd_quantize(a) -> int:
     changed = {p: v for p, v in result.qtree.items() if v is not result.params.get(p)}
     qmodel = to_module(model, changed, inplace=True, plan=plan, activations=result.activations)
     act_rows = report.activation_rows(result.activations)
+    step_info = result.info
     del result
 
     ppl_after = None
@@ -195,7 +196,7 @@ def cmd_quantize(a) -> int:
                         ppl_before=ppl_before, ppl_after=ppl_after,
                         eval_tokens=0 if eval_seqs is None else int(eval_seqs.numel()),
                         calib_tokens=0 if calibration is None else sum(int(b.numel()) for b in calibration),
-                        out=str(out), unmatched=unmatched, activations=act_rows)
+                        out=str(out), unmatched=unmatched, activations=act_rows, step_info=step_info)
     # assembled beside the nearest existing parent of --out and renamed: no half checkpoint, no
     # parent directories left behind by a failure
     base = next(p for p in out.absolute().parents if p.is_dir())

@@ -100,6 +100,7 @@ class Report:
     unmatched: list[str] = dataclasses.field(default_factory=list)
     calib_tokens: int = 0
     activations: list[dict] = dataclasses.field(default_factory=list)
+    step_info: dict = dataclasses.field(default_factory=dict)
 
     @property
     def quantized_numel(self) -> int:
@@ -154,6 +155,7 @@ class Report:
             lines += table([["site", "spec", "range"]] + [[f"{a['module']} ({a['role']})", a["spec"],
                                                            f"[{a['range'][0]:.4g}, {a['range'][1]:.4g}]"]
                                                           for a in widest]) if widest else []
+        lines += step_info_lines(self.step_info)
         ratio = self.size_before / self.size_after if self.size_after else float("nan")
         summary = [["", "before", "after"],
                    ["model size", format_bytes(self.size_before), f"{format_bytes(self.size_after)} ({ratio:.2f}x smaller)"],
@@ -226,3 +228,25 @@ def table(rows: list[list[str]]) -> list[str]:
            "  ".join("-" * w for w in widths)]
     out += ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows[1:]]
     return out
+
+
+def step_info_lines(info: dict, n: int = 5) -> list[str]:
+    """What the steps reported per tensor (``Fit.info``): for each numeric name, the ``n`` largest
+    values (GPTQ's layer losses); for other values, how many tensors got each."""
+    by_name: dict[str, dict] = {}
+    for path, values in info.items():
+        for name, v in values.items():
+            by_name.setdefault(name, {})[path] = v
+    lines = []
+    for name, values in sorted(by_name.items()):
+        numbers = {p: v for p, v in values.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        if len(numbers) == len(values):
+            top = sorted(numbers.items(), key=lambda kv: kv[1], reverse=True)[:n]
+            lines += ["", f"{name}: {len(values)} tensors, total {sum(numbers.values()):.6g}; largest:"]
+            lines += table([["tensor", name]] + [[p, f"{v:.6g}"] for p, v in top])
+        else:
+            counts: dict[str, int] = {}
+            for v in values.values():
+                counts[str(v)] = counts.get(str(v), 0) + 1
+            lines += ["", f"{name}: " + ", ".join(f"{k} ({c})" for k, c in sorted(counts.items()))]
+    return lines

@@ -169,11 +169,19 @@ def takes_groups(step: qt.Step) -> bool:
 
 def with_groups(model: nn.Module, plan: qt.Plan) -> qt.Plan:
     """``plan`` with ``groups=smoothing_groups(model)`` given to every step that takes the option and
-    has none (the plan itself when no step does: other recipes never look the architecture up)."""
+    has none (the plan itself when no step does: other recipes never look the architecture up). For an
+    architecture without a table, steps whose function says ``groups_optional`` (``gptq``) run without;
+    others get the ``ValueError`` naming the model."""
     steps = plan.steps
-    if not any(takes_groups(s) and s.options.get("groups") is None for s in steps):
+    wanting = [s for s in steps if takes_groups(s) and s.options.get("groups") is None]
+    if not wanting:
         return plan
-    groups = smoothing_groups(model)
+    try:
+        groups = smoothing_groups(model)
+    except ValueError:  # no table for this architecture: fine for steps that use groups only when known
+        if all(getattr(qt.get_algorithm(s.name).fn, "groups_optional", False) for s in wanting):
+            return plan
+        raise
     filled = tuple(qt.Step(s.name, **{**s.options, "groups": groups})
                    if takes_groups(s) and s.options.get("groups") is None else s for s in steps)
     return qt.Plan(dataclasses.replace(plan.recipe, steps=filled), dict(plan.items()))

@@ -24,7 +24,6 @@ grid an ``nn.Linear`` gets. Checkpoints record that stored spec, so files writte
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Mapping
 
 import torch
@@ -46,25 +45,8 @@ def stored_transposed(module: nn.Module) -> bool:
     return is_conv1d(module) or (isinstance(module, QLinear) and module.transposed)
 
 
-def _other_axis(axis: int) -> int | None:
-    return {0: 1, -2: 1, 1: 0, -1: 0}.get(axis)
-
-
-def transposed_spec(spec: qt.QuantSpec, shape: tuple[int, ...]) -> qt.QuantSpec:
-    """The spec that quantizes ``w.T`` as ``spec`` quantizes the 2-D ``w`` of ``shape`` (axes swapped):
-    ``dequantize(quantize(w.T, transposed)) == dequantize(quantize(w, spec)).T``. A granularity that
-    does not fit a 2-D tensor is returned as it is (the shape check names it)."""
-    g = spec.granularity
-    if isinstance(g, qt.PerChannel) and _other_axis(g.axis) is not None:
-        g = qt.PerChannel(_other_axis(g.axis))
-    elif isinstance(g, qt.PerGroup) and _other_axis(g.axis) is not None:
-        g = qt.PerGroup(g.size, axis=-1 if _other_axis(g.axis) == 1 else 0)
-    elif isinstance(g, qt.PerBlock) and len(g.shape) <= 2 and len(shape) == 2:
-        rows, cols = g.block_size(tuple(shape))
-        g = qt.PerBlock((cols, rows))
-    else:
-        return spec
-    return dataclasses.replace(spec, granularity=g)
+#: The spec of a stored-transposed weight (core: :func:`qtransform.transposed_spec`).
+transposed_spec = qt.transposed_spec
 
 
 def model_plan(model: nn.Module, recipe: qt.Recipe, tree: Mapping[str, torch.Tensor]) -> qt.Plan:

@@ -8,7 +8,7 @@ folded into the weights, block by block on calibration data; :mod:`.smoothing` h
 
 from .base import (ALGORITHMS, Algorithm, Block, BlockInputs, Context, Fit, SiteStats, apply_fit,
                    check_algorithm_options, get_algorithm, register_algorithm)
-from . import rtn, hqq, smoothing, smoothquant
+from . import rtn, hqq, smoothing, smoothquant, gptq_solver, gptq
 
 __all__ = ["ALGORITHMS", "Algorithm", "Block", "BlockInputs", "Context", "Fit", "SiteStats", "apply_fit", "check_algorithm_options",
-           "get_algorithm", "register_algorithm", "rtn", "hqq", "smoothing", "smoothquant"]
+           "get_algorithm", "register_algorithm", "rtn", "hqq", "smoothing", "smoothquant", "gptq_solver", "gptq"]

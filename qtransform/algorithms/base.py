@@ -51,13 +51,15 @@ __all__ = ["Fit", "Context", "SiteStats", "BlockInputs", "Block", "Algorithm", "
            "check_algorithm_options", "apply_fit"]
 
 
-@pytree_dataclass(static=())
+@pytree_dataclass(static=("info",))
 class Fit:
     """What a step returns: ``params`` ``{path: tensor}`` it changed and ``qparams``
-    ``{path: QParams}`` it fitted (a pytree: tensors are leaves)."""
+    ``{path: QParams}`` it fitted (a pytree: tensors are leaves), and ``info`` ``{path: {name:
+    number or str}}``, what it reports about them (GPTQ's loss, SmoothQuant's α; static, not leaves)."""
 
     params: Mapping[str, torch.Tensor] = dataclasses.field(default_factory=dict)
     qparams: Mapping[str, QParams] = dataclasses.field(default_factory=dict)
+    info: Mapping[str, Mapping[str, Any]] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self):
         for name, kind in (("params", torch.Tensor), ("qparams", QParams)):
@@ -71,6 +73,10 @@ class Fit:
             if bad:
                 raise TypeError(f"Fit.{name}[{bad[0]!r}] must be a {kind.__name__}, got {type(value[bad[0]]).__name__}")
             object.__setattr__(self, name, dict(value))
+        if not isinstance(self.info, Mapping) or not all(
+                isinstance(k, str) and isinstance(v, Mapping) for k, v in self.info.items()):
+            raise TypeError(f"Fit.info must map tree paths (str) to dicts of reported values, got {self.info!r:.80}")
+        object.__setattr__(self, "info", {k: dict(v) for k, v in self.info.items()})
 
     def then(self, later: "Fit") -> "Fit":
         """This fit followed by ``later``: ``later``'s tensors replace this one's, and a tensor ``later``
@@ -85,7 +91,10 @@ class Fit:
         if not isinstance(later, Fit):
             raise TypeError(f"Fit.then: expected a Fit, got {type(later).__name__}")
         kept = {p: q for p, q in self.qparams.items() if p not in later.params}
-        return Fit(params={**self.params, **later.params}, qparams={**kept, **later.qparams})
+        info = {p: dict(v) for p, v in self.info.items()}
+        for p, v in later.info.items():
+            info[p] = {**info.get(p, {}), **v}
+        return Fit(params={**self.params, **later.params}, qparams={**kept, **later.qparams}, info=info)
 
 
 def apply_fit(params: Any, fit: Fit) -> Any:

@@ -129,6 +129,19 @@ _w8a8("fp8-w8a8", lambda: QuantSpec(format="fp8_e4m3", granularity=PerChannel(0)
       "fp8 e4m3 weights per output channel, fp8 inputs with static per-tensor scales (needs --calib)")
 
 
+def _gptq_spec(bits: int, group: int) -> QuantSpec:
+    return QuantSpec(format=f"uint{bits}", granularity=PerGroup(group), symmetric=False, pad=True)
+
+
+for _b, _g in ((4, 128), (4, 64), (3, 64)):
+    _builtin(f"gptq{_b}-g{_g}", lambda b=_b, g=_g: _gptq_spec(b, g),
+             f"GPTQ uint{_b} asymmetric (integer zero point), group {_g}, static act-order (needs --calib)",
+             Step("gptq"))
+register_preset("gptq-w8a8", lambda: Preset("gptq-w8a8", linear_recipe(
+    QuantSpec(format="int8", granularity=PerChannel(0)), Step("smoothquant", alpha="auto"), Step("gptq"),
+    input=QuantSpec(format="int8")),
+    "auto-SmoothQuant, then GPTQ int8 weights per output channel, int8 static per-tensor inputs (needs --calib)"))
+
 #: Where the key/value cache is written from: the outputs of the key and value projections (Llama,
 #: Mistral, Qwen2, OPT, Phi-3 without fused qkv...); :func:`kv_cache_rules` quantizes them.
 KV_SITES = ("*.k_proj:output", "*.v_proj:output")

@@ -5,6 +5,7 @@ from .quantspec import CALIBRATION_FIELDS, SCALE_RULES, QuantSpec
 from .step import Step
 from .plan import ROLES, Match, Plan, Site, module_of
 from .recipe import Recipe, as_plan, as_recipe
+from .transpose import transposed_spec
 
 __all__ = ["QuantSpec", "SCALE_RULES", "CALIBRATION_FIELDS", "Step", "Match", "Plan", "Site", "ROLES",
-           "module_of", "Recipe", "as_plan", "as_recipe"]
+           "module_of", "Recipe", "as_plan", "as_recipe", "transposed_spec"]

@@ -1,0 +1,175 @@
+"""``gptq``: the GPTQ step, block by block on calibration data (:mod:`.gptq_solver` is the solver).
+
+In each block (``context.block``), every linear weight the plan quantizes (``Linear`` and
+``Conv1D`` weights, or 2-D ``*.weight`` tensors when the plan knows no module types) gets the
+Hessian of its input, ``XᵀX / n`` over the block's calibration inputs (the outputs of the blocks
+before it, already quantized), and is solved by GPTQ. Linears that read the same input (the
+``groups`` the bridge fills from its architecture tables: q/k/v, gate/up...) share one Hessian
+and one solve. With ``true_sequential=True`` the groups run in order, each one's Hessians
+collected with the groups before it already quantized (q/k/v before o, gate/up before down);
+otherwise one pass over the block's inputs collects them all. Other tensors of the block are
+left to the next steps (round to nearest when none fits them).
+
+The result is the quantized weights (on the spec's grid) and their quantization parameters; the
+layers' GPTQ losses are in ``Fit.info`` (``{"gptq_loss": ...}`` per weight path).
+
+Options (defaults): ``damp`` (0.01), ``block_size`` (128), ``act_order`` (True),
+``static_groups`` (True: group parameters fixed before the column loop, so act-order needs no
+``g_idx``; ``act_order`` with dynamic groups would make group membership a permutation, which
+qtransform checkpoints do not store: the solver gives it, the step refuses it), ``init``
+(``"minmax"`` or ``"hqq"``), ``observer`` (the range observer of ``init="minmax"``: ``"minmax"``,
+``"mse"``...), ``true_sequential`` (False), ``groups`` (filled by the bridge).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import torch
+
+from .._checks import where
+from ..observers import finalize_stats, init_stats, make_observer
+from ..spec import Site, module_of, transposed_spec
+from ..tensor import QParams
+from .base import BlockInputs, Fit, register_algorithm
+from .gptq_solver import INITS, gptq_many
+
+__all__ = ["gptq", "check_options", "linear_weights"]
+
+_OPTIONS = ("damp", "block_size", "act_order", "static_groups", "init", "observer", "true_sequential", "groups")
+_LINEAR_TYPES = ("Linear", "Conv1D")
+
+
+def _bool(name, v, path):
+    if not isinstance(v, bool):
+        raise ValueError(f"{where(path)}gptq: {name} must be True or False, got {v!r}")
+
+
+def check_options(*, path: str | None = None, **options) -> None:
+    """Raise ``ValueError`` naming the option for unknown options or bad values (see the module docstring).
+
+    >>> check_options(damp=-1)
+    Traceback (most recent call last):
+    ...
+    ValueError: gptq: damp must be a number >= 0, got -1
+    """
+    unknown = sorted(set(options) - set(_OPTIONS))
+    if unknown:
+        raise ValueError(f"{where(path)}gptq: unknown option(s) {unknown}; known: {list(_OPTIONS)}")
+    damp = options.get("damp", 0.01)
+    if isinstance(damp, bool) or not isinstance(damp, (int, float)) or not damp >= 0 or damp == float("inf"):
+        raise ValueError(f"{where(path)}gptq: damp must be a number >= 0, got {damp!r}")
+    bs = options.get("block_size", 128)
+    if isinstance(bs, bool) or not isinstance(bs, int) or bs < 1:
+        raise ValueError(f"{where(path)}gptq: block_size must be an int >= 1, got {bs!r}")
+    for name in ("act_order", "static_groups", "true_sequential"):
+        if name in options:
+            _bool(name, options[name], path)
+    if options.get("act_order", True) and options.get("static_groups", True) is False:
+        raise ValueError(f"{where(path)}gptq: act_order=True with static_groups=False puts input columns in groups by "
+                         "a permutation (g_idx), which qtransform's checkpoints do not store; use static_groups=True "
+                         "(the default) or act_order=False")
+    if options.get("init", "minmax") not in INITS:
+        raise ValueError(f"{where(path)}gptq: init must be one of {list(INITS)}, got {options.get('init')!r}")
+    if options.get("observer") is not None:
+        if options.get("init", "minmax") == "hqq":
+            raise ValueError(f"{where(path)}gptq: observer applies to init='minmax', not init='hqq'")
+        try:
+            obs = make_observer(options["observer"])
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"{where(path)}gptq: observer: {e}") from None
+        if not obs.gives_range:
+            raise ValueError(f"{where(path)}gptq: observer {obs.name!r} gives no quantization range "
+                             "(use minmax, percentile or mse)")
+    groups = options.get("groups")
+    if groups is not None and (not isinstance(groups, (list, tuple)) or not all(
+            isinstance(g, Mapping) and isinstance(g.get("linears"), (list, tuple)) for g in groups)):
+        raise ValueError(f"{where(path)}gptq: groups must be a list of {{'prev': ..., 'linears': [...]}} dicts, "
+                         f"got {groups!r:.80}")
+
+
+def linear_weights(params: Mapping[str, torch.Tensor], plan, paths) -> list[str]:
+    """The paths among ``paths`` that GPTQ solves: quantized 2-D linear weights."""
+    out = []
+    for p in paths:
+        match = plan.get(p)
+        if match is None or match.spec is None or not p.endswith(".weight") or params[p].dim() != 2:
+            continue
+        if match.module_type is None or match.module_type in _LINEAR_TYPES:
+            out.append(p)
+    return out
+
+
+def _stages(weights: list[str], groups, true_sequential: bool) -> list[list[list[str]]]:
+    """Stages (solved in order, Hessians collected anew for each) of sharing sets (one Hessian each)."""
+    left, sets = list(weights), []
+    for g in groups or ():
+        members = [f"{lin}.weight" for lin in g["linears"] if f"{lin}.weight" in left]
+        if members:
+            sets.append(members)
+            left = [p for p in left if p not in members]
+    sets += [[p] for p in left]
+    return [[s] for s in sets] if true_sequential else [sets]
+
+
+def _solve_set(paths: list[str], H: torch.Tensor, params, plan, options) -> tuple[dict, dict, dict]:
+    weights, specs, flips = [], [], []
+    for p in paths:
+        w, spec, flip = params[p], plan.specs[p], plan[p].module_type == "Conv1D"
+        if flip:  # stored (in, out): solve the logical (out, in) weight
+            w, spec = w.T, transposed_spec(spec, tuple(w.shape))
+        weights.append(w)
+        specs.append(spec)
+        flips.append(flip)
+    results = gptq_many(weights, H, specs, paths=paths, **options)
+    new, qps, info = {}, {}, {}
+    for p, r, flip in zip(paths, results, flips):
+        qp = r.qparams
+        if flip:
+            qp = _transposed_qparams(qp, plan.specs[p], p)
+        new[p] = r.weight.T.contiguous() if flip else r.weight
+        qps[p] = qp
+        info[p] = {"gptq_loss": round(r.loss, 6)}
+    return new, qps, info
+
+
+def _transposed_qparams(qp: QParams, stored_spec, path) -> QParams:
+    if qp.micro_exponent is not None:
+        raise ValueError(f"{path}: gptq on a weight stored transposed (Conv1D) with micro-exponent format "
+                         f"{stored_spec.format!r} is not available: its packed sub-block shifts follow the stored layout")
+    t = lambda x: None if x is None else (x if x.dim() == 0 else x.T.contiguous())  # noqa: E731
+    return QParams(scale=t(qp.scale), zero_point=t(qp.zero_point), global_scale=qp.global_scale, spec=stored_spec)
+
+
+def gptq(params, plan, *, context, damp: float = 0.01, block_size: int = 128, act_order: bool = True,
+         static_groups: bool = True, init: str = "minmax", observer: Any = None, true_sequential: bool = False,
+         groups=None) -> Fit:
+    """The ``gptq`` step on one block (``context.block``); see the module docstring."""
+    check_options(damp=damp, block_size=block_size, act_order=act_order, static_groups=static_groups, init=init,
+                  observer=observer, true_sequential=true_sequential, groups=groups)
+    block = context.block
+    if block is None:
+        raise ValueError("gptq runs block by block on calibration data (a calibrator's blockwise)")
+    weights = linear_weights(params, plan, block.paths)
+    if not weights:
+        return Fit()
+    solver = dict(damp=float(damp), block_size=block_size, act_order=act_order, static_groups=static_groups,
+                  init=init, observer=observer)
+    mine = [g for g in groups or () if all(f"{lin}.weight" in block.paths or lin.startswith(block.name + ".")
+                                           for lin in g["linears"])]
+    changed, qparams, info = {}, {}, {}
+    for stage in _stages(weights, mine, true_sequential):
+        sites = {Site(module_of(s[0]), "input"): init_stats(observer="hessian") for s in stage}
+        stats = block.site_stats(changed, sites)
+        for s in context.track(stage, desc=f"gptq {block.name}"):
+            H = finalize_stats(stats[Site(module_of(s[0]), "input")], path=s[0])
+            new, qps, more = _solve_set(s, H, params, plan, solver)
+            changed.update(new)
+            qparams.update(qps)
+            info.update(more)
+    return Fit(params=changed, qparams=qparams, info=info)
+
+
+gptq.groups_optional = True  # the bridge fills groups where its tables know the architecture; none is fine
+register_algorithm("gptq", gptq, needs=BlockInputs(), check_options=check_options,
+                   description="GPTQ: columns quantized in order, errors compensated through the inverse Hessian")
