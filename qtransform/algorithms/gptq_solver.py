@@ -28,7 +28,9 @@ MX, NVFP4...). Where ``s``, ``z`` come from:
   ``weight[:, perm]`` and ``g_idx[c]`` is the group of input column ``c`` (what GPTQ exporters store).
 
 ``init="minmax"`` chooses parameters with an observer (``observer``: ``"minmax"``, ``"mse"``...);
-``init="hqq"`` with HQQ's optimizer (uint specs with a float zero point).
+``init="clip"`` searches each group's clipping for the smallest squared error weighted by the
+Hessian's diagonal (:mod:`.clip_search`; affine formats without micro-exponents, else min/max);
+``init="hqq"`` uses HQQ's optimizer (uint specs with a float zero point).
 
 >>> import torch, qtransform as qt
 >>> from qtransform.algorithms.gptq_solver import gptq
@@ -55,11 +57,12 @@ from ..observers import choose_qparams
 from ..spec import QuantSpec
 from ..tensor import QParams, blocks
 from ..tensor.quantize import element_range
+from .clip_search import search_range
 
 __all__ = ["GPTQResult", "gptq", "gptq_many", "inverse_hessian_factor", "INITS"]
 
 #: How group parameters are chosen before their columns are quantized.
-INITS = ("minmax", "hqq")
+INITS = ("minmax", "clip", "hqq")
 
 
 class GPTQResult(NamedTuple):
@@ -126,10 +129,13 @@ def _element(qp: QParams, shape) -> tuple[torch.Tensor, torch.Tensor | None]:
     return full(s), None if z is None else full(z)
 
 
-def _choose(x: torch.Tensor, spec: QuantSpec, init: str, observer, path) -> QParams:
+def _choose(x: torch.Tensor, spec: QuantSpec, init: str, observer, path, energy=None) -> QParams:
+    """Parameters for the weight slice ``x`` ``(out, n)``; ``energy`` ``(n,)``: the clip search's input weights."""
     if init == "hqq":
         from . import hqq
         return hqq.optimize(x, spec, path=path)
+    if init == "clip":
+        return search_range(x, spec, energy, path=path)
     return choose_qparams(x, spec, observer=observer, path=path)
 
 
@@ -178,7 +184,8 @@ def gptq_many(weights: Sequence[torch.Tensor], H: torch.Tensor, specs: Sequence[
         block_size: columns per lazy batch update.
         act_order: process columns by decreasing Hessian diagonal.
         static_groups: choose all group parameters before the loop.
-        init: ``"minmax"`` (parameters from ``observer``, default minmax) or ``"hqq"``.
+        init: ``"minmax"`` (parameters from ``observer``, default minmax), ``"clip"`` (energy-weighted
+            clipping search) or ``"hqq"``.
         max_retries: damping increases (×10) tried when the factorization fails.
         paths: tree paths, for messages.
     """
@@ -206,20 +213,22 @@ def gptq_many(weights: Sequence[torch.Tensor], H: torch.Tensor, specs: Sequence[
         group = _group_width(spec, tuple(W.shape), p)
         static = static_groups or _always_static(spec, C, group)
         if not static:  # a format whose parameters have tensor-wide parts (NVFP4's global scale) stays static
-            probe = _choose(W.detach()[:, :group].to(torch.float32), spec, init, observer, p)
+            probe = _choose(W.detach()[:, :group].to(torch.float32), spec, "minmax", None, p)
             static = probe.global_scale is not None or probe.micro_exponent is not None
         members.append(_Member(slice(start, start + W.shape[0]), spec, group, static))
         start += W.shape[0]
     Wt = torch.cat([W.detach().to(torch.float32) for W in weights]).T.contiguous()  # (in, rows): columns as rows
     Wt[dead] = 0
+    energy = torch.diagonal(H).detach().to(torch.float32).clamp(min=0)
     S, Z = torch.ones_like(Wt), torch.zeros_like(Wt)
     fitted: dict[int, QParams] = {}
     for i, m in enumerate(members):  # static parameters: from the weight before any update
         if m.static:
-            fitted[i] = _choose(Wt[:, m.rows].T, m.spec, init, observer, paths[i])
+            fitted[i] = _choose(Wt[:, m.rows].T, m.spec, _init(init, m.spec), observer, paths[i], energy)
             _put(S, Z, fitted[i], 0, m.rows, C)
     if perm is not None:
         Wt, S, Z = Wt[perm].contiguous(), S[perm].contiguous(), Z[perm].contiguous()
+    energy_p = energy if perm is None else energy[perm]
     dynamic = [i for i, m in enumerate(members) if not m.static]
     groups: dict[int, list[QParams]] = {i: [] for i in dynamic}
     rounders = _rounders(members)
@@ -235,7 +244,8 @@ def gptq_many(weights: Sequence[torch.Tensor], H: torch.Tensor, specs: Sequence[
                 m = members[i]
                 if col % m.group == 0:  # a group starts: its parameters from its columns as they are now
                     cols = torch.cat([W1[j:j + m.group, m.rows], Wt[i2:col + m.group, m.rows]])
-                    qp = _choose(cols.T, m.spec, init, observer, paths[i])
+                    qp = _choose(cols.T, m.spec, _init(init, m.spec), observer, paths[i],
+                                 energy_p[col:col + cols.shape[0]])
                     groups[i].append(qp)
                     _put(S, Z, qp, col, m.rows, cols.shape[0])
             w = W1[j]
@@ -299,3 +309,10 @@ def _splice(parts: list[QParams], spec: QuantSpec) -> QParams:
         if ts[0] is not None:
             fields[name] = torch.cat(ts, dim=-1)
     return QParams(spec=spec, **fields)
+
+
+def _init(init: str, spec: QuantSpec) -> str:
+    """``clip`` falls back to min/max where the search does not apply (micro-exponent and two-level formats)."""
+    if init == "clip" and (spec.fmt.sub_block is not None or not isinstance(spec.fmt.scheme, AffineScheme)):
+        return "minmax"
+    return init
