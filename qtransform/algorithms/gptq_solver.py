@@ -81,7 +81,11 @@ class GPTQResult(NamedTuple):
 def inverse_hessian_factor(H: torch.Tensor, *, damp: float = 0.01, max_retries: int = 6,
                            path: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(U, dead)``: the upper Cholesky factor of ``(H + λI)⁻¹`` (float32; ``λ = damp · mean diag``,
-    dead diagonal entries set to 1 first) and the mask of dead columns. Float64 inside."""
+    dead diagonal entries set to 1 first) and the mask of dead columns. Float64 inside.
+
+    With ``P`` the reversal permutation and ``L Lᵀ = P H P``, ``H⁻¹ = (P L⁻¹ P)ᵀ (P L⁻¹ P)`` and
+    ``P L⁻¹ P`` is upper triangular with a positive diagonal: the factor, from one Cholesky
+    factorization and one triangular solve (instead of factorizing, inverting and factorizing again)."""
     H = H.detach().to(torch.float64).clone()
     dead = torch.diagonal(H) <= 0
     H[dead, :] = 0
@@ -90,12 +94,12 @@ def inverse_hessian_factor(H: torch.Tensor, *, damp: float = 0.01, max_retries: 
     mean = float(torch.diagonal(H).mean())
     eye = torch.eye(H.shape[0], dtype=H.dtype, device=H.device)
     d = damp
+    rev = H.flip(0, 1)  # U = P L⁻¹ P with L L^T = P H P (P: the reversal): one factorization, one solve
     for attempt in range(max_retries + 1):
-        L, info = torch.linalg.cholesky_ex(H + (d * mean) * eye)
+        L, info = torch.linalg.cholesky_ex(rev + (d * mean) * eye)
         if int(info) == 0:
-            hinv = torch.cholesky_inverse(L)
-            U, info = torch.linalg.cholesky_ex(hinv, upper=True)
-            if int(info) == 0:
+            U = torch.linalg.solve_triangular(L, eye, upper=False).flip(0, 1)
+            if bool(torch.isfinite(U).all()):
                 break
         if attempt == max_retries:
             raise ValueError(f"{where(path)}gptq: the Hessian is not positive definite even with damping "
