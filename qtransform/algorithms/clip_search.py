@@ -8,7 +8,7 @@ sees small ones. With ``h = 1`` it is the weight-MSE search of GPTQ's reference 
 
 >>> import torch, qtransform as qt
 >>> from qtransform.algorithms.clip_search import search_range
->>> w = torch.cat([torch.linspace(-1, 1, 63), torch.tensor([6.0])]).reshape(1, 64)
+>>> w = torch.cat([torch.linspace(-1, 1, 255), torch.tensor([3.0])]).reshape(1, 256)
 >>> spec = qt.QuantSpec(format="int4", granularity=qt.PerChannel(0))
 >>> err = lambda qp: float((qt.fake_quantize(w, qp) - w).pow(2).sum())
 >>> err(search_range(w, spec)) < err(qt.choose_qparams(w, spec))

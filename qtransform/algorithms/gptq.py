@@ -136,7 +136,7 @@ def _solve_set(paths: list[str], H: torch.Tensor, params, plan, options) -> tupl
             qp = _transposed_qparams(qp, plan.specs[p], p)
         new[p] = r.weight.T.contiguous() if flip else r.weight
         qps[p] = qp
-        info[p] = {"gptq_loss": round(r.loss, 6)}
+        info[p] = {"gptq_loss": float(f"{r.loss:.6g}")}  # 6 significant digits: small losses stay nonzero
     return new, qps, info
 
 
