@@ -199,6 +199,10 @@ def gptq_many(weights: Sequence[torch.Tensor], H: torch.Tensor, specs: Sequence[
                          "path per weight, at least one weight")
     for W, spec, p in zip(weights, specs, paths):
         _check(W, H, spec, p)
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+        raise ValueError(f"{where(paths[0])}gptq: block_size must be an int >= 1, got {block_size!r}")
+    if isinstance(damp, bool) or not isinstance(damp, (int, float)) or not 0 <= damp < float("inf"):
+        raise ValueError(f"{where(paths[0])}gptq: damp must be a number >= 0, got {damp!r}")
     if init not in INITS:
         raise ValueError(f"{where(paths[0])}gptq: init must be one of {list(INITS)}, got {init!r}")
     if init == "hqq":
@@ -247,7 +251,10 @@ def gptq_many(weights: Sequence[torch.Tensor], H: torch.Tensor, specs: Sequence[
             for i in dynamic:
                 m = members[i]
                 if col % m.group == 0:  # a group starts: its parameters from its columns as they are now
-                    cols = torch.cat([W1[j:j + m.group, m.rows], Wt[i2:col + m.group, m.rows]])
+                    ahead = Wt[i2:col + m.group, m.rows]  # beyond the block: with the block's pending updates
+                    if ahead.shape[0] and j:
+                        ahead = ahead - U[i1:col, i2:col + m.group].T @ E1[:j, m.rows]
+                    cols = torch.cat([W1[j:j + m.group, m.rows], ahead])
                     qp = _choose(cols.T, m.spec, _init(init, m.spec), observer, paths[i],
                                  energy_p[col:col + cols.shape[0]])
                     groups[i].append(qp)
