@@ -9,7 +9,7 @@ TORCH   := torch==2.13.0
 STAMP   := $(VENV)/.installed
 PYTEST  := $(BIN)/python -m pytest
 
-.PHONY: install test quick test-long demo bench clean
+.PHONY: install test quick test-long demo bench bench-gptq bench-gptq-peer clean
 
 $(STAMP): pyproject.toml Makefile .ci/constraints.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -51,6 +51,18 @@ bench: $(STAMP)
 	$(BIN)/python bench/bench_checkpoint.py
 	$(BIN)/python bench/bench_w8a8.py --threads 1
 	$(BIN)/python bench/bench_w8a8_quality.py
+
+## llm-compressor in its own virtualenv (its pins differ from ours), for bench/bench_gptq.py
+PEER := /tmp/qtransform-llmc
+$(PEER)/bin/python:
+	$(PY) -m venv $(PEER)
+	$(PEER)/bin/python -m pip install -q $(TORCH) llmcompressor
+
+bench-gptq-peer: $(PEER)/bin/python
+
+## GPTQ on SmolLM2 beside llm-compressor (same tokens, same threads, one after the other)
+bench-gptq: $(STAMP) $(PEER)/bin/python
+	$(BIN)/python bench/bench_gptq.py --peer-python $(PEER)/bin/python --hqq
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -56,10 +56,11 @@ def ours(model, spec, cal, ev, fp, steps) -> dict:
     return {"ppl": round(ppl, 3), "ratio": round(ppl / fp, 4), "seconds": round(seconds, 1)}
 
 
-def peer(python: str, scheme: str, files: tuple[str, str], threads: int) -> dict | None:
+def peer(python: str, scheme: str, files: tuple[str, str, str], threads: int) -> dict | None:
     with tempfile.TemporaryDirectory() as d:
         out = os.path.join(d, "result.json")
-        cmd = [python, str(HERE / "peer_llmcompressor_gptq.py"), "--tokens", files[0], "--eval", files[1],
+        cmd = [python, str(HERE / "peer_llmcompressor_gptq.py"), "--model", files[2], "--tokens", files[0],
+               "--eval", files[1],
                "--scheme", scheme, "--threads", str(threads), "--out", out]
         done = subprocess.run(cmd, capture_output=True, text=True)
         if done.returncode != 0 or not os.path.exists(out):
@@ -87,9 +88,11 @@ def main() -> None:
     with torch.no_grad():
         fp = evaluate.perplexity(model, ev).perplexity
     tmp = tempfile.mkdtemp()
-    files = (os.path.join(tmp, "calib.pt"), os.path.join(tmp, "eval.pt"))
+    files = (os.path.join(tmp, "calib.pt"), os.path.join(tmp, "eval.pt"), os.path.join(tmp, "model"))
     torch.save(cal.clone(), files[0])
     torch.save(ev.clone(), files[1])
+    if a.peer_python:
+        save_float(model, tok, files[2])  # the same float weights, as a transformers directory
     rows = []
     for name in a.only or list(SCHEMES):
         rtn = ours(model, spec_of(name), cal, ev, fp, [])
@@ -130,6 +133,22 @@ def hqq_comparison(model, cal, ev, fp) -> list[dict]:
         out.append(row)
         print(json.dumps(row), flush=True)
     return out
+
+
+def save_float(model, tok, directory: str) -> None:
+    """The float model as a plain transformers directory (a GGUF-loaded model refuses save_pretrained)."""
+    from safetensors.torch import save_file
+    os.makedirs(directory, exist_ok=True)
+    config = model.config.to_dict()
+    config.pop("quantization_config", None)
+    pathlib.Path(directory, "config.json").write_text(json.dumps(config, indent=2))
+    seen, tensors = set(), {}
+    for name, t in model.state_dict().items():  # tied weights once (lm_head is the embedding)
+        if t.data_ptr() not in seen:
+            seen.add(t.data_ptr())
+            tensors[name] = t.contiguous()
+    save_file(tensors, os.path.join(directory, "model.safetensors"), metadata={"format": "pt"})
+    tok.save_pretrained(directory)
 
 
 def _x(v) -> str:

@@ -34,11 +34,12 @@ from typing import Any, Mapping
 import torch
 
 from .._checks import where
-from ..observers import finalize_stats, init_stats, make_observer
+from ..observers import finalize_stats, init_stats
 from ..spec import Site, module_of, transposed_spec
 from ..tensor import QParams
 from .base import BlockInputs, Fit, register_algorithm
 from .gptq_solver import INITS, gptq_many
+from .rtn import check_range_observer
 
 __all__ = ["gptq", "check_options", "linear_weights"]
 
@@ -81,13 +82,7 @@ def check_options(*, path: str | None = None, **options) -> None:
         if options.get("init", "clip") != "minmax":
             raise ValueError(f"{where(path)}gptq: observer applies to init='minmax', not "
                              f"init={options.get('init', 'clip')!r} (pass init='minmax')")
-        try:
-            obs = make_observer(options["observer"])
-        except (TypeError, ValueError) as e:
-            raise ValueError(f"{where(path)}gptq: observer: {e}") from None
-        if not obs.gives_range:
-            raise ValueError(f"{where(path)}gptq: observer {obs.name!r} gives no quantization range "
-                             "(use minmax, percentile or mse)")
+        check_range_observer(options["observer"], f"{where(path)}gptq")
     groups = options.get("groups")
     if groups is not None and (not isinstance(groups, (list, tuple)) or not all(
             isinstance(g, Mapping) and isinstance(g.get("linears"), (list, tuple)) for g in groups)):

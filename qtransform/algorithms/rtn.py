@@ -18,7 +18,7 @@ from .._checks import where
 from ..observers import choose_qparams, make_observer
 from .base import Fit, register_algorithm
 
-__all__ = ["rtn", "check_options"]
+__all__ = ["rtn", "check_options", "check_range_observer"]
 
 
 def check_options(*, path: str | None = None, **options) -> None:
@@ -27,13 +27,17 @@ def check_options(*, path: str | None = None, **options) -> None:
     if unknown:
         raise ValueError(f"{where(path)}rtn: unknown option(s) {unknown}; known: ['observer']")
     if "observer" in options:
-        try:
-            obs = make_observer(options["observer"])
-        except (TypeError, ValueError) as e:
-            raise ValueError(f"{where(path)}rtn: observer: {e}") from None
-        if not obs.gives_range:
-            raise ValueError(f"{where(path)}rtn: observer {obs.name!r} gives no quantization range "
-                             "(use minmax, percentile or mse)")
+        check_range_observer(options["observer"], f"{where(path)}rtn")
+
+
+def check_range_observer(value, at: str) -> None:
+    """``ValueError`` (prefixed ``at``) unless ``value`` makes an observer that gives a quantization range."""
+    try:
+        obs = make_observer(value)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{at}: observer: {e}") from None
+    if not obs.gives_range:
+        raise ValueError(f"{at}: observer {obs.name!r} gives no quantization range (use minmax, percentile or mse)")
 
 
 def rtn(params, plan, *, context, observer=None) -> Fit:
