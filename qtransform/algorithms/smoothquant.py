@@ -238,22 +238,25 @@ def smoothquant(params, plan, *, context, alpha: Any = 0.5, groups=None, activat
         want = {Site(g.linears[0], "input"): init_stats(observer="channel") for g in mine}
     stats = block.site_stats({}, want)
     recipe_acts = (getattr(plan, "activations", None) or {}) if auto and activation is None else {}
-    current, changed = dict(params), {}
+    current, changed, info = dict(params), {}, {}
     for g in mine:
         site = Site(g.linears[0], "input")
         summary = finalize_stats(stats[site], path=g.linears[0])
         if auto:
             specs = {lin: plan.specs.get(f"{lin}.weight") for lin in g.linears}
             act = activation if activation is not None else recipe_acts.get(site)
-            s = search(summary, current, g, activation=act, weight_specs=specs, grid=grid or 11).scales
-            if s is None:
-                continue
+            choice = search(summary, current, g, activation=act, weight_specs=specs, grid=grid or 11)
+            s, chosen = choice.scales, choice.alpha
         else:
-            s = _group_scales(current, g, summary.absmax, float(alpha))
+            s, chosen = _group_scales(current, g, summary.absmax, float(alpha)), float(alpha)
+        for lin in g.linears:  # the report says what each linear got ("none": left unsmoothed)
+            info[f"{lin}.weight"] = {"smoothquant_alpha": "none" if chosen is None else f"{chosen:g}"}
+        if s is None:
+            continue
         new = fold(current, g, s)
         current.update(new)
         changed.update(new)
-    return Fit(params=changed)
+    return Fit(params=changed, info=info)
 
 
 register_algorithm("smoothquant", smoothquant, needs=BlockInputs(), check_options=check_options,

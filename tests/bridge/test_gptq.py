@@ -109,6 +109,12 @@ def test_gptq_presets_from_the_command_line(arch, preset, tmp_path, monkeypatch,
     if recipe.input is not None:  # gptq-w8a8: static int8 inputs on every quantized linear, reloaded
         specs = bridge.modules.actquant.activation_specs(loaded)
         assert len(specs) == len(linears) and set(specs.values()) == {recipe.input}
+        # and the report says which alpha auto-SmoothQuant chose for each linear ("none": not smoothed)
+        grid = {"none"} | {f"{a / 10:g}" for a in range(11)}
+        alphas = {p: v["smoothquant_alpha"] for p, v in rep["step_info"].items() if "smoothquant_alpha" in v}
+        groups = {f"{lin}.weight" for g in bridge.arch.smoothing_groups(original) for lin in g["linears"]}
+        assert set(alphas) == groups and groups <= in_blocks and set(alphas.values()) <= grid
+        assert "smoothquant_alpha: " in stdout
 
 
 def test_gptq_preset_without_calibration_is_refused_before_loading(tmp_path, capsys):
