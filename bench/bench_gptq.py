@@ -113,8 +113,9 @@ def main() -> None:
                       for r in rows])
     hqq_rows = hqq_comparison(model, cal, ev, fp) if a.hqq else []
     if hqq_rows:
-        table += "\n\n" + markdown(["scheme (float zero point, g64)", "GPTQ min/max init", "GPTQ HQQ init", "HQQ alone"],
-                                   [[r["scheme"], f"x{r['minmax']}", f"x{r['hqq_init']}", f"x{r['hqq']}"]
+        table += "\n\n" + markdown(["scheme (float zero point, g64)", "GPTQ (default init: clip)", "GPTQ HQQ init",
+                                    "HQQ alone"],
+                                   [[r["scheme"], f"x{r['clip']}", f"x{r['hqq_init']}", f"x{r['hqq']}"]
                                     for r in hqq_rows])
     table += (f"\n\nfloat perplexity {fp:.3f} on {ev.numel()} tokens; calibration {a.calib}x{a.seq_len} tokens; "
               f"{a.threads} threads; load average {os.getloadavg()[0]:.1f}")
@@ -127,7 +128,7 @@ def hqq_comparison(model, cal, ev, fp) -> list[dict]:
         spec = qt.QuantSpec(format=f"uint{bits}", granularity=qt.PerGroup(64), symmetric=False, pad=True,
                             zero_point_domain="float", scale_dtype="float16")
         row = {"scheme": f"uint{bits}-asym-g64 (float zp)"}
-        for key, steps in (("minmax", [qt.Step("gptq")]), ("hqq_init", [qt.Step("gptq", init="hqq")]),
+        for key, steps in (("clip", [qt.Step("gptq")]), ("hqq_init", [qt.Step("gptq", init="hqq")]),
                            ("hqq", [qt.Step("hqq", error_norm=4.0)])):
             row[key] = ours(model, spec, cal, ev, fp, steps)["ratio"]
         out.append(row)
