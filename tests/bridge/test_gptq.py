@@ -301,3 +301,11 @@ def test_gptq4_g128_on_the_default_model_beats_round_to_nearest(tmp_path, monkey
     assert len(gptq["step_info"]) == 210 and gptq["calib_tokens"] == 8 * 128
     assert gptq["ppl_before"] == rtn["ppl_before"]
     assert gptq["ppl_after"] < 1.15 * gptq["ppl_before"] < rtn["ppl_after"]
+    # the checkpoint reloads through both loaders to the same model
+    from transformers import AutoModelForCausalLM
+
+    ids = torch.tensor([[1, 504, 3032, 28, 253, 1789, 30, 2]])
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "gptq").eval()
+    again = bridge.load(tmp_path / "gptq", like=AutoModelForCausalLM.from_pretrained(tmp_path / "gptq")).eval()
+    assert torch.equal(_logits(loaded, ids), _logits(again, ids))
+    assert not torch.equal(_logits(loaded, ids), _logits(AutoModelForCausalLM.from_pretrained(tmp_path / "rtn"), ids))
