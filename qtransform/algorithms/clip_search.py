@@ -41,14 +41,11 @@ def search_range(w: torch.Tensor, spec: QuantSpec, col_weight: torch.Tensor | No
     p = blocks.plan(x.shape, spec, path=path)
     h = torch.ones(x.shape[-1]) if col_weight is None else col_weight.detach().to(torch.float32).clamp(min=0)
     hw = h.expand_as(x)
-    best_err = best_lo = best_hi = None
-    for ratio in torch.linspace(1.0, min_ratio, grid).tolist():
+    best_err, best_lo, best_hi = torch.full_like(lo, float("inf")), lo, hi
+    for ratio in torch.linspace(1.0, min_ratio, grid).tolist():  # p = 1 first: ties keep the full range
         qp = QParams.from_range(lo * ratio, hi * ratio, spec, path=path)
         e = (fake_quantize(x, qp) - x).square_().mul_(hw)
         err = blocks.view(e, p).sum(dim=blocks.reduce_dims(p))
-        if best_err is None:
-            best_err, best_lo, best_hi = err, lo * ratio, hi * ratio
-            continue
         better = err < best_err
         best_err = torch.where(better, err, best_err)
         best_lo = torch.where(better, lo * ratio, best_lo)

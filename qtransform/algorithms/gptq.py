@@ -157,8 +157,7 @@ def gptq(params, plan, *, context, damp: float = 0.01, block_size: int = 128, ac
         return Fit()
     solver = dict(damp=float(damp), block_size=block_size, act_order=act_order, static_groups=static_groups,
                   init=init, observer=observer)
-    mine = [g for g in groups or () if all(f"{lin}.weight" in block.paths or lin.startswith(block.name + ".")
-                                           for lin in g["linears"])]
+    mine = [g for g in groups or () if all(lin.startswith(block.name + ".") for lin in g["linears"])]
     changed, qparams, info = {}, {}, {}
     for stage in _stages(weights, mine, true_sequential):
         sites = {Site(module_of(s[0]), "input"): init_stats(observer="hessian") for s in stage}

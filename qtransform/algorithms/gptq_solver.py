@@ -117,11 +117,11 @@ def _group_width(spec: QuantSpec, shape, path) -> int:
         raise ValueError(f"{where(path)}gptq: {e}") from None
 
 
-def _always_static(spec: QuantSpec, width: int, group: int) -> bool:
-    """Parameters chosen once for the whole weight: one group spans the width (per tensor, per output
-    channel), or the format has parts beyond per-group scales (NVFP4's tensor scale, MX micro-exponents)."""
+def _per_group_only(spec: QuantSpec) -> bool:
+    """Whether the spec's parameters are per-group scales (and zero points) alone: an affine scheme without
+    micro-exponents (MX4/MX6/MX9) or a tensor-wide scale (two-level fp8 block scales: NVFP4)."""
     fmt = spec.fmt
-    return group >= width or fmt.sub_block is not None or not isinstance(fmt.scheme, AffineScheme)
+    return isinstance(fmt.scheme, AffineScheme) and fmt.sub_block is None and spec.scale_dtype != "float8_e4m3fn"
 
 
 def _element(qp: QParams, shape) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -163,7 +163,6 @@ def _check(W, H, spec, path):
         raise ValueError(f"{where(path)}gptq: H must be ({W.shape[1]}, {W.shape[1]}) for W of shape "
                          f"{tuple(W.shape)}, got {tuple(H.shape) if isinstance(H, torch.Tensor) else type(H).__name__}")
     check_finite(W, name="W", path=path)
-    check_finite(H, name="H", path=path)
 
 
 def gptq(W: torch.Tensor, H: torch.Tensor, spec: QuantSpec, **options) -> GPTQResult:
@@ -199,6 +198,7 @@ def gptq_many(weights: Sequence[torch.Tensor], H: torch.Tensor, specs: Sequence[
                          "path per weight, at least one weight")
     for W, spec, p in zip(weights, specs, paths):
         _check(W, H, spec, p)
+    check_finite(H, name="H", path=paths[0])
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
         raise ValueError(f"{where(paths[0])}gptq: block_size must be an int >= 1, got {block_size!r}")
     if isinstance(damp, bool) or not isinstance(damp, (int, float)) or not 0 <= damp < float("inf"):
@@ -219,10 +219,8 @@ def gptq_many(weights: Sequence[torch.Tensor], H: torch.Tensor, specs: Sequence[
     members, start = [], 0
     for W, spec, p in zip(weights, specs, paths):
         group = _group_width(spec, tuple(W.shape), p)
-        static = static_groups or _always_static(spec, C, group)
-        if not static:  # a format whose parameters have tensor-wide parts (NVFP4's global scale) stays static
-            probe = _choose(W.detach()[:, :group].to(torch.float32), spec, "minmax", None, p)
-            static = probe.global_scale is not None or probe.micro_exponent is not None
+        # one group spanning the width (per tensor, per output channel), or parts beyond per-group scales
+        static = static_groups or group >= C or not _per_group_only(spec)
         members.append(_Member(slice(start, start + W.shape[0]), spec, group, static))
         start += W.shape[0]
     Wt = torch.cat([W.detach().to(torch.float32) for W in weights]).T.contiguous()  # (in, rows): columns as rows
@@ -239,7 +237,7 @@ def gptq_many(weights: Sequence[torch.Tensor], H: torch.Tensor, specs: Sequence[
     energy_p = energy if perm is None else energy[perm]
     dynamic = [i for i, m in enumerate(members) if not m.static]
     groups: dict[int, list[QParams]] = {i: [] for i in dynamic}
-    rounders = _rounders(members)
+    runs = _runs(members)
     losses = torch.zeros(Wt.shape[1], dtype=torch.float64)
     Q = torch.empty_like(Wt)
     for i1 in range(0, C, block_size):
@@ -261,8 +259,8 @@ def gptq_many(weights: Sequence[torch.Tensor], H: torch.Tensor, specs: Sequence[
                     _put(S, Z, qp, col, m.rows, cols.shape[0])
             w = W1[j]
             q = torch.empty_like(w)
-            for rows, rnd in rounders:
-                q[rows] = rnd(w[rows], S[col, rows], Z[col, rows])
+            for rows, spec in runs:
+                q[rows] = _round(w[rows], S[col, rows], Z[col, rows], spec)
             Q[col] = q
             e = (w - q).div_(U1[j, j])
             E1[j] = e
@@ -294,22 +292,22 @@ def _put(S: torch.Tensor, Z: torch.Tensor, qp: QParams, col: int, rows: slice, n
         Z[col:col + ncols, rows] = z
 
 
-def _rounders(members):
-    """``[(rows, fn(w, s, z) -> q)]``: the codec rounding per run of rows (one for equal specs)."""
+def _runs(members) -> list[tuple[slice, QuantSpec]]:
+    """``[(rows, spec)]``: the members' rows, adjacent members of one spec merged (one rounding call)."""
     out = []
     for m in members:
-        spec = m.spec
-        lo, hi = element_range(spec)
-        codec, rounding = spec.fmt.codec, spec.rounding
-
-        def rnd(w, s, z, codec=codec, rounding=rounding, lo=lo, hi=hi):
-            v = torch.addcdiv(z, w, s)
-            return codec.round(v, rounding=rounding, lo=lo, hi=hi).sub_(z).mul_(s)
-        if out and out[-1][2] == spec and out[-1][0].stop == m.rows.start:
-            out[-1] = (slice(out[-1][0].start, m.rows.stop), out[-1][1], spec)
+        if out and out[-1][1] == m.spec:
+            out[-1] = (slice(out[-1][0].start, m.rows.stop), m.spec)
         else:
-            out.append((m.rows, rnd, spec))
-    return [(rows, fn) for rows, fn, _ in out]
+            out.append((m.rows, m.spec))
+    return out
+
+
+def _round(w: torch.Tensor, s: torch.Tensor, z: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
+    """``(round(w / s + z) − z) · s`` on the spec's element grid (what dequantize(quantize(.)) gives)."""
+    lo, hi = element_range(spec)
+    v = torch.addcdiv(z, w, s)
+    return spec.fmt.codec.round(v, rounding=spec.rounding, lo=lo, hi=hi).sub_(z).mul_(s)
 
 
 def _splice(parts: list[QParams], spec: QuantSpec) -> QParams:
@@ -323,7 +321,7 @@ def _splice(parts: list[QParams], spec: QuantSpec) -> QParams:
 
 
 def _init(init: str, spec: QuantSpec) -> str:
-    """``clip`` falls back to min/max where the search does not apply (micro-exponent and two-level formats)."""
+    """``clip`` falls back to min/max where the search does not apply (micro-exponent formats, non-affine schemes)."""
     if init == "clip" and (spec.fmt.sub_block is not None or not isinstance(spec.fmt.scheme, AffineScheme)):
         return "minmax"
     return init
