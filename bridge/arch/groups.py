@@ -131,6 +131,8 @@ def _resolve(model: nn.Module, block: str, t: GroupTemplate) -> dict:
         g["head_dim"] = _head_dim(model, _module(model, f"{block}.{t.prev}".rpartition(".")[0]))
     if layouts == {True}:
         g["transposed"] = True
+    if t.inspect is not None:
+        g["inspect"] = f"{block}.{t.inspect}"
     return g
 
 

@@ -12,6 +12,7 @@ give the next block's. Peak memory: the model, plus one block's inputs and outpu
 from __future__ import annotations
 
 import contextlib
+import math
 from typing import Callable, Mapping
 
 import torch
@@ -79,6 +80,26 @@ def capture_inputs(model: nn.Module, params: Mapping, block: str, batches) -> li
     return inputs
 
 
+def _tokens(args, kwargs) -> int:
+    """Tokens in one batch of a block's inputs: rows of its hidden states (all dimensions but the last)."""
+    h = first_tensor((args, kwargs))
+    return 0 if h is None or h.dim() == 0 else h.numel() // max(h.shape[-1], 1)
+
+
+def spread(inputs: list, tokens: int | None) -> list:
+    """Whole batches of ``inputs``, evenly spread over them, until ``tokens`` tokens (all for ``None``)."""
+    if tokens is None:
+        return inputs
+    if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1:
+        raise ValueError(f"blockwise: tokens must be an int >= 1 or None, got {tokens!r}")
+    sizes = [_tokens(a, k) for a, k in inputs]
+    if sum(sizes) <= tokens:
+        return inputs
+    k = min(len(inputs), max(1, math.ceil(tokens * len(sizes) / sum(sizes))))  # batches of the mean size
+    picks = sorted({round(i * (len(inputs) - 1) / (k - 1)) for i in range(k)}) if k > 1 else [0]
+    return [inputs[i] for i in picks]
+
+
 def _with_first(args, kwargs, h, block: str):
     """The block's next inputs: its output ``h`` in place of the hidden states (the first positional
     input, else the ``hidden_states`` keyword, else the first tensor keyword)."""
@@ -108,19 +129,45 @@ def _quantized(params: dict, paths, plan: qt.Plan, qparams: Mapping) -> dict:
     return out
 
 
+def _capture(model: nn.Module, block: str, modules, sites, run_all) -> tuple[dict, dict]:
+    """Run ``run_all()`` once with pre-hooks recording the inputs of ``modules`` (paths inside ``block``) and
+    folding ``sites``; returns ``({module: [(args, kwargs) per batch]}, {Site: statistics})``."""
+    names = dict(model.named_modules())
+    bad = [m for m in modules if not isinstance(m, str) or m not in names or not m.startswith(block + ".")]
+    if bad:
+        raise ValueError(f"block {block}: capture: {bad[0]!r} is not a module inside the block")
+    seen: dict = {m: [] for m in modules}
+    handles = [names[m].register_forward_pre_hook(lambda mod, a, k, m=m: seen[m].append((a, dict(k))),
+                                                  with_kwargs=True) for m in modules]
+    try:
+        if sites:
+            stats = fold_sites(model, sites, run_all, where=f"block {block}")
+        else:
+            with torch.no_grad():
+                run_all()
+            stats = {}
+    finally:
+        for h in handles:
+            h.remove()
+    return seen, stats
+
+
 def blockwise(model: nn.Module, params: Mapping, plan: qt.Plan, batches, fit_block: Callable, *,
-              qparams: Mapping | None = None, blocks: str | None = None, progress: Callable | None = None) -> qt.Fit:
+              qparams: Mapping | None = None, blocks: str | None = None, progress: Callable | None = None,
+              tokens: int | None = None) -> qt.Fit:
     """Run ``fit_block(block, params) -> Fit`` block by block (see the module docstring); returns the
     blocks' fits combined.
 
     ``qparams``: parameters fitted before this step (or given by the caller); a block is quantized
     with them where this step fits none (and the tensor is unchanged), else round to nearest.
     ``blocks``: module path of the blocks' ``nn.ModuleList`` (default: see :func:`find_blocks`).
+    ``tokens``: only whole batches evenly spread over the data until that many tokens are run
+    (:func:`spread`; ``None``: all).
     """
     names = find_blocks(model, blocks)
     current = dict(params)
     prior = dict(qparams or {})
-    inputs = capture_inputs(model, current, names[0], batches)
+    inputs = spread(capture_inputs(model, current, names[0], batches), tokens)
     total = qt.Fit()
     order = progress(names, desc="blocks", total=len(names)) if progress is not None else names
     for name in order:
@@ -135,7 +182,18 @@ def blockwise(model: nn.Module, params: Mapping, plan: qt.Plan, batches, fit_blo
         def site_stats(tensors, sites, run=run, name=name):
             return fold_sites(model, sites, lambda: run(tensors), where=f"block {name}")
 
-        block = qt.Block(name=name, paths=paths, inputs=tuple(inputs), run=run, site_stats=site_stats)
+        def capture(tensors, modules, sites=None, run=run, name=name):
+            return _capture(model, name, tuple(modules), dict(sites or {}), lambda: run(tensors))
+
+        def call(path, tensors, args, kwargs, name=name):
+            if path != name and not path.startswith(name + "."):
+                raise ValueError(f"block {name}: call: {path!r} is not inside the block")
+            with torch.no_grad():
+                return torch.func.functional_call(model.get_submodule(path), _local({**current, **tensors}, path),
+                                                  args, kwargs)
+
+        block = qt.Block(name=name, paths=paths, inputs=tuple(inputs), run=run, site_stats=site_stats,
+                         capture=capture, call=call)
         fit = fit_block(block, current)
         current.update(fit.params)
         total = total.then(fit)

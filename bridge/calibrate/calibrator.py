@@ -72,7 +72,7 @@ class ModelCalibrator:
             return fold_sites(self.model, sites, run_all, where="calibration")
 
     def blockwise(self, params: Mapping[str, torch.Tensor], plan: qt.Plan, fit_block, *,
-                  qparams: Mapping | None = None) -> qt.Fit:
+                  qparams: Mapping | None = None, tokens: int | None = None) -> qt.Fit:
         with evaluating(self.model):
             return blockwise(self.model, params, plan, self._batches(), fit_block, qparams=qparams,
-                             blocks=self.blocks, progress=self.progress)
+                             blocks=self.blocks, progress=self.progress, tokens=tokens)

@@ -139,7 +139,11 @@ class BlockInputs(NamedTuple):
 
     Its :class:`Fit` for a block may only touch that block's tensors; the calibrator quantizes the
     block with the parameters fitted so far (round to nearest where none were) before computing
-    the next block's inputs."""
+    the next block's inputs. ``tokens(**options) -> int | None``, when given, says how many
+    calibration tokens the step uses: the calibrator then keeps whole batches, spread over the
+    data, until that many (``None``: all)."""
+
+    tokens: Callable[..., int | None] | None = None
 
 
 class Block(NamedTuple):
@@ -153,6 +157,12 @@ class Block(NamedTuple):
             ``params`` (``{path: tensor}``; missing paths keep the current tree's).
         site_stats: ``site_stats(params, {Site: empty statistics}) -> {Site: statistics}``: the block on
             its inputs with hooks, for sites inside it.
+        capture: ``capture(params, modules, sites=None) -> (inputs, stats)``: one run of the block on its
+            inputs that records, for each module path in ``modules`` (inside the block), its ``(args,
+            kwargs)`` per batch (``inputs``: ``{module: [...]}``), and folds ``sites`` like ``site_stats``.
+        call: ``call(module, params, args, kwargs) -> output``: the module at path ``module`` (inside the
+            block, or the block itself) on ``args``/``kwargs``, its tensors taken from ``params``
+            (missing paths keep the current tree's): a pure function of ``params``.
     """
 
     name: str
@@ -160,6 +170,8 @@ class Block(NamedTuple):
     inputs: Sequence[Any]
     run: Callable[[Mapping[str, torch.Tensor]], list]
     site_stats: Callable[[Mapping[str, torch.Tensor], Mapping], Mapping]
+    capture: Callable[..., tuple] | None = None
+    call: Callable[..., Any] | None = None
 
 
 class Context(NamedTuple):

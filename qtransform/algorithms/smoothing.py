@@ -34,7 +34,7 @@ from typing import Any, Mapping, NamedTuple, Sequence
 
 import torch
 
-__all__ = ["SmoothGroup", "as_groups", "group_shape", "GroupShape", "logical_weight", "weight_absmax",
+__all__ = ["SmoothGroup", "as_groups", "block_groups", "group_shape", "GroupShape", "logical_weight", "weight_absmax",
            "to_prev", "to_input", "fold"]
 
 
@@ -48,6 +48,8 @@ class SmoothGroup(NamedTuple):
         head_dim: for a linear ``prev`` whose ``rows`` are attention heads read by ``n_rep`` times
             as many heads (grouped-query attention): the head size.
         transposed: the linears' (and a linear ``prev``'s) weights are stored ``(in, out)``.
+        inspect: the module whose output a search over the group measures (AWQ: the attention for
+            q/k/v, the MLP for gate/up); ``None``: the linears themselves.
     """
 
     prev: str
@@ -55,6 +57,7 @@ class SmoothGroup(NamedTuple):
     rows: tuple[int, int] | None = None
     head_dim: int | None = None
     transposed: bool = False
+    inspect: str | None = None
 
     @classmethod
     def from_value(cls, value: Any, *, where: str = "group") -> "SmoothGroup":
@@ -88,7 +91,10 @@ class SmoothGroup(NamedTuple):
         transposed = d.get("transposed", False)
         if not isinstance(transposed, bool):
             raise TypeError(f"{where}: 'transposed' must be a bool, got {transposed!r}")
-        return cls(prev, tuple(linears), rows, head_dim, transposed)
+        inspect = d.get("inspect")
+        if inspect is not None and (not isinstance(inspect, str) or not inspect):
+            raise ValueError(f"{where}: 'inspect' must be a module path (a non-empty string), got {inspect!r}")
+        return cls(prev, tuple(linears), rows, head_dim, transposed, inspect)
 
     def to_dict(self) -> dict:
         """JSON-able form (``from_value(g.to_dict()) == g``); defaults left out."""
@@ -99,6 +105,8 @@ class SmoothGroup(NamedTuple):
             d["head_dim"] = self.head_dim
         if self.transposed:
             d["transposed"] = True
+        if self.inspect is not None:
+            d["inspect"] = self.inspect
         return d
 
 
@@ -107,6 +115,22 @@ def as_groups(value: Any, *, where: str = "groups") -> tuple[SmoothGroup, ...]:
     if isinstance(value, (str, Mapping, SmoothGroup)) or not isinstance(value, Sequence):
         raise TypeError(f"{where}: expected a list of smoothing groups, got {type(value).__name__}")
     return tuple(SmoothGroup.from_value(g, where=f"{where}[{i}]") for i, g in enumerate(value))
+
+
+def block_groups(groups: Sequence[SmoothGroup], block: str, *, step: str) -> list[SmoothGroup]:
+    """The groups inside the block at path ``block``; a group reaching outside its block, or outside the
+    blocks, is an error (``step`` names the algorithm in it): block-by-block steps change one block at a time."""
+    prefix, parent = block + ".", block.rpartition(".")[0]
+    mine = []
+    for g in groups:
+        paths = (g.prev, *g.linears)
+        inside = [p.startswith(prefix) for p in paths]
+        if all(inside):
+            mine.append(g)
+        elif any(inside) or (parent and not all(p.startswith(parent + ".") for p in paths)):
+            raise ValueError(f"{step}: the group of {g.prev!r} ({list(paths)}) is not inside one block of "
+                             f"{parent or 'the model'}; block-by-block steps change one block at a time")
+    return mine
 
 
 class GroupShape(NamedTuple):

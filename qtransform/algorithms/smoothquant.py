@@ -45,7 +45,7 @@ from ..observers import finalize_stats, init_stats
 from ..spec import QuantSpec, Site
 from .base import BlockInputs, Fit, register_algorithm
 from .scale_search import Rows, check_activation, layer_errors, sample_stats
-from .smoothing import SmoothGroup, as_groups, fold, group_shape, to_prev, weight_absmax
+from .smoothing import SmoothGroup, as_groups, block_groups, fold, group_shape, to_prev, weight_absmax
 
 __all__ = ["EPS", "scales", "smooth", "search", "Choice", "check_options", "smoothquant"]
 
@@ -191,21 +191,6 @@ def check_options(*, path: str | None = None, **options) -> None:
         _check_int("tokens", options["tokens"], 1, path)
 
 
-def _block_groups(groups: tuple[SmoothGroup, ...], block) -> list[SmoothGroup]:
-    """The groups inside ``block``; a group reaching outside its block, or outside the blocks, is an error."""
-    prefix, parent = block.name + ".", block.name.rpartition(".")[0]
-    mine = []
-    for g in groups:
-        paths = (g.prev, *g.linears)
-        inside = [p.startswith(prefix) for p in paths]
-        if all(inside):
-            mine.append(g)
-        elif any(inside) or (parent and not all(p.startswith(parent + ".") for p in paths)):
-            raise ValueError(f"smoothquant: the group of {g.prev!r} ({list(paths)}) is not inside one block of "
-                             f"{parent or 'the model'}; block-by-block smoothing changes one block at a time")
-    return mine
-
-
 def _tokens(block) -> int:
     n = 0
     for args, kwargs in block.inputs:
@@ -227,7 +212,7 @@ def smoothquant(params, plan, *, context, alpha: Any = 0.5, groups=None, activat
     block = context.block
     if block is None:
         raise ValueError("smoothquant runs block by block on calibration data (a calibrator's blockwise)")
-    mine = _block_groups(as_groups(groups), block)
+    mine = block_groups(as_groups(groups), block.name, step="smoothquant")
     if not mine:
         return Fit()
     auto = alpha == "auto"

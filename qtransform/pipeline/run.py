@@ -48,11 +48,12 @@ class Calibrator(Protocol):
 
     def blockwise(self, params: Mapping[str, torch.Tensor], plan: Plan,
                   fit_block: Callable[[Block, Mapping[str, torch.Tensor]], Fit], *,
-                  qparams: Mapping[str, QParams] | None = None) -> Fit:
+                  qparams: Mapping[str, QParams] | None = None, tokens: int | None = None) -> Fit:
         """``fit_block(block, params)`` for each block in order (``params`` as the blocks before left
         it), each block then quantized (what the step fitted, else ``qparams`` fitted before it for an
         unchanged tensor, else round to nearest) to compute the next block's inputs; returns the
-        blocks' fits combined."""
+        blocks' fits combined. ``tokens``: use whole batches, spread over the data, until that many
+        tokens (the step's ``BlockInputs.tokens``; ``None``: every batch)."""
 
 
 def check_steps(steps: Sequence[Step], *, calibrated: bool | None = None, on_load: bool = False,
@@ -106,7 +107,9 @@ def _run_step(algo, step: Step, plan: Plan, current: dict, calibrator: Calibrato
                 raise ValueError(f"{at} block {block.name}: returned tensors outside the block: {outside[:5]}")
             return fit
 
-        return calibrator.blockwise(dict(current), plan, fit_block, qparams=dict(qparams))
+        tokens = algo.needs.tokens(**step.options) if algo.needs.tokens is not None else None
+        more = {} if tokens is None else {"tokens": tokens}  # calibrators without the option still serve others
+        return calibrator.blockwise(dict(current), plan, fit_block, qparams=dict(qparams), **more)
     stats = _collect(algo, step, plan, current, calibrator, at)
     return algo.fn(dict(current), plan, context=Context(stats=stats, progress=progress), **step.options)
 

@@ -38,6 +38,22 @@ def tiny_causal_lm(arch: str):
     raise ValueError(arch)
 
 
+def tiny_with_outliers(arch: str, seed: int = 0):
+    """A tiny model (:func:`tiny_causal_lm`, eval mode) with random norm weights, a few channels x20
+    (activation outliers), and random biases."""
+    torch.manual_seed(seed)
+    m = tiny_causal_lm(arch).eval()
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            if p.dim() == 1 and name.endswith("bias"):
+                p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+            elif p.dim() == 1:  # norm weights
+                p.copy_(torch.rand(p.shape, generator=g) + 0.5)
+                p[torch.randperm(p.numel(), generator=g)[:2]] *= 20
+    return m
+
+
 class ConvNet(nn.Module):
     def __init__(self):
         super().__init__()

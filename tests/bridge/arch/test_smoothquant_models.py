@@ -12,7 +12,7 @@ import qtransform as qt
 from bridge.arch import smoothing_groups, with_groups
 from bridge.calibrate import ModelCalibrator
 from bridge.pipeline import plan
-from bridge_util import tiny_causal_lm
+from bridge_util import tiny_causal_lm, tiny_with_outliers
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 
@@ -21,19 +21,7 @@ A8 = qt.QuantSpec(format="int8")
 ARCHS = ("llama", "mistral", "qwen2", "opt", "gpt2", "phi3")
 
 
-def _outliers(arch, seed=0):
-    """A tiny model with random norm weights (a few channels x20: activation outliers) and biases."""
-    torch.manual_seed(seed)
-    m = tiny_causal_lm(arch).eval()
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in m.named_parameters():
-            if p.dim() == 1 and name.endswith("bias"):
-                p.copy_(torch.randn(p.shape, generator=g) * 0.1)
-            elif p.dim() == 1:  # norm weights
-                p.copy_(torch.rand(p.shape, generator=g) + 0.5)
-                p[torch.randperm(p.numel(), generator=g)[:2]] *= 20
-    return m
+_outliers = tiny_with_outliers
 
 
 def _batches(seed=1):
