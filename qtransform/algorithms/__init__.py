@@ -3,12 +3,14 @@
 ``ALGORITHMS`` names them for recipes, recipe files, the command line and quantize-on-load
 (:mod:`.base` has the contract). Built-ins: ``rtn`` (round to nearest with a chosen observer),
 ``hqq`` (half-quadratic optimization, calibration-free) and ``smoothquant`` (activation outliers
-folded into the weights, block by block on calibration data; :mod:`.smoothing` has the groups).
+folded into the weights, block by block on calibration data; :mod:`.smoothing` has the groups),
+``gptq`` and ``awq`` (activation-aware scales and clipping).
 """
 
 from .base import (ALGORITHMS, Algorithm, Block, BlockInputs, Context, Fit, SiteStats, apply_fit,
                    check_algorithm_options, get_algorithm, register_algorithm)
-from . import rtn, hqq, smoothing, smoothquant, gptq_solver, gptq
+from . import rtn, hqq, smoothing, smoothquant, gptq_solver, gptq, awq_search, awq
 
 __all__ = ["ALGORITHMS", "Algorithm", "Block", "BlockInputs", "Context", "Fit", "SiteStats", "apply_fit", "check_algorithm_options",
-           "get_algorithm", "register_algorithm", "rtn", "hqq", "smoothing", "smoothquant", "gptq_solver", "gptq"]
+           "get_algorithm", "register_algorithm", "rtn", "hqq", "smoothing", "smoothquant", "gptq_solver", "gptq",
+           "awq_search", "awq"]

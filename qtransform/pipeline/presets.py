@@ -137,6 +137,13 @@ for _b, _g in ((4, 128), (4, 64), (3, 64)):
     _builtin(f"gptq{_b}-g{_g}", lambda b=_b, g=_g: _gptq_spec(b, g),
              f"GPTQ uint{_b} asymmetric (integer zero point), group {_g}, static act-order (needs --calib)",
              Step("gptq"))
+for _b, _g in ((4, 128), (4, 64), (3, 64)):
+    _builtin(f"awq{_b}-g{_g}", lambda b=_b, g=_g: _gptq_spec(b, g),
+             f"AWQ uint{_b} asymmetric (integer zero point), group {_g}: activation-aware scales and clipping "
+             "(needs --calib)", Step("awq"))
+_builtin("awq-gptq4-g128", lambda: _gptq_spec(4, 128),
+         "AWQ scales, then GPTQ: uint4 asymmetric (integer zero point), group 128 (needs --calib)",
+         Step("awq", clip=False), Step("gptq"))
 register_preset("gptq-w8a8", lambda: Preset("gptq-w8a8", linear_recipe(
     QuantSpec(format="int8", granularity=PerChannel(0)), Step("smoothquant", alpha="auto"), Step("gptq"),
     input=QuantSpec(format="int8")),

@@ -1,0 +1,165 @@
+"""``awq``: activation-aware weight quantization (Lin et al., 2024), block by block on calibration data.
+
+In each block (``context.block``) one run over the block's calibration inputs records the inputs of
+every linear the plan quantizes and of the modules the smoothing groups feed (the attention for q/k/v,
+the MLP for gate/up: the groups' ``inspect``). Then, for every group of the block (the ``groups`` the
+bridge fills from its architecture tables):
+
+1. **scales** (:mod:`.awq_search`): ``s = x̄^α`` (optionally over the weights' magnitude, ``duo_scaling``)
+   for ``α`` on a grid of ``grid`` points, scored by the output error of the inspected module with the
+   group's linears quantized at ``W · diag(s)``; the best are folded into the tree (the producer's output
+   channels ``÷ s``, the linears' input columns ``× s``: :func:`~qtransform.algorithms.smoothing.fold`),
+   which leaves the float function unchanged. All groups are searched on the block as it came in, then
+   folded (as the reference implementation does);
+2. **clipping** (``clip=True``): every quantized linear of the block gets, per quantization block, the
+   range shrink ``[p · min, p · max]`` (``p`` from 1 down to 0.45) that minimizes its output error on the
+   recorded inputs (now divided by their group's scales): ``Σ d G dᵀ`` with ``G`` the inputs' Gram matrix
+   over each column block (:func:`~qtransform.algorithms.clip_search.search_range`). The resulting
+   parameters are the step's; with ``quantizer="hqq"`` HQQ's optimizer fits them instead (and scores the
+   scale candidates), for HQQ specs (``uintN``, float zero point).
+
+The statistics, the searches and the inputs carried to the next block use ``tokens`` calibration tokens:
+whole batches spread over the data (all of them when there are fewer). A linear in no group (GPT-2's
+MLP output) is clipped only. The chosen ``α`` is reported per linear (``Fit.info``: ``awq_alpha``,
+``"none"`` where no scaling beat the unscaled weights).
+
+Options (defaults): ``grid`` (20), ``duo_scaling`` (False), ``clip`` (True), ``quantizer`` (``"rtn"``),
+``tokens`` (2048), ``groups`` (filled by the bridge; an architecture without a table is an error naming it).
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+import torch
+
+from .._checks import where
+from ..spec import Site, module_of
+from .awq_search import QUANTIZERS, search_scales
+from .base import BlockInputs, Fit, register_algorithm
+from .clip_search import input_gram, search_range
+from .gptq import linear_weights
+from .scale_search import sample_stats
+from .smoothing import SmoothGroup, as_groups, block_groups, fold, group_shape, to_input
+
+__all__ = ["awq", "check_options", "DEFAULT_TOKENS"]
+
+#: Calibration tokens the step uses by default (see the module docstring).
+DEFAULT_TOKENS = 2048
+_OPTIONS = ("grid", "duo_scaling", "clip", "quantizer", "tokens", "groups")
+
+
+def _int(name, v, lo, path):
+    if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+        raise ValueError(f"{where(path)}awq: {name} must be an int >= {lo}, got {v!r}")
+
+
+def check_options(*, path: str | None = None, **options) -> None:
+    """Raise ``ValueError`` naming the option for unknown options or bad values (see the module docstring).
+
+    >>> check_options(grid=0)
+    Traceback (most recent call last):
+    ...
+    ValueError: awq: grid must be an int >= 1, got 0
+    """
+    unknown = sorted(set(options) - set(_OPTIONS))
+    if unknown:
+        raise ValueError(f"{where(path)}awq: unknown option(s) {unknown}; known: {list(_OPTIONS)}")
+    _int("grid", options.get("grid", 20), 1, path)
+    _int("tokens", options.get("tokens", DEFAULT_TOKENS), 1, path)
+    for name in ("duo_scaling", "clip"):
+        if not isinstance(options.get(name, False), bool):
+            raise ValueError(f"{where(path)}awq: {name} must be True or False, got {options[name]!r}")
+    if options.get("quantizer", "rtn") not in QUANTIZERS:
+        raise ValueError(f"{where(path)}awq: quantizer must be one of {list(QUANTIZERS)}, got "
+                         f"{options.get('quantizer')!r}")
+    if options.get("groups") is not None:
+        try:
+            as_groups(options["groups"])
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"{where(path)}awq: {e}") from None
+
+
+def _tokens(**options):
+    return options.get("tokens", DEFAULT_TOKENS)
+
+
+def _specs(plan, group: SmoothGroup) -> dict:
+    return {lin: plan.specs.get(f"{lin}.weight") for lin in group.linears}
+
+
+def _check_hqq(plan, paths) -> None:
+    from .hqq import check_spec
+    for p in paths:
+        check_spec(plan.specs[p], path=p)
+
+
+def awq(params, plan, *, context, groups=None, grid: int = 20, duo_scaling: bool = False, clip: bool = True,
+        quantizer: str = "rtn", tokens: int = DEFAULT_TOKENS) -> Fit:
+    """The ``awq`` step on one block (``context.block``); see the module docstring."""
+    check_options(groups=groups, grid=grid, duo_scaling=duo_scaling, clip=clip, quantizer=quantizer, tokens=tokens)
+    if groups is None:
+        raise ValueError("awq: groups: no smoothing groups given; bridge.quantize fills them from the model's "
+                         "architecture table (bridge.arch), or pass groups=[{'prev': ..., 'linears': [...]}]")
+    block = context.block
+    if block is None or block.capture is None or block.call is None:
+        raise ValueError("awq runs block by block on calibration data, with a calibrator whose blocks can record "
+                         "and call their modules (bridge.quantize(..., calibration=...))")
+    weights = linear_weights(params, plan, block.paths)
+    if quantizer == "hqq":
+        _check_hqq(plan, weights)
+    mine = [g for g in block_groups(as_groups(groups), block.name, step="awq")
+            if any(s is not None for s in _specs(plan, g).values())]
+    if not weights:
+        return Fit()
+    targets = {g.prev: ([g.inspect] if g.inspect else list(g.linears)) for g in mine}
+    modules = sorted({m for t in targets.values() for m in t})
+    sites = {Site(module_of(p), "input"): sample_stats(1) for p in weights}
+    sites.update({Site(g.linears[0], "input"): sample_stats(1) for g in mine})
+    captured, stats = block.capture({}, modules, sites)
+    rows = {s.module: st.rows for s, st in stats.items()}
+    original = dict(params)
+
+    def runner(names):
+        return lambda tensors: [block.call(m, tensors, a, k) for m in names for a, k in captured[m]]
+
+    chosen, info = [], {}
+    for g in context.track(mine, desc=f"awq {block.name}"):
+        choice = search_scales(runner(targets[g.prev]), original, g, rows[g.linears[0]].abs().mean(0),
+                               specs=_specs(plan, g), grid=grid, duo_scaling=duo_scaling, quantizer=quantizer)
+        for lin in g.linears:
+            info[f"{lin}.weight"] = {"awq_alpha": "none" if choice.index == 0 else f"{choice.alpha:g}"}
+        if choice.index:
+            chosen.append((g, choice.scales))
+    current, changed, in_scale = dict(params), {}, {}
+    for g, s in chosen:
+        new = fold(current, g, s)
+        current.update(new)
+        changed.update(new)
+        s_in = to_input(s, g, group_shape(original, g))
+        in_scale.update({lin: s_in for lin in g.linears})
+    qparams = _fit_weights(current, plan, weights, rows, in_scale, clip, quantizer)
+    return Fit(params=changed, qparams=qparams, info=info)
+
+
+def _fit_weights(current: Mapping, plan, weights, rows, in_scale, clip: bool, quantizer: str) -> dict:
+    """Each quantized linear's parameters: HQQ's, or the clipping search's on its (scaled) inputs."""
+    if quantizer == "hqq":
+        from .hqq import optimize
+        return {p: optimize(current[p], plan.specs[p], path=p) for p in weights}
+    if not clip:
+        return {}
+    out = {}
+    for p in weights:
+        lin, spec, w = module_of(p), plan.specs[p], current[p]
+        x = rows[lin]
+        if lin in in_scale:
+            x = x / in_scale[lin].to(x)
+        in_axis = 0 if plan[p].module_type == "Conv1D" else 1
+        gram = input_gram(x, spec, tuple(w.shape), in_axis=in_axis, path=p)
+        out[p] = search_range(w, spec, gram=gram, in_axis=in_axis, path=p)
+    return out
+
+
+register_algorithm("awq", awq, needs=BlockInputs(tokens=_tokens), check_options=check_options,
+                   description="AWQ: per-channel scales searched on activations, then clipping ranges")

@@ -1,0 +1,183 @@
+"""The ``awq`` step through the bridge: the float function kept by its folds on every family with a table,
+its decoder layers' output error below round to nearest for every weight format family, AWQ with HQQ as the inner
+quantizer, AWQ then GPTQ, the token budget, and the errors for bad options and unsupported models."""
+
+import pytest
+import torch
+
+import bridge
+import qtransform as qt
+from bridge.arch import smoothing_groups, with_groups
+from bridge.calibrate import ModelCalibrator
+from bridge.calibrate.blocks import find_blocks
+from bridge.calibrate.sites import first_tensor, run_batch
+from bridge.pipeline import plan
+from bridge_util import tiny_causal_lm, tiny_with_outliers
+
+pytestmark = pytest.mark.filterwarnings("ignore")
+
+ARCHS = ("llama", "mistral", "qwen2", "opt", "gpt2", "phi3")
+U4 = qt.QuantSpec(format="uint4", granularity=qt.PerGroup(16), symmetric=False)
+FAMILIES = {  # every weight format family: integers (int and float zero point, symmetric), NF4, fp4, MX, NVFP4
+    "uint4-int-zp": U4,
+    "uint3-float-zp": qt.QuantSpec(format="uint3", granularity=qt.PerGroup(16), symmetric=False,
+                                   zero_point_domain="float"),
+    "int4-sym": qt.QuantSpec(format="int4", granularity=qt.PerGroup(16)),
+    "nf4": qt.QuantSpec(format="nf4", granularity=qt.PerGroup(16)),
+    "fp4": qt.QuantSpec(format="fp4_e2m1", granularity=qt.PerGroup(16)),
+    "mxfp4": qt.QuantSpec(format="mxfp4"),
+    "nvfp4": qt.QuantSpec(format="nvfp4"),
+}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def _batches(seed=1, n=3):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 128, (2, 16), generator=g) for _ in range(n)]
+
+
+def _recipe(spec=U4, *steps):
+    return qt.Recipe(type_rules={"Linear": spec, "Conv1D": spec}, exclude=["lm_head*"],
+                     steps=list(steps) or [qt.Step("awq")])
+
+
+def _fit(m, recipe, batches=None):
+    p = with_groups(m, plan(m, recipe))
+    return qt.run_steps(bridge.extract(m), p, calibrator=ModelCalibrator(m, batches or _batches())), p
+
+
+def _logits(m, params=None, ids=None):
+    ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(9)) if ids is None else ids
+    with torch.no_grad():  # without a key/value cache; on the tree ``params`` (tied names handled) if given
+        return m(input_ids=ids, use_cache=False).logits if params is None else run_batch(m, params, ids).logits
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_awq_folds_keep_the_float_function_of_every_family(arch):
+    m = tiny_with_outliers(arch)
+    fit, _ = _fit(m, _recipe())
+    params = bridge.extract(m)
+    groups = smoothing_groups(m)
+    norms = {f"{g['prev']}.weight" for g in groups if params[f"{g['prev']}.weight"].dim() == 1}
+    assert norms & set(fit.params), "the outlier channels make AWQ scale some norm"
+    scaled = [v["awq_alpha"] for v in fit.info.values()]
+    assert any(a != "none" for a in scaled) and all(a == "none" or 0 < float(a) < 1 for a in scaled)
+    changed = [p for p, t in fit.params.items() if not torch.equal(t, params[p])]
+    assert changed
+    want = _logits(m)
+    got = _logits(m, {**params, **fit.params})  # the folded float model, not quantized
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * float(want.abs().max()))
+
+
+def _block_errors(m, tree, ids):
+    """Sum over the decoder blocks of ``||block_tree(x) - block(x)||²`` on each block's float inputs ``x``
+    (the folds stay inside a block, so the outputs are in one frame)."""
+    names = find_blocks(m)
+    inputs = {}
+    hooks = [m.get_submodule(b).register_forward_pre_hook(lambda mod, a, k, b=b: inputs.setdefault(b, (a, k)),
+                                                          with_kwargs=True) for b in names]
+    try:
+        _logits(m, ids=ids)
+    finally:
+        for h in hooks:
+            h.remove()
+    total = 0.0
+    for b in names:
+        mod, (a, k) = m.get_submodule(b), inputs[b]
+        local = {n[len(b) + 1:]: t for n, t in tree.items() if n.startswith(b + ".")}
+        with torch.no_grad():
+            ref, got = first_tensor(mod(*a, **k)), first_tensor(torch.func.functional_call(mod, local, a, k))
+        total += float((got - ref).double().pow(2).sum())
+    return total
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_awq_layer_output_error_is_below_round_to_nearest_for_every_format_family(family):
+    spec = FAMILIES[family]
+    m = tiny_with_outliers("llama")
+    batches = _batches(n=4)
+    ids = torch.cat(batches)
+    fit, p = _fit(m, _recipe(spec), batches)
+    original = bridge.extract(m)
+    params = {**original, **fit.params}
+    awq_q = {w: qt.dequantize(qt.quantize(params[w], fit.qparams[w] if w in fit.qparams else
+                                          qt.choose_qparams(params[w], spec))) for w in p.specs}
+    rtn_q = {w: qt.fake_quantize(original[w], qt.choose_qparams(original[w], spec)) for w in p.specs}
+    e_awq = _block_errors(m, {**params, **awq_q}, ids)
+    e_rtn = _block_errors(m, {**original, **rtn_q}, ids)
+    assert e_awq < 0.9 * e_rtn, (family, e_awq, e_rtn)
+
+
+def test_awq_with_hqq_as_the_inner_quantizer_fits_hqq_parameters_to_the_scaled_weights():
+    spec = qt.QuantSpec(format="uint3", granularity=qt.PerGroup(16), symmetric=False, zero_point_domain="float")
+    m = tiny_with_outliers("llama")
+    fit, p = _fit(m, _recipe(spec, qt.Step("awq", quantizer="hqq", grid=5)))
+    assert set(fit.qparams) == set(p.specs)
+    from qtransform.algorithms import hqq
+    params = {**bridge.extract(m), **fit.params}
+    w = "model.layers.0.mlp.down_proj.weight"
+    torch.testing.assert_close(fit.qparams[w].scale, hqq.optimize(params[w], spec).scale)
+    with pytest.raises(ValueError, match=r"model.layers.0.self_attn.q_proj.weight: hqq: spec .* is not an HQQ spec"):
+        _fit(m, _recipe(U4, qt.Step("awq", quantizer="hqq")))
+
+
+def test_awq_then_gptq_runs_both_and_beats_round_to_nearest():
+    m = tiny_with_outliers("qwen2")
+    ids = torch.randint(0, 128, (4, 16), generator=torch.Generator().manual_seed(5))
+    want = _logits(m, ids=ids)
+    err = {}
+    for name, steps in (("rtn", []), ("awq-gptq", [qt.Step("awq", clip=False), qt.Step("gptq")])):
+        qm = bridge.quantize(m, qt.Recipe(type_rules={"Linear": U4}, exclude=["lm_head*"], steps=steps),
+                             calibration=_batches(n=4), kernel="dequant")
+        err[name] = float((_logits(qm, ids=ids) - want).pow(2).mean())
+    assert err["awq-gptq"] < err["rtn"]
+
+
+def test_the_token_budget_keeps_whole_batches_spread_over_the_data():
+    from bridge.calibrate.blocks import spread
+
+    inputs = [((torch.zeros(2, 8, 4),), {}) for _ in range(10)]  # 16 tokens per batch
+    assert spread(inputs, None) is inputs and spread(inputs, 1000) is inputs
+    picked = spread(inputs, 48)  # three batches: the first, the middle, the last
+    assert [next(i for i, x in enumerate(inputs) if x is p) for p in picked] == [0, 4, 9]
+    assert len(spread(inputs, 1)) == 1
+    with pytest.raises(ValueError, match="tokens must be an int >= 1"):
+        spread(inputs, 0)
+
+
+def test_the_step_sees_only_the_tokens_it_asked_for():
+    m = tiny_with_outliers("llama")
+    seen = []
+    original = qt.get_algorithm("awq")
+
+    def counting(params, plan_, *, context, groups=None, **options):
+        seen.append(sum(a[0].shape[0] * a[0].shape[1] if a else 0 for a, _ in context.block.inputs))
+        return original.fn(params, plan_, context=context, groups=groups, **options)
+
+    qt.register_algorithm("awq_counting", counting, needs=original.needs, check_options=original.check_options)
+    try:
+        _fit(m, _recipe(U4, qt.Step("awq_counting", tokens=64)), _batches(n=6))  # 6 batches of 32 tokens
+    finally:
+        qt.ALGORITHMS.unregister("awq_counting")
+    assert seen == [64, 64]  # two batches of 32 in each of the two blocks
+
+
+def test_bad_options_and_unsupported_models_are_named_before_any_work():
+    with pytest.raises(ValueError, match=r"awq: unknown option\(s\) \['alpha'\]"):
+        qt.check_algorithm_options("awq", {"alpha": 0.5})
+    with pytest.raises(ValueError, match="quantizer must be one of"):
+        qt.check_algorithm_options("awq", {"quantizer": "gptq"})
+    with pytest.raises(ValueError, match="tokens must be an int >= 1"):
+        qt.check_algorithm_options("awq", {"tokens": 0})
+    bert = tiny_causal_lm("bert")
+    with pytest.raises(ValueError, match=r"no architecture table fits BertForMaskedLM.*What is missing"):
+        bridge.quantize(bert, _recipe(), calibration=_batches())
+    with pytest.raises(ValueError, match="awq.*calibration data"):
+        bridge.quantize(tiny_causal_lm("llama"), _recipe())
