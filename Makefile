@@ -9,7 +9,7 @@ TORCH   := torch==2.13.0
 STAMP   := $(VENV)/.installed
 PYTEST  := $(BIN)/python -m pytest
 
-.PHONY: install test quick test-long demo bench bench-gptq bench-gptq-peer clean
+.PHONY: install test quick test-long demo bench bench-gptq bench-gptq-peer bench-awq clean
 
 $(STAMP): pyproject.toml Makefile .ci/constraints.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -63,6 +63,10 @@ bench-gptq-peer: $(PEER)/bin/python
 ## GPTQ on SmolLM2 beside llm-compressor (same tokens, same threads, one after the other)
 bench-gptq: $(STAMP) $(PEER)/bin/python
 	$(BIN)/python bench/bench_gptq.py --peer-python $(PEER)/bin/python --hqq
+
+## AWQ on SmolLM2 beside llm-compressor's AWQ and GPTQ (and AWQ with HQQ as its inner quantizer)
+bench-awq: $(STAMP) $(PEER)/bin/python
+	$(BIN)/python bench/bench_awq.py --peer-python $(PEER)/bin/python --hqq
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

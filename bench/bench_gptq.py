@@ -56,15 +56,15 @@ def ours(model, spec, cal, ev, fp, steps) -> dict:
     return {"ppl": round(ppl, 3), "ratio": round(ppl / fp, 4), "seconds": round(seconds, 1)}
 
 
-def peer(python: str, scheme: str, files: tuple[str, str, str], threads: int) -> dict | None:
+def peer(python: str, scheme: str, files: tuple[str, str, str], threads: int, method: str = "gptq") -> dict | None:
     with tempfile.TemporaryDirectory() as d:
         out = os.path.join(d, "result.json")
-        cmd = [python, str(HERE / "peer_llmcompressor_gptq.py"), "--model", files[2], "--tokens", files[0],
+        cmd = [python, str(HERE / "peer_llmcompressor.py"), "--model", files[2], "--tokens", files[0],
                "--eval", files[1],
-               "--scheme", scheme, "--threads", str(threads), "--out", out]
+               "--scheme", scheme, "--threads", str(threads), "--out", out, "--method", method]
         done = subprocess.run(cmd, capture_output=True, text=True)
         if done.returncode != 0 or not os.path.exists(out):
-            print(f"llm-compressor {scheme}: failed ({done.returncode}): {done.stderr.strip()[-400:]}", flush=True)
+            print(f"llm-compressor {method} {scheme}: failed ({done.returncode}): {done.stderr.strip()[-400:]}", flush=True)
             return None
         return json.loads(pathlib.Path(out).read_text())
 

@@ -13,6 +13,11 @@ a tie and the choice never does worse on the data than no scaling.
 ``Q`` is the weight's spec quantized through its format's codec with min/max ranges (``"rtn"``) or
 HQQ's optimizer (``"hqq"``: the group parameters HQQ would fit to the scaled weight).
 
+The candidates run one after the other, each a vectorized forward pass of the module over all the
+sampled tokens: ``torch.func.vmap`` over the grid was measured slower on CPU (SmolLM2's MLP on 4096
+tokens: 0.22 s per candidate against 0.15 s in the loop; its attention 0.19 s against 0.08 s, there
+being no batching rule for CPU flash attention), for the same arithmetic and ``grid`` times the memory.
+
 >>> import torch, qtransform as qt
 >>> from qtransform.algorithms.smoothing import SmoothGroup
 >>> g = torch.Generator().manual_seed(0)

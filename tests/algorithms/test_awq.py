@@ -169,3 +169,12 @@ def test_a_gram_that_does_not_fit_the_blocks_is_refused():
         search_range(w, spec, gram=torch.zeros(2, 8, 8), path="fc.weight")
     with pytest.raises(ValueError, match=r"input rows of shape \(3, 5\)"):
         input_gram(torch.zeros(3, 5), spec, (6, 16))
+
+
+def test_a_group_names_the_module_a_search_inspects_and_round_trips_through_its_dict():
+    d = {"prev": "b.norm", "linears": ["b.mlp.up", "b.mlp.gate"], "inspect": "b.mlp"}
+    g = SmoothGroup.from_value(d)
+    assert g.inspect == "b.mlp" and SmoothGroup.from_value(g.to_dict()) == g and g.to_dict() == d
+    assert "inspect" not in SmoothGroup.from_value({"prev": "n", "linears": ["fc"]}).to_dict()
+    with pytest.raises(ValueError, match="'inspect' must be a module path"):
+        SmoothGroup.from_value({**d, "inspect": ""})

@@ -98,3 +98,28 @@ def test_w8a8_presets_from_the_command_line_on_the_default_model(preset, bound, 
     back = AutoModelForCausalLM.from_pretrained(out)
     specs = bridge.modules.actquant.activation_specs(back)
     assert len(specs) == len(rep["activations"])
+
+
+def test_awq_folds_keep_the_default_models_logits(smollm2):
+    """AWQ on the first two decoder layers of SmolLM2 (grouped-query attention: 9 heads, 3 key/value heads):
+    the folded float model gives the original logits to float precision, and some scales were chosen."""
+    import bridge
+    from bridge.arch import with_groups
+    from bridge.calibrate import ModelCalibrator
+    from bridge.calibrate.sites import run_batch
+    from bridge.pipeline import plan
+
+    model, tok = smollm2
+    spec = qt.QuantSpec(format="uint4", granularity=qt.PerGroup(64), symmetric=False)
+    recipe = qt.Recipe(rules={"model.layers.[01].*proj.weight": spec}, steps=[qt.Step("awq", grid=4, tokens=256)])
+    seqs = corpus.token_sequences(corpus.load_text("builtin", part="calibration"), tok, seq_len=128, max_sequences=4)
+    params = bridge.extract(model)
+    fit = qt.run_steps(params, with_groups(model, plan(model, recipe)),
+                       calibrator=ModelCalibrator(model, list(seqs.split(2))))
+    assert {".".join(p.split(".")[:3]) for p in fit.params} <= {"model.layers.0", "model.layers.1"}
+    assert any(v["awq_alpha"] != "none" for v in fit.info.values()) and len(fit.qparams) == 14
+    ids = seqs[:2, :64]
+    with torch.no_grad():
+        want = run_batch(model, params, ids).logits
+        got = run_batch(model, {**params, **fit.params}, ids).logits
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * float(want.abs().max()))

@@ -1,0 +1,125 @@
+"""AWQ on the default model (SmolLM2-135M-Instruct), side by side with llm-compressor's AWQ and GPTQ: perplexity
+ratio quantized / float on 16x512 tokens of the built-in corpus's evaluation part, calibrated on 40x512 tokens
+of its calibration part, and the seconds of the quantization call (calibration forward passes included), all
+run in this script on the same tokens and threads, one after the other.
+
+llm-compressor runs in its own virtualenv (``make bench-gptq-peer``): ``--peer-python /tmp/qtransform-llmc/bin/python``.
+
+    .venv/bin/python bench/bench_awq.py [--peer-python PY] [--only uint4-asym-g64 ...] [--hqq] [--tokens 1024 4096]
+
+``--hqq`` compares AWQ with HQQ as the inner quantizer against plain AWQ and HQQ alone (uint4/uint3, float
+zero point, group 64); ``--tokens`` adds runs of AWQ with other token budgets.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+
+import torch
+
+import qtransform as qt
+from bridge.app import corpus, evaluate, models
+
+from bench_gptq import ours, peer, save_float, spec_of
+from common import markdown, write
+
+SCHEMES = ("uint4-asym-g64", "uint4-asym-g128", "uint3-asym-g64")
+#: The issue's anchors (SmolLM2-135M-Instruct, stdlib docstrings): Quark 0.13 AWQ, llm-compressor 0.14 GPTQ.
+ANCHORS = {"uint4-asym-g64": ("860 s for 1 of 30 layers (stopped)", "x1.108, 162 s", "<= x1.10 in <= 60 s")}
+
+
+def _x(v):
+    return "-" if v is None else f"x{v}"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--calib", type=int, default=40)
+    ap.add_argument("--eval", type=int, default=16)
+    ap.add_argument("--seq-len", type=int, default=512)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--peer-python", default=None, help="python of a virtualenv with llmcompressor")
+    ap.add_argument("--only", nargs="*", default=None, help=f"schemes (default: all of {list(SCHEMES)})")
+    ap.add_argument("--hqq", action="store_true", help="also compare AWQ with HQQ as the inner quantizer")
+    ap.add_argument("--tokens", type=int, nargs="*", default=[], help="AWQ also with these token budgets")
+    ap.add_argument("--hqq-only", action="store_true", help="only the HQQ comparison (results in awq_hqq.*)")
+    ap.add_argument("--hqq-bits", type=int, nargs="*", default=[4, 3], help="bit widths of the HQQ comparison")
+    a = ap.parse_args()
+    torch.set_num_threads(a.threads)
+    model, tok = models.load()
+    model.eval()
+    ev = corpus.token_sequences(corpus.load_text("builtin", part="eval"), tok, seq_len=a.seq_len, max_sequences=a.eval)
+    cal = corpus.token_sequences(corpus.load_text("builtin", part="calibration"), tok, seq_len=a.seq_len,
+                                 max_sequences=a.calib)
+    with torch.no_grad():
+        fp = evaluate.perplexity(model, ev).perplexity
+    tmp = tempfile.mkdtemp()
+    files = (os.path.join(tmp, "calib.pt"), os.path.join(tmp, "eval.pt"), os.path.join(tmp, "model"))
+    torch.save(cal.clone(), files[0])
+    torch.save(ev.clone(), files[1])
+    if a.peer_python:
+        save_float(model, tok, files[2])
+    if a.hqq_only:
+        rows = hqq_comparison(model, cal, ev, fp, a.hqq_bits)
+        table = markdown(HQQ_HEADER, [_hqq_cells(r) for r in rows])
+        table += f"\n\nfloat perplexity {fp:.3f}; calibration {a.calib}x{a.seq_len} tokens; {a.threads} threads"
+        write("awq_hqq", rows, table, {"fp_ppl": fp, "load_average": os.getloadavg()[0]})
+        return
+    rows = []
+    for name in a.only or list(SCHEMES):
+        spec = spec_of(name)
+        row = {"scheme": name, "rtn": ours(model, spec, cal, ev, fp, [])["ratio"]}
+        for key, steps in (("awq", [qt.Step("awq")]), ("awq_gptq", [qt.Step("awq", clip=False), qt.Step("gptq")]),
+                           *((f"awq_t{t}", [qt.Step("awq", tokens=t)]) for t in a.tokens)):
+            r = ours(model, spec, cal, ev, fp, steps)
+            row[key], row[f"{key}_s"] = r["ratio"], r["seconds"]
+        for method in ("awq", "gptq"):
+            other = peer(a.peer_python, name, files, a.threads, method) if a.peer_python else None
+            row[f"llmc_{method}"] = None if other is None else round(other["ppl"] / fp, 4)
+            row[f"llmc_{method}_s"] = None if other is None else round(other["seconds"], 1)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    header = ["scheme", "RTN", "AWQ (ours)", "s", "AWQ->GPTQ (ours)", "s", "llm-compressor AWQ", "s",
+              "llm-compressor GPTQ", "s", "goal", "peer anchors (Quark AWQ; llmc GPTQ)"]
+    table = markdown(header, [[r["scheme"], _x(r["rtn"]), _x(r["awq"]), r["awq_s"], _x(r["awq_gptq"]), r["awq_gptq_s"],
+                               _x(r["llmc_awq"]), r["llmc_awq_s"] or "-", _x(r["llmc_gptq"]), r["llmc_gptq_s"] or "-",
+                               ANCHORS.get(r["scheme"], ("", "", "-"))[2],
+                               "; ".join(ANCHORS.get(r["scheme"], ("-", "-"))[:2])] for r in rows])
+    if a.tokens:
+        table += "\n\n" + markdown(["scheme", *(f"AWQ, {t} tokens" for t in a.tokens)],
+                                   [[r["scheme"], *(f"x{r[f'awq_t{t}']} ({r[f'awq_t{t}_s']} s)" for t in a.tokens)]
+                                    for r in rows])
+    hqq_rows = hqq_comparison(model, cal, ev, fp, a.hqq_bits) if a.hqq else []
+    if hqq_rows:
+        table += "\n\n" + markdown(HQQ_HEADER, [_hqq_cells(r) for r in hqq_rows])
+    table += (f"\n\nfloat perplexity {fp:.3f} on {ev.numel()} tokens; calibration {a.calib}x{a.seq_len} tokens; "
+              f"{a.threads} threads; load average {os.getloadavg()[0]:.1f}")
+    write("awq", rows + hqq_rows, table, {"fp_ppl": fp, "load_average": os.getloadavg()[0]})
+
+
+HQQ_HEADER = ["scheme (float zero point, g64)", "HQQ alone", "AWQ (min/max inner)", "AWQ with HQQ inner"]
+
+
+def _hqq_cells(r: dict) -> list:
+    return [r["scheme"], f"x{r['hqq']}", f"x{r['awq']}", f"x{r['awq_hqq']}"]
+
+
+def hqq_comparison(model, cal, ev, fp, bit_widths=(4, 3)) -> list[dict]:
+    out = []
+    for bits in bit_widths:
+        spec = qt.QuantSpec(format=f"uint{bits}", granularity=qt.PerGroup(64), symmetric=False, pad=True,
+                            zero_point_domain="float", scale_dtype="float16")
+        row = {"scheme": f"uint{bits}-asym-g64 (float zp)"}
+        for key, steps in (("hqq", [qt.Step("hqq", error_norm=4.0)]), ("awq", [qt.Step("awq")]),
+                           ("awq_hqq", [qt.Step("awq", quantizer="hqq")])):
+            row[key] = ours(model, spec, cal, ev, fp, steps)["ratio"]
+        out.append(row)
+        print(json.dumps(row), flush=True)
+    return out
+
+
+if __name__ == "__main__":
+    main()
