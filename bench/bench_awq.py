@@ -13,17 +13,12 @@ zero point, group 64); ``--tokens`` adds runs of AWQ with other token budgets.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import tempfile
-
-import torch
 
 import qtransform as qt
-from bridge.app import corpus, evaluate, models
 
-from bench_gptq import ours, peer, save_float, spec_of
+from bench_gptq import arguments, ours, peer, setup, spec_of
 from common import markdown, write
 
 SCHEMES = ("uint4-asym-g64", "uint4-asym-g128", "uint3-asym-g64")
@@ -36,32 +31,13 @@ def _x(v):
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--calib", type=int, default=40)
-    ap.add_argument("--eval", type=int, default=16)
-    ap.add_argument("--seq-len", type=int, default=512)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--peer-python", default=None, help="python of a virtualenv with llmcompressor")
-    ap.add_argument("--only", nargs="*", default=None, help=f"schemes (default: all of {list(SCHEMES)})")
+    ap = arguments(SCHEMES)
     ap.add_argument("--hqq", action="store_true", help="also compare AWQ with HQQ as the inner quantizer")
     ap.add_argument("--tokens", type=int, nargs="*", default=[], help="AWQ also with these token budgets")
     ap.add_argument("--hqq-only", action="store_true", help="only the HQQ comparison (results in awq_hqq.*)")
     ap.add_argument("--hqq-bits", type=int, nargs="*", default=[4, 3], help="bit widths of the HQQ comparison")
     a = ap.parse_args()
-    torch.set_num_threads(a.threads)
-    model, tok = models.load()
-    model.eval()
-    ev = corpus.token_sequences(corpus.load_text("builtin", part="eval"), tok, seq_len=a.seq_len, max_sequences=a.eval)
-    cal = corpus.token_sequences(corpus.load_text("builtin", part="calibration"), tok, seq_len=a.seq_len,
-                                 max_sequences=a.calib)
-    with torch.no_grad():
-        fp = evaluate.perplexity(model, ev).perplexity
-    tmp = tempfile.mkdtemp()
-    files = (os.path.join(tmp, "calib.pt"), os.path.join(tmp, "eval.pt"), os.path.join(tmp, "model"))
-    torch.save(cal.clone(), files[0])
-    torch.save(ev.clone(), files[1])
-    if a.peer_python:
-        save_float(model, tok, files[2])
+    model, cal, ev, fp, files = setup(a)
     if a.hqq_only:
         rows = hqq_comparison(model, cal, ev, fp, a.hqq_bits)
         table = markdown(HQQ_HEADER, [_hqq_cells(r) for r in rows])

@@ -70,29 +70,10 @@ def peer(python: str, scheme: str, files: tuple[str, str, str], threads: int, me
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--calib", type=int, default=40)
-    ap.add_argument("--eval", type=int, default=16)
-    ap.add_argument("--seq-len", type=int, default=512)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--peer-python", default=None, help="python of a virtualenv with llmcompressor")
-    ap.add_argument("--only", nargs="*", default=None, help=f"schemes (default: all of {list(SCHEMES)})")
+    ap = arguments(SCHEMES)
     ap.add_argument("--hqq", action="store_true", help="also compare HQQ-initialised GPTQ at 3 and 2 bits")
     a = ap.parse_args()
-    torch.set_num_threads(a.threads)
-    model, tok = models.load()
-    model.eval()
-    ev = corpus.token_sequences(corpus.load_text("builtin", part="eval"), tok, seq_len=a.seq_len, max_sequences=a.eval)
-    cal = corpus.token_sequences(corpus.load_text("builtin", part="calibration"), tok, seq_len=a.seq_len,
-                                 max_sequences=a.calib)
-    with torch.no_grad():
-        fp = evaluate.perplexity(model, ev).perplexity
-    tmp = tempfile.mkdtemp()
-    files = (os.path.join(tmp, "calib.pt"), os.path.join(tmp, "eval.pt"), os.path.join(tmp, "model"))
-    torch.save(cal.clone(), files[0])
-    torch.save(ev.clone(), files[1])
-    if a.peer_python:
-        save_float(model, tok, files[2])  # the same float weights, as a transformers directory
+    model, cal, ev, fp, files = setup(a)
     rows = []
     for name in a.only or list(SCHEMES):
         rtn = ours(model, spec_of(name), cal, ev, fp, [])
@@ -120,6 +101,39 @@ def main() -> None:
     table += (f"\n\nfloat perplexity {fp:.3f} on {ev.numel()} tokens; calibration {a.calib}x{a.seq_len} tokens; "
               f"{a.threads} threads; load average {os.getloadavg()[0]:.1f}")
     write("gptq", rows + hqq_rows, table, {"fp_ppl": fp, "load_average": os.getloadavg()[0]})
+
+
+def arguments(schemes) -> argparse.ArgumentParser:
+    """The options both SmolLM2 benches take (calibration and evaluation sizes, threads, the peer, schemes)."""
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--calib", type=int, default=40)
+    ap.add_argument("--eval", type=int, default=16)
+    ap.add_argument("--seq-len", type=int, default=512)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--peer-python", default=None, help="python of a virtualenv with llmcompressor")
+    ap.add_argument("--only", nargs="*", default=None, help=f"schemes (default: all of {list(schemes)})")
+    return ap
+
+
+def setup(a) -> tuple:
+    """Threads, the default model, evaluation and calibration tokens (the built-in corpus's two parts), the float
+    perplexity, and the files a peer reads: ``(calib.pt, eval.pt, model directory)`` (the model written only
+    with ``a.peer_python``)."""
+    torch.set_num_threads(a.threads)
+    model, tok = models.load()
+    model.eval()
+    ev = corpus.token_sequences(corpus.load_text("builtin", part="eval"), tok, seq_len=a.seq_len, max_sequences=a.eval)
+    cal = corpus.token_sequences(corpus.load_text("builtin", part="calibration"), tok, seq_len=a.seq_len,
+                                 max_sequences=a.calib)
+    with torch.no_grad():
+        fp = evaluate.perplexity(model, ev).perplexity
+    tmp = tempfile.mkdtemp()
+    files = (os.path.join(tmp, "calib.pt"), os.path.join(tmp, "eval.pt"), os.path.join(tmp, "model"))
+    torch.save(cal.clone(), files[0])
+    torch.save(ev.clone(), files[1])
+    if a.peer_python:
+        save_float(model, tok, files[2])  # the same float weights, as a transformers directory
+    return model, cal, ev, fp, files
 
 
 def hqq_comparison(model, cal, ev, fp) -> list[dict]:

@@ -7,7 +7,8 @@ scores ours: each sequence on its own, next-token NLL summed over all positions,
         --scheme uint4-asym-g64 --threads 2 --out result.json [--method awq]
 
 AWQ is llm-compressor's ``AWQModifier`` (its defaults: 20-point grid, duo scaling, no clipping search)
-followed by a ``QuantizationModifier`` with the same weight scheme (min/max ranges).
+followed by a ``QuantizationModifier`` with the same weight scheme (min/max ranges). On a machine without
+an accelerator ``Tensor.pin_memory`` is made a no-op (its AWQ pipeline pins cached activations).
 """
 
 from __future__ import annotations
@@ -46,6 +47,8 @@ def main() -> None:
     ap.add_argument("--method", choices=["gptq", "awq"], default="gptq")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
+    if not torch.cuda.is_available():  # its AWQ pipeline pins cached activations, which needs an accelerator
+        torch.Tensor.pin_memory = lambda self, *args, **kwargs: self
     import llmcompressor
     import transformers
     from datasets import Dataset
