@@ -133,6 +133,8 @@ def _resolve(model: nn.Module, block: str, t: GroupTemplate) -> dict:
         g["transposed"] = True
     if t.inspect is not None:
         g["inspect"] = f"{block}.{t.inspect}"
+        if t.local:
+            g["local"] = True
     return g
 
 

@@ -15,7 +15,9 @@ operation that commutes with a positive per-channel scale:
 ``rows`` names a slice of a fused producer: ``"v"`` is the value part of ``[q; k; v]`` (its last
 ``(out - n_q) / 2`` rows, ``n_q`` being the output projection's input width), ``"up"`` the second
 half of ``[gate; up]`` (Phi-3). ``inspect`` is the module whose output a search over the whole
-sub-layer would measure (AWQ); ``when`` a config attribute and the values for which the group exists.
+sub-layer would measure (AWQ); ``local`` says it computes each token's output from that token alone (an MLP, a
+linear: a search may sample its rows; attention may not); ``when`` a config attribute and the values for which
+the group exists.
 
 Norm classes the groups may fold into compute ``weight * normalized(x) (+ bias)``
 (:data:`FOLDABLE_NORMS`); Gemma's ``(1 + weight)`` RMSNorm, for one, does not.
@@ -37,6 +39,7 @@ class GroupTemplate(NamedTuple):
     rows: str | None = None
     heads: bool = False
     when: tuple[str, tuple] | None = None
+    local: bool = False
 
 
 class Arch(NamedTuple):
@@ -58,7 +61,7 @@ _QKV = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
 _LLAMA_GROUPS = (
     GroupTemplate("input_layernorm", _QKV, inspect="self_attn"),
     GroupTemplate("self_attn.v_proj", ("self_attn.o_proj",), heads=True),
-    GroupTemplate("post_attention_layernorm", ("mlp.gate_proj", "mlp.up_proj"), inspect="mlp"),
+    GroupTemplate("post_attention_layernorm", ("mlp.gate_proj", "mlp.up_proj"), inspect="mlp", local=True),
     GroupTemplate("mlp.up_proj", ("mlp.down_proj",)),
 )
 
@@ -69,18 +72,18 @@ ARCHS: tuple[Arch, ...] = (
     Arch("opt", ("opt",), "model.decoder.layers", (
         GroupTemplate("self_attn_layer_norm", _QKV, inspect="self_attn"),
         GroupTemplate("self_attn.v_proj", ("self_attn.out_proj",), heads=True),
-        GroupTemplate("final_layer_norm", ("fc1",), inspect="fc1"),
+        GroupTemplate("final_layer_norm", ("fc1",), inspect="fc1", local=True),
         GroupTemplate("fc1", ("fc2",), when=("activation_function", ("relu",))),
     ), requires=(("do_layer_norm_before", True),)),
     Arch("gpt2", ("gpt2",), "transformer.h", (  # Conv1D: weights stored (in, out)
         GroupTemplate("ln_1", ("attn.c_attn",), inspect="attn"),
         GroupTemplate("attn.c_attn", ("attn.c_proj",), rows="v", heads=True),
-        GroupTemplate("ln_2", ("mlp.c_fc",), inspect="mlp.c_fc"),
+        GroupTemplate("ln_2", ("mlp.c_fc",), inspect="mlp.c_fc", local=True),
     )),
     Arch("phi3", ("phi3",), "model.layers", (
         GroupTemplate("input_layernorm", ("self_attn.qkv_proj",), inspect="self_attn"),
         GroupTemplate("self_attn.qkv_proj", ("self_attn.o_proj",), rows="v", heads=True),
-        GroupTemplate("post_attention_layernorm", ("mlp.gate_up_proj",), inspect="mlp"),
+        GroupTemplate("post_attention_layernorm", ("mlp.gate_up_proj",), inspect="mlp", local=True),
         GroupTemplate("mlp.gate_up_proj", ("mlp.down_proj",), rows="up"),
     )),
 )

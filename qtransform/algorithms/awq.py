@@ -19,12 +19,15 @@ bridge fills from its architecture tables):
    scale candidates), for HQQ specs (``uintN``, float zero point).
 
 The statistics, the searches and the inputs carried to the next block use ``tokens`` calibration tokens:
-whole batches spread over the data (all of them when there are fewer). A linear in no group (GPT-2's
+whole batches spread over the data (all of them when there are fewer). Modules that compute each token's
+output from that token alone (the MLP, a linear: the groups' ``local``) are scored on ``rows`` of those
+tokens, evenly spaced; attention on whole sequences. A linear in no group (GPT-2's
 MLP output) is clipped only. The chosen ``α`` is reported per linear (``Fit.info``: ``awq_alpha``,
 ``"none"`` where no scaling beat the unscaled weights).
 
 Options (defaults): ``grid`` (20), ``duo_scaling`` (False), ``clip`` (True), ``quantizer`` (``"rtn"``),
-``tokens`` (2048), ``groups`` (filled by the bridge; an architecture without a table is an error naming it).
+``tokens`` (2048), ``rows`` (512), ``groups`` (filled by the bridge; an architecture without a table is an error
+naming it).
 """
 
 from __future__ import annotations
@@ -46,7 +49,9 @@ __all__ = ["awq", "check_options", "DEFAULT_TOKENS"]
 
 #: Calibration tokens the step uses by default (see the module docstring).
 DEFAULT_TOKENS = 2048
-_OPTIONS = ("grid", "duo_scaling", "clip", "quantizer", "tokens", "groups")
+#: Rows on which a token-local module (an MLP, a linear) is scored by default.
+DEFAULT_ROWS = 512
+_OPTIONS = ("grid", "duo_scaling", "clip", "quantizer", "tokens", "rows", "groups")
 
 
 def _int(name, v, lo, path):
@@ -67,6 +72,7 @@ def check_options(*, path: str | None = None, **options) -> None:
         raise ValueError(f"{where(path)}awq: unknown option(s) {unknown}; known: {list(_OPTIONS)}")
     _int("grid", options.get("grid", 20), 1, path)
     _int("tokens", options.get("tokens", DEFAULT_TOKENS), 1, path)
+    _int("rows", options.get("rows", DEFAULT_ROWS), 1, path)
     for name in ("duo_scaling", "clip"):
         if not isinstance(options.get(name, False), bool):
             raise ValueError(f"{where(path)}awq: {name} must be True or False, got {options[name]!r}")
@@ -94,10 +100,33 @@ def _check_hqq(plan, paths) -> None:
         check_spec(plan.specs[p], path=p)
 
 
+def _sampled(inputs: list, n: int) -> list:
+    """The inputs of a token-local module as one call on at most ``n`` of their rows, evenly spaced (the
+    inputs themselves when a call holds other tensors than the one being sampled)."""
+    found = []
+    for args, kwargs in inputs:
+        tensors = [(i, v) for i, v in enumerate(args) if isinstance(v, torch.Tensor)] + [
+            (k, v) for k, v in kwargs.items() if isinstance(v, torch.Tensor)]
+        if len(tensors) != 1 or tensors[0][1].dim() < 2:
+            return inputs
+        found.append(tensors[0])
+    x = torch.cat([t.reshape(-1, t.shape[-1]) for _, t in found])
+    if x.shape[0] <= n:
+        return inputs
+    x = x[torch.linspace(0, x.shape[0] - 1, n, device=x.device).round().long()]
+    where_, t = found[0]
+    x = x.reshape(*([1] * (t.dim() - 2)), n, t.shape[-1])
+    args, kwargs = inputs[0]
+    if isinstance(where_, int):
+        return [(tuple(x if i == where_ else a for i, a in enumerate(args)), kwargs)]
+    return [(args, {**kwargs, where_: x})]
+
+
 def awq(params, plan, *, context, groups=None, grid: int = 20, duo_scaling: bool = False, clip: bool = True,
-        quantizer: str = "rtn", tokens: int = DEFAULT_TOKENS) -> Fit:
+        quantizer: str = "rtn", tokens: int = DEFAULT_TOKENS, rows: int = DEFAULT_ROWS) -> Fit:
     """The ``awq`` step on one block (``context.block``); see the module docstring."""
-    check_options(groups=groups, grid=grid, duo_scaling=duo_scaling, clip=clip, quantizer=quantizer, tokens=tokens)
+    check_options(groups=groups, grid=grid, duo_scaling=duo_scaling, clip=clip, quantizer=quantizer, tokens=tokens,
+                  rows=rows)
     if groups is None:
         raise ValueError("awq: groups: no smoothing groups given; bridge.quantize fills them from the model's "
                          "architecture table (bridge.arch), or pass groups=[{'prev': ..., 'linears': [...]}]")
@@ -117,15 +146,18 @@ def awq(params, plan, *, context, groups=None, grid: int = 20, duo_scaling: bool
     sites = {Site(module_of(p), "input"): sample_stats(1) for p in weights}
     sites.update({Site(g.linears[0], "input"): sample_stats(1) for g in mine})
     captured, stats = block.capture({}, modules, sites)
-    rows = {s.module: st.rows for s, st in stats.items()}
+    seen = {s.module: st.rows for s, st in stats.items()}
     original = dict(params)
+    local = {m for g in mine for m in targets[g.prev] if g.local or not g.inspect}  # token-local: sampled rows
+    local -= {m for g in mine for m in targets[g.prev] if g.inspect and not g.local}
+    captured = {m: _sampled(v, rows) if m in local else v for m, v in captured.items()}
 
     def runner(names):
         return lambda tensors: [block.call(m, tensors, a, k) for m in names for a, k in captured[m]]
 
     chosen, info = [], {}
     for g in context.track(mine, desc=f"awq {block.name}"):
-        choice = search_scales(runner(targets[g.prev]), original, g, rows[g.linears[0]].abs().mean(0),
+        choice = search_scales(runner(targets[g.prev]), original, g, seen[g.linears[0]].abs().mean(0),
                                specs=_specs(plan, g), grid=grid, duo_scaling=duo_scaling, quantizer=quantizer)
         for lin in g.linears:
             info[f"{lin}.weight"] = {"awq_alpha": "none" if choice.index == 0 else f"{choice.alpha:g}"}
@@ -138,7 +170,7 @@ def awq(params, plan, *, context, groups=None, grid: int = 20, duo_scaling: bool
         changed.update(new)
         s_in = to_input(s, g, group_shape(original, g))
         in_scale.update({lin: s_in for lin in g.linears})
-    qparams = _fit_weights(current, plan, weights, rows, in_scale, clip, quantizer)
+    qparams = _fit_weights(current, plan, weights, seen, in_scale, clip, quantizer)
     return Fit(params=changed, qparams=qparams, info=info)
 
 

@@ -41,7 +41,7 @@ def input_gram(rows: torch.Tensor, spec: QuantSpec, shape, *, in_axis: int = 1, 
     if x.dim() != 2 or x.shape[1] != shape[in_axis]:
         raise ValueError(f"{where(path)}clip search: input rows of shape {tuple(x.shape)} for a weight of shape "
                          f"{tuple(shape)} reading {shape[in_axis]} inputs")
-    x = torch.nn.functional.pad(x, (0, padded - x.shape[1])).reshape(x.shape[0], padded // c, c)
+    x = torch.constant_pad_nd(x, (0, padded - x.shape[1])).reshape(x.shape[0], padded // c, c)
     return torch.einsum("ngi,ngj->gij", x, x) / max(x.shape[0], 1)
 
 
@@ -50,7 +50,7 @@ def _gram_error(d: torch.Tensor, gram: torch.Tensor, p, in_axis: int) -> torch.T
     dl = d if in_axis == 1 else d.T
     out_axis = 1 - in_axis
     c, b_out = p.block[in_axis], p.block[out_axis]
-    dl = torch.nn.functional.pad(dl, (0, p.padded[in_axis] - dl.shape[1], 0, p.padded[out_axis] - dl.shape[0]))
+    dl = torch.constant_pad_nd(dl, (0, p.padded[in_axis] - dl.shape[1], 0, p.padded[out_axis] - dl.shape[0]))
     dg = dl.reshape(dl.shape[0], -1, c)
     e = (torch.einsum("rgi,gij->rgj", dg, gram) * dg).sum(-1)  # (rows, column blocks)
     e = e.reshape(-1, b_out, e.shape[1]).sum(1)  # rows gathered into the spec's blocks

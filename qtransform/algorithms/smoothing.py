@@ -50,6 +50,8 @@ class SmoothGroup(NamedTuple):
         transposed: the linears' (and a linear ``prev``'s) weights are stored ``(in, out)``.
         inspect: the module whose output a search over the group measures (AWQ: the attention for
             q/k/v, the MLP for gate/up); ``None``: the linears themselves.
+        local: ``inspect`` computes each token's output from that token alone (an MLP; not attention),
+            so a search may evaluate it on a sample of rows.
     """
 
     prev: str
@@ -58,6 +60,7 @@ class SmoothGroup(NamedTuple):
     head_dim: int | None = None
     transposed: bool = False
     inspect: str | None = None
+    local: bool = False
 
     @classmethod
     def from_value(cls, value: Any, *, where: str = "group") -> "SmoothGroup":
@@ -94,7 +97,10 @@ class SmoothGroup(NamedTuple):
         inspect = d.get("inspect")
         if inspect is not None and (not isinstance(inspect, str) or not inspect):
             raise ValueError(f"{where}: 'inspect' must be a module path (a non-empty string), got {inspect!r}")
-        return cls(prev, tuple(linears), rows, head_dim, transposed, inspect)
+        local = d.get("local", False)
+        if not isinstance(local, bool):
+            raise TypeError(f"{where}: 'local' must be a bool, got {local!r}")
+        return cls(prev, tuple(linears), rows, head_dim, transposed, inspect, local)
 
     def to_dict(self) -> dict:
         """JSON-able form (``from_value(g.to_dict()) == g``); defaults left out."""
@@ -107,6 +113,8 @@ class SmoothGroup(NamedTuple):
             d["transposed"] = True
         if self.inspect is not None:
             d["inspect"] = self.inspect
+        if self.local:
+            d["local"] = True
         return d
 
 

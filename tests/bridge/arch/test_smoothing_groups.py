@@ -26,12 +26,12 @@ EXPECTED_BLOCK_1 = {  # hidden 64, 4 heads of 16, 2 key/value heads (Llama, Mist
          "inspect": f"{L}.self_attn"},
         {"prev": f"{L}.self_attn.v_proj", "linears": [f"{L}.self_attn.o_proj"], "head_dim": 16},
         {"prev": f"{L}.post_attention_layernorm", "linears": [f"{L}.mlp.gate_proj", f"{L}.mlp.up_proj"],
-         "inspect": f"{L}.mlp"},
+         "inspect": f"{L}.mlp", "local": True},
         {"prev": f"{L}.mlp.up_proj", "linears": [f"{L}.mlp.down_proj"]}],
     "phi3": [  # qkv_proj: q 64 + k 32 + v 32 rows; gate_up_proj: gate 128 + up 128 rows
         {"prev": f"{L}.input_layernorm", "linears": [f"{L}.self_attn.qkv_proj"], "inspect": f"{L}.self_attn"},
         {"prev": f"{L}.self_attn.qkv_proj", "linears": [f"{L}.self_attn.o_proj"], "rows": [96, 128], "head_dim": 16},
-        {"prev": f"{L}.post_attention_layernorm", "linears": [f"{L}.mlp.gate_up_proj"], "inspect": f"{L}.mlp"},
+        {"prev": f"{L}.post_attention_layernorm", "linears": [f"{L}.mlp.gate_up_proj"], "inspect": f"{L}.mlp", "local": True},
         {"prev": f"{L}.mlp.gate_up_proj", "linears": [f"{L}.mlp.down_proj"], "rows": [128, 256]}],
     "opt": [
         {"prev": "model.decoder.layers.1.self_attn_layer_norm",
@@ -40,7 +40,7 @@ EXPECTED_BLOCK_1 = {  # hidden 64, 4 heads of 16, 2 key/value heads (Llama, Mist
         {"prev": "model.decoder.layers.1.self_attn.v_proj", "linears": ["model.decoder.layers.1.self_attn.out_proj"],
          "head_dim": 16},
         {"prev": "model.decoder.layers.1.final_layer_norm", "linears": ["model.decoder.layers.1.fc1"],
-         "inspect": "model.decoder.layers.1.fc1"},
+         "inspect": "model.decoder.layers.1.fc1", "local": True},
         {"prev": "model.decoder.layers.1.fc1", "linears": ["model.decoder.layers.1.fc2"]}],
     "gpt2": [  # Conv1D, stored (in, out); c_attn = [q; k; v] of 64 each
         {"prev": "transformer.h.1.ln_1", "linears": ["transformer.h.1.attn.c_attn"], "transposed": True,
@@ -48,7 +48,7 @@ EXPECTED_BLOCK_1 = {  # hidden 64, 4 heads of 16, 2 key/value heads (Llama, Mist
         {"prev": "transformer.h.1.attn.c_attn", "linears": ["transformer.h.1.attn.c_proj"], "rows": [128, 192],
          "head_dim": 16, "transposed": True},
         {"prev": "transformer.h.1.ln_2", "linears": ["transformer.h.1.mlp.c_fc"], "transposed": True,
-         "inspect": "transformer.h.1.mlp.c_fc"}],
+         "inspect": "transformer.h.1.mlp.c_fc", "local": True}],
 }
 EXPECTED_BLOCK_1["mistral"] = EXPECTED_BLOCK_1["qwen2"] = EXPECTED_BLOCK_1["llama"]
 

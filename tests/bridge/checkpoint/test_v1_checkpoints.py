@@ -4,7 +4,9 @@ The fixtures in tests/fixtures/v1 were written by main@20f39f2, before the metad
 version 2: round to nearest and HQQ, every format family, GPT-2's Conv1D with calibration
 choices (mse and percentile observers) stored in the specs, tied embeddings written by
 ``save_pretrained``. Each ``<name>.expected.safetensors`` holds input ids and the logits of the
-in-memory quantized model that wrote it.
+in-memory quantized model that wrote it. Against those the logits must agree to float precision (1e-6 of
+their largest magnitude: a newer transformers may order a kernel's operations differently, 1.8e-7 measured
+with 5.23); the two loaders give bit-identical logits.
 """
 
 import json
@@ -27,13 +29,20 @@ def test_fixtures_present():
                      "llama-tied-save-pretrained"]
 
 
+def _same(logits, stored):
+    torch.testing.assert_close(logits, stored, rtol=0, atol=1e-6 * float(stored.abs().max()))
+
+
+def _from_pretrained(name, ids):
+    model = AutoModelForCausalLM.from_pretrained(FIXTURES / name).eval()
+    with torch.no_grad():
+        return model(ids).logits
+
+
 @pytest.mark.parametrize("name", NAMES)
 def test_from_pretrained_same_logits(name):
     expected = load_file(str(FIXTURES / f"{name}.expected.safetensors"))
-    model = AutoModelForCausalLM.from_pretrained(FIXTURES / name).eval()
-    with torch.no_grad():
-        logits = model(expected["input_ids"]).logits
-    assert torch.equal(logits, expected["logits"])
+    _same(_from_pretrained(name, expected["input_ids"]), expected["logits"])
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -45,7 +54,8 @@ def test_bridge_load_same_logits(name):
     model = bridge.load(FIXTURES / name, like=like).eval()
     with torch.no_grad():
         logits = model(expected["input_ids"]).logits
-    assert torch.equal(logits, expected["logits"])
+    _same(logits, expected["logits"])
+    assert torch.equal(logits, _from_pretrained(name, expected["input_ids"]))  # both loaders: one model
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -72,7 +82,7 @@ def test_resaving_writes_version_2(tmp_path):
     expected = load_file(str(FIXTURES / "llama-hqq4-g64.expected.safetensors"))
     back = AutoModelForCausalLM.from_pretrained(tmp_path / "v2").eval()
     with torch.no_grad():
-        assert torch.equal(back(expected["input_ids"]).logits, expected["logits"])
+        _same(back(expected["input_ids"]).logits, expected["logits"])
 
 
 def test_upgrade_keeps_one_observer_choice_as_the_rtn_step():
