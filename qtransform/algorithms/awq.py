@@ -28,6 +28,9 @@ MLP output) is clipped only. The chosen ``α`` is reported per linear (``Fit.inf
 Options (defaults): ``grid`` (20), ``duo_scaling`` (False), ``clip`` (True), ``quantizer`` (``"rtn"``),
 ``tokens`` (2048), ``rows`` (512), ``groups`` (filled by the bridge; an architecture without a table is an error
 naming it).
+
+Measured on SmolLM2-135M, uint4 group 64, 40×512 calibration tokens (bench/bench_awq.py): round to nearest
+×1.255 perplexity, AWQ ×1.122 in 62 s, AWQ then GPTQ ×1.060 (llm-compressor's GPTQ ×1.112).
 """
 
 from __future__ import annotations
