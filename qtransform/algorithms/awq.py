@@ -42,7 +42,7 @@ import torch
 from .._checks import where
 from ..spec import Site, module_of
 from .awq_search import QUANTIZERS, search_scales
-from .base import BlockInputs, Fit, register_algorithm
+from .base import BlockInputs, Fit, block_tokens, register_algorithm
 from .clip_search import input_gram, search_range
 from .gptq import linear_weights
 from .scale_search import sample_stats
@@ -55,6 +55,7 @@ DEFAULT_TOKENS = 2048
 #: Rows on which a token-local module (an MLP, a linear) is scored by default.
 DEFAULT_ROWS = 512
 _OPTIONS = ("grid", "duo_scaling", "clip", "quantizer", "tokens", "rows", "groups")
+_KEPT = 8192  # at most about this many input rows per linear are kept (every k-th) for the statistics
 
 
 def _int(name, v, lo, path):
@@ -146,8 +147,9 @@ def awq(params, plan, *, context, groups=None, grid: int = 20, duo_scaling: bool
         return Fit()
     targets = {g.prev: ([g.inspect] if g.inspect else list(g.linears)) for g in mine}
     modules = sorted({m for t in targets.values() for m in t})
-    sites = {Site(module_of(p), "input"): sample_stats(1) for p in weights}
-    sites.update({Site(g.linears[0], "input"): sample_stats(1) for g in mine})
+    stride = max(1, -(-block_tokens(block) // _KEPT))  # rows kept for the means and Gram matrices
+    sites = {Site(module_of(p), "input"): sample_stats(stride) for p in weights}
+    sites.update({Site(g.linears[0], "input"): sample_stats(stride) for g in mine})
     captured, stats = block.capture({}, modules, sites)
     seen = {s.module: st.rows for s, st in stats.items()}
     original = dict(params)

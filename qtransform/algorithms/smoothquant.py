@@ -43,7 +43,7 @@ import torch
 from .._checks import where
 from ..observers import finalize_stats, init_stats
 from ..spec import QuantSpec, Site
-from .base import BlockInputs, Fit, register_algorithm
+from .base import BlockInputs, Fit, block_tokens, register_algorithm
 from .scale_search import Rows, check_activation, layer_errors, sample_stats
 from .smoothing import SmoothGroup, as_groups, block_groups, fold, group_shape, to_prev, weight_absmax
 
@@ -191,16 +191,6 @@ def check_options(*, path: str | None = None, **options) -> None:
         _check_int("tokens", options["tokens"], 1, path)
 
 
-def _tokens(block) -> int:
-    n = 0
-    for args, kwargs in block.inputs:
-        h = args[0] if args and isinstance(args[0], torch.Tensor) else kwargs.get("hidden_states")
-        if not isinstance(h, torch.Tensor):
-            h = next((v for v in kwargs.values() if isinstance(v, torch.Tensor)), None)
-        n += 0 if h is None or h.dim() == 0 else h.numel() // max(h.shape[-1], 1)
-    return n
-
-
 def smoothquant(params, plan, *, context, alpha: Any = 0.5, groups=None, activation=None, grid: int | None = None,
                 tokens: int | None = None) -> Fit:
     """The ``smoothquant`` step on one block (``context.block``); see the module docstring."""
@@ -217,7 +207,7 @@ def smoothquant(params, plan, *, context, alpha: Any = 0.5, groups=None, activat
         return Fit()
     auto = alpha == "auto"
     if auto:
-        stride = max(1, math.ceil(_tokens(block) / (tokens or 1024)))
+        stride = max(1, math.ceil(block_tokens(block) / (tokens or 1024)))
         want = {Site(g.linears[0], "input"): sample_stats(stride) for g in mine}
     else:
         want = {Site(g.linears[0], "input"): init_stats(observer="channel") for g in mine}
