@@ -80,19 +80,13 @@ def capture_inputs(model: nn.Module, params: Mapping, block: str, batches) -> li
     return inputs
 
 
-def _tokens(args, kwargs) -> int:
-    """Tokens in one batch of a block's inputs: rows of its hidden states (all dimensions but the last)."""
-    h = first_tensor((args, kwargs))
-    return 0 if h is None or h.dim() == 0 else h.numel() // max(h.shape[-1], 1)
-
-
 def spread(inputs: list, tokens: int | None) -> list:
     """Whole batches of ``inputs``, evenly spread over them, until ``tokens`` tokens (all for ``None``)."""
     if tokens is None:
         return inputs
     if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1:
         raise ValueError(f"blockwise: tokens must be an int >= 1 or None, got {tokens!r}")
-    sizes = [_tokens(a, k) for a, k in inputs]
+    sizes = [qt.batch_tokens(a, k) for a, k in inputs]
     if sum(sizes) <= tokens:
         return inputs
     k = min(len(inputs), max(1, math.ceil(tokens * len(sizes) / sum(sizes))))  # batches of the mean size
@@ -140,12 +134,7 @@ def _capture(model: nn.Module, block: str, modules, sites, run_all) -> tuple[dic
     handles = [names[m].register_forward_pre_hook(lambda mod, a, k, m=m: seen[m].append((a, dict(k))),
                                                   with_kwargs=True) for m in modules]
     try:
-        if sites:
-            stats = fold_sites(model, sites, run_all, where=f"block {block}")
-        else:
-            with torch.no_grad():
-                run_all()
-            stats = {}
+        stats = fold_sites(model, sites, run_all, where=f"block {block}")
     finally:
         for h in handles:
             h.remove()

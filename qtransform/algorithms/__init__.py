@@ -7,10 +7,10 @@ folded into the weights, block by block on calibration data; :mod:`.smoothing` h
 ``gptq`` and ``awq`` (activation-aware scales and clipping).
 """
 
-from .base import (ALGORITHMS, Algorithm, Block, BlockInputs, Context, Fit, SiteStats, apply_fit,
+from .base import (ALGORITHMS, Algorithm, Block, BlockInputs, Context, Fit, SiteStats, apply_fit, batch_tokens,
                    check_algorithm_options, get_algorithm, register_algorithm)
 from . import rtn, hqq, smoothing, smoothquant, gptq_solver, gptq, awq_search, awq
 
-__all__ = ["ALGORITHMS", "Algorithm", "Block", "BlockInputs", "Context", "Fit", "SiteStats", "apply_fit", "check_algorithm_options",
+__all__ = ["ALGORITHMS", "Algorithm", "Block", "BlockInputs", "batch_tokens", "Context", "Fit", "SiteStats", "apply_fit", "check_algorithm_options",
            "get_algorithm", "register_algorithm", "rtn", "hqq", "smoothing", "smoothquant", "gptq_solver", "gptq",
            "awq_search", "awq"]

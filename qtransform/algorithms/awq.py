@@ -147,11 +147,12 @@ def awq(params, plan, *, context, groups=None, grid: int = 20, duo_scaling: bool
         return Fit()
     targets = {g.prev: ([g.inspect] if g.inspect else list(g.linears)) for g in mine}
     modules = sorted({m for t in targets.values() for m in t})
+    source = {module_of(p): module_of(p) for p in weights}  # whose recorded input each linear reads
+    source.update({lin: g.linears[0] for g in mine for lin in g.linears})  # a group's linears share one
     stride = max(1, -(-block_tokens(block) // _KEPT))  # rows kept for the means and Gram matrices
-    sites = {Site(module_of(p), "input"): sample_stats(stride) for p in weights}
-    sites.update({Site(g.linears[0], "input"): sample_stats(stride) for g in mine})
+    sites = {Site(m, "input"): sample_stats(stride) for m in set(source.values())}
     captured, stats = block.capture({}, modules, sites)
-    seen = {s.module: st.rows for s, st in stats.items()}
+    seen = {lin: stats[Site(m, "input")].rows for lin, m in source.items()}
     original = dict(params)
     local = {m for g in mine for m in targets[g.prev] if g.local or not g.inspect}  # token-local: sampled rows
     local -= {m for g in mine for m in targets[g.prev] if g.inspect and not g.local}
@@ -175,26 +176,27 @@ def awq(params, plan, *, context, groups=None, grid: int = 20, duo_scaling: bool
         changed.update(new)
         s_in = to_input(s, g, group_shape(original, g))
         in_scale.update({lin: s_in for lin in g.linears})
-    qparams = _fit_weights(current, plan, weights, seen, in_scale, clip, quantizer)
+    qparams = _fit_weights(current, plan, weights, seen, source, in_scale, clip, quantizer)
     return Fit(params=changed, qparams=qparams, info=info)
 
 
-def _fit_weights(current: Mapping, plan, weights, rows, in_scale, clip: bool, quantizer: str) -> dict:
-    """Each quantized linear's parameters: HQQ's, or the clipping search's on its (scaled) inputs."""
+def _fit_weights(current: Mapping, plan, weights, rows, source, in_scale, clip: bool, quantizer: str) -> dict:
+    """Each quantized linear's parameters: HQQ's, or the clipping search's on its (scaled) inputs (one Gram
+    matrix per shared input and spec: q/k/v, gate/up)."""
     if quantizer == "hqq":
         from .hqq import optimize
         return {p: optimize(current[p], plan.specs[p], path=p) for p in weights}
     if not clip:
         return {}
-    out = {}
+    out, grams = {}, {}
     for p in weights:
         lin, spec, w = module_of(p), plan.specs[p], current[p]
-        x = rows[lin]
-        if lin in in_scale:
-            x = x / in_scale[lin].to(x)
         in_axis = 0 if plan[p].module_type == "Conv1D" else 1
-        gram = input_gram(x, spec, tuple(w.shape), in_axis=in_axis, path=p)
-        out[p] = search_range(w, spec, gram=gram, in_axis=in_axis, path=p)
+        key = (source[lin], spec, in_axis, w.shape[in_axis])
+        if key not in grams:
+            x = rows[lin] if lin not in in_scale else rows[lin] / in_scale[lin].to(rows[lin])
+            grams[key] = input_gram(x, spec, tuple(w.shape), in_axis=in_axis, path=p)
+        out[p] = search_range(w, spec, gram=grams[key], in_axis=in_axis, path=p)
     return out
 
 

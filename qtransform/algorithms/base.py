@@ -47,7 +47,7 @@ from ..registry import Registry
 from ..spec import as_plan
 from ..tensor import QParams
 
-__all__ = ["Fit", "Context", "SiteStats", "BlockInputs", "Block", "block_tokens", "Algorithm", "ALGORITHMS", "register_algorithm", "get_algorithm",
+__all__ = ["Fit", "Context", "SiteStats", "BlockInputs", "Block", "batch_tokens", "block_tokens", "Algorithm", "ALGORITHMS", "register_algorithm", "get_algorithm",
            "check_algorithm_options", "apply_fit"]
 
 
@@ -174,16 +174,18 @@ class Block(NamedTuple):
     call: Callable[..., Any] | None = None
 
 
+def batch_tokens(args: Sequence, kwargs: Mapping) -> int:
+    """Tokens in one batch of a block's inputs: rows (all dimensions but the last) of its hidden states, the
+    first positional tensor, else the ``hidden_states`` keyword, else the first tensor keyword."""
+    h = args[0] if args and isinstance(args[0], torch.Tensor) else kwargs.get("hidden_states")
+    if not isinstance(h, torch.Tensor):
+        h = next((v for v in kwargs.values() if isinstance(v, torch.Tensor)), None)
+    return 0 if h is None or h.dim() == 0 else h.numel() // max(h.shape[-1], 1)
+
+
 def block_tokens(block: Block) -> int:
-    """Tokens in a block's calibration inputs: rows of the hidden states (the first positional tensor, else the
-    ``hidden_states`` keyword, else the first tensor keyword) over all batches."""
-    n = 0
-    for args, kwargs in block.inputs:
-        h = args[0] if args and isinstance(args[0], torch.Tensor) else kwargs.get("hidden_states")
-        if not isinstance(h, torch.Tensor):
-            h = next((v for v in kwargs.values() if isinstance(v, torch.Tensor)), None)
-        n += 0 if h is None or h.dim() == 0 else h.numel() // max(h.shape[-1], 1)
-    return n
+    """Tokens in a block's calibration inputs over all batches (:func:`batch_tokens`)."""
+    return sum(batch_tokens(args, kwargs) for args, kwargs in block.inputs)
 
 
 class Context(NamedTuple):

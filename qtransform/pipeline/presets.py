@@ -111,8 +111,9 @@ _builtin("mx9", lambda: QuantSpec(format="mx9"), "MX9 (shared micro-exponents, 9
 _builtin("bfp16", lambda: QuantSpec(format="bfp16"), "block floating point, block 8, int8 codes")
 
 
-def _w8a8(name: str, weight: Callable[[], QuantSpec], act: Callable[[], QuantSpec], description: str) -> None:
-    register_preset(name, lambda: Preset(name, linear_recipe(weight(), input=act()), description))
+def _w8a8(name: str, weight: Callable[[], QuantSpec], act: Callable[[], QuantSpec], description: str,
+          *steps: Step) -> None:
+    register_preset(name, lambda: Preset(name, linear_recipe(weight(), *steps, input=act()), description))
 
 
 _w8a8("w8a8-int8", lambda: QuantSpec(format="int8", granularity=PerChannel(0)), lambda: QuantSpec(format="int8"),
@@ -124,11 +125,10 @@ _w8a8("w8a8-int8-dynamic", lambda: QuantSpec(format="int8", granularity=PerChann
 register_preset("w8a8-int8-sq", lambda: Preset("w8a8-int8-sq", linear_recipe(
     QuantSpec(format="int8", granularity=PerChannel(0)), Step("smoothquant", alpha="auto"), input=QuantSpec(format="int8")),
     "w8a8-int8 after SmoothQuant with alpha searched per layer (auto-SmoothQuant; needs --calib)"))
-register_preset("fp8-w8a8", lambda: Preset("fp8-w8a8", linear_recipe(
-    QuantSpec(format="fp8_e4m3", granularity=PerChannel(0)), Step("rtn", observer="mse"),
-    input=QuantSpec(format="fp8_e4m3")),
-    "fp8 e4m3 weights per output channel (scales by the MSE observer), fp8 inputs with static per-tensor scales "
-    "(needs --calib)"))
+_w8a8("fp8-w8a8", lambda: QuantSpec(format="fp8_e4m3", granularity=PerChannel(0)),
+      lambda: QuantSpec(format="fp8_e4m3"),
+      "fp8 e4m3 weights per output channel (scales by the MSE observer), fp8 inputs with static per-tensor scales "
+      "(needs --calib)", Step("rtn", observer="mse"))
 
 
 def _gptq_spec(bits: int, group: int) -> QuantSpec:
