@@ -39,7 +39,7 @@ from .checkpoint.layout import LAYOUTS
 from .checkpoint.metadata import CheckpointError
 from .checkpoint.tree_io import (CONFIG, check_aliases, quantized_parts, read_metadata, read_tree, tensor_groups,
                                  verify_checksums)
-from .modules.actquant import activation_specs, static_buffers
+from .modules.actquant import PREFIX, activation_specs, static_buffers
 from .tree import extract, tie_groups, to_module
 
 __all__ = ["save", "load", "TOKENIZER_FILES"]
@@ -197,7 +197,7 @@ def load(directory, *, like: nn.Module, kernel: str = "auto", verify: bool = Tru
     acts = {}
     for site, spec in meta.activations.items():
         acts[site] = spec if spec.dynamic else qt.QParams(spec=spec, **{
-            n.rpartition(".")[2].removeprefix(f"{site.role}_"): tree.pop(n) for n in act_parts.get(site, {})})
+            n.rpartition(".")[2].removeprefix(PREFIX[site.role]): tree.pop(n) for n in act_parts.get(site, {})})
     model = to_module(like, tree, kernel=kernel, activations=acts)
     left = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
     if left:

@@ -46,6 +46,9 @@ def plan(model: nn.Module, recipe) -> qt.Plan:
     given = isinstance(recipe, qt.Plan)  # resolved upstream: checked against this model, not re-resolved
     tree = extract(model)
     resolved = qt.as_plan(recipe, tree) if given else model_plan(model, qt.as_recipe(recipe), tree)
+    if getattr(resolved.recipe, "kv_cache", None) is not None and not resolved.attention:
+        raise ValueError(f"Recipe.kv_cache quantizes the key/value cache, but the plan names no attention module of "
+                         f"{type(model).__name__} (modules that call transformers' attention functions)")
     quantizable = set(weight_paths(model))
     matches = {}
     for path, m in resolved.items():
@@ -59,7 +62,7 @@ def plan(model: nn.Module, recipe) -> qt.Plan:
         if m.spec is not None:
             _check_grid(path, m, tuple(tree[path].shape))
         matches[path] = m
-    return qt.Plan(resolved.recipe, matches)
+    return qt.Plan(resolved.recipe, matches, attention=resolved.attention)
 
 
 def _check_grid(path: str, m: qt.Match, shape: tuple[int, ...]) -> None:

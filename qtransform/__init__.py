@@ -25,7 +25,7 @@ from .observers import (OBSERVERS, HistogramStats, MinMaxStats, Observer, choose
 from .algorithms import (ALGORITHMS, Algorithm, Block, BlockInputs, Context, Fit, SiteStats, apply_fit,
                          batch_tokens, check_algorithm_options, get_algorithm, register_algorithm)
 from .pipeline import (PRESETS, Calibrator, Preset, activation_quantizers, check_activation_spec, check_steps,
-                       from_hqq_config, get_preset, kv_cache_rules, presets, recipe_from_dict, register_preset,
+                       from_hqq_config, get_preset, presets, recipe_from_dict, register_preset,
                        run_steps)
 from .tree import (dequantize_tree, flatten_tree, is_qtensor, merge_stats_tree, observe_tree, qparams_tree,
                    quantize_tree)
@@ -45,7 +45,7 @@ __all__ = [
     "batch_tokens",
     "get_algorithm", "register_algorithm",
     "PRESETS", "Preset", "Calibrator", "check_steps", "run_steps", "from_hqq_config", "get_preset", "presets",
-    "recipe_from_dict", "register_preset", "kv_cache_rules",
+    "recipe_from_dict", "register_preset",
     "dequantize_tree", "flatten_tree", "is_qtensor", "merge_stats_tree", "observe_tree", "qparams_tree",
     "quantize_tree",
 ]

@@ -126,13 +126,21 @@ def cmd_quantize(a) -> int:
         qt.check_steps(recipe.steps, calibrated=bool(a.calib))
     except (TypeError, ValueError) as e:
         raise UserError(str(e)) from None
-    static = [s for s in [recipe.input, recipe.output, *(v for _, v in recipe.act_rules)]
+    if a.kv_cache:
+        try:
+            recipe = dataclasses.replace(recipe, kv_cache=qt.QuantSpec(format=a.kv_cache))
+        except (TypeError, ValueError) as e:
+            raise UserError(f"--kv-cache {a.kv_cache}: {e}") from None
+    stem = Path(label).stem + (f"-kv-{a.kv_cache}" if a.kv_cache else "")
+    if a.kv_cache:
+        label = f"{label} + kv_cache {a.kv_cache}"
+    static = [s for s in [recipe.input, recipe.output, recipe.kv_cache, *(v for _, v in recipe.act_rules)]
               if s is not None and not s.dynamic]
     if static and not a.calib:
         raise UserError(f"recipe {label} quantizes activations with static scales ({static[0]}), which are calibrated "
                         "from data: pass --calib N")
     model_name = Path(a.model).stem if a.model else models.DEFAULT_MODEL
-    out = Path(a.out or f"out/{model_name}-{Path(label).stem}")
+    out = Path(a.out or f"out/{model_name}-{stem}")
     outputs.check_out_dir(out, overwrite=a.overwrite)
     if a.json:
         outputs.check_file_target(Path(a.json), option="--json")
@@ -156,11 +164,6 @@ def cmd_quantize(a) -> int:
     calibration = inputs.calibration(a, tokenizer, calib_text)
     plan = _plan(model, recipe, label)
     unmatched = recipe.unmatched(plan)
-    kv = [g for g in qt.pipeline.KV_SITES if g in dict(recipe.act_rules)]
-    if kv and all(g in unmatched for g in kv):
-        raise UserError(f"recipe {label} quantizes the key/value cache at {kv}, but this {type(model).__name__} has "
-                        "no separate key/value projections (k_proj/v_proj; GPT-2 and Phi-3 fuse them, encoders "
-                        "have no cache)")
     for glob in unmatched:
         _warn(f"recipe pattern {glob!r} matches no tensor of the model")
 
@@ -312,6 +315,9 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--calib", type=_at_least(0), default=0, metavar="N",
                    help="calibration sequences (of --seq-len tokens) from the corpus's calibration part, for steps "
                         "that need data")
+    q.add_argument("--kv-cache", metavar="FORMAT",
+                   help="also quantize the key/value cache in FORMAT (fp8_e4m3, int8...), static per-tensor scales "
+                        "calibrated from data (needs --calib)")
     q.add_argument("--calib-batch", type=_at_least(1), default=4, metavar="B", help="calibration sequences per forward pass")
     q.add_argument("--out", help="output directory (default out/<model>-<recipe>)")
     q.add_argument("--overwrite", action="store_true", help="replace an existing output directory")

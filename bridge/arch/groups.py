@@ -188,4 +188,4 @@ def with_groups(model: nn.Module, plan: qt.Plan) -> qt.Plan:
         raise
     filled = tuple(qt.Step(s.name, **{**s.options, "groups": groups})
                    if takes_groups(s) and s.options.get("groups") is None else s for s in steps)
-    return qt.Plan(dataclasses.replace(plan.recipe, steps=filled), dict(plan.items()))
+    return qt.Plan(dataclasses.replace(plan.recipe, steps=filled), dict(plan.items()), attention=plan.attention)

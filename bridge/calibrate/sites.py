@@ -1,5 +1,6 @@
 """Folding activations of named sites into statistics: hooks on the sites' modules while forward
-passes run (:func:`fold_sites`), forward passes over calibration batches with the model's tensors
+passes run (:func:`fold_sites`; the keys and values of attention modules through
+:func:`bridge.modules.kvcache.observing`), forward passes over calibration batches with the model's tensors
 taken from a tree (:func:`run_batch`, through ``torch.func.functional_call``: the model itself is
 not modified).
 
@@ -19,6 +20,7 @@ from torch import nn
 
 import qtransform as qt
 
+from ..modules import kvcache
 from ..tree import tie_groups
 
 __all__ = ["fold_sites", "run_batch", "first_tensor", "untied", "takes", "evaluating"]
@@ -99,30 +101,41 @@ def fold_sites(model: nn.Module, sites: Mapping[qt.Site, Any], run_all: Callable
                where: str) -> dict[qt.Site, Any]:
     """Hooks on the sites' modules of ``model`` fold what passes into each site's statistics while
     ``run_all()`` runs forward passes (it returns how many, or anything when it cannot be empty)."""
-    bad = [s for s in sites if not isinstance(s, qt.Site) or s.role not in qt.spec.ROLES]
+    bad = [s for s in sites if not isinstance(s, qt.Site) or s.role not in qt.spec.SITE_ROLES]
     if bad:
-        raise ValueError(f"{where}: {bad[0]!r} is not a Site(module, role) with role in {list(qt.spec.ROLES)}")
+        raise ValueError(f"{where}: {bad[0]!r} is not a Site(module, role) with role in {list(qt.spec.SITE_ROLES)}")
     modules = dict(model.named_modules())
     missing = sorted({s.module for s in sites if s.module not in modules})
     if missing:
         raise ValueError(f"{where}: site module(s) {missing[:5]} are not modules of {type(model).__name__}")
     stats = dict(sites)
 
-    def hook(site):
+    def folder(site):
         def fold(x):
             t = first_tensor(x)
             if t is None:
                 raise ValueError(f"{where}: {site.role} of {site.module!r} holds no tensor")
             stats[site] = qt.observe(stats[site], t.detach(), path=f"{site.module} ({site.role})")
+        return fold
+
+    def kv_callback(module):
+        folds = {r: folder(qt.Site(module, r)) for r in qt.spec.KV_ROLES if qt.Site(module, r) in stats}
+        return lambda key, value: [fold(key if r == "key" else value) for r, fold in folds.items()]
+
+    def hook(site):
+        fold = folder(site)
 
         if site.role == "input":
             return modules[site.module].register_forward_pre_hook(lambda m, args, kwargs: fold((args, kwargs)),
                                                                   with_kwargs=True)
         return modules[site.module].register_forward_hook(lambda m, args, out: fold(out))
 
+    kv = {s.module for s in sites if s.role in qt.spec.KV_ROLES}
     with contextlib.ExitStack() as stack:
         for site in sites:
-            stack.callback(hook(site).remove)
+            if site.role not in qt.spec.KV_ROLES:
+                stack.callback(hook(site).remove)
+        stack.enter_context(kvcache.observing(model, {m: kv_callback(m) for m in kv}))
         with torch.no_grad():
             seen = run_all()
     if seen == 0:

@@ -250,8 +250,8 @@ def _activations(raw, specs: list, where: str) -> dict:
     out = {}
     for key, index in raw.items():
         module, _, role = key.rpartition(":")
-        if role not in ("input", "output") or not module:
-            _fail(where, f"'activations' key {key!r} is not '<module>:input' or '<module>:output'")
+        if role not in qt.spec.SITE_ROLES or not module:
+            _fail(where, f"'activations' key {key!r} is not '<module>:<role>' with role in {list(qt.spec.SITE_ROLES)}")
         if not isinstance(index, int) or isinstance(index, bool) or not 0 <= index < len(specs):
             _fail(where, f"'activations' entry {key!r}: {index!r} is not an index of 'specs'")
         out[qt.Site(module, role)] = specs[index]

@@ -32,7 +32,8 @@ from ..checkpoint import metadata
 from ..checkpoint.layout import NATIVE, abstract_qtensor, check_like
 from ..checkpoint.metadata import CheckpointError, Entry
 from ..modules import QModule
-from ..modules.actquant import abstract_qparams, activation_specs
+from ..modules import actquant, kvcache
+from ..modules.actquant import PREFIX, abstract_qparams, activation_specs
 from ..pipeline import plan as model_plan
 from ..tree import REBUILD_HOOKS, replace_module, submodule
 from . import checks
@@ -88,10 +89,17 @@ class QTransformHfQuantizer(HfQuantizer):
                 module = model.get_submodule(site.module)
             except AttributeError:
                 module = None
+            if site.role in qt.spec.KV_ROLES:
+                if site.module not in kvcache.attention_modules(model):
+                    raise CheckpointError(f"config.json: key/value quantizer {site.module}:{site.role} is not on an "
+                                          f"attention module of {type(model).__name__}")
+                actquant.attach(module, site.role, abstract_qparams(module, site.role, spec))
+                continue
             if not isinstance(module, QModule):
                 raise CheckpointError(f"config.json: activation quantizer {site.module}:{site.role} is not on a "
                                       "quantized module")
             module.set_activation(site.role, spec if spec.dynamic else abstract_qparams(module, site.role, spec))
+        kvcache.install(model)
         _untie(model, set(cfg.entries))
         if self.pre_quantized:  # the files against the skeleton, before transformers reads any data
             checks.check_checkpoint(model, cfg, kwargs.get("checkpoint_files"), verify=cfg.verify)
@@ -112,6 +120,12 @@ class QTransformHfQuantizer(HfQuantizer):
                                       "are missing")
             check_like(path, q, abstract_qtensor(e.shape, e.dtype, e.spec), where="checkpoint")
             module._cache = None
+        for site in self.quantization_config.activations:
+            module = model.get_submodule(site.module)
+            bad = [n for n, b in module._buffers.items() if b is not None and b.is_meta and n.startswith(PREFIX[site.role])]
+            if bad:
+                raise CheckpointError(f"checkpoint: activation quantizer tensor(s) {[site.module + '.' + n for n in bad]} "
+                                      "are missing")
         return model
 
     def is_serializable(self):

@@ -1,11 +1,11 @@
 """Quantized modules: ``QLinear`` (and GPT-2's ``Conv1D``), ``QConv2d``, ``QConvTranspose2d``,
-``QEmbedding``, ``QEmbeddingBag``; their activation quantizers; which float module each replaces."""
+``QEmbedding``, ``QEmbeddingBag``; their activation quantizers and the key/value cache's; which float module each replaces."""
 
 from .base import QUANTIZED_CLASSES, QModule, quantized_class, register_quantized_class
 from .linear import QLinear, is_conv1d
 from .conv import QConv2d, QConvTranspose2d
 from .embedding import QEmbedding, QEmbeddingBag
-from . import actquant
+from . import actquant, kvcache
 
 __all__ = ["QModule", "QLinear", "QConv2d", "QConvTranspose2d", "QEmbedding", "QEmbeddingBag", "QUANTIZED_CLASSES",
-           "quantized_class", "register_quantized_class", "is_conv1d", "actquant"]
+           "quantized_class", "register_quantized_class", "is_conv1d", "actquant", "kvcache"]

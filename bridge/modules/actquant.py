@@ -21,6 +21,10 @@ matrix's ``(1, k)``; a grid that varies along batch or sequence cannot be (``Val
 By default the module fake-quantizes (``dequantize(quantize(x))``); a real low-precision
 kernel (fp8 ``_scaled_mm``) consumes the quantized input directly when it applies.
 
+Attention modules take static per-tensor quantizers of their key/value cache the same way (roles
+``"key"`` and ``"value"``, see :mod:`bridge.modules.kvcache`), stored as the scalars ``k_scale``,
+``v_scale`` (and ``k_zero_point``... for formats with a zero point): the names vLLM reads.
+
 >>> import torch, qtransform as qt
 >>> from bridge.modules.actquant import apply, attach
 >>> spec = qt.QuantSpec(format="int8", dynamic=True)
@@ -39,21 +43,36 @@ from torch import nn
 import qtransform as qt
 from qtransform import QParams
 
-__all__ = ["ROLES", "attach", "activation_view", "qparams_for", "apply", "activation_specs", "static_buffers",
-           "abstract_qparams"]
+__all__ = ["ROLES", "KV_ROLES", "PREFIX", "attach", "activation_view", "qparams_for", "apply", "activation_specs",
+           "static_buffers", "abstract_qparams"]
 
 ROLES = ("input", "output")
+KV_ROLES = qt.spec.KV_ROLES
+#: Stored-name prefix of each role's QParams fields: ``input_scale``, ``k_scale``...
+PREFIX = {"input": "input_", "output": "output_", "key": "k_", "value": "v_"}
 
 
 def attach(module: nn.Module, role: str, quant) -> None:
-    """Give ``module`` an activation quantizer for ``role`` (``"input"`` or ``"output"``).
+    """Give ``module`` an activation quantizer for ``role`` (``"input"`` or ``"output"``; ``"key"`` or
+    ``"value"`` for an attention module's cache).
 
-    ``quant`` is ``None``, a dynamic :class:`~qtransform.QuantSpec` or static :class:`~qtransform.QParams`.
+    ``quant`` is ``None``, a dynamic :class:`~qtransform.QuantSpec` or static :class:`~qtransform.QParams`
+    (static per-tensor QParams only, for the key/value cache).
     """
-    if role not in ROLES:
-        raise ValueError(f"role must be one of {ROLES}, got {role!r}")
+    if role not in PREFIX:
+        raise ValueError(f"role must be one of {list(PREFIX)}, got {role!r}")
     spec, tensors = None, {}
-    if isinstance(quant, qt.QuantSpec):
+    if role in KV_ROLES and quant is not None:
+        if not isinstance(quant, QParams) or quant.spec.dynamic or not isinstance(quant.spec.granularity,
+                                                                                 qt.PerTensor):
+            raise ValueError(f"{role}_quant: the key/value cache takes static per-tensor QParams (calibrated), got "
+                             f"{quant}")
+        bad = [f for f, t in quant.tensors().items() if t.numel() != 1]
+        if bad:
+            raise ValueError(f"{role}_quant: per-tensor QParams hold one value per field, {bad[0]} has "
+                             f"{quant.tensors()[bad[0]].numel()}")
+        spec, tensors = quant.spec, {f: t.reshape(()) for f, t in quant.tensors().items()}
+    elif isinstance(quant, qt.QuantSpec):
         if not quant.dynamic:
             raise ValueError(f"{role}_quant: a QuantSpec must be dynamic (dynamic=True); pass static "
                              "QParams from calibration for static activation quantization")
@@ -67,10 +86,10 @@ def attach(module: nn.Module, role: str, quant) -> None:
     elif quant is not None:
         raise TypeError(f"{role}_quant must be None, a dynamic QuantSpec or QParams, got {type(quant).__name__}")
     for f in QParams.FIELDS:  # checked above: nothing changes unless all of it is valid
-        module._buffers.pop(f"{role}_{f}", None)
+        module._buffers.pop(PREFIX[role] + f, None)
     setattr(module, f"{role}_spec", spec)
     for f, t in tensors.items():
-        module.register_buffer(f"{role}_{f}", t)
+        module.register_buffer(PREFIX[role] + f, t)
 
 
 def _as_matrix_grid(role: str, field: str, t: torch.Tensor) -> torch.Tensor:
@@ -101,21 +120,28 @@ def qparams_for(module: nn.Module, role: str, x: torch.Tensor) -> QParams | None
         return None
     if spec.dynamic:
         return qt.choose_qparams(activation_view(module, x.detach()), spec)
-    fields = {f: module._buffers[f"{role}_{f}"] for f in QParams.FIELDS if f"{role}_{f}" in module._buffers}
+    fields = {f: module._buffers[PREFIX[role] + f] for f in QParams.FIELDS if PREFIX[role] + f in module._buffers}
+    if role in KV_ROLES:  # stored as scalars; the grid of the (batch, heads, tokens, head_dim) tensor
+        fields = {f: t.reshape((1,) * x.dim()) for f, t in fields.items()}
     return QParams(spec=spec, **fields)
 
 
 def apply(module: nn.Module, role: str, x: torch.Tensor) -> torch.Tensor:
     """Fake-quantize ``x`` for ``role`` when ``module`` has a quantizer there (same shape as ``x``)."""
     qp = qparams_for(module, role, x)
-    return x if qp is None else qt.fake_quantize(activation_view(module, x), qp).reshape(x.shape)
+    if qp is None:
+        return x
+    if role in KV_ROLES:  # per tensor on the cache's (batch, heads, tokens, head_dim) layout
+        return qt.fake_quantize(x, qp)
+    return qt.fake_quantize(activation_view(module, x), qp).reshape(x.shape)
 
 
 def activation_specs(model: nn.Module) -> dict[qt.Site, qt.QuantSpec]:
-    """``{Site: spec}`` of every activation quantizer of ``model``'s modules (for checkpoints)."""
+    """``{Site: spec}`` of every activation quantizer of ``model``'s modules, key/value caches included
+    (for checkpoints)."""
     out = {}
     for name, m in model.named_modules():
-        for role in ROLES:
+        for role in PREFIX:
             spec = getattr(m, f"{role}_spec", None)
             if isinstance(spec, qt.QuantSpec):
                 out[qt.Site(name, role)] = spec
@@ -124,6 +150,8 @@ def activation_specs(model: nn.Module) -> dict[qt.Site, qt.QuantSpec]:
 
 def _example(module: nn.Module, role: str) -> torch.Tensor:
     """A zero activation of the shape ``role`` of ``module`` has (one token / one pixel)."""
+    if role in KV_ROLES:
+        return torch.zeros(1, 1, 1, 1, device="cpu")
     if hasattr(module, "nf") and not hasattr(module, "in_features"):  # transformers' Conv1D: weight (in, out)
         return torch.zeros(1, module.weight.shape[0] if role == "input" else module.nf, device="cpu")
     for i, o in (("in_features", "out_features"), ("in_channels", "out_channels")):
@@ -141,13 +169,15 @@ def static_buffers(module: nn.Module, role: str, spec: qt.QuantSpec) -> dict[str
     (``input_scale``, ``input_zero_point``...), from shapes alone."""
     qp = qt.choose_qparams(_example(module, role), spec)
     tensors = qp.tensors()
-    if getattr(module, "token_activations", True):
+    if role in KV_ROLES:
+        tensors = {f: t.reshape(()) for f, t in tensors.items()}
+    elif getattr(module, "token_activations", True):
         tensors = {f: _as_matrix_grid(role, f, t) for f, t in tensors.items()}
-    return {f"{role}_{f}": (tuple(t.shape), t.dtype) for f, t in tensors.items()}
+    return {PREFIX[role] + f: (tuple(t.shape), t.dtype) for f, t in tensors.items()}
 
 
 def abstract_qparams(module: nn.Module, role: str, spec: qt.QuantSpec) -> QParams:
     """Static QParams of ``spec`` for ``role`` of ``module`` on the ``meta`` device (values to be loaded)."""
     shapes = static_buffers(module, role, spec)
-    return QParams(spec=spec, **{n.removeprefix(f"{role}_"): torch.empty(shape, dtype=dtype, device="meta")
+    return QParams(spec=spec, **{n.removeprefix(PREFIX[role]): torch.empty(shape, dtype=dtype, device="meta")
                                  for n, (shape, dtype) in shapes.items()})

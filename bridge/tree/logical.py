@@ -32,6 +32,7 @@ from torch import nn
 import qtransform as qt
 
 from ..modules import QLinear, is_conv1d
+from ..modules.kvcache import attention_modules
 from .extract import module_types, weight_paths
 
 __all__ = ["TYPE_FALLBACK", "stored_transposed", "transposed_spec", "model_plan"]
@@ -57,7 +58,7 @@ def model_plan(model: nn.Module, recipe: qt.Recipe, tree: Mapping[str, torch.Ten
     types = module_types(model)
     named = {t for t, _ in recipe.type_rules}
     lookup = {p: TYPE_FALLBACK[t] if t in TYPE_FALLBACK and t not in named else t for p, t in types.items()}
-    resolved = recipe.plan(tree, types=lookup)
+    resolved = recipe.plan(tree, types=lookup, attention=attention_modules(model))
     transposed = {p for p, m in weight_paths(model).items() if stored_transposed(m)}
     matches = {}
     for path, m in resolved.items():
@@ -72,4 +73,4 @@ def model_plan(model: nn.Module, recipe: qt.Recipe, tree: Mapping[str, torch.Ten
                                  f"{logical} as for Linear") from None
             spec = transposed_spec(spec, logical)
         matches[path] = qt.Match(spec, m.rule, types.get(path))
-    return qt.Plan(recipe, matches)
+    return qt.Plan(recipe, matches, attention=resolved.attention)

@@ -32,7 +32,7 @@ from torch import nn
 import qtransform as qt
 from qtransform import QTensor
 
-from ..modules import QModule, quantized_class
+from ..modules import QModule, actquant, kvcache, quantized_class
 
 __all__ = ["to_module", "submodule", "replace_module", "meta_skeleton", "REBUILD_HOOKS"]
 
@@ -128,13 +128,25 @@ def _check_activations(model: nn.Module, quantized: Mapping, activations: Mappin
     if not isinstance(activations, Mapping):
         raise TypeError(f"activations must map qtransform Sites to QuantSpec/QParams, got {type(activations).__name__}")
     modules = {qt.module_of(p) for p in quantized}
+    attention = None
     for site, quant in activations.items():
-        if not isinstance(site, qt.Site) or site.role not in ("input", "output"):
-            raise TypeError(f"activations: keys must be qtransform.Site(module, 'input'|'output'), got {site!r}")
+        if not isinstance(site, qt.Site) or site.role not in qt.spec.SITE_ROLES:
+            raise TypeError(f"activations: keys must be qtransform.Site(module, role) with role in "
+                            f"{list(qt.spec.SITE_ROLES)}, got {site!r}")
         try:
             module = model.get_submodule(site.module)
         except AttributeError:
             raise ValueError(f"activations: {site.module!r} is not a module of {type(model).__name__}") from None
+        if site.role in qt.spec.KV_ROLES:
+            attention = set(kvcache.attention_modules(model)) if attention is None else attention
+            if site.module not in attention:
+                raise ValueError(f"activations: {site.module!r} ({type(module).__name__}) is not an attention module "
+                                 "(one that calls transformers' attention functions); key/value quantizers go there")
+            try:  # a dry run on a scratch module: nothing is attached unless every quantizer is valid
+                actquant.attach(nn.Module(), site.role, quant)
+            except (TypeError, ValueError) as e:
+                raise ValueError(f"activations[{site}]: {e}") from None
+            continue
         if site.module not in modules and not isinstance(module, QModule):
             raise ValueError(f"activations: {site.module!r} ({type(module).__name__}) has no quantized weight; "
                              "activation quantizers go on quantized modules")
@@ -177,7 +189,11 @@ def to_module(model: nn.Module, qtree: Any, *, inplace: bool = False, kernel: st
     plain = {p: v for p, v in leaves.items() if not isinstance(v, QTensor)}
     _assign(target, plain, None if inplace else model)
     for site, quant in (activations or {}).items():
-        target.get_submodule(site.module).set_activation(site.role, quant)
+        if site.role in qt.spec.KV_ROLES:
+            actquant.attach(target.get_submodule(site.module), site.role, quant)
+        else:
+            target.get_submodule(site.module).set_activation(site.role, quant)
+    kvcache.install(target)
     for hook in REBUILD_HOOKS.values():
         hook(target, quantized, plan)
     return target

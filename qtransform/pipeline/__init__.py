@@ -2,10 +2,10 @@
 
 from .run import Calibrator, check_steps, run_steps
 from .activations import activation_quantizers, check_activation_spec
-from .presets import (DEFAULT_EXCLUDE, KV_SITES, LINEAR_TYPES, PRESETS, Preset, get_preset, hqq_spec,
-                      kv_cache_rules, linear_recipe, presets, register_preset)
+from .presets import (DEFAULT_EXCLUDE, LINEAR_TYPES, PRESETS, Preset, get_preset, hqq_spec,
+                      linear_recipe, presets, register_preset)
 from .recipe_files import from_hqq_config, recipe_from_dict
 
 __all__ = ["Calibrator", "check_steps", "run_steps", "activation_quantizers", "check_activation_spec", "Preset",
-           "PRESETS", "register_preset", "presets", "get_preset", "hqq_spec", "linear_recipe", "KV_SITES",
-           "kv_cache_rules", "LINEAR_TYPES", "DEFAULT_EXCLUDE", "from_hqq_config", "recipe_from_dict"]
+           "PRESETS", "register_preset", "presets", "get_preset", "hqq_spec", "linear_recipe",
+           "LINEAR_TYPES", "DEFAULT_EXCLUDE", "from_hqq_config", "recipe_from_dict"]

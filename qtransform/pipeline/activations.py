@@ -8,7 +8,8 @@ at that site, the model's tensors taken from ``params`` (the bridge passes the w
 will run: quantized and dequantized). A static spec applies to the activation's (tokens,
 features) matrix (every leading axis flattened into tokens; convolution activations keep their
 ``(N, C, H, W)`` layout): per tensor, per feature (``PerChannel(-1)``) or per group of features;
-per token (``PerChannel(0)``) only dynamically.
+per token (``PerChannel(0)``) only dynamically. The key/value sites of the plan's attention modules
+(``Site(module, "key")``) are calibrated per tensor on the keys and values as the cache stores them.
 
 >>> import torch, qtransform as qt
 >>> params = {"fc.weight": torch.eye(3)}
@@ -25,7 +26,7 @@ from typing import Any, Mapping
 
 from ..granularity import PerChannel
 from ..observers import compute_qparams, init_stats
-from ..spec import Plan, QuantSpec, Site
+from ..spec import ROLES, Plan, QuantSpec, Site
 from ..tensor import QParams
 
 __all__ = ["activation_quantizers", "check_activation_spec", "CONV_TYPES"]
@@ -54,8 +55,11 @@ def activation_quantizers(params: Mapping[str, Any], plan: Plan, calibrator=None
                           **options) -> dict[Site, QuantSpec | QParams]:
     """``{Site: dynamic QuantSpec | calibrated QParams}`` (see the module docstring). Static specs
     need a ``calibrator`` (``ValueError`` naming the sites otherwise)."""
+    if getattr(plan.recipe, "kv_cache", None) is not None and not plan.attention:
+        raise ValueError("Recipe.kv_cache quantizes the key/value cache of attention layers, but the plan names no "
+                         "attention module (the bridge finds them in transformers models: bridge.quantize, the CLI)")
     sites = plan.activations
-    conv = {s: plan[p].module_type in CONV_TYPES for s in sites for p in plan.sites(s.role).get(s, ())}
+    conv = {s: plan[p].module_type in CONV_TYPES for s in sites if s.role in ROLES for p in plan.sites(s.role).get(s, ())}
     for s, spec in sites.items():
         check_activation_spec(spec, f"{s.module} ({s.role})", conv=conv.get(s, False))
     out: dict[Site, Any] = {s: spec for s, spec in sites.items() if spec.dynamic}

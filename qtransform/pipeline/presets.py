@@ -24,8 +24,8 @@ from ..granularity import PerChannel, PerGroup
 from ..registry import Registry
 from ..spec import QuantSpec, Recipe, Step
 
-__all__ = ["Preset", "PRESETS", "register_preset", "presets", "get_preset", "hqq_spec", "linear_recipe", "kv_cache_rules",
-           "KV_SITES",
+__all__ = ["Preset", "PRESETS", "register_preset", "presets", "get_preset", "hqq_spec", "linear_recipe",
+          
            "LINEAR_TYPES", "DEFAULT_EXCLUDE"]
 
 #: Module types a preset quantizes (transformers' GPT-2 Conv1D is a linear layer too).
@@ -151,23 +151,12 @@ register_preset("gptq-w8a8", lambda: Preset("gptq-w8a8", linear_recipe(
     input=QuantSpec(format="int8")),
     "auto-SmoothQuant, then GPTQ int8 weights per output channel, int8 static per-tensor inputs (needs --calib)"))
 
-#: Where the key/value cache is written from: the outputs of the key and value projections (Llama,
-#: Mistral, Qwen2, OPT, Phi-3 without fused qkv...); :func:`kv_cache_rules` quantizes them.
-KV_SITES = ("*.k_proj:output", "*.v_proj:output")
-
-
-def kv_cache_rules(spec: QuantSpec) -> dict[str, QuantSpec]:
-    """``act_rules`` quantizing the key/value cache with ``spec`` (static per tensor: one ``k_scale``
-    and one ``v_scale`` per attention layer, what vLLM reads), as Quark does: on the outputs of the
-    key and value projections (before rotary embeddings; a per-tensor scale barely differs after)."""
-    return {site: spec for site in KV_SITES}
-
-
 register_preset("fp8-w8a8-kv", lambda: Preset(
     "fp8-w8a8-kv", Recipe(type_rules={t: QuantSpec(format="fp8_e4m3", granularity=PerChannel(0)) for t in LINEAR_TYPES},
                           exclude=DEFAULT_EXCLUDE, input=QuantSpec(format="fp8_e4m3"),
-                          act_rules=kv_cache_rules(QuantSpec(format="fp8_e4m3")), steps=[Step("rtn", observer="mse")]),
-    "fp8-w8a8 with an fp8 e4m3 key/value cache (static per-tensor k/v scales; weight scales by the MSE observer, "
+                          kv_cache=QuantSpec(format="fp8_e4m3"), steps=[Step("rtn", observer="mse")]),
+    "fp8-w8a8 with an fp8 e4m3 key/value cache (static per-tensor k_scale/v_scale on the cached keys and values; "
+    "weight scales by the MSE observer, "
     "bench/bench_w8a8_quality.py: x1.031 on SmolLM2 where min/max scales give x1.044; needs --calib)"))
 
 

@@ -4,7 +4,8 @@
 
     {"steps": ["hqq"] | [{"name": "hqq", "options": {"error_norm": 4}}],
      "default": spec, "rules": {glob: spec | null}, "type_rules": {...}, "exclude": [...],
-     "min_ndim": 2, "input": spec, "output": spec, "act_rules": {"<module glob>:<role>": spec | null}}
+     "min_ndim": 2, "input": spec, "output": spec, "kv_cache": spec,
+     "act_rules": {"<module glob>:<role>": spec | null}}
 
 where a spec is a ``QuantSpec.to_dict()`` dict or a preset name. ``"algorithm"`` with
 ``"options"`` is shorthand for one step. The ``HqqConfig`` form has ``nbits``, ``group_size``,
@@ -130,12 +131,12 @@ def recipe_from_dict(d: Mapping, *, name: str = "recipe") -> Preset:
     if not isinstance(d, Mapping):
         raise TypeError(f"a recipe file must hold a table/object, got {type(d).__name__}")
     known = {"steps", "algorithm", "options", "default", "rules", "type_rules", "exclude", "min_ndim", "input",
-             "output", "act_rules", "dynamic_config", "nbits", "group_size", "axis", "skip_modules"}
+             "output", "kv_cache", "act_rules", "dynamic_config", "nbits", "group_size", "axis", "skip_modules"}
     unknown = sorted(set(d) - known)
     if unknown:
         raise ValueError(f"recipe: unknown key(s) {unknown}; known: {sorted(known)}")
     hqq_keys = {"dynamic_config", "nbits", "group_size", "axis", "skip_modules"}
-    native_keys = {"default", "rules", "type_rules", "exclude", "min_ndim", "input", "output", "act_rules"}
+    native_keys = {"default", "rules", "type_rules", "exclude", "min_ndim", "input", "output", "kv_cache", "act_rules"}
     if "dynamic_config" in d or "nbits" in d:
         mixed = sorted(native_keys & set(d))
         if mixed:
@@ -161,7 +162,8 @@ def recipe_from_dict(d: Mapping, *, name: str = "recipe") -> Preset:
     try:
         recipe = Recipe(default=default, rules=rules, type_rules=type_rules, exclude=d.get("exclude", DEFAULT_EXCLUDE),
                         min_ndim=d.get("min_ndim", 2), steps=steps, input=_spec(d.get("input"), "recipe.input"),
-                        output=_spec(d.get("output"), "recipe.output"), act_rules=pairs("act_rules"))
+                        output=_spec(d.get("output"), "recipe.output"),
+                        kv_cache=_spec(d.get("kv_cache"), "recipe.kv_cache"), act_rules=pairs("act_rules"))
     except (TypeError, ValueError) as e:  # Recipe names the field: "Recipe.exclude must ..."
         raise type(e)(f"recipe.{str(e).removeprefix('Recipe.')}") from None
     return Preset(name, recipe, "recipe file")

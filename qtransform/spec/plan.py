@@ -25,10 +25,14 @@ from typing import Iterable, Iterator, NamedTuple
 
 from .quantspec import QuantSpec
 
-__all__ = ["Match", "Site", "Plan", "ROLES", "module_of"]
+__all__ = ["Match", "Site", "Plan", "ROLES", "KV_ROLES", "SITE_ROLES", "module_of"]
 
 #: Activation roles of a site: what enters a module, what leaves it.
 ROLES = ("input", "output")
+#: Roles of an attention module's sites: the keys and values as its key/value cache stores them
+#: (after rotary embeddings), quantized with static per-tensor scales (``k_scale``, ``v_scale``).
+KV_ROLES = ("key", "value")
+SITE_ROLES = ROLES + KV_ROLES
 
 
 class Match(NamedTuple):
@@ -41,7 +45,8 @@ class Match(NamedTuple):
 
 
 class Site(NamedTuple):
-    """An activation site: the ``role`` (``"input"`` or ``"output"``) of the module at path ``module``."""
+    """An activation site: the ``role`` of the module at path ``module``: ``"input"`` or ``"output"``
+    of a module with a quantized weight, ``"key"`` or ``"value"`` of an attention module (its cache)."""
 
     module: str
     role: str = "input"
@@ -55,12 +60,14 @@ def module_of(path: str) -> str:
 class Plan(Mapping):
     """``{path: Match}`` for every tensor leaf of a tree, with the recipe that made it.
 
-    Build one with :meth:`qtransform.Recipe.plan`. Read-only.
+    Build one with :meth:`qtransform.Recipe.plan`. Read-only. ``attention`` lists the module paths
+    of the attention layers (their key/value cache sites; the caller, who knows the model, names them).
     """
 
-    def __init__(self, recipe, matches: Mapping[str, Match]):
+    def __init__(self, recipe, matches: Mapping[str, Match], *, attention: Iterable[str] = ()):
         self.recipe = recipe
         self._matches = dict(matches)
+        self.attention = _paths(attention)
         self._specs = {p: m.spec for p, m in self._matches.items() if m.spec is not None}
 
     @property
@@ -87,11 +94,18 @@ class Plan(Mapping):
     def activations(self) -> dict[Site, QuantSpec]:
         """``{Site: spec}`` of the activations to quantize: the inputs and outputs of the modules whose
         weight is quantized, as the recipe's ``input``/``output``/``act_rules`` say (an embedding's
-        input, token ids, never). Static specs must be calibrated, dynamic ones are fitted at run time."""
+        input, token ids, never), and the keys and values of the :attr:`attention` modules as the
+        recipe's ``kv_cache``/``act_rules`` say. Static specs must be calibrated, dynamic ones are
+        fitted at run time."""
         resolve = getattr(self.recipe, "resolve_activation", None)
         if resolve is None:
             return {}
         out = {}
+        for module in self.attention:
+            for role in KV_ROLES:
+                spec = resolve(module, role).spec
+                if spec is not None:
+                    out[Site(module, role)] = spec
         for path in self._specs:
             module, kind = module_of(path), self._matches[path].module_type
             for role in ROLES:
@@ -108,7 +122,7 @@ class Plan(Mapping):
         missing = [p for p in paths if p not in self._matches]
         if missing:
             raise ValueError(f"Plan.restrict: path(s) not in the plan: {missing[:5]}")
-        return Plan(self.recipe, {p: self._matches[p] for p in paths})
+        return Plan(self.recipe, {p: self._matches[p] for p in paths}, attention=self.attention)
 
     def __getitem__(self, path: str) -> Match:
         return self._matches[path]
@@ -121,3 +135,13 @@ class Plan(Mapping):
 
     def __repr__(self) -> str:
         return f"Plan({len(self._specs)} of {len(self._matches)} tensors quantized, steps={list(self.steps)})"
+
+
+def _paths(attention) -> tuple[str, ...]:
+    if isinstance(attention, str) or not isinstance(attention, Iterable):
+        raise TypeError(f"Plan: attention must be a list of module paths, got {type(attention).__name__}")
+    out = tuple(attention)
+    bad = [a for a in out if not isinstance(a, str)]
+    if bad:
+        raise TypeError(f"Plan: attention module paths must be strings, got {bad[0]!r}")
+    return out

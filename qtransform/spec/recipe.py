@@ -36,8 +36,8 @@ from typing import Any, Mapping
 import torch
 
 from .. import _tree
-from ..granularity import PerChannel
-from .plan import Match, Plan
+from ..granularity import PerChannel, PerTensor
+from .plan import KV_ROLES, ROLES, SITE_ROLES, Match, Plan
 from .quantspec import QuantSpec
 from .step import Step
 
@@ -115,7 +115,11 @@ class Recipe:
         min_ndim: the default applies to tensors with at least this many dimensions.
         steps: algorithms run in order (names, :class:`Step` objects or their dicts).
         input, output: activation specs of every quantized module's input and output.
-        act_rules: ``{"<module glob>:<role>": spec or None}`` overriding ``input``/``output``.
+        kv_cache: spec of the key/value cache of every attention layer: keys and values as the cache
+            stores them (after rotary embeddings), static per tensor (one ``k_scale`` and one ``v_scale``
+            per layer, calibrated from data), e.g. ``QuantSpec(format="fp8_e4m3")``.
+        act_rules: ``{"<module glob>:<role>": spec or None}`` overriding ``input``/``output`` (roles
+            ``input``, ``output``) and ``kv_cache`` (roles ``key``, ``value`` of attention modules).
     """
 
     default: QuantSpec | None = None
@@ -126,17 +130,24 @@ class Recipe:
     steps: Any = ()
     input: QuantSpec | None = None
     output: QuantSpec | None = None
+    kv_cache: QuantSpec | None = None
     act_rules: Any = ()
 
     def __post_init__(self):
-        for name in ("default", "input", "output"):
+        for name in ("default", "input", "output", "kv_cache"):
             if getattr(self, name) is not None and not isinstance(getattr(self, name), QuantSpec):
                 raise TypeError(f"Recipe.{name} must be a QuantSpec or None, got {type(getattr(self, name)).__name__}")
         object.__setattr__(self, "act_rules", _pairs("act_rules", self.act_rules))
         for glob, _ in self.act_rules:
-            if glob.rpartition(":")[2] not in ("input", "output"):
-                raise ValueError(f"Recipe.act_rules[{glob!r}]: keys are '<module glob>:input' or "
-                                 "'<module glob>:output'")
+            if glob.rpartition(":")[2] not in SITE_ROLES:
+                raise ValueError(f"Recipe.act_rules[{glob!r}]: keys are '<module glob>:<role>' with role in "
+                                 f"{list(SITE_ROLES)}")
+        kv = [("kv_cache", self.kv_cache)] + [(f"act_rules[{g!r}]", v) for g, v in self.act_rules
+                                              if g.rpartition(":")[2] in KV_ROLES]
+        for name, spec in kv:
+            if spec is not None and (spec.dynamic or not isinstance(spec.granularity, PerTensor)):
+                raise ValueError(f"Recipe.{name}: the key/value cache is quantized with static per-tensor scales "
+                                 f"(one k_scale and one v_scale per attention layer, calibrated from data), got {spec}")
         for name, spec in [("input", self.input), ("output", self.output)] + [
                 (f"act_rules[{g!r}]", v) for g, v in self.act_rules]:
             g = getattr(spec, "granularity", None)
@@ -179,18 +190,20 @@ class Recipe:
         return Match(self.default, "default")
 
     def resolve_activation(self, module: str, role: str) -> Match:
-        """The activation spec of ``role`` (``"input"``/``"output"``) of the module at path ``module``."""
+        """The activation spec of ``role`` (``"input"``/``"output"``; ``"key"``/``"value"`` of an attention
+        module) of the module at path ``module``."""
         for pattern, spec in self.act_rules:
             if fnmatch.fnmatchcase(f"{module}:{role}", pattern):
                 return Match(spec, f"act_rules[{pattern}]")
-        spec = self.input if role == "input" else self.output
-        return Match(spec, role if spec is not None else "no rule")
+        spec = {"input": self.input, "output": self.output}.get(role, self.kv_cache)
+        return Match(spec, ("kv_cache" if role in KV_ROLES else role) if spec is not None else "no rule")
 
-    def plan(self, tree: Any, *, types: Mapping[str, str] | None = None) -> Plan:
+    def plan(self, tree: Any, *, types: Mapping[str, str] | None = None, attention=()) -> Plan:
         """Resolve every tensor leaf of ``tree`` once: a :class:`Plan` (``{path: Match}`` in tree order).
 
-        ``types`` maps paths to module type names, for ``type_rules``. Every leaf of ``tree`` must be a
-        tensor (``TypeError`` names the first that is not).
+        ``types`` maps paths to module type names, for ``type_rules``; ``attention`` lists the module
+        paths of the attention layers (for ``kv_cache``). Every leaf of ``tree`` must be a tensor
+        (``TypeError`` names the first that is not).
         """
         types = _check_types(types)
         pairs = check_tree(tree)
@@ -200,14 +213,17 @@ class Recipe:
                 kind = types.get(path)
                 m = self.resolve(path, module_type=kind, ndim=leaf.dim(), floating=leaf.is_floating_point())
                 matches[path] = m._replace(module_type=kind)
-        return Plan(self, matches)
+        return Plan(self, matches, attention=attention)
 
     def unmatched(self, paths) -> list[str]:
-        """Rule and exclude globs that match none of ``paths`` (likely typos)."""
+        """Rule and exclude globs that match none of ``paths`` (likely typos; ``:key``/``:value`` globs
+        are tried on the attention modules of a :class:`Plan`)."""
+        attention = getattr(paths, "attention", ())
         paths = list(paths)
         globs = [p for p, _ in self.rules] + list(self.exclude)
         out = [g for g in globs if not any(fnmatch.fnmatchcase(p, g) for p in paths)]
-        sites = [f"{p.rpartition('.')[0]}:{r}" for p in paths for r in ("input", "output")]
+        sites = [f"{p.rpartition('.')[0]}:{r}" for p in paths for r in ROLES]
+        sites += [f"{m}:{r}" for m in attention for r in KV_ROLES]
         return out + [g for g, _ in self.act_rules if not any(fnmatch.fnmatchcase(s, g) for s in sites)]
 
     def to_dict(self) -> dict:
@@ -221,6 +237,7 @@ class Recipe:
             "steps": [s.to_dict() for s in self.steps],
             **({"input": spec(self.input)} if self.input is not None else {}),
             **({"output": spec(self.output)} if self.output is not None else {}),
+            **({"kv_cache": spec(self.kv_cache)} if self.kv_cache is not None else {}),
             **({"act_rules": [[k, spec(v)] for k, v in self.act_rules]} if self.act_rules else {}),
         }
 
@@ -231,7 +248,7 @@ class Recipe:
         if not isinstance(d, Mapping):
             raise TypeError(f"Recipe.from_dict expects a dict, got {type(d).__name__}")
         unknown = sorted(set(d) - {"default", "rules", "type_rules", "exclude", "min_ndim", "steps", "input", "output",
-                                   "act_rules"})
+                                   "kv_cache", "act_rules"})
         if unknown:
             raise ValueError(f"Recipe.from_dict: unknown field(s) {unknown}")
         try:
@@ -239,7 +256,7 @@ class Recipe:
                        type_rules=_pairs_from(d.get("type_rules", []), "type_rules"), exclude=d.get("exclude", ()),
                        min_ndim=d.get("min_ndim", 2), steps=d.get("steps", ()),
                        input=_spec_from(d.get("input"), "input"), output=_spec_from(d.get("output"), "output"),
-                       act_rules=_pairs_from(d.get("act_rules", []), "act_rules"))
+                       kv_cache=_spec_from(d.get("kv_cache"), "kv_cache"), act_rules=_pairs_from(d.get("act_rules", []), "act_rules"))
         except (TypeError, ValueError) as e:
             if str(e).startswith("Recipe.from_dict"):
                 raise

@@ -119,8 +119,8 @@ def test_every_preset_on_every_architecture_round_trips(arch, preset, model_dirs
     extra = ["--seq-len", "16", "--eval-sequences", "2"] if evaluate else ["--no-eval"]
     calib = _calib(preset)[:2] if evaluate else _calib(preset)  # --seq-len 16 is in extra already
     smooths = any(s.name in ("smoothquant", "awq") for s in qt.get_preset(preset).steps)
-    if (preset.endswith("-kv") and arch in ("gpt2", "bert")) or (smooths and arch == "bert"):
-        # fused qkv / no cache / post-norm encoder SmoothQuant and AWQ cannot fold into: refused, nothing written
+    if smooths and arch == "bert":
+        # a post-norm encoder SmoothQuant and AWQ cannot fold into: refused, nothing written
         rc = main(["quantize", "--model", str(model_dirs[arch]), "--recipe", preset, "--out", str(out), *extra, *calib])
         assert rc == 1 and not out.exists()
         return
@@ -145,9 +145,13 @@ def test_every_preset_on_every_architecture_round_trips(arch, preset, model_dirs
     assert len([a for a in rep["activations"] if a["role"] == "input"]) == (len(quantized) if act is not None else 0)
     if act is not None and not act.dynamic:
         assert all(a["range"][0] < 0 < a["range"][1] for a in rep["activations"])
-    kv = dict(qt.get_preset(preset).recipe.act_rules).get("*.k_proj:output")
-    outputs = {n for n in quantized if loaded.get_submodule(n).output_spec is not None}
-    assert outputs == ({n for n in quantized if n.endswith((".k_proj", ".v_proj"))} if kv else set())
+    assert not any(loaded.get_submodule(n).output_spec for n in quantized)
+    kv = qt.get_preset(preset).recipe.kv_cache  # one k_scale and one v_scale per attention layer, post-RoPE
+    attention = bridge.modules.kvcache.attention_modules(loaded)
+    assert len(attention) == 2
+    stored = {n for n in loaded.state_dict() if n.endswith(("k_scale", "v_scale"))}
+    assert stored == ({f"{a}.{r}_scale" for a in attention for r in "kv"} if kv else set())
+    assert len([a for a in rep["activations"] if a["role"] in ("key", "value")]) == (4 if kv else 0)
 
     if evaluate:
         from bridge.app import corpus
@@ -187,6 +191,28 @@ def test_every_preset_pads_widths_that_its_group_does_not_divide(preset, odd_dir
         want = torch.stack([w[:, i:i + g].abs().amax(1) for i in range(0, w.shape[1], g)], 1) / 7.5
         got = qtree["model.layers.0.mlp.down_proj.weight"].qparams.scale
         torch.testing.assert_close(got, want, rtol=2e-7, atol=0)
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "gpt2"])
+def test_a_kv_cache_on_any_recipe_from_the_command_line(arch, model_dirs, tmp_path, monkeypatch):
+    """`--kv-cache fp8_e4m3` adds a calibrated fp8 cache to a weight-only preset: the report lists one
+    key and one value range per layer, the checkpoint holds their scalar scales and reloads with them;
+    without --calib, or with an unknown format, one line and nothing written."""
+    out = tmp_path / "ckpt"
+    assert main(["quantize", "--model", str(model_dirs[arch]), "--recipe", "int8-channel", "--kv-cache", "fp8_e4m3",
+                 "--out", str(out), "--no-eval"]) == 1 and not out.exists()
+    assert main(["quantize", "--model", str(model_dirs[arch]), "--recipe", "int8-channel", "--kv-cache", "fp9",
+                 "--calib", "2", "--out", str(out), "--no-eval"]) == 1 and not out.exists()
+    rep, logits = _quantize_via_cli(model_dirs[arch], out, "int8-channel", monkeypatch, "--kv-cache", "fp8_e4m3",
+                                    "--calib", "2", "--seq-len", "16", "--no-eval")
+    kv = [a for a in rep["activations"] if a["role"] in ("key", "value")]
+    assert len(kv) == len(rep["activations"]) == 4 and all(a["range"][0] < 0 < a["range"][1] for a in kv)
+    loaded = _reload(out)
+    with torch.no_grad():
+        assert torch.equal(loaded(input_ids=IDS).logits, logits)
+    attention = bridge.modules.kvcache.attention_modules(loaded)
+    assert {n: t.shape for n, t in loaded.state_dict().items() if n.endswith(("k_scale", "v_scale"))} == {
+        f"{a}.{r}_scale": torch.Size([]) for a in attention for r in "kv"}
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "opt", "gpt2", "bert"])
