@@ -11,7 +11,8 @@
 The packages follow the data flow: ``formats`` (how numbers are stored) -> ``spec`` (what to
 quantize: QuantSpec, Recipe, Plan) -> ``tensor`` (QParams/QTensor, quantize) -> ``observers``
 (statistics) -> ``algorithms`` (steps: new weights and quantization parameters) ->
-``pipeline`` (steps in order, presets, recipe files) -> ``tree`` (whole parameter trees).
+``pipeline`` (steps in order, presets, recipe files) -> ``tree`` (whole parameter trees);
+``rotation`` (Hadamard and orthogonal matrices) stands beside them.
 """
 
 from .registry import Registry
@@ -27,6 +28,7 @@ from .algorithms import (ALGORITHMS, Algorithm, Block, BlockInputs, Context, Fit
 from .pipeline import (PRESETS, Calibrator, Preset, activation_quantizers, check_activation_spec, check_steps,
                        from_hqq_config, get_preset, presets, recipe_from_dict, register_preset,
                        run_steps)
+from .rotation import hadamard, hadamard_transform, orthogonal
 from .tree import (dequantize_tree, flatten_tree, is_qtensor, merge_stats_tree, observe_tree, qparams_tree,
                    quantize_tree)
 
@@ -46,6 +48,7 @@ __all__ = [
     "get_algorithm", "register_algorithm",
     "PRESETS", "Preset", "Calibrator", "check_steps", "run_steps", "from_hqq_config", "get_preset", "presets",
     "recipe_from_dict", "register_preset",
+    "hadamard", "hadamard_transform", "orthogonal",
     "dequantize_tree", "flatten_tree", "is_qtensor", "merge_stats_tree", "observe_tree", "qparams_tree",
     "quantize_tree",
 ]
