@@ -1,0 +1,64 @@
+"""A model's residual-stream layout for rotations (:class:`qtransform.rotation.ResidualLayout`), from
+the architecture tables.
+
+The smoothing groups already say which norm feeds which linears and which value projection feeds
+which output projection; the layout adds the stream's other ends: the input embeddings, the writers
+(the output projection and the MLP's down projection of every block) and the final norm with the
+output head. Only pre-norm RMSNorm families qualify (Llama, Mistral, Qwen2, Phi-3): a LayerNorm
+subtracts the mean, which no rotation of the stream commutes with.
+
+>>> import transformers as tf
+>>> m = tf.LlamaForCausalLM(tf.LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+...                         num_attention_heads=4, num_key_value_heads=2))
+>>> lay = residual_layout(m)
+>>> lay.embeddings, lay.writers, lay.norms[-1]
+(('model.embed_tokens.weight',), ('model.layers.0.self_attn.o_proj.weight', 'model.layers.0.mlp.down_proj.weight'), NormReaders(weight='model.norm.weight', readers=('lm_head.weight',)))
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from qtransform.rotation import HeadPair, NormReaders, ResidualLayout
+
+from .groups import find_arch, smoothing_groups
+
+__all__ = ["ROTATABLE", "residual_layout"]
+
+#: Families whose blocks are pre-norm with RMSNorm (weight only): their stream can be rotated.
+ROTATABLE = ("llama", "mistral", "qwen2", "phi3")
+
+
+def _path(model: nn.Module, module: nn.Module) -> str:
+    return next(name for name, m in model.named_modules() if m is module)
+
+
+def residual_layout(model: nn.Module) -> ResidualLayout:
+    """The :class:`~qtransform.rotation.ResidualLayout` of ``model`` (``ValueError`` naming the family
+    for models whose stream cannot be rotated)."""
+    arch = find_arch(model)
+    if arch.name not in ROTATABLE:
+        raise ValueError(f"rotations: {type(model).__name__} ({arch.name}) normalises with LayerNorm, which "
+                         f"subtracts the mean and does not commute with a rotation of the residual stream; "
+                         f"rotatable families: {', '.join(ROTATABLE)}")
+    groups = smoothing_groups(model)
+    norms, heads, writers = [], [], []
+    kinds = dict(model.named_modules())
+    for g in groups:
+        prev = kinds[g["prev"]]
+        if not hasattr(prev, "in_features") and not hasattr(prev, "nf"):  # a norm and the linears it feeds
+            norms.append(NormReaders(f"{g['prev']}.weight", tuple(f"{l}.weight" for l in g["linears"])))
+        elif "head_dim" in g:
+            rows = tuple(g["rows"]) if "rows" in g else None
+            heads.append(HeadPair(f"{g['prev']}.weight", f"{g['linears'][0]}.weight", g["head_dim"], rows))
+            writers.append(f"{g['linears'][0]}.weight")
+        else:  # up -> down: the MLP's output writes the stream
+            writers += [f"{l}.weight" for l in g["linears"]]
+    head = model.get_output_embeddings()
+    final = kinds.get(arch.blocks.rpartition(".")[0] + ".norm")
+    if head is None or final is None:
+        raise ValueError(f"rotations: {type(model).__name__} has no output head after a final "
+                         f"{arch.blocks.rpartition('.')[0]}.norm (a causal LM of the {arch.name} family has both)")
+    norms.append(NormReaders(f"{_path(model, final)}.weight", (f"{_path(model, head)}.weight",)))
+    embeddings = (f"{_path(model, model.get_input_embeddings())}.weight",)
+    return ResidualLayout(embeddings=embeddings, norms=tuple(norms), writers=tuple(writers), heads=tuple(heads))

@@ -1,0 +1,174 @@
+"""Rotating a transformer's residual stream and attention heads as a pure tree transform (QuaRot's
+offline rotations), the float function unchanged.
+
+A :class:`ResidualLayout` names, by tree path, what touches the residual stream of width ``d``:
+
+* ``embeddings``: ``(vocab, d)`` tables whose rows enter the stream;
+* ``norms``: each RMSNorm weight with the linears reading its output (``(out, d)`` weights); the
+  final norm reads into the output head;
+* ``writers``: linears whose ``(d, in)`` outputs are added to the stream (attention and MLP
+  output projections), with their biases;
+* ``heads``: value/output projection pairs, for the per-head rotation.
+
+:func:`rotate` first fuses each norm's weight into the linears it feeds (``W diag(g)``, the norm
+left weightless: RMSNorm of ``x R`` is RMSNorm of ``x`` rotated, for an orthogonal ``R``), then
+rotates the stream by ``R1``: embeddings and writers' outputs ``E R1``, ``R1ᵀ W``, ``b R1``;
+readers' inputs ``W R1``. With ``R2`` each value head's outputs become ``R2ᵀ W_v[h]`` and the
+output projection's columns for that head ``W_o[:, h] R2``. Attention scores and the MLP see the
+same numbers as before: the rotated, unquantized network computes the original function; its
+weights and activations are spread (outliers no longer sit in a few channels), which is what
+4-bit quantization then gains from.
+
+>>> import torch
+>>> from qtransform.rotation import hadamard
+>>> lay = ResidualLayout(embeddings=("emb",), norms=(NormReaders("norm", ("head",)),), writers=())
+>>> p = {"emb": torch.randn(10, 4), "norm": torch.rand(4) + 0.5, "head": torch.randn(10, 4)}
+>>> r = rotate(p, lay, hadamard(4))
+>>> x = p["emb"][3]; xr = r["emb"][3]
+>>> def rms(v, g): return v * torch.rsqrt(v.pow(2).mean() + 1e-6) * g
+>>> bool(torch.allclose(p["head"] @ rms(x, p["norm"]), r["head"] @ rms(xr, r["norm"]), atol=1e-5))
+True
+"""
+
+from __future__ import annotations
+
+from typing import Mapping, NamedTuple
+
+import torch
+
+__all__ = ["NormReaders", "HeadPair", "ResidualLayout", "rotate", "fuse_norms"]
+
+
+class NormReaders(NamedTuple):
+    """An RMSNorm's weight path and the weight paths of the linears that read its output."""
+
+    weight: str
+    readers: tuple[str, ...]
+
+
+class HeadPair(NamedTuple):
+    """A value projection (``v``, its rows ``rows`` of a fused ``[q; k; v]`` weight, or all of them) and
+    the output projection ``o`` reading its heads of width ``head_dim``."""
+
+    v: str
+    o: str
+    head_dim: int
+    rows: tuple[int, int] | None = None
+
+
+class ResidualLayout(NamedTuple):
+    """What touches the residual stream, by tree path (see the module docstring)."""
+
+    embeddings: tuple[str, ...]
+    norms: tuple[NormReaders, ...]
+    writers: tuple[str, ...]
+    heads: tuple[HeadPair, ...] = ()
+
+
+def _bias(path: str) -> str:
+    return path.rpartition(".")[0] + ".bias" if "." in path else "bias"
+
+
+def _get(params: Mapping, path: str, where: str) -> torch.Tensor:
+    t = params.get(path)
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"rotate: {where} {path!r} is not a tensor of the tree" if t is None else
+                         f"rotate: {where} {path!r} holds {type(t).__name__}, not a float tensor (rotate before "
+                         "quantizing)")
+    if not t.is_floating_point():
+        raise TypeError(f"rotate: {where} {path!r} must be floating point, got {t.dtype}")
+    return t
+
+
+def _check(params: Mapping, layout: ResidualLayout, R1: torch.Tensor, R2) -> int:
+    if not isinstance(layout, ResidualLayout):
+        raise TypeError(f"rotate: layout must be a ResidualLayout, got {type(layout).__name__}")
+    if not isinstance(R1, torch.Tensor) or R1.dim() != 2 or R1.shape[0] != R1.shape[1]:
+        raise ValueError(f"rotate: R1 must be a square matrix, got {getattr(R1, 'shape', type(R1).__name__)}")
+    d = R1.shape[0]
+    wants = [(p, "embedding", -1) for p in layout.embeddings]
+    wants += [(r, f"reader of {n.weight}", -1) for n in layout.norms for r in n.readers]
+    wants += [(w, "writer", 0) for w in layout.writers]
+    for path, where, axis in wants:
+        t = _get(params, path, where)
+        if t.dim() != 2 or t.shape[axis] != d:
+            raise ValueError(f"rotate: {where} {path!r} has shape {tuple(t.shape)}; its axis {axis} must be the "
+                             f"residual width {d} (R1 is {d}x{d})")
+    for n in layout.norms:
+        g = _get(params, n.weight, "norm weight")
+        if tuple(g.shape) != (d,):
+            raise ValueError(f"rotate: norm weight {n.weight!r} has shape {tuple(g.shape)}, expected ({d},)")
+        if _bias(n.weight) in params:
+            raise ValueError(f"rotate: norm {n.weight!r} has a bias ({_bias(n.weight)}): only RMSNorm (no mean, no "
+                             "bias) commutes with a rotation of the stream")
+    if layout.heads:
+        if R2 is None:
+            return d
+        if not isinstance(R2, torch.Tensor) or R2.dim() != 2 or R2.shape[0] != R2.shape[1]:
+            raise ValueError(f"rotate: R2 must be a square matrix, got {getattr(R2, 'shape', type(R2).__name__)}")
+        for h in layout.heads:
+            v, o = _get(params, h.v, "value projection"), _get(params, h.o, "output projection")
+            rows = v.shape[0] if h.rows is None else h.rows[1] - h.rows[0]
+            if h.head_dim != R2.shape[0] or rows % h.head_dim or o.shape[1] % h.head_dim:
+                raise ValueError(f"rotate: heads of {h.v!r} ({rows} rows) and {h.o!r} ({o.shape[1]} columns) are not "
+                                 f"whole heads of width {h.head_dim} matching R2 {tuple(R2.shape)}")
+    elif R2 is not None:
+        raise ValueError("rotate: R2 given, but the layout names no value/output head pairs")
+    return d
+
+
+def fuse_norms(params: Mapping[str, torch.Tensor], layout: ResidualLayout) -> dict:
+    """``params`` with each norm's weight folded into the linears reading it (``W diag(g)``) and the
+    norm's weight set to ones: the same function."""
+    out = dict(params)
+    for n in layout.norms:
+        g = _get(params, n.weight, "norm weight")
+        for r in n.readers:
+            w = _get(out, r, f"reader of {n.weight}")
+            out[r] = (w.double() * g.double()).to(w.dtype)
+        out[n.weight] = torch.ones_like(g)
+    return out
+
+
+def _rotate_heads(w: torch.Tensor, R2: torch.Tensor, head_dim: int, *, rows: bool) -> torch.Tensor:
+    """Each head block of ``w`` rotated: rows ``R2ᵀ W_h`` (``rows=True``) or columns ``W_h R2``."""
+    if rows:
+        lead = w.shape[1:]
+        return (R2.T @ w.reshape(-1, head_dim, *lead).flatten(2)).reshape(w.shape) if w.dim() > 1 else (
+            w.reshape(-1, head_dim) @ R2).reshape(w.shape)
+    return (w.reshape(w.shape[0], -1, head_dim) @ R2).reshape(w.shape)
+
+
+def rotate(params: Mapping[str, torch.Tensor], layout: ResidualLayout, R1: torch.Tensor,
+           R2: torch.Tensor | None = None) -> dict:
+    """``params`` with the norms fused and the residual stream rotated by ``R1`` (and each attention
+    head by ``R2``), see the module docstring. ``R1``/``R2`` must be orthogonal for the function to be
+    preserved (e.g. :func:`qtransform.rotation.orthogonal`). Pure: ``params`` is not changed; the
+    products are computed in float64 and stored in each tensor's dtype."""
+    _check(params, layout, R1, R2)
+    out = fuse_norms(params, layout)
+    R = R1.double()
+
+    def put(path, fn):
+        t = out[path]
+        out[path] = fn(t.double()).to(t.dtype)
+
+    for p in layout.embeddings:
+        put(p, lambda t: t @ R)
+    for r in {r for n in layout.norms for r in n.readers}:
+        put(r, lambda t: t @ R)
+    for w in layout.writers:
+        put(w, lambda t: R.T @ t)
+        if isinstance(out.get(_bias(w)), torch.Tensor):
+            put(_bias(w), lambda t: t @ R)
+    if R2 is not None:
+        S = R2.double()
+        for h in layout.heads:
+            lo, hi = h.rows or (0, out[h.v].shape[0])
+            for path in (h.v, _bias(h.v)):
+                if isinstance(out.get(path), torch.Tensor):
+                    t = out[path].double().clone()
+                    t[lo:hi] = _rotate_heads(t[lo:hi], S, h.head_dim, rows=True)
+                    out[path] = t.to(out[path].dtype)
+            put(h.o, lambda t: _rotate_heads(t, S, h.head_dim, rows=False))
+    return out
