@@ -22,7 +22,7 @@ from torch import nn
 
 import qtransform as qt
 
-from .arch import with_groups
+from .arch import with_groups, with_layout
 from .calibrate import ModelCalibrator
 from .tree import extract, model_plan, to_module, weight_paths
 
@@ -143,6 +143,7 @@ def quantize_params(model: nn.Module, recipe, *, calibration: Iterable | None = 
         raise ValueError(f"the recipe's static activation specs ({static[:2]}{' ...' if len(static) > 2 else ''}) need "
                          "calibration data: pass calibration=batches (`qtransform quantize --calib N`), or use "
                          "dynamic=True activation specs")
+    p = with_layout(model, p)  # steps that rotate the residual stream get the model's layout
     observer = dict(act_observer) if isinstance(act_observer, Mapping) else {"name": act_observer}
     calibrator = None if calibration is None else ModelCalibrator(model, calibration, progress=progress)
     if calibrator is not None:  # steps taking smoothing groups (smoothquant) get the model's, from bridge.arch

@@ -4,7 +4,7 @@ residual-stream layout rotations read (:mod:`.residual`)."""
 
 from .tables import ARCHS, FOLDABLE_NORMS, Arch, GroupTemplate
 from .groups import find_arch, smoothing_groups, takes_groups, with_groups
-from .residual import ROTATABLE, residual_layout
+from .residual import ROTATABLE, residual_layout, with_layout
 
 __all__ = ["ARCHS", "FOLDABLE_NORMS", "Arch", "GroupTemplate", "find_arch", "smoothing_groups", "takes_groups",
-           "with_groups", "ROTATABLE", "residual_layout"]
+           "with_groups", "ROTATABLE", "residual_layout", "with_layout"]

@@ -17,13 +17,17 @@ subtracts the mean, which no rotation of the stream commutes with.
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
+
 from torch import nn
 
+import qtransform as qt
 from qtransform.rotation import HeadPair, NormReaders, ResidualLayout
 
 from .groups import find_arch, smoothing_groups
 
-__all__ = ["ROTATABLE", "residual_layout"]
+__all__ = ["ROTATABLE", "residual_layout", "with_layout"]
 
 #: Families whose blocks are pre-norm with RMSNorm (weight only): their stream can be rotated.
 ROTATABLE = ("llama", "mistral", "qwen2", "phi3")
@@ -62,3 +66,22 @@ def residual_layout(model: nn.Module) -> ResidualLayout:
     norms.append(NormReaders(f"{_path(model, final)}.weight", (f"{_path(model, head)}.weight",)))
     embeddings = (f"{_path(model, model.get_input_embeddings())}.weight",)
     return ResidualLayout(embeddings=embeddings, norms=tuple(norms), writers=tuple(writers), heads=tuple(heads))
+
+
+def _takes_layout(step: qt.Step) -> bool:
+    try:
+        return "layout" in inspect.signature(qt.get_algorithm(step.name).fn).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def with_layout(model: nn.Module, plan: qt.Plan) -> qt.Plan:
+    """``plan`` with ``layout=residual_layout(model)`` (as a dict) given to every step that takes the
+    option and has none (``rotate``); the plan itself when no step does."""
+    steps = plan.steps
+    if not any(_takes_layout(s) and s.options.get("layout") is None for s in steps):
+        return plan
+    layout = residual_layout(model).to_dict()
+    filled = tuple(qt.Step(s.name, **{**s.options, "layout": layout})
+                   if _takes_layout(s) and s.options.get("layout") is None else s for s in steps)
+    return qt.Plan(dataclasses.replace(plan.recipe, steps=filled), dict(plan.items()), attention=plan.attention)

@@ -154,7 +154,14 @@ def attach_config(model: nn.Module, quantized: dict, plan: qt.Plan | None = None
     """Rebuild hook: a transformers model rebuilt with quantized modules records its quantization
     config (entries, and the recipe and rules when the plan is known), for ``save_pretrained``."""
     config = getattr(model, "config", None)
-    if not quantized or config is None or not hasattr(model, "all_tied_weights_keys"):
+    if config is None or not hasattr(model, "all_tied_weights_keys"):
+        return
+    untied = getattr(model, "_qt_untied", ())
+    if untied:  # names the tree gave different tensors (a rotated head): saved and loaded apart
+        _untie(model, set(untied))
+        if hasattr(config, "tie_word_embeddings"):
+            config.tie_word_embeddings = False
+    if not quantized:
         return
     cfg = getattr(config, "quantization_config", None)
     if not isinstance(cfg, QTransformConfig):

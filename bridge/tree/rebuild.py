@@ -92,20 +92,29 @@ def replace_module(model: nn.Module, path: str, q: QTensor, kernel: str = "auto"
 
 
 def _assign(model: nn.Module, values: Mapping[str, torch.Tensor], original: nn.Module | None) -> None:
-    """Fill parameters/buffers from ``values`` (else from ``original``), preserving ties."""
+    """Fill parameters/buffers from ``values`` (else from ``original``), preserving ties, except between
+    tied names that ``values`` gives different tensors (e.g. a rotated output head): those are untied.
+    Returns the paths that were untied."""
     src = dict(original.state_dict(keep_vars=True)) if original is not None else {}
-    done: dict[int, torch.Tensor] = {}
+    done: dict[int, tuple] = {}  # id(tensor) -> (value it was given, parameter)
+    untied = set()
     for path, t in list(model.named_parameters(remove_duplicate=False)):
         owner, name = submodule(model, path)
-        if id(t) not in done:
-            v = values.get(path, src.get(path))
-            if v is None:
-                if t.is_meta:
-                    raise ValueError(f"{path}: no value in the tree or the original model")
-                continue
-            v = v.detach() if isinstance(v, torch.Tensor) else v
-            done[id(t)] = nn.Parameter(v, requires_grad=t.requires_grad and v.is_floating_point())
-        owner._parameters[name] = done[id(t)]
+        given = values.get(path)
+        if id(t) in done and not (given is not None and not _same(given, done[id(t)][0])):
+            owner._parameters[name] = done[id(t)][1]
+            continue
+        if id(t) in done:
+            untied.add(path)
+        v = values.get(path, src.get(path))
+        if v is None:
+            if t.is_meta:
+                raise ValueError(f"{path}: no value in the tree or the original model")
+            continue
+        v = v.detach() if isinstance(v, torch.Tensor) else v
+        param = nn.Parameter(v, requires_grad=t.requires_grad and v.is_floating_point())
+        done.setdefault(id(t), (given, param))
+        owner._parameters[name] = param
     orig_buffers = dict(original.named_buffers(remove_duplicate=False)) if original is not None else {}
     for path, b in list(model.named_buffers(remove_duplicate=False)):
         owner, name = submodule(model, path)
@@ -119,6 +128,16 @@ def _assign(model: nn.Module, values: Mapping[str, torch.Tensor], original: nn.M
             v = v.clone() if name in owner._non_persistent_buffers_set else v
         if v is not None:
             owner._buffers[name] = v.detach()
+    return untied
+
+
+def _same(a, b) -> bool:
+    """Whether two tree values are the same tensor (object, or storage and shape)."""
+    if a is b or a is None or b is None:
+        return a is b or a is None
+    if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape and a.dtype == b.dtype):
+        return False
+    return a.data_ptr() == b.data_ptr() or bool(torch.equal(a, b))
 
 
 def _check_activations(model: nn.Module, quantized: Mapping, activations: Mapping | None) -> None:
@@ -187,7 +206,9 @@ def to_module(model: nn.Module, qtree: Any, *, inplace: bool = False, kernel: st
     for path, q in quantized.items():
         replace_module(target, path, q, kernel)
     plain = {p: v for p, v in leaves.items() if not isinstance(v, QTensor)}
-    _assign(target, plain, None if inplace else model)
+    untied = _assign(target, plain, None if inplace else model)
+    if untied:  # the rebuild hooks (transformers' tie map and config) see which names were untied
+        target._qt_untied = sorted(untied)
     for site, quant in (activations or {}).items():
         if site.role in qt.spec.KV_ROLES:
             actquant.attach(target.get_submodule(site.module), site.role, quant)

@@ -64,6 +64,41 @@ class ResidualLayout(NamedTuple):
     writers: tuple[str, ...]
     heads: tuple[HeadPair, ...] = ()
 
+    def to_dict(self) -> dict:
+        """Plain JSON-able data (a step option), :meth:`from_value`'s inverse."""
+        return {"embeddings": list(self.embeddings),
+                "norms": [{"weight": n.weight, "readers": list(n.readers)} for n in self.norms],
+                "writers": list(self.writers),
+                "heads": [{"v": h.v, "o": h.o, "head_dim": h.head_dim, **({"rows": list(h.rows)} if h.rows else {})}
+                          for h in self.heads]}
+
+    @classmethod
+    def from_value(cls, value, *, where: str = "layout") -> "ResidualLayout":
+        """A layout from itself or its :meth:`to_dict` form (``ValueError``/``TypeError`` naming the field)."""
+        if isinstance(value, cls):
+            return value
+        if not isinstance(value, Mapping):
+            raise TypeError(f"{where} must be a ResidualLayout or its dict, got {type(value).__name__}")
+        unknown = sorted(set(value) - {"embeddings", "norms", "writers", "heads"})
+        if unknown:
+            raise ValueError(f"{where}: unknown field(s) {unknown}")
+        try:
+            return cls(embeddings=_strs(value.get("embeddings", ()), f"{where}.embeddings"),
+                       norms=tuple(NormReaders(n["weight"], _strs(n["readers"], f"{where}.norms[{i}].readers"))
+                                   for i, n in enumerate(value.get("norms", ()))),
+                       writers=_strs(value.get("writers", ()), f"{where}.writers"),
+                       heads=tuple(HeadPair(h["v"], h["o"], int(h["head_dim"]),
+                                            tuple(h["rows"]) if h.get("rows") else None)
+                                   for h in value.get("heads", ())))
+        except (KeyError, TypeError) as e:
+            raise ValueError(f"{where}: malformed norms/heads entry ({e!r}); see ResidualLayout.to_dict()") from None
+
+
+def _strs(value, where: str) -> tuple[str, ...]:
+    if isinstance(value, str) or not all(isinstance(v, str) for v in value):
+        raise TypeError(f"{where} must be a list of tree paths")
+    return tuple(value)
+
 
 def _bias(path: str) -> str:
     return path.rpartition(".")[0] + ".bias" if "." in path else "bias"

@@ -50,3 +50,72 @@ def test_layernorm_families_are_refused_by_name(arch):
 def test_a_model_without_a_table_is_named():
     with pytest.raises(ValueError, match="no architecture table fits BertForMaskedLM"):
         residual_layout(tiny_causal_lm("bert"))
+
+
+W4 = qt.QuantSpec(format="int4", granularity=qt.PerGroup(16))
+A8 = qt.QuantSpec(format="int8", granularity=qt.PerChannel(0), dynamic=True)
+A4 = qt.QuantSpec(format="int4", granularity=qt.PerChannel(0), dynamic=True)
+
+
+def _w4a8(steps):
+    return qt.Recipe(type_rules={"Linear": W4}, exclude=["lm_head*"], input=A8, steps=steps)
+
+
+def _w4a4(steps):
+    return qt.Recipe(type_rules={"Linear": W4}, exclude=["lm_head*"], input=A4, steps=steps)
+
+
+@pytest.mark.parametrize("arch", ROTATABLE)
+def test_the_rotate_step_lowers_the_w4a4_error(arch):
+    """A residual stream with three outlier channels (40x, from the embeddings, as trained LLMs have):
+    with int4 per-token activations `["rotate", "rtn"]` moves the logits far less than `["rtn"]`."""
+    torch.manual_seed(0)
+    model = tiny_causal_lm(arch).eval()
+    with torch.no_grad():
+        model.get_input_embeddings().weight[:, :3] *= 40
+    ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        ref = model(ids).logits
+        err = {s: (bridge.quantize(model, _w4a4(s))(ids).logits - ref).pow(2).mean().item()
+               for s in (("rtn",), ("rotate", "rtn"))}
+    assert err[("rotate", "rtn")] < 0.7 * err[("rtn",)]
+
+
+@pytest.mark.parametrize("rotation", ["hadamard", "random"])
+def test_a_rotated_tied_model_saves_and_loads_untied(rotation, tmp_path):
+    """The rotated output head differs from the embeddings: the quantized model unties them, its
+    config says so, and both loaders give the in-memory logits."""
+    import transformers as tf
+
+    def tied():
+        m = tiny_with_outliers("llama")
+        m.config.tie_word_embeddings = True
+        m.lm_head.weight = m.model.embed_tokens.weight
+        return m
+
+    model = tied()
+    q = bridge.quantize(model, _w4a8([qt.Step("rotate", rotation=rotation, seed=5), "rtn"]))
+    assert q.lm_head.weight is not q.model.embed_tokens.weight and not q.config.tie_word_embeddings
+    assert model.lm_head.weight is model.model.embed_tokens.weight and model.config.tie_word_embeddings
+    ids = torch.randint(0, 128, (2, 12))
+    bridge.save(q, tmp_path)
+    with torch.no_grad():
+        want = q(ids).logits
+        for loaded in (tf.AutoModelForCausalLM.from_pretrained(tmp_path), bridge.load(tmp_path, like=tied())):
+            assert torch.equal(loaded.eval()(ids).logits, want)
+    info = bridge.load_tree(tmp_path)  # the report's rotation info is not needed to load: plain tensors
+    assert "lm_head.weight" in info
+
+
+def test_rotate_options_and_models_are_checked():
+    model = tiny_with_outliers("llama")
+    with pytest.raises(ValueError, match="rotation must be one of"):
+        bridge.quantize(model, _w4a8([qt.Step("rotate", rotation="givens"), "rtn"]))
+    with pytest.raises(ValueError, match="unknown option"):
+        bridge.quantize(model, _w4a8([qt.Step("rotate", angle=3), "rtn"]))
+    with pytest.raises(ValueError, match="normalises with LayerNorm"):
+        bridge.quantize(tiny_causal_lm("opt"), _w4a8(["rotate", "rtn"]))
+    with pytest.raises(ValueError, match="rotate: layout: no residual layout given"):
+        qt.quantize_tree(bridge.extract(model), _w4a8(["rotate", "rtn"]))
+    layout = residual_layout(model)
+    assert qt.rotation.ResidualLayout.from_value(layout.to_dict()) == layout

@@ -123,3 +123,23 @@ def test_awq_folds_keep_the_default_models_logits(smollm2):
         want = run_batch(model, params, ids).logits
         got = run_batch(model, {**params, **fit.params}, ids).logits
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * float(want.abs().max()))
+
+
+def test_rotation_keeps_the_default_models_logits(smollm2):
+    """QuaRot's offline rotations on SmolLM2 (576 = 16 x 36 and head width 64, tied embeddings): the
+    rotated float model gives the original logits to float precision."""
+    import bridge
+    from bridge.arch import residual_layout
+
+    model, tok = smollm2
+    params = bridge.extract(model)
+    layout = residual_layout(model)
+    R1 = qt.rotation.random_hadamard(576, seed=0, dtype=torch.float64)
+    R2 = qt.hadamard(64, dtype=torch.float64)
+    rotated = qt.rotate(params, layout, R1, R2)
+    ids = corpus.token_sequences(corpus.load_text("builtin", part="eval"), tok, seq_len=64, max_sequences=2)
+    with torch.no_grad():
+        want = torch.func.functional_call(model, params, (ids,), tie_weights=False).logits
+        got = torch.func.functional_call(model, rotated, (ids,), tie_weights=False).logits
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * float(want.abs().max()))
+    assert not torch.equal(rotated["lm_head.weight"], rotated["model.embed_tokens.weight"])
