@@ -9,7 +9,7 @@ TORCH   := torch==2.13.0
 STAMP   := $(VENV)/.installed
 PYTEST  := $(BIN)/python -m pytest
 
-.PHONY: install test quick test-long demo bench bench-gptq bench-gptq-peer bench-awq clean
+.PHONY: install test quick test-long demo bench bench-gptq bench-gptq-peer bench-awq bench-rotation clean
 
 $(STAMP): pyproject.toml Makefile .ci/constraints.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -67,6 +67,10 @@ bench-gptq: $(STAMP) $(PEER)/bin/python
 ## AWQ on SmolLM2 beside llm-compressor's AWQ and GPTQ (and AWQ with HQQ as its inner quantizer)
 bench-awq: $(STAMP) $(PEER)/bin/python
 	$(BIN)/python bench/bench_awq.py --peer-python $(PEER)/bin/python --hqq
+
+## QuaRot's offline rotations on SmolLM2: W4A8 and W4A4, RTN and GPTQ, with and without (minutes)
+bench-rotation: $(STAMP)
+	$(BIN)/python bench/bench_rotation.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

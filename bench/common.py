@@ -44,3 +44,54 @@ def markdown(header: list[str], rows: list[list]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
     return "\n".join(lines)
+
+
+def merged(name: str, rows: list[dict], order: list[str]) -> list[dict]:
+    """``rows`` with the schemes of an earlier run of bench ``name`` (``--only``) that this run did not
+    repeat, in ``order``."""
+    path = RESULTS / f"{name}.json"
+    old = json.loads(path.read_text())["rows"] if path.is_file() else []
+    new = {r["scheme"]: r for r in rows}
+    names = [n for n in order if n in new or any(r["scheme"] == n for r in old)]
+    return [new.get(n) or next(r for r in old if r["scheme"] == n) for n in names]
+
+
+def quality_args(*, calib: int, description: str = ""):
+    """The perplexity benches' arguments: --calib, --eval, --seq-len, --only."""
+    import argparse
+
+    ap = argparse.ArgumentParser(description=description)
+    ap.add_argument("--calib", type=int, default=calib)
+    ap.add_argument("--eval", type=int, default=16)
+    ap.add_argument("--seq-len", type=int, default=512)
+    ap.add_argument("--only", nargs="*", default=None, help="scheme names to run (default: all)")
+    return ap.parse_args()
+
+
+def quality_runs(schemes: dict, a):
+    """SmolLM2's float perplexity on the evaluation tokens and, for each scheme ``name -> (recipe, needs
+    calibration)`` (those ``--only`` names), ``(name, perplexity, seconds to quantize)``; returns
+    ``(float perplexity, evaluation tokens, rows)``."""
+    import bridge
+    from bridge.app import corpus, evaluate, models
+
+    model, tok = models.load()
+    model.eval()
+    ev = corpus.token_sequences(corpus.load_text("builtin", part="eval"), tok, seq_len=a.seq_len, max_sequences=a.eval)
+    cal = list(corpus.token_sequences(corpus.load_text("builtin", part="calibration"), tok, seq_len=a.seq_len,
+                                      max_sequences=a.calib).split(4))
+    with torch.no_grad():
+        fp = evaluate.perplexity(model, ev).perplexity
+    rows = []
+    for name, (recipe, calibrated) in schemes.items():
+        if a.only and name not in a.only:
+            continue
+        t = time.perf_counter()
+        with torch.no_grad():
+            qm = bridge.quantize(model, recipe, calibration=cal if calibrated else None, kernel="dequant")
+            seconds = time.perf_counter() - t
+            ppl = evaluate.perplexity(qm, ev).perplexity
+        rows.append((name, ppl, seconds))
+        print(name, round(ppl / fp, 4), round(seconds, 1), flush=True)
+        del qm
+    return fp, ev.numel(), rows

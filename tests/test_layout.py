@@ -10,7 +10,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 PACKAGES = ("qtransform", "bridge")
 #: What the bridge may import from the core: the top-level API and its public subpackages.
 PUBLIC_CORE = {"qtransform", "qtransform.formats", "qtransform.spec", "qtransform.tensor", "qtransform.observers",
-               "qtransform.algorithms", "qtransform.pipeline", "qtransform.registry", "qtransform.testing"}
+               "qtransform.algorithms", "qtransform.pipeline", "qtransform.registry", "qtransform.testing",
+               "qtransform.rotation"}
 MAX_LINES = 400
 
 

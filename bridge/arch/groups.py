@@ -28,7 +28,7 @@ import qtransform as qt
 from ..tree import stored_transposed
 from .tables import ARCHS, FOLDABLE_NORMS, Arch, GroupTemplate
 
-__all__ = ["find_arch", "smoothing_groups", "with_groups", "takes_groups"]
+__all__ = ["find_arch", "smoothing_groups", "with_groups", "takes_groups", "takes_option", "wanting", "fill_option"]
 
 KINDS = ("norm", "linear")
 
@@ -163,12 +163,29 @@ def smoothing_groups(model: nn.Module, *, kinds: Iterable[str] = KINDS) -> list[
     return out
 
 
-def takes_groups(step: qt.Step) -> bool:
-    """Whether ``step``'s algorithm takes a ``groups`` option."""
+def takes_option(step: qt.Step, name: str) -> bool:
+    """Whether ``step``'s algorithm takes the option ``name``."""
     try:
-        return "groups" in inspect.signature(qt.get_algorithm(step.name).fn).parameters
+        return name in inspect.signature(qt.get_algorithm(step.name).fn).parameters
     except (TypeError, ValueError):
         return False
+
+
+def takes_groups(step: qt.Step) -> bool:
+    """Whether ``step``'s algorithm takes a ``groups`` option."""
+    return takes_option(step, "groups")
+
+
+def wanting(plan: qt.Plan, name: str) -> list[qt.Step]:
+    """The steps of ``plan`` that take the option ``name`` and were given none."""
+    return [s for s in plan.steps if takes_option(s, name) and s.options.get(name) is None]
+
+
+def fill_option(plan: qt.Plan, name: str, value) -> qt.Plan:
+    """``plan`` with ``name=value`` given to every step of :func:`wanting`."""
+    filled = tuple(qt.Step(s.name, **{**s.options, name: value}) if takes_option(s, name) and s.options.get(name) is None
+                   else s for s in plan.steps)
+    return qt.Plan(dataclasses.replace(plan.recipe, steps=filled), dict(plan.items()), attention=plan.attention)
 
 
 def with_groups(model: nn.Module, plan: qt.Plan) -> qt.Plan:
@@ -176,16 +193,13 @@ def with_groups(model: nn.Module, plan: qt.Plan) -> qt.Plan:
     has none (the plan itself when no step does: other recipes never look the architecture up). For an
     architecture without a table, steps whose function says ``groups_optional`` (``gptq``) run without;
     others get the ``ValueError`` naming the model."""
-    steps = plan.steps
-    wanting = [s for s in steps if takes_groups(s) and s.options.get("groups") is None]
-    if not wanting:
+    steps = wanting(plan, "groups")
+    if not steps:
         return plan
     try:
         groups = smoothing_groups(model)
     except ValueError:  # no table for this architecture: fine for steps that use groups only when known
-        if all(getattr(qt.get_algorithm(s.name).fn, "groups_optional", False) for s in wanting):
+        if all(getattr(qt.get_algorithm(s.name).fn, "groups_optional", False) for s in steps):
             return plan
         raise
-    filled = tuple(qt.Step(s.name, **{**s.options, "groups": groups})
-                   if takes_groups(s) and s.options.get("groups") is None else s for s in steps)
-    return qt.Plan(dataclasses.replace(plan.recipe, steps=filled), dict(plan.items()), attention=plan.attention)
+    return fill_option(plan, "groups", groups)

@@ -17,15 +17,12 @@ subtracts the mean, which no rotation of the stream commutes with.
 
 from __future__ import annotations
 
-import dataclasses
-import inspect
-
 from torch import nn
 
 import qtransform as qt
 from qtransform.rotation import HeadPair, NormReaders, ResidualLayout
 
-from .groups import find_arch, smoothing_groups
+from .groups import fill_option, find_arch, smoothing_groups, wanting
 
 __all__ = ["ROTATABLE", "residual_layout", "with_layout"]
 
@@ -68,20 +65,7 @@ def residual_layout(model: nn.Module) -> ResidualLayout:
     return ResidualLayout(embeddings=embeddings, norms=tuple(norms), writers=tuple(writers), heads=tuple(heads))
 
 
-def _takes_layout(step: qt.Step) -> bool:
-    try:
-        return "layout" in inspect.signature(qt.get_algorithm(step.name).fn).parameters
-    except (TypeError, ValueError):
-        return False
-
-
 def with_layout(model: nn.Module, plan: qt.Plan) -> qt.Plan:
     """``plan`` with ``layout=residual_layout(model)`` (as a dict) given to every step that takes the
     option and has none (``rotate``); the plan itself when no step does."""
-    steps = plan.steps
-    if not any(_takes_layout(s) and s.options.get("layout") is None for s in steps):
-        return plan
-    layout = residual_layout(model).to_dict()
-    filled = tuple(qt.Step(s.name, **{**s.options, "layout": layout})
-                   if _takes_layout(s) and s.options.get("layout") is None else s for s in steps)
-    return qt.Plan(dataclasses.replace(plan.recipe, steps=filled), dict(plan.items()), attention=plan.attention)
+    return fill_option(plan, "layout", residual_layout(model).to_dict()) if wanting(plan, "layout") else plan
