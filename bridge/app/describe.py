@@ -57,4 +57,16 @@ def describe(directory) -> str:
     lines += ["", f"quantized: {format_bytes(q_bytes)} for {q_numel / 1e6:.2f}M weights "
                   f"({8 * q_bytes / max(q_numel, 1):.3f} bits/weight); other tensors: {format_bytes(sum(other.values()))}; "
                   f"total {format_bytes(total)}"]
+    if meta.activations:
+        lines.append("activation quantizers: " + "; ".join(_activation_summary(meta.activations)))
     return "\n".join(lines)
+
+
+def _activation_summary(activations) -> list[str]:
+    """``"<count> <role> <spec> (static|dynamic)"`` per kind of activation quantizer, in first-seen order
+    (the key/value cache's are stored as ``k_scale``/``v_scale`` of the attention modules)."""
+    counts: dict[tuple, int] = {}
+    for site, spec in activations.items():
+        key = (site.role, str(spec), "dynamic" if spec.dynamic else "static")
+        counts[key] = counts.get(key, 0) + 1
+    return [f"{n} {role} {spec} ({kind})" for (role, spec, kind), n in counts.items()]

@@ -149,6 +149,9 @@ def test_the_cache_scales_survive_save_and_both_loaders(arch, tmp_path):
         for p in kvcache.attention_modules(q):
             assert torch.equal(loaded.get_submodule(p).k_scale, q.get_submodule(p).k_scale)
         assert loaded.config._attn_implementation.startswith(kvcache.PREFIX_NAME)
+    from bridge.app.describe import describe
+    assert describe(tmp_path).splitlines()[-1] == (
+        "activation quantizers: 2 key fp8_e4m3 tensor sym (static); 2 value fp8_e4m3 tensor sym (static)")
 
 
 def test_eager_attention_is_quantized_too():
