@@ -126,14 +126,13 @@ def cmd_quantize(a) -> int:
         qt.check_steps(recipe.steps, calibrated=bool(a.calib))
     except (TypeError, ValueError) as e:
         raise UserError(str(e)) from None
+    stem = Path(label).stem
     if a.kv_cache:
         try:
             recipe = dataclasses.replace(recipe, kv_cache=qt.QuantSpec(format=a.kv_cache))
         except (TypeError, ValueError) as e:
             raise UserError(f"--kv-cache {a.kv_cache}: {e}") from None
-    stem = Path(label).stem + (f"-kv-{a.kv_cache}" if a.kv_cache else "")
-    if a.kv_cache:
-        label = f"{label} + kv_cache {a.kv_cache}"
+        stem, label = f"{stem}-kv-{a.kv_cache}", f"{label} + kv_cache {a.kv_cache}"
     static = [s for s in [recipe.input, recipe.output, recipe.kv_cache, *(v for _, v in recipe.act_rules)]
               if s is not None and not s.dynamic]
     if static and not a.calib:

@@ -30,10 +30,6 @@ __all__ = ["ROTATABLE", "residual_layout", "with_layout"]
 ROTATABLE = ("llama", "mistral", "qwen2", "phi3")
 
 
-def _path(model: nn.Module, module: nn.Module) -> str:
-    return next(name for name, m in model.named_modules() if m is module)
-
-
 def residual_layout(model: nn.Module) -> ResidualLayout:
     """The :class:`~qtransform.rotation.ResidualLayout` of ``model`` (``ValueError`` naming the family
     for models whose stream cannot be rotated)."""
@@ -44,9 +40,10 @@ def residual_layout(model: nn.Module) -> ResidualLayout:
                          f"rotatable families: {', '.join(ROTATABLE)}")
     groups = smoothing_groups(model)
     norms, heads, writers = [], [], []
-    kinds = dict(model.named_modules())
+    modules = dict(model.named_modules())
+    path = {id(m): n for n, m in modules.items()}
     for g in groups:
-        prev = kinds[g["prev"]]
+        prev = modules[g["prev"]]
         if not hasattr(prev, "in_features") and not hasattr(prev, "nf"):  # a norm and the linears it feeds
             norms.append(NormReaders(f"{g['prev']}.weight", tuple(f"{l}.weight" for l in g["linears"])))
         elif "head_dim" in g:
@@ -56,12 +53,12 @@ def residual_layout(model: nn.Module) -> ResidualLayout:
         else:  # up -> down: the MLP's output writes the stream
             writers += [f"{l}.weight" for l in g["linears"]]
     head = model.get_output_embeddings()
-    final = kinds.get(arch.blocks.rpartition(".")[0] + ".norm")
+    final = modules.get(arch.blocks.rpartition(".")[0] + ".norm")
     if head is None or final is None:
         raise ValueError(f"rotations: {type(model).__name__} has no output head after a final "
                          f"{arch.blocks.rpartition('.')[0]}.norm (a causal LM of the {arch.name} family has both)")
-    norms.append(NormReaders(f"{_path(model, final)}.weight", (f"{_path(model, head)}.weight",)))
-    embeddings = (f"{_path(model, model.get_input_embeddings())}.weight",)
+    norms.append(NormReaders(f"{path[id(final)]}.weight", (f"{path[id(head)]}.weight",)))
+    embeddings = (f"{path[id(model.get_input_embeddings())]}.weight",)
     return ResidualLayout(embeddings=embeddings, norms=tuple(norms), writers=tuple(writers), heads=tuple(heads))
 
 

@@ -120,7 +120,12 @@ def fold_sites(model: nn.Module, sites: Mapping[qt.Site, Any], run_all: Callable
 
     def kv_callback(module):
         folds = {r: folder(qt.Site(module, r)) for r in qt.spec.KV_ROLES if qt.Site(module, r) in stats}
-        return lambda key, value: [fold(key if r == "key" else value) for r, fold in folds.items()]
+
+        def fold_kv(key, value):
+            for role, t in (("key", key), ("value", value)):
+                if role in folds:
+                    folds[role](t)
+        return fold_kv
 
     def hook(site):
         fold = folder(site)
@@ -135,7 +140,8 @@ def fold_sites(model: nn.Module, sites: Mapping[qt.Site, Any], run_all: Callable
         for site in sites:
             if site.role not in qt.spec.KV_ROLES:
                 stack.callback(hook(site).remove)
-        stack.enter_context(kvcache.observing(model, {m: kv_callback(m) for m in kv}))
+        if kv:
+            stack.enter_context(kvcache.observing(model, {m: kv_callback(m) for m in kv}))
         with torch.no_grad():
             seen = run_all()
     if seen == 0:

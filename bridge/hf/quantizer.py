@@ -84,13 +84,15 @@ class QTransformHfQuantizer(HfQuantizer):
             replace_module(model, path, abstract_qtensor(e.shape, e.dtype, e.spec))
             if dtype is not None:
                 submodule(model, path)[0].compute_dtype = dtype
+        attention = set(kvcache.attention_modules(model)) if any(
+            s.role in qt.spec.KV_ROLES for s in cfg.activations) else set()
         for site, spec in cfg.activations.items():
             try:
                 module = model.get_submodule(site.module)
             except AttributeError:
                 module = None
             if site.role in qt.spec.KV_ROLES:
-                if site.module not in kvcache.attention_modules(model):
+                if site.module not in attention:
                     raise CheckpointError(f"config.json: key/value quantizer {site.module}:{site.role} is not on an "
                                           f"attention module of {type(model).__name__}")
                 actquant.attach(module, site.role, abstract_qparams(module, site.role, spec))

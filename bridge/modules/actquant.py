@@ -62,17 +62,10 @@ def attach(module: nn.Module, role: str, quant) -> None:
     if role not in PREFIX:
         raise ValueError(f"role must be one of {list(PREFIX)}, got {role!r}")
     spec, tensors = None, {}
-    if role in KV_ROLES and quant is not None:
-        if not isinstance(quant, QParams) or quant.spec.dynamic or not isinstance(quant.spec.granularity,
-                                                                                 qt.PerTensor):
-            raise ValueError(f"{role}_quant: the key/value cache takes static per-tensor QParams (calibrated), got "
-                             f"{quant}")
-        bad = [f for f, t in quant.tensors().items() if t.numel() != 1]
-        if bad:
-            raise ValueError(f"{role}_quant: per-tensor QParams hold one value per field, {bad[0]} has "
-                             f"{quant.tensors()[bad[0]].numel()}")
-        spec, tensors = quant.spec, {f: t.reshape(()) for f, t in quant.tensors().items()}
-    elif isinstance(quant, qt.QuantSpec):
+    if role in KV_ROLES and quant is not None and (
+            not isinstance(quant, QParams) or quant.spec.dynamic or not isinstance(quant.spec.granularity, qt.PerTensor)):
+        raise ValueError(f"{role}_quant: the key/value cache takes static per-tensor QParams (calibrated), got {quant}")
+    if isinstance(quant, qt.QuantSpec):
         if not quant.dynamic:
             raise ValueError(f"{role}_quant: a QuantSpec must be dynamic (dynamic=True); pass static "
                              "QParams from calibration for static activation quantization")
@@ -80,9 +73,7 @@ def attach(module: nn.Module, role: str, quant) -> None:
     elif isinstance(quant, QParams):
         if quant.spec.dynamic:
             raise ValueError(f"{role}_quant: QParams of a dynamic spec; pass the spec itself")
-        spec, tensors = quant.spec, quant.tensors()
-        if getattr(module, "token_activations", True):
-            tensors = {f: _as_matrix_grid(role, f, t) for f, t in tensors.items()}
+        spec, tensors = quant.spec, _stored(module, role, quant.tensors())
     elif quant is not None:
         raise TypeError(f"{role}_quant must be None, a dynamic QuantSpec or QParams, got {type(quant).__name__}")
     for f in QParams.FIELDS:  # checked above: nothing changes unless all of it is valid
@@ -90,6 +81,20 @@ def attach(module: nn.Module, role: str, quant) -> None:
     setattr(module, f"{role}_spec", spec)
     for f, t in tensors.items():
         module.register_buffer(PREFIX[role] + f, t)
+
+
+def _stored(module: nn.Module, role: str, tensors: dict) -> dict:
+    """Static QParams tensors as ``module`` stores them for ``role``: scalars for the key/value cache,
+    the (tokens, features) matrix's grid for token activations, as they are otherwise."""
+    if role in KV_ROLES:
+        bad = [f for f, t in tensors.items() if t.numel() != 1]
+        if bad:
+            raise ValueError(f"{role}_quant: per-tensor QParams hold one value per field, {bad[0]} has "
+                             f"{tensors[bad[0]].numel()}")
+        return {f: t.reshape(()) for f, t in tensors.items()}
+    if getattr(module, "token_activations", True):
+        return {f: _as_matrix_grid(role, f, t) for f, t in tensors.items()}
+    return tensors
 
 
 def _as_matrix_grid(role: str, field: str, t: torch.Tensor) -> torch.Tensor:
@@ -167,12 +172,7 @@ def _example(module: nn.Module, role: str) -> torch.Tensor:
 def static_buffers(module: nn.Module, role: str, spec: qt.QuantSpec) -> dict[str, tuple[tuple, torch.dtype]]:
     """``{buffer name: (shape, dtype)}`` the static quantizer ``spec`` of ``role`` stores on ``module``
     (``input_scale``, ``input_zero_point``...), from shapes alone."""
-    qp = qt.choose_qparams(_example(module, role), spec)
-    tensors = qp.tensors()
-    if role in KV_ROLES:
-        tensors = {f: t.reshape(()) for f, t in tensors.items()}
-    elif getattr(module, "token_activations", True):
-        tensors = {f: _as_matrix_grid(role, f, t) for f, t in tensors.items()}
+    tensors = _stored(module, role, qt.choose_qparams(_example(module, role), spec).tensors())
     return {PREFIX[role] + f: (tuple(t.shape), t.dtype) for f, t in tensors.items()}
 
 

@@ -44,11 +44,14 @@ def _calls_attention(cls: type) -> bool:
         return False
 
 
+def _is_attention(m: nn.Module) -> bool:
+    return hasattr(getattr(m, "config", None), "_attn_implementation") and _calls_attention(type(m))
+
+
 def attention_modules(model: nn.Module) -> list[str]:
     """Paths of the modules of ``model`` that call transformers' attention functions with their keys
     and values (``LlamaAttention``, ``GPT2Attention``, ``BertSelfAttention``...), in module order."""
-    return [name for name, m in model.named_modules()
-            if hasattr(getattr(m, "config", None), "_attn_implementation") and _calls_attention(type(m))]
+    return [name for name, m in model.named_modules() if _is_attention(m)]
 
 
 def _base(module: nn.Module, name: str) -> Callable:
@@ -97,8 +100,8 @@ def _configs(model: nn.Module, paths) -> list:
 
 def quantized_attention(model: nn.Module) -> list[str]:
     """Paths of the attention modules of ``model`` with a key or value quantizer."""
-    return [p for p in attention_modules(model)
-            if any(getattr(model.get_submodule(p), f"{r}_spec", None) is not None for r in actquant.KV_ROLES)]
+    return [name for name, m in model.named_modules()
+            if _is_attention(m) and any(getattr(m, f"{r}_spec", None) is not None for r in actquant.KV_ROLES)]
 
 
 def install(model: nn.Module, paths=None) -> None:

@@ -100,11 +100,11 @@ def _assign(model: nn.Module, values: Mapping[str, torch.Tensor], original: nn.M
     untied = set()
     for path, t in list(model.named_parameters(remove_duplicate=False)):
         owner, name = submodule(model, path)
-        given = values.get(path)
-        if id(t) in done and not (given is not None and not _same(given, done[id(t)][0])):
-            owner._parameters[name] = done[id(t)][1]
+        given, first = values.get(path), done.get(id(t))
+        if first is not None and (given is None or _same(given, first[0])):  # still tied
+            owner._parameters[name] = first[1]
             continue
-        if id(t) in done:
+        if first is not None:
             untied.add(path)
         v = values.get(path, src.get(path))
         if v is None:
@@ -132,9 +132,9 @@ def _assign(model: nn.Module, values: Mapping[str, torch.Tensor], original: nn.M
 
 
 def _same(a, b) -> bool:
-    """Whether two tree values are the same tensor (object, or storage and shape)."""
-    if a is b or a is None or b is None:
-        return a is b or a is None
+    """Whether two tree values hold the same tensor (the same object or storage, or equal values)."""
+    if a is b:
+        return True
     if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape and a.dtype == b.dtype):
         return False
     return a.data_ptr() == b.data_ptr() or bool(torch.equal(a, b))

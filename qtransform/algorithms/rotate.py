@@ -51,11 +51,11 @@ def rotate_step(params, plan, *, context, layout=None, rotation: str = "hadamard
         raise ValueError("rotate: layout: no residual layout given; bridge.quantize fills it from the model's "
                          "architecture table (bridge.arch.residual_layout), or pass layout=ResidualLayout(...)")
     lay = ResidualLayout.from_value(layout, where="rotate: layout")
-    if not lay.embeddings:
-        raise ValueError("rotate: layout names no embedding: the residual width is unknown")
-    d = params[lay.embeddings[0]].shape[-1] if lay.embeddings[0] in params else None
-    if d is None:
-        raise ValueError(f"rotate: layout embedding {lay.embeddings[0]!r} is not a tensor of the tree")
+    emb = params.get(lay.embeddings[0]) if lay.embeddings else None
+    if not isinstance(emb, torch.Tensor):
+        raise ValueError(f"rotate: layout embeddings {list(lay.embeddings)} name no tensor of the tree: the residual "
+                         "width is unknown")
+    d = emb.shape[-1]
     R1 = rotation_matrix(d, rotation, seed)
     R2 = rotation_matrix(lay.heads[0].head_dim, rotation, seed + 1) if heads and lay.heads else None
     out = rotate_tree(params, lay if heads else lay._replace(heads=()), R1, R2)

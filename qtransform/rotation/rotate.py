@@ -167,10 +167,8 @@ def fuse_norms(params: Mapping[str, torch.Tensor], layout: ResidualLayout) -> di
 
 def _rotate_heads(w: torch.Tensor, R2: torch.Tensor, head_dim: int, *, rows: bool) -> torch.Tensor:
     """Each head block of ``w`` rotated: rows ``R2ᵀ W_h`` (``rows=True``) or columns ``W_h R2``."""
-    if rows:
-        lead = w.shape[1:]
-        return (R2.T @ w.reshape(-1, head_dim, *lead).flatten(2)).reshape(w.shape) if w.dim() > 1 else (
-            w.reshape(-1, head_dim) @ R2).reshape(w.shape)
+    if rows:  # a weight's head rows R2ᵀ W_h, or a bias's b_h R2: the same sum over the head's index j
+        return torch.einsum("ji,hj...->hi...", R2, w.reshape(-1, head_dim, *w.shape[1:])).reshape(w.shape)
     return (w.reshape(w.shape[0], -1, head_dim) @ R2).reshape(w.shape)
 
 
