@@ -40,6 +40,7 @@ from .checkpoint.metadata import CheckpointError
 from .checkpoint.tree_io import (CONFIG, check_aliases, quantized_parts, read_metadata, read_tree, tensor_groups,
                                  verify_checksums)
 from .modules.actquant import PREFIX, activation_specs, static_buffers
+from .modules.online import online_rotations
 from .tree import extract, tie_groups, to_module
 
 __all__ = ["save", "load", "TOKENIZER_FILES"]
@@ -105,7 +106,8 @@ def save(model_or_qtree, directory, *, max_shard_size="2GB", overwrite: bool = F
                               recipe_name=recipe_name or getattr(cfg, "recipe_name", None),
                               rules=rules if rules is not None else getattr(cfg, "rules", None), aliases=aliases,
                               skip_modules=getattr(cfg, "skip_modules", None),
-                              activations=activation_specs(model) if model is not None else None)
+                              activations=activation_specs(model) if model is not None else None,
+                              online=online_rotations(model) if model is not None else None)
     try:  # what is written must read back: checked before anything is written
         metadata.decode(qconfig, where="bridge.save")
     except metadata.CheckpointError as e:
@@ -198,7 +200,12 @@ def load(directory, *, like: nn.Module, kernel: str = "auto", verify: bool = Tru
     for site, spec in meta.activations.items():
         acts[site] = spec if spec.dynamic else qt.QParams(spec=spec, **{
             n.rpartition(".")[2].removeprefix(PREFIX[site.role]): tree.pop(n) for n in act_parts.get(site, {})})
-    model = to_module(like, tree, kernel=kernel, activations=acts)
+    try:
+        model = to_module(like, tree, kernel=kernel, activations=acts, online=meta.online)
+    except ValueError as e:
+        if "online rotation" not in str(e):
+            raise
+        raise CheckpointError(f"{CONFIG}: {e}") from None
     left = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
     if left:
         raise CheckpointError(f"{root}: {left[:5]} have no value (not in the checkpoint; build `like` on a real "

@@ -105,14 +105,16 @@ def nothing_selected(model: nn.Module, p: qt.Plan) -> str:
 class Quantized(NamedTuple):
     """What the pipeline made of a model: the tree before (``params``, the model's own tensors), the
     quantized tree after the steps (``qtree``), the ``plan``, and the activation quantizers
-    (``{Site: dynamic QuantSpec | calibrated QParams}``), and what the steps reported (``info``:
-    ``{path: {name: value}}``, e.g. GPTQ's layer losses)."""
+    (``{Site: dynamic QuantSpec | calibrated QParams}``), what the steps reported (``info``:
+    ``{path: {name: value}}``, e.g. GPTQ's layer losses), and the online rotations the quantized tree
+    expects at run time (``online``: ``{Site: OnlineRotation}``, the ``rotate`` step's ``R3``/``R4``)."""
 
     params: dict
     qtree: dict
     plan: qt.Plan
     activations: dict = {}
     info: dict = {}
+    online: dict = {}
 
 
 def quantize_params(model: nn.Module, recipe, *, calibration: Iterable | None = None,
@@ -149,13 +151,14 @@ def quantize_params(model: nn.Module, recipe, *, calibration: Iterable | None = 
     if calibrator is not None:  # steps taking smoothing groups (smoothquant) get the model's, from bridge.arch
         p = with_groups(model, p)
     params = extract(model)
-    qtree, info = qt.quantize_tree(params, p, qparams=qparams, calibrator=calibrator, progress=progress,
-                                   generator=generator, with_info=True)
+    qtree, fit = qt.quantize_tree(params, p, qparams=qparams, calibrator=calibrator, progress=progress,
+                                  generator=generator, with_info=True)
     acts = {}
     if p.activations:
         weights = {path: qt.dequantize(v) if isinstance(v, qt.QTensor) else v for path, v in qtree.items()}
-        acts = qt.activation_quantizers(weights, p, calibrator, observer=observer.pop("name", None), **observer)
-    return Quantized(params, qtree, p, acts, info)
+        acts = qt.activation_quantizers(weights, p, calibrator, observer=observer.pop("name", None),
+                                        online=fit.online, **observer)
+    return Quantized(params, qtree, p, acts, fit.info, fit.online)
 
 
 def quantize(model: nn.Module, recipe, *, inplace: bool = False, kernel: str = "auto",
@@ -172,4 +175,5 @@ def quantize(model: nn.Module, recipe, *, inplace: bool = False, kernel: str = "
     r = quantize_params(model, recipe, calibration=calibration, qparams=qparams, progress=progress,
                         generator=generator, act_observer=act_observer)
     changed: dict[str, Any] = {p: v for p, v in r.qtree.items() if v is not r.params.get(p)}
-    return to_module(model, changed, inplace=inplace, kernel=kernel, plan=r.plan, activations=r.activations)
+    return to_module(model, changed, inplace=inplace, kernel=kernel, plan=r.plan, activations=r.activations,
+                     online=r.online)

@@ -28,7 +28,7 @@ from .algorithms import (ALGORITHMS, Algorithm, Block, BlockInputs, Context, Fit
 from .pipeline import (PRESETS, Calibrator, Preset, activation_quantizers, check_activation_spec, check_steps,
                        from_hqq_config, get_preset, presets, recipe_from_dict, register_preset,
                        run_steps)
-from .rotation import hadamard, hadamard_transform, orthogonal, rotate
+from .rotation import OnlineRotation, hadamard, hadamard_transform, orthogonal, rotate
 from .tree import (dequantize_tree, flatten_tree, is_qtensor, merge_stats_tree, observe_tree, qparams_tree,
                    quantize_tree)
 
@@ -48,7 +48,7 @@ __all__ = [
     "get_algorithm", "register_algorithm",
     "PRESETS", "Preset", "Calibrator", "check_steps", "run_steps", "from_hqq_config", "get_preset", "presets",
     "recipe_from_dict", "register_preset",
-    "hadamard", "hadamard_transform", "orthogonal", "rotate",
+    "hadamard", "hadamard_transform", "orthogonal", "rotate", "OnlineRotation",
     "dequantize_tree", "flatten_tree", "is_qtensor", "merge_stats_tree", "observe_tree", "qparams_tree",
     "quantize_tree",
 ]

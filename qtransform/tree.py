@@ -56,8 +56,9 @@ def quantize_tree(params: Any, recipe: Recipe | Any, *, qparams: Mapping[str, QP
         calibrator: runs the model for steps that need calibration data (see :func:`run_steps`).
         progress: progress wrapper handed to the steps (``tqdm.tqdm``).
         generator: ``torch.Generator`` or int seed for stochastic rounding.
-        with_info: also return what the steps reported (``Fit.info``: ``{path: {name: value}}``,
-            GPTQ's layer losses, SmoothQuant's α...): ``(tree, info)``.
+        with_info: also return the steps' combined :class:`Fit`: ``(tree, fit)``, with what they
+            reported (``fit.info``: ``{path: {name: value}}``, GPTQ's layer losses, SmoothQuant's
+            α...) and the online rotations the tree expects at run time (``fit.online``).
 
     Returns:
         A tree of the same structure with :class:`QTensor` leaves where quantized and the tensors
@@ -101,7 +102,7 @@ def quantize_tree(params: Any, recipe: Recipe | Any, *, qparams: Mapping[str, QP
     if not isinstance(with_info, bool):
         raise TypeError(f"quantize_tree: with_info must be True or False, got {with_info!r}")
     out = _tree.map_with_path(one, apply_fit(params, fit))
-    return (out, fit.info) if with_info else out
+    return (out, fit) if with_info else out
 
 
 def dequantize_tree(qtree: Any, *, dtype: torch.dtype | None = None) -> Any:

@@ -182,7 +182,8 @@ def cmd_quantize(a) -> int:
     size_before = report.tree_bytes(result.params)
     rows = report.layer_rows(result.params, result.qtree, plan)
     changed = {p: v for p, v in result.qtree.items() if v is not result.params.get(p)}
-    qmodel = to_module(model, changed, inplace=True, plan=plan, activations=result.activations)
+    qmodel = to_module(model, changed, inplace=True, plan=plan, activations=result.activations,
+                       online=result.online)
     act_rows = report.activation_rows(result.activations)
     step_info = result.info
     del result

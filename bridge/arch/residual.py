@@ -4,7 +4,8 @@ the architecture tables.
 The smoothing groups already say which norm feeds which linears and which value projection feeds
 which output projection; the layout adds the stream's other ends: the input embeddings, the writers
 (the output projection and the MLP's down projection of every block) and the final norm with the
-output head. Only pre-norm RMSNorm families qualify (Llama, Mistral, Qwen2, Phi-3): a LayerNorm
+output head; and where online rotations may go: the down projections (their input, ``R4``) and the
+attention modules with their head width (queries and keys, ``R3``). Only pre-norm RMSNorm families qualify (Llama, Mistral, Qwen2, Phi-3): a LayerNorm
 subtracts the mean, which no rotation of the stream commutes with.
 
 >>> import transformers as tf
@@ -20,7 +21,9 @@ from __future__ import annotations
 from torch import nn
 
 import qtransform as qt
-from qtransform.rotation import HeadPair, NormReaders, ResidualLayout
+from qtransform.rotation import HeadPair, NormReaders, QueryKey, ResidualLayout
+
+from ..modules import kvcache
 
 from .groups import fill_option, find_arch, smoothing_groups, wanting
 
@@ -39,7 +42,7 @@ def residual_layout(model: nn.Module) -> ResidualLayout:
                          f"subtracts the mean and does not commute with a rotation of the residual stream; "
                          f"rotatable families: {', '.join(ROTATABLE)}")
     groups = smoothing_groups(model)
-    norms, heads, writers = [], [], []
+    norms, heads, writers, down = [], [], [], []
     modules = dict(model.named_modules())
     path = {id(m): n for n, m in modules.items()}
     for g in groups:
@@ -52,6 +55,7 @@ def residual_layout(model: nn.Module) -> ResidualLayout:
             writers.append(f"{g['linears'][0]}.weight")
         else:  # up -> down: the MLP's output writes the stream
             writers += [f"{l}.weight" for l in g["linears"]]
+            down += [f"{l}.weight" for l in g["linears"]]
     head = model.get_output_embeddings()
     final = modules.get(arch.blocks.rpartition(".")[0] + ".norm")
     if head is None or final is None:
@@ -59,7 +63,10 @@ def residual_layout(model: nn.Module) -> ResidualLayout:
                          f"{arch.blocks.rpartition('.')[0]}.norm (a causal LM of the {arch.name} family has both)")
     norms.append(NormReaders(f"{path[id(final)]}.weight", (f"{path[id(head)]}.weight",)))
     embeddings = (f"{path[id(model.get_input_embeddings())]}.weight",)
-    return ResidualLayout(embeddings=embeddings, norms=tuple(norms), writers=tuple(writers), heads=tuple(heads))
+    attention = tuple(QueryKey(p, modules[p].head_dim) for p in kvcache.attention_modules(model)
+                      if isinstance(getattr(modules[p], "head_dim", None), int))
+    return ResidualLayout(embeddings=embeddings, norms=tuple(norms), writers=tuple(writers), heads=tuple(heads),
+                          down=tuple(down), attention=attention)
 
 
 def with_layout(model: nn.Module, plan: qt.Plan) -> qt.Plan:

@@ -124,15 +124,15 @@ def _quantized(params: dict, paths, plan: qt.Plan, qparams: Mapping) -> dict:
 
 
 def _capture(model: nn.Module, block: str, modules, sites, run_all) -> tuple[dict, dict]:
-    """Run ``run_all()`` once with pre-hooks recording the inputs of ``modules`` (paths inside ``block``) and
-    folding ``sites``; returns ``({module: [(args, kwargs) per batch]}, {Site: statistics})``."""
+    """Run ``run_all()`` once with pre-hooks recording the inputs of ``modules`` (paths inside ``block``; the
+    arguments the module is called with, before any online rotation of its input) and folding ``sites``; returns ``({module: [(args, kwargs) per batch]}, {Site: statistics})``."""
     names = dict(model.named_modules())
     bad = [m for m in modules if not isinstance(m, str) or m not in names or not m.startswith(block + ".")]
     if bad:
         raise ValueError(f"block {block}: capture: {bad[0]!r} is not a module inside the block")
     seen: dict = {m: [] for m in modules}
     handles = [names[m].register_forward_pre_hook(lambda mod, a, k, m=m: seen[m].append((a, dict(k))),
-                                                  with_kwargs=True) for m in modules]
+                                                  with_kwargs=True, prepend=True) for m in modules]
     try:
         stats = fold_sites(model, sites, run_all, where=f"block {block}")
     finally:

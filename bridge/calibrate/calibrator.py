@@ -2,7 +2,8 @@
 
 ``site_stats`` folds the activations of named sites over every calibration batch
 (:mod:`.sites`); ``blockwise`` hands a step one block at a time with its inputs (:mod:`.blocks`).
-The model runs in eval mode (no dropout, batch-norm statistics untouched), its modes restored after.
+The model runs in eval mode (no dropout, batch-norm statistics untouched), its modes restored after,
+with the online rotations earlier steps recorded (``online=``) applied while it runs.
 Batches come from any re-iterable (a list, a ``DataLoader``...), read once per request.
 
 >>> import torch, qtransform as qt
@@ -22,6 +23,7 @@ from torch import nn
 
 import qtransform as qt
 
+from ..modules.online import installed
 from .blocks import blockwise, find_blocks
 from .sites import evaluating, fold_sites, run_batch
 
@@ -60,7 +62,8 @@ class ModelCalibrator:
             total = None
         return iter(self.progress(self.batches, desc="calibration", total=total))
 
-    def site_stats(self, params: Mapping[str, torch.Tensor], sites: Mapping[qt.Site, Any]) -> dict[qt.Site, Any]:
+    def site_stats(self, params: Mapping[str, torch.Tensor], sites: Mapping[qt.Site, Any], *,
+                   online: Mapping | None = None) -> dict[qt.Site, Any]:
         def run_all() -> int:
             seen = 0
             for batch in self._batches():
@@ -68,11 +71,11 @@ class ModelCalibrator:
                 seen += 1
             return seen
 
-        with evaluating(self.model):
+        with evaluating(self.model), installed(self.model, online):
             return fold_sites(self.model, sites, run_all, where="calibration")
 
     def blockwise(self, params: Mapping[str, torch.Tensor], plan: qt.Plan, fit_block, *,
-                  qparams: Mapping | None = None, tokens: int | None = None) -> qt.Fit:
-        with evaluating(self.model):
+                  qparams: Mapping | None = None, tokens: int | None = None, online: Mapping | None = None) -> qt.Fit:
+        with evaluating(self.model), installed(self.model, online):
             return blockwise(self.model, params, plan, self._batches(), fit_block, qparams=qparams,
                              blocks=self.blocks, progress=self.progress, tokens=tokens)

@@ -16,6 +16,12 @@ readers refuse it rather than drop them)::
 a spec with ``dynamic: true`` is fitted at run time; a static one's parameters are the module's
 stored tensors ``<module>.input_scale`` (``input_zero_point``...; ``output_...`` for outputs).
 
+Version 4 adds the online rotations a rotated model applies at run time (QuaRot's ``R4`` before
+the down projections, ``R3`` on queries and keys), written only when a model has some (older
+readers refuse it rather than run the rotated weights without them)::
+
+     "online": {"model.layers.0.mlp.down_proj:input": {"kind": "hadamard", "size": 1536}, ...}
+
 ``tensors`` lists every quantized tensor: its spec (an index into ``specs``), logical shape and
 dequantized dtype; with the layout (:mod:`bridge.checkpoint.layout`) this fixes the exact names,
 shapes and dtypes of its stored parts. Specs hold what decoding needs only.
@@ -48,13 +54,15 @@ import qtransform as qt
 
 from .layout import LAYOUTS, dtype_from_name, dtype_name
 
-__all__ = ["VERSION", "VERSION_ACTIVATIONS", "READABLE", "QUANT_METHOD", "Entry", "Metadata", "CheckpointError", "encode", "decode",
+__all__ = ["VERSION", "VERSION_ACTIVATIONS", "VERSION_ONLINE", "READABLE", "QUANT_METHOD", "Entry", "Metadata", "CheckpointError", "encode", "decode",
            "entries_of", "upgrade"]
 
 VERSION = 2
 #: The version of checkpoints with activation quantizers.
 VERSION_ACTIVATIONS = 3
-READABLE = (1, 2, 3)
+#: The version of checkpoints with online rotations.
+VERSION_ONLINE = 4
+READABLE = (1, 2, 3, 4)
 QUANT_METHOD = "qtransform"
 _EMPTY: Mapping[str, str] = types.MappingProxyType({})
 
@@ -83,6 +91,7 @@ class Metadata(NamedTuple):
     skip_modules: list[str] | None = None
     version: int = VERSION
     activations: Mapping[qt.Site, qt.QuantSpec] = _EMPTY
+    online: Mapping[qt.Site, qt.OnlineRotation] = _EMPTY
 
 
 def entries_of(quantized: Mapping) -> dict[str, Entry]:
@@ -93,9 +102,10 @@ def entries_of(quantized: Mapping) -> dict[str, Entry]:
 def encode(entries: Mapping[str, Entry], *, layout: str = "native", recipe: qt.Recipe | None = None,
            recipe_name: str | None = None, rules: Mapping[str, str] | None = None,
            aliases: Mapping[str, str] | None = None, skip_modules=None,
-           activations: Mapping[qt.Site, qt.QuantSpec] | None = None) -> dict:
-    """JSON-able ``quantization_config``: version 2, or 3 with ``activations`` (absent optional fields
-    are left out)."""
+           activations: Mapping[qt.Site, qt.QuantSpec] | None = None,
+           online: Mapping[qt.Site, qt.OnlineRotation] | None = None) -> dict:
+    """JSON-able ``quantization_config``: version 2, 3 with ``activations``, 4 with ``online`` rotations
+    (absent optional fields are left out)."""
     specs: list[qt.QuantSpec] = []
     index: dict[qt.QuantSpec, int] = {}
 
@@ -108,12 +118,16 @@ def encode(entries: Mapping[str, Entry], *, layout: str = "native", recipe: qt.R
     tensors = {path: {"spec": spec_index(e.spec), "shape": [int(n) for n in e.shape], "dtype": dtype_name(e.dtype)}
                for path, e in entries.items()}
     acts = {f"{site.module}:{site.role}": spec_index(spec) for site, spec in (activations or {}).items()}
-    d = {"quant_method": QUANT_METHOD, "version": VERSION_ACTIVATIONS if acts else VERSION,
+    rotations = {f"{site.module}:{site.role}": rot.to_dict() for site, rot in (online or {}).items()}
+    version = VERSION_ONLINE if rotations else VERSION_ACTIVATIONS if acts else VERSION
+    d = {"quant_method": QUANT_METHOD, "version": version,
          "qtransform_version": qt.__version__, "layout": layout,
          "specs": [s.to_dict() for s in specs], "tensors": tensors,
          "recipe": None if recipe is None else recipe.to_dict(), "skip_modules": skip_modules}
     if acts:
         d["activations"] = acts
+    if rotations:
+        d["online"] = rotations
     for key, value in (("recipe_name", recipe_name), ("rules", dict(rules or {})), ("aliases", dict(aliases or {}))):
         if value:
             d[key] = value
@@ -239,7 +253,8 @@ def decode(d, *, where: str = "quantization_config") -> Metadata:
         _fail(where, f"'recipe_name' must be a string, got {type(name).__name__}")
     return Metadata(entries=entries, layout=layout, recipe=recipe, recipe_name=name,
                     rules=dict(rules), aliases=dict(aliases), skip_modules=skip, version=version,
-                    activations=_activations(d.get("activations"), specs, where))
+                    activations=_activations(d.get("activations"), specs, where),
+                    online=_online(d.get("online"), where))
 
 
 def _activations(raw, specs: list, where: str) -> dict:
@@ -255,4 +270,21 @@ def _activations(raw, specs: list, where: str) -> dict:
         if not isinstance(index, int) or isinstance(index, bool) or not 0 <= index < len(specs):
             _fail(where, f"'activations' entry {key!r}: {index!r} is not an index of 'specs'")
         out[qt.Site(module, role)] = specs[index]
+    return out
+
+
+def _online(raw, where: str) -> dict:
+    if raw is None:
+        return {}
+    if not isinstance(raw, Mapping):
+        _fail(where, f"'online' must be an object of '<module>:<role>' -> rotation, got {type(raw).__name__}")
+    out = {}
+    for key, value in raw.items():
+        module, _, role = key.rpartition(":")
+        if role not in ("input", "key") or not module:
+            _fail(where, f"'online' key {key!r} is not '<module>:input' or '<module>:key'")
+        try:
+            out[qt.Site(module, role)] = qt.OnlineRotation.from_value(value, where=f"'online' entry {key!r}")
+        except (TypeError, ValueError) as e:
+            _fail(where, str(e))
     return out

@@ -32,7 +32,7 @@ from ..checkpoint import metadata
 from ..checkpoint.layout import NATIVE, abstract_qtensor, check_like
 from ..checkpoint.metadata import CheckpointError, Entry
 from ..modules import QModule
-from ..modules import actquant, kvcache
+from ..modules import actquant, kvcache, online
 from ..modules.actquant import PREFIX, abstract_qparams, activation_specs
 from ..pipeline import plan as model_plan
 from ..tree import REBUILD_HOOKS, replace_module, submodule
@@ -101,6 +101,10 @@ class QTransformHfQuantizer(HfQuantizer):
                 raise CheckpointError(f"config.json: activation quantizer {site.module}:{site.role} is not on a "
                                       "quantized module")
             module.set_activation(site.role, spec if spec.dynamic else abstract_qparams(module, site.role, spec))
+        try:
+            online.install(model, cfg.online)
+        except (TypeError, ValueError) as e:
+            raise CheckpointError(f"config.json: {e}") from None
         kvcache.install(model)
         _untie(model, set(cfg.entries))
         if self.pre_quantized:  # the files against the skeleton, before transformers reads any data
@@ -170,6 +174,7 @@ def attach_config(model: nn.Module, quantized: dict, plan: qt.Plan | None = None
         cfg = QTransformConfig()
     cfg.entries = {**cfg.entries, **metadata.entries_of(quantized)}
     cfg.activations = activation_specs(model)
+    cfg.online = online.online_rotations(model)
     if plan is not None:
         cfg.recipe = plan.recipe
         cfg.rules = {**cfg.rules, **{p: plan[p].rule for p in quantized if p in plan}}

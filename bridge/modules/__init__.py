@@ -5,7 +5,7 @@ from .base import QUANTIZED_CLASSES, QModule, quantized_class, register_quantize
 from .linear import QLinear, is_conv1d
 from .conv import QConv2d, QConvTranspose2d
 from .embedding import QEmbedding, QEmbeddingBag
-from . import actquant, kvcache
+from . import actquant, kvcache, online
 
 __all__ = ["QModule", "QLinear", "QConv2d", "QConvTranspose2d", "QEmbedding", "QEmbeddingBag", "QUANTIZED_CLASSES",
-           "quantized_class", "register_quantized_class", "is_conv1d", "actquant", "kvcache"]
+           "quantized_class", "register_quantized_class", "is_conv1d", "actquant", "kvcache", "online"]

@@ -9,7 +9,9 @@ mask, which first fake-quantizes the keys and values of a module that has a ``"k
 quantizer (static per tensor, :func:`bridge.modules.actquant.attach`; buffers ``k_scale``,
 ``v_scale``). So the keys and values are quantized exactly as a quantized cache stores them, with a
 cache or without one: quantizing with a fixed scale is idempotent, so entries read back from the
-cache are unchanged by it.
+cache are unchanged by it. A module with an online rotation of its queries and keys (QuaRot's
+``R3``, :mod:`bridge.modules.online`) has both rotated first: the scores are unchanged, the keys
+quantized are the rotated ones.
 
 :func:`observing` hands the keys and values to callbacks instead (calibration), and
 :func:`attention_modules` finds the modules that call an attention function.
@@ -26,6 +28,8 @@ from typing import Callable, Mapping
 from torch import nn
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
+
+from qtransform.rotation import apply_online
 
 from . import actquant
 
@@ -67,6 +71,9 @@ def _base(module: nn.Module, name: str) -> Callable:
 
 def _wrapped(base_name: str) -> Callable:
     def attention(module, query, key, value, *args, **kwargs):
+        rot = getattr(module, "_qt_online", {}).get("key")
+        if rot is not None:
+            query, key = apply_online(query, rot), apply_online(key, rot)
         observe = getattr(module, "_qt_kv_observe", None)
         if observe is not None:
             observe(key, value)
@@ -99,9 +106,11 @@ def _configs(model: nn.Module, paths) -> list:
 
 
 def quantized_attention(model: nn.Module) -> list[str]:
-    """Paths of the attention modules of ``model`` with a key or value quantizer."""
+    """Paths of the attention modules of ``model`` with a key or value quantizer or an online rotation of
+    their queries and keys."""
     return [name for name, m in model.named_modules()
-            if _is_attention(m) and any(getattr(m, f"{r}_spec", None) is not None for r in actquant.KV_ROLES)]
+            if _is_attention(m) and (any(getattr(m, f"{r}_spec", None) is not None for r in actquant.KV_ROLES)
+                                     or "key" in getattr(m, "_qt_online", {}))]
 
 
 def install(model: nn.Module, paths=None) -> None:

@@ -33,6 +33,7 @@ import qtransform as qt
 from qtransform import QTensor
 
 from ..modules import QModule, actquant, kvcache, quantized_class
+from ..modules import online as online_mod
 
 __all__ = ["to_module", "submodule", "replace_module", "meta_skeleton", "REBUILD_HOOKS"]
 
@@ -175,7 +176,8 @@ def _check_activations(model: nn.Module, quantized: Mapping, activations: Mappin
 
 
 def to_module(model: nn.Module, qtree: Any, *, inplace: bool = False, kernel: str = "auto",
-              plan: qt.Plan | None = None, activations: Mapping | None = None) -> nn.Module:
+              plan: qt.Plan | None = None, activations: Mapping | None = None,
+              online: Mapping | None = None) -> nn.Module:
     """A model with quantized modules where ``qtree`` holds QTensors (see module docstring).
 
     Args:
@@ -186,6 +188,8 @@ def to_module(model: nn.Module, qtree: Any, *, inplace: bool = False, kernel: st
         plan: the plan that made ``qtree``, handed to the rebuild hooks (recipe, rules).
         activations: ``{Site: dynamic QuantSpec | static QParams}`` attached to the quantized modules
             (:func:`qtransform.activation_quantizers`).
+        online: ``{Site: OnlineRotation}``: rotations the tree's weights expect at run time (the
+            ``rotate`` step's, ``Fit.online``), installed by :func:`bridge.modules.online.install`.
 
     Returns:
         The quantized model (``model`` itself when ``inplace``).
@@ -202,6 +206,8 @@ def to_module(model: nn.Module, qtree: Any, *, inplace: bool = False, kernel: st
     for path, q in quantized.items():  # every path checked before anything is replaced
         check_replacement(model, path, q)
     _check_activations(model, quantized, activations)
+    if online is not None:
+        online_mod.check(model, online)
     target = model if inplace else meta_skeleton(model)
     for path, q in quantized.items():
         replace_module(target, path, q, kernel)
@@ -214,6 +220,7 @@ def to_module(model: nn.Module, qtree: Any, *, inplace: bool = False, kernel: st
             actquant.attach(target.get_submodule(site.module), site.role, quant)
         else:
             target.get_submodule(site.module).set_activation(site.role, quant)
+    online_mod.install(target, online or {})
     kvcache.install(target)
     for hook in REBUILD_HOOKS.values():
         hook(target, quantized, plan)

@@ -141,7 +141,7 @@ def awq(params, plan, *, context, groups=None, grid: int = 20, duo_scaling: bool
     weights = linear_weights(params, plan, block.paths)
     if quantizer == "hqq":
         _check_hqq(plan, weights)
-    mine = [g for g in block_groups(as_groups(groups), block.name, step="awq")
+    mine = [g for g in block_groups(as_groups(groups), block.name, step="awq", online=context.online)
             if any(s is not None for s in _specs(plan, g).values())]
     if not weights:
         return Fit()

@@ -11,7 +11,10 @@ An algorithm is a pure function
 * ``context``: what the pipeline hands over (:class:`Context`): the statistics it asked for,
   and a progress wrapper;
 * the result, :class:`Fit`, holds updated tensors for any paths it changes (a weight, or a
-  weight *and* the norm before it) and quantization parameters for any paths it fits.
+  weight *and* the norm before it), quantization parameters for any paths it fits, and the
+  online rotations the changed weights now expect at run time (``Fit.online``: QuaRot's ``R3``,
+  ``R4``; see :mod:`qtransform.rotation.online`). Later steps see the model with them applied
+  (``context.online``; the calibrator applies them).
 
 An algorithm declares what it needs from calibration (``needs``): nothing (``None``: RTN,
 HQQ), statistics of named activation sites (:class:`SiteStats`: SmoothQuant, AWQ's scales),
@@ -44,22 +47,25 @@ import torch
 from .. import _tree
 from .._tree import pytree_dataclass
 from ..registry import Registry
-from ..spec import as_plan
+from ..rotation import OnlineRotation
+from ..spec import Site, as_plan
 from ..tensor import QParams
 
 __all__ = ["Fit", "Context", "SiteStats", "BlockInputs", "Block", "batch_tokens", "block_tokens", "Algorithm", "ALGORITHMS", "register_algorithm", "get_algorithm",
            "check_algorithm_options", "apply_fit"]
 
 
-@pytree_dataclass(static=("info",))
+@pytree_dataclass(static=("info", "online"))
 class Fit:
     """What a step returns: ``params`` ``{path: tensor}`` it changed and ``qparams``
-    ``{path: QParams}`` it fitted (a pytree: tensors are leaves), and ``info`` ``{path: {name:
-    number or str}}``, what it reports about them (GPTQ's loss, SmoothQuant's α; static, not leaves)."""
+    ``{path: QParams}`` it fitted (a pytree: tensors are leaves), ``info`` ``{path: {name:
+    number or str}}``, what it reports about them (GPTQ's loss, SmoothQuant's α; static, not leaves),
+    and ``online`` ``{Site: OnlineRotation}``, the rotations its weights expect at run time (static)."""
 
     params: Mapping[str, torch.Tensor] = dataclasses.field(default_factory=dict)
     qparams: Mapping[str, QParams] = dataclasses.field(default_factory=dict)
     info: Mapping[str, Mapping[str, Any]] = dataclasses.field(default_factory=dict)
+    online: Mapping[Site, OnlineRotation] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self):
         for name, kind in (("params", torch.Tensor), ("qparams", QParams)):
@@ -77,10 +83,15 @@ class Fit:
                 isinstance(k, str) and isinstance(v, Mapping) for k, v in self.info.items()):
             raise TypeError(f"Fit.info must map tree paths (str) to dicts of reported values, got {self.info!r:.80}")
         object.__setattr__(self, "info", {k: dict(v) for k, v in self.info.items()})
+        if not isinstance(self.online, Mapping) or not all(
+                isinstance(k, Site) and isinstance(v, OnlineRotation) for k, v in self.online.items()):
+            raise TypeError(f"Fit.online must map qtransform.Site to OnlineRotation, got {self.online!r:.80}")
+        object.__setattr__(self, "online", dict(self.online))
 
     def then(self, later: "Fit") -> "Fit":
         """This fit followed by ``later``: ``later``'s tensors replace this one's, and a tensor ``later``
         changes drops the quantization parameters fitted before for it (they described the old tensor).
+        Online rotations add up; two at one site do not compose into one (``ValueError``).
 
         >>> import torch, qtransform as qt
         >>> a = qt.Fit(params={"w": torch.zeros(1)}, qparams={"w": qt.choose_qparams(torch.ones(1), qt.QuantSpec(format="int8"))})
@@ -94,7 +105,11 @@ class Fit:
         info = {p: dict(v) for p, v in self.info.items()}
         for p, v in later.info.items():
             info[p] = {**info.get(p, {}), **v}
-        return Fit(params={**self.params, **later.params}, qparams={**kept, **later.qparams}, info=info)
+        twice = sorted(f"{s.module} ({s.role})" for s in set(self.online) & set(later.online))
+        if twice:
+            raise ValueError(f"Fit.then: two online rotations at {twice[:3]}: rotate once")
+        return Fit(params={**self.params, **later.params}, qparams={**kept, **later.qparams}, info=info,
+                   online={**self.online, **later.online})
 
 
 def apply_fit(params: Any, fit: Fit) -> Any:
@@ -190,12 +205,14 @@ def block_tokens(block: Block) -> int:
 
 class Context(NamedTuple):
     """What the pipeline hands a step: ``stats`` (for :class:`SiteStats` steps), ``block`` (for
-    :class:`BlockInputs` steps) and ``progress`` (``progress(iterable, desc=..., total=...)``, e.g.
-    ``tqdm.tqdm``, or ``None``)."""
+    :class:`BlockInputs` steps), ``progress`` (``progress(iterable, desc=..., total=...)``, e.g.
+    ``tqdm.tqdm``, or ``None``) and ``online``, the online rotations earlier steps recorded
+    (``{Site: OnlineRotation}``: the statistics and block inputs were taken with them applied)."""
 
     stats: Mapping | None = None
     progress: Callable | None = None
     block: Block | None = None
+    online: Mapping = {}
 
     def track(self, iterable: Iterable, *, desc: str = "", total: int | None = None) -> Iterable:
         """``iterable`` wrapped by the progress bar, if any."""

@@ -1,24 +1,28 @@
-"""The ``rotate`` step: QuaRot's offline rotations (:func:`qtransform.rotate`) before quantization.
+"""The ``rotate`` step: QuaRot's rotations (:func:`qtransform.rotate`, :mod:`qtransform.rotation.online`)
+before quantization.
 
 Options: ``layout`` (a :class:`~qtransform.rotation.ResidualLayout` or its dict; the bridge fills it
 from the model's architecture table), ``rotation`` (``"hadamard"``: a randomised Hadamard matrix for
 ``R1`` and a Hadamard matrix for ``R2``, falling back to :func:`qtransform.orthogonal` for widths
 without one; ``"random"``: random orthogonal matrices), ``seed``, ``heads`` (also rotate each value
-/ output head pair by ``R2``, default true). Needs no data; it changes the embeddings, the norms,
-the output head and every linear the stream touches, so it runs on the whole tree (never while a
-checkpoint loads). The matrices are computed in float64; the function is unchanged up to the
-weights' rounding.
+/ output head pair by ``R2``, default true), ``r4`` (an online Hadamard transform of each down
+projection's input, its weight holding ``W H``; default true) and ``r3`` (an online Hadamard
+transform of the queries and keys after rotary embeddings; default: when the recipe quantizes the
+key cache). Needs no data; it changes the embeddings, the norms, the output head and every linear
+the stream touches, so it runs on the whole tree (never while a checkpoint loads). The matrices are
+computed in float64; the function is unchanged up to the weights' rounding.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..rotation import ResidualLayout, has_hadamard, orthogonal, random_orthogonal
+from ..rotation import ResidualLayout, apply_online, has_hadamard, online_hadamard, orthogonal, random_orthogonal
 from ..rotation import rotate as rotate_tree
+from ..spec import Site
 from .base import Fit, register_algorithm
 
-__all__ = ["ROTATIONS", "rotation_matrix", "rotate_step", "check_options"]
+__all__ = ["ROTATIONS", "rotation_matrix", "rotate_step", "check_options", "online_r3_r4"]
 
 ROTATIONS = ("hadamard", "random")
 
@@ -30,23 +34,50 @@ def rotation_matrix(n: int, rotation: str, seed: int) -> torch.Tensor:
     return orthogonal(n, seed, dtype=torch.float64)
 
 
-def check_options(*, path=None, layout=None, rotation="hadamard", seed=0, heads=True, **unknown) -> None:
+def _flag(name: str, value, *, none: bool = False) -> None:
+    if not isinstance(value, bool) and not (none and value is None):
+        raise TypeError(f"rotate: {name} must be true or false{' or null' if none else ''}, got {value!r}")
+
+
+def check_options(*, path=None, layout=None, rotation="hadamard", seed=0, heads=True, r3=None, r4=True,
+                  **unknown) -> None:
     if unknown:
-        raise ValueError(f"rotate: unknown option(s) {sorted(unknown)}; options: layout, rotation, seed, heads")
+        raise ValueError(f"rotate: unknown option(s) {sorted(unknown)}; options: layout, rotation, seed, heads, r3, r4")
     if rotation not in ROTATIONS:
         raise ValueError(f"rotate: rotation must be one of {list(ROTATIONS)}, got {rotation!r}")
     if not isinstance(seed, int) or isinstance(seed, bool):
         raise TypeError(f"rotate: seed must be an int, got {seed!r}")
-    if not isinstance(heads, bool):
-        raise TypeError(f"rotate: heads must be true or false, got {heads!r}")
+    _flag("heads", heads)
+    _flag("r3", r3, none=True)
+    _flag("r4", r4)
     if layout is not None:
         ResidualLayout.from_value(layout, where="rotate: layout")
 
 
+def online_r3_r4(params, plan, lay: ResidualLayout, *, r3, r4: bool) -> tuple[dict, dict]:
+    """The online rotations of ``lay`` (``R4`` before each down projection, ``R3`` on each attention
+    module's queries and keys; ``r3=None``: where the plan quantizes the keys) and the down weights
+    holding ``W H``: ``({Site: OnlineRotation}, {path: tensor})``."""
+    online, changed = {}, {}
+    if r4:
+        for path in lay.down:
+            w = params.get(path)
+            if not isinstance(w, torch.Tensor) or w.dim() != 2 or not w.is_floating_point():
+                raise ValueError(f"rotate: layout down {path!r} is not a float 2-D weight of the tree")
+            rot = online_hadamard(w.shape[1])
+            online[Site(path.rpartition(".")[0], "input")] = rot
+            changed[path] = apply_online(w.double(), rot).to(w.dtype)
+    keyed = {s.module for s in plan.activations if s.role == "key"}
+    for a in lay.attention:
+        if r3 or (r3 is None and a.module in keyed):
+            online[Site(a.module, "key")] = online_hadamard(a.head_dim)
+    return online, changed
+
+
 def rotate_step(params, plan, *, context, layout=None, rotation: str = "hadamard", seed: int = 0,
-                heads: bool = True) -> Fit:
+                heads: bool = True, r3=None, r4: bool = True) -> Fit:
     """The ``rotate`` step (see the module docstring)."""
-    check_options(layout=layout, rotation=rotation, seed=seed, heads=heads)
+    check_options(layout=layout, rotation=rotation, seed=seed, heads=heads, r3=r3, r4=r4)
     if layout is None:
         raise ValueError("rotate: layout: no residual layout given; bridge.quantize fills it from the model's "
                          "architecture table (bridge.arch.residual_layout), or pass layout=ResidualLayout(...)")
@@ -59,12 +90,18 @@ def rotate_step(params, plan, *, context, layout=None, rotation: str = "hadamard
     R1 = rotation_matrix(d, rotation, seed)
     R2 = rotation_matrix(lay.heads[0].head_dim, rotation, seed + 1) if heads and lay.heads else None
     out = rotate_tree(params, lay if heads else lay._replace(heads=()), R1, R2)
+    online, downs = online_r3_r4(out, plan, lay, r3=r3, r4=r4)
+    out.update(downs)
     changed = {p: t for p, t in out.items() if t is not params.get(p)}
     info = {p: {"rotation": ("Hadamard" if rotation == "hadamard" and has_hadamard(d) else rotation)
                 + f" {d}"} for p in changed if p in plan.specs}
-    return Fit(params=changed, info=info)
+    for site, rot in online.items():
+        if f"{site.module}.weight" in info:
+            info[f"{site.module}.weight"]["online"] = f"Hadamard {rot.size}"
+    return Fit(params=changed, info=info, online=online)
 
 
 register_algorithm("rotate", rotate_step, check_options=check_options,
-                   description="QuaRot's offline rotations: norms fused, residual stream and heads rotated "
-                               "(randomised Hadamard); the function unchanged")
+                   description="QuaRot: norms fused, residual stream and heads rotated (randomised Hadamard), "
+                               "online Hadamard before the down projections (and on queries/keys); the function "
+                               "unchanged")

@@ -125,12 +125,17 @@ def as_groups(value: Any, *, where: str = "groups") -> tuple[SmoothGroup, ...]:
     return tuple(SmoothGroup.from_value(g, where=f"{where}[{i}]") for i, g in enumerate(value))
 
 
-def block_groups(groups: Sequence[SmoothGroup], block: str, *, step: str) -> list[SmoothGroup]:
+def block_groups(groups: Sequence[SmoothGroup], block: str, *, step: str, online: Mapping = {}) -> list[SmoothGroup]:
     """The groups inside the block at path ``block``; a group reaching outside its block, or outside the
-    blocks, is an error (``step`` names the algorithm in it): block-by-block steps change one block at a time."""
+    blocks, is an error (``step`` names the algorithm in it): block-by-block steps change one block at a time.
+    Groups whose linears rotate their input at run time (``online``: ``{Site: OnlineRotation}``, QuaRot's
+    ``R4`` before a down projection) are left out: a rotation does not commute with per-channel scales."""
     prefix, parent = block + ".", block.rpartition(".")[0]
+    rotated = {s.module for s in online if s.role == "input"}
     mine = []
     for g in groups:
+        if rotated.intersection(g.linears):
+            continue
         paths = (g.prev, *g.linears)
         inside = [p.startswith(prefix) for p in paths]
         if all(inside):

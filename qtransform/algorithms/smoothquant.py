@@ -202,7 +202,7 @@ def smoothquant(params, plan, *, context, alpha: Any = 0.5, groups=None, activat
     block = context.block
     if block is None:
         raise ValueError("smoothquant runs block by block on calibration data (a calibrator's blockwise)")
-    mine = block_groups(as_groups(groups), block.name, step="smoothquant")
+    mine = block_groups(as_groups(groups), block.name, step="smoothquant", online=context.online)
     if not mine:
         return Fit()
     auto = alpha == "auto"

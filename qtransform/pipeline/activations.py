@@ -52,9 +52,10 @@ def _stats_spec(spec: QuantSpec, conv: bool) -> QuantSpec:
 
 
 def activation_quantizers(params: Mapping[str, Any], plan: Plan, calibrator=None, *, observer=None,
-                          **options) -> dict[Site, QuantSpec | QParams]:
+                          online: Mapping | None = None, **options) -> dict[Site, QuantSpec | QParams]:
     """``{Site: dynamic QuantSpec | calibrated QParams}`` (see the module docstring). Static specs
-    need a ``calibrator`` (``ValueError`` naming the sites otherwise)."""
+    need a ``calibrator`` (``ValueError`` naming the sites otherwise); ``online``: the rotations the
+    steps recorded (``Fit.online``), applied before the activations are measured."""
     if getattr(plan.recipe, "kv_cache", None) is not None and not plan.attention:
         raise ValueError("Recipe.kv_cache quantizes the key/value cache of attention layers, but the plan names no "
                          "attention module (the bridge finds them in transformers models: bridge.quantize, the CLI)")
@@ -74,7 +75,7 @@ def activation_quantizers(params: Mapping[str, Any], plan: Plan, calibrator=None
                            "--calib N`), or use dynamic=True specs")
     empty = {s: init_stats(_stats_spec(spec, conv.get(s, False)), observer=observer, **options)
              for s, spec in static.items()}
-    stats = calibrator.site_stats(dict(params), empty)
+    stats = calibrator.site_stats(dict(params), empty, **({"online": dict(online)} if online else {}))
     for s, spec in static.items():
         qp = compute_qparams(stats[s], path=f"{s.module} ({s.role})")
         out[s] = QParams(spec=spec, **qp.tensors())

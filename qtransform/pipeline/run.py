@@ -13,7 +13,10 @@ bridge runs forward passes with hooks): ``site_stats(params, sites) -> {Site: st
 :class:`~qtransform.SiteStats` steps, called on the tree as it stands before that step, and
 ``blockwise(params, plan, fit_block) -> Fit`` for :class:`~qtransform.BlockInputs` steps, which
 calls ``fit_block(block, params)`` for each block in order and quantizes each block before computing the
-next one's inputs.
+next one's inputs. Online rotations that earlier steps recorded (``Fit.online``) are handed to the
+calibrator as ``online=`` (only when there are some: calibrators without the option still serve
+recipes without online rotations), which applies them while the model runs, and to the steps as
+``context.online``.
 
 >>> import torch, qtransform as qt
 >>> spec = qt.QuantSpec(format="uint4", granularity=qt.PerGroup(32), symmetric=False, zero_point_domain="float")
@@ -41,19 +44,23 @@ __all__ = ["Calibrator", "run_steps", "check_steps"]
 class Calibrator(Protocol):
     """What runs the model for the steps that need data (the bridge provides one)."""
 
-    def site_stats(self, params: Mapping[str, torch.Tensor], sites: Mapping[Site, Any]) -> Mapping[Site, Any]:
+    def site_stats(self, params: Mapping[str, torch.Tensor], sites: Mapping[Site, Any], *,
+                   online: Mapping | None = None) -> Mapping[Site, Any]:
         """``sites`` maps each site to empty statistics (``init_stats(...)``); returns them with every
         calibration batch's activations at that site folded in (``observe``), the model's tensors
-        taken from ``params``."""
+        taken from ``params``, the ``online`` rotations (``{Site: OnlineRotation}``) applied where they
+        sit (an input site's statistics are taken after its rotation)."""
 
     def blockwise(self, params: Mapping[str, torch.Tensor], plan: Plan,
                   fit_block: Callable[[Block, Mapping[str, torch.Tensor]], Fit], *,
-                  qparams: Mapping[str, QParams] | None = None, tokens: int | None = None) -> Fit:
+                  qparams: Mapping[str, QParams] | None = None, tokens: int | None = None,
+                  online: Mapping | None = None) -> Fit:
         """``fit_block(block, params)`` for each block in order (``params`` as the blocks before left
         it), each block then quantized (what the step fitted, else ``qparams`` fitted before it for an
         unchanged tensor, else round to nearest) to compute the next block's inputs; returns the
         blocks' fits combined. ``tokens``: use whole batches, spread over the data, until that many
-        tokens (the step's ``BlockInputs.tokens``; ``None``: every batch)."""
+        tokens (the step's ``BlockInputs.tokens``; ``None``: every batch). ``online``: as for
+        :meth:`site_stats`; a block's ``capture`` records module arguments before their rotation."""
 
 
 def check_steps(steps: Sequence[Step], *, calibrated: bool | None = None, on_load: bool = False,
@@ -96,11 +103,13 @@ def _sites(algo, step: Step, plan: Plan, at: str) -> dict:
 
 
 def _run_step(algo, step: Step, plan: Plan, current: dict, calibrator: Calibrator | None, progress, at: str,
-              qparams: Mapping[str, QParams]) -> Fit:
+              qparams: Mapping[str, QParams], online: Mapping) -> Fit:
     """One step on the current tree (copies of the dict: steps never change the tree they are handed)."""
+    rotated = {"online": dict(online)} if online else {}  # calibrators without the option serve the others
     if isinstance(algo.needs, BlockInputs):
         def fit_block(block: Block, params: Mapping) -> Fit:
-            fit = algo.fn(dict(params), plan, context=Context(block=block, progress=progress), **step.options)
+            fit = algo.fn(dict(params), plan, context=Context(block=block, progress=progress, online=dict(online)),
+                          **step.options)
             _check_fit(fit, f"{at} block {block.name}", plan, current)
             outside = sorted(set(fit.params) - set(block.paths))
             if outside:
@@ -109,22 +118,35 @@ def _run_step(algo, step: Step, plan: Plan, current: dict, calibrator: Calibrato
 
         tokens = algo.needs.tokens(**step.options) if algo.needs.tokens is not None else None
         more = {} if tokens is None else {"tokens": tokens}  # calibrators without the option still serve others
-        return calibrator.blockwise(dict(current), plan, fit_block, qparams=dict(qparams), **more)
-    stats = _collect(algo, step, plan, current, calibrator, at)
-    return algo.fn(dict(current), plan, context=Context(stats=stats, progress=progress), **step.options)
+        return calibrator.blockwise(dict(current), plan, fit_block, qparams=dict(qparams), **more, **rotated)
+    stats = _collect(algo, step, plan, current, calibrator, at, rotated)
+    return algo.fn(dict(current), plan, context=Context(stats=stats, progress=progress, online=dict(online)),
+                   **step.options)
 
 
-def _collect(algo, step: Step, plan: Plan, current: Mapping, calibrator: Calibrator | None, at: str):
+def _collect(algo, step: Step, plan: Plan, current: Mapping, calibrator: Calibrator | None, at: str, rotated):
     if algo.needs is None:
         return None
     if isinstance(algo.needs, SiteStats):
-        return calibrator.site_stats(dict(current), _sites(algo, step, plan, at))
+        return calibrator.site_stats(dict(current), _sites(algo, step, plan, at), **rotated)
     raise TypeError(f"{at}: unknown need {type(algo.needs).__name__}")
 
 
-def _check_fit(fit, at: str, plan: Plan, current: Mapping[str, torch.Tensor]) -> None:
+def _check_fit(fit, at: str, plan: Plan, current: Mapping[str, torch.Tensor], before: Mapping = {}) -> None:
     if not isinstance(fit, Fit):
         raise TypeError(f"{at}: the algorithm returned {type(fit).__name__}, not a qtransform.Fit")
+    for site, rot in fit.online.items():
+        where = f"{at}: online rotation at {site.module} ({site.role})"
+        if site in before:
+            raise ValueError(f"{where}: an earlier step already rotates there; rotate once")
+        if site.role == "input" and not isinstance(current.get(f"{site.module}.weight"), torch.Tensor):
+            raise ValueError(f"{where}: {site.module}.weight is not a tensor of the tree (online input rotations "
+                             "go on linear layers whose weight holds the rotation)")
+        if site.role == "key" and site.module not in plan.attention:
+            raise ValueError(f"{where}: not an attention module of the plan ({list(plan.attention)[:3]})")
+        if site.role not in ("input", "key"):
+            raise ValueError(f"{where}: online rotations sit at a linear's input or an attention module's "
+                             "queries and keys (roles 'input', 'key')")
     for path, t in fit.params.items():
         old = current.get(path)
         if not isinstance(old, torch.Tensor):
@@ -154,8 +176,8 @@ def run_steps(params: Any, recipe, *, types: Mapping[str, str] | None = None, ca
             block-by-block steps quantize the blocks before the next one's inputs with them.
 
     Returns:
-        :class:`~qtransform.Fit`: the tensors the steps changed (as the last step left them) and the
-        quantization parameters still valid at the end.
+        :class:`~qtransform.Fit`: the tensors the steps changed (as the last step left them), the
+        quantization parameters still valid at the end and the online rotations recorded.
     """
     plan = as_plan(recipe, params, types=types)
     check_steps(plan.steps, calibrated=calibrator is not None)
@@ -167,12 +189,12 @@ def run_steps(params: Any, recipe, *, types: Mapping[str, str] | None = None, ca
         current = {**flat, **total.params}
         try:
             known = {**{p: q for p, q in (qparams or {}).items() if p not in total.params}, **total.qparams}
-            fit = _run_step(ALGORITHMS[step.name], step, plan, current, calibrator, progress, at, known)
+            fit = _run_step(ALGORITHMS[step.name], step, plan, current, calibrator, progress, at, known, total.online)
         except (ValueError, TypeError) as e:  # name the step in errors raised while it runs
             if type(e) not in (ValueError, TypeError) or str(e).startswith("recipe.steps["):
                 raise
             raise type(e)(f"{at}: {e}") from e
-        _check_fit(fit, at, plan, current)
+        _check_fit(fit, at, plan, current, total.online)
         total = total.then(fit)
     return total
 

@@ -8,7 +8,10 @@ A :class:`ResidualLayout` names, by tree path, what touches the residual stream 
   final norm reads into the output head;
 * ``writers``: linears whose ``(d, in)`` outputs are added to the stream (attention and MLP
   output projections), with their biases;
-* ``heads``: value/output projection pairs, for the per-head rotation.
+* ``heads``: value/output projection pairs, for the per-head rotation;
+* ``down``: the weights of the linears reading the MLP's hidden activation (down projections), where
+  an online rotation (``R4``) may go, and ``attention``: the attention modules with their head width,
+  whose queries and keys an online rotation (``R3``) may rotate (:mod:`qtransform.rotation.online`).
 
 :func:`rotate` first fuses each norm's weight into the linears it feeds (``W diag(g)``, the norm
 left weightless: RMSNorm of ``x R`` is RMSNorm of ``x`` rotated, for an orthogonal ``R``), then
@@ -36,7 +39,7 @@ from typing import Mapping, NamedTuple
 
 import torch
 
-__all__ = ["NormReaders", "HeadPair", "ResidualLayout", "rotate", "fuse_norms"]
+__all__ = ["NormReaders", "HeadPair", "QueryKey", "ResidualLayout", "rotate", "fuse_norms"]
 
 
 class NormReaders(NamedTuple):
@@ -56,6 +59,13 @@ class HeadPair(NamedTuple):
     rows: tuple[int, int] | None = None
 
 
+class QueryKey(NamedTuple):
+    """An attention module (module path) whose queries and keys have heads of width ``head_dim``."""
+
+    module: str
+    head_dim: int
+
+
 class ResidualLayout(NamedTuple):
     """What touches the residual stream, by tree path (see the module docstring)."""
 
@@ -63,6 +73,8 @@ class ResidualLayout(NamedTuple):
     norms: tuple[NormReaders, ...]
     writers: tuple[str, ...]
     heads: tuple[HeadPair, ...] = ()
+    down: tuple[str, ...] = ()
+    attention: tuple[QueryKey, ...] = ()
 
     def to_dict(self) -> dict:
         """Plain JSON-able data (a step option), :meth:`from_value`'s inverse."""
@@ -70,7 +82,9 @@ class ResidualLayout(NamedTuple):
                 "norms": [{"weight": n.weight, "readers": list(n.readers)} for n in self.norms],
                 "writers": list(self.writers),
                 "heads": [{"v": h.v, "o": h.o, "head_dim": h.head_dim, **({"rows": list(h.rows)} if h.rows else {})}
-                          for h in self.heads]}
+                          for h in self.heads],
+                "down": list(self.down),
+                "attention": [{"module": a.module, "head_dim": a.head_dim} for a in self.attention]}
 
     @classmethod
     def from_value(cls, value, *, where: str = "layout") -> "ResidualLayout":
@@ -79,7 +93,7 @@ class ResidualLayout(NamedTuple):
             return value
         if not isinstance(value, Mapping):
             raise TypeError(f"{where} must be a ResidualLayout or its dict, got {type(value).__name__}")
-        unknown = sorted(set(value) - {"embeddings", "norms", "writers", "heads"})
+        unknown = sorted(set(value) - set(cls._fields))
         if unknown:
             raise ValueError(f"{where}: unknown field(s) {unknown}")
         try:
@@ -89,9 +103,12 @@ class ResidualLayout(NamedTuple):
                        writers=_strs(value.get("writers", ()), f"{where}.writers"),
                        heads=tuple(HeadPair(h["v"], h["o"], int(h["head_dim"]),
                                             tuple(h["rows"]) if h.get("rows") else None)
-                                   for h in value.get("heads", ())))
+                                   for h in value.get("heads", ())),
+                       down=_strs(value.get("down", ()), f"{where}.down"),
+                       attention=tuple(QueryKey(a["module"], int(a["head_dim"])) for a in value.get("attention", ())))
         except (KeyError, TypeError) as e:
-            raise ValueError(f"{where}: malformed norms/heads entry ({e!r}); see ResidualLayout.to_dict()") from None
+            raise ValueError(f"{where}: malformed norms/heads/attention entry ({e!r}); see ResidualLayout.to_dict()"
+                             ) from None
 
 
 def _strs(value, where: str) -> tuple[str, ...]:
