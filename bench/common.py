@@ -56,12 +56,13 @@ def merged(name: str, rows: list[dict], order: list[str]) -> list[dict]:
     return [new.get(n) or next(r for r in old if r["scheme"] == n) for n in names]
 
 
-def quality_args(*, calib: int, description: str = ""):
-    """The perplexity benches' arguments: --calib, --eval, --seq-len, --only."""
+def quality_args(*, calib: int, description: str = "", batch: int = 4):
+    """The perplexity benches' arguments: --calib, --calib-batch, --eval, --seq-len, --only."""
     import argparse
 
     ap = argparse.ArgumentParser(description=description)
     ap.add_argument("--calib", type=int, default=calib)
+    ap.add_argument("--calib-batch", type=int, default=batch, help="calibration sequences per batch")
     ap.add_argument("--eval", type=int, default=16)
     ap.add_argument("--seq-len", type=int, default=512)
     ap.add_argument("--only", nargs="*", default=None, help="scheme names to run (default: all)")
@@ -79,7 +80,7 @@ def quality_runs(schemes: dict, a):
     model.eval()
     ev = corpus.token_sequences(corpus.load_text("builtin", part="eval"), tok, seq_len=a.seq_len, max_sequences=a.eval)
     cal = list(corpus.token_sequences(corpus.load_text("builtin", part="calibration"), tok, seq_len=a.seq_len,
-                                      max_sequences=a.calib).split(4))
+                                      max_sequences=a.calib).split(a.calib_batch))
     with torch.no_grad():
         fp = evaluate.perplexity(model, ev).perplexity
     rows = []

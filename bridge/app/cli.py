@@ -185,6 +185,7 @@ def cmd_quantize(a) -> int:
     qmodel = to_module(model, changed, inplace=True, plan=plan, activations=result.activations,
                        online=result.online)
     act_rows = report.activation_rows(result.activations)
+    online_rows = report.online_rows(result.online)
     step_info = result.info
     del result
 
@@ -199,7 +200,8 @@ def cmd_quantize(a) -> int:
                         ppl_before=ppl_before, ppl_after=ppl_after,
                         eval_tokens=0 if eval_seqs is None else int(eval_seqs.numel()),
                         calib_tokens=0 if calibration is None else sum(int(b.numel()) for b in calibration),
-                        out=str(out), unmatched=unmatched, activations=act_rows, step_info=step_info)
+                        out=str(out), unmatched=unmatched, activations=act_rows, step_info=step_info,
+                        online=online_rows)
     # assembled beside the nearest existing parent of --out and renamed: no half checkpoint, no
     # parent directories left behind by a failure
     base = next(p for p in out.absolute().parents if p.is_dir())

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from ..checkpoint import CONFIG, LAYOUTS, read_metadata, store
 from ..checkpoint.store import read_json
-from .report import format_bytes, steps_label, table
+from .report import format_bytes, online_rows, online_summary, steps_label, table
 
 __all__ = ["describe", "tensor_bytes"]
 
@@ -59,6 +59,8 @@ def describe(directory) -> str:
                   f"total {format_bytes(total)}"]
     if meta.activations:
         lines.append("activation quantizers: " + "; ".join(_activation_summary(meta.activations)))
+    if meta.online:
+        lines.append("online rotations: " + "; ".join(online_summary(online_rows(meta.online))))
     return "\n".join(lines)
 
 

@@ -101,6 +101,7 @@ class Report:
     calib_tokens: int = 0
     activations: list[dict] = dataclasses.field(default_factory=list)
     step_info: dict = dataclasses.field(default_factory=dict)
+    online: list[dict] = dataclasses.field(default_factory=list)
 
     @property
     def quantized_numel(self) -> int:
@@ -155,6 +156,8 @@ class Report:
             lines += table([["site", "spec", "range"]] + [[f"{a['module']} ({a['role']})", a["spec"],
                                                            f"[{a['range'][0]:.4g}, {a['range'][1]:.4g}]"]
                                                           for a in widest]) if widest else []
+        if self.online:
+            lines += ["", "online rotations: " + "; ".join(online_summary(self.online))]
         lines += step_info_lines(self.step_info)
         ratio = self.size_before / self.size_after if self.size_after else float("nan")
         summary = [["", "before", "after"],
@@ -201,6 +204,20 @@ class Report:
         fig.tight_layout()
         fig.savefig(path, dpi=110)
         plt.close(fig)
+
+
+def online_rows(online: Mapping) -> list[dict]:
+    """``[{"module", "role", "kind", "size"}]`` of the online rotations ``{Site: OnlineRotation}``."""
+    return [{"module": s.module, "role": s.role, **rot.to_dict()} for s, rot in online.items()]
+
+
+def online_summary(rows) -> list[str]:
+    """``"<count> <role> <kind> <size>"`` per kind of online rotation (rows of :func:`online_rows`)."""
+    counts: dict[tuple, int] = {}
+    for r in rows:
+        key = ("input" if r["role"] == "input" else "query/key", r["kind"], r["size"])
+        counts[key] = counts.get(key, 0) + 1
+    return [f"{n} {role} {kind} {size}" for (role, kind, size), n in counts.items()]
 
 
 def activation_rows(activations: Mapping) -> list[dict]:

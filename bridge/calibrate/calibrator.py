@@ -1,7 +1,8 @@
 """``ModelCalibrator``: what runs the model for the pipeline's steps that need data.
 
 ``site_stats`` folds the activations of named sites over every calibration batch
-(:mod:`.sites`); ``blockwise`` hands a step one block at a time with its inputs (:mod:`.blocks`).
+(:mod:`.sites`); ``blockwise`` hands a step one block at a time with its inputs (:mod:`.blocks`);
+``model_loss`` gives the model's loss on each batch as a function of its tree (:mod:`.loss`).
 The model runs in eval mode (no dropout, batch-norm statistics untouched), its modes restored after,
 with the online rotations earlier steps recorded (``online=``) applied while it runs.
 Batches come from any re-iterable (a list, a ``DataLoader``...), read once per request.
@@ -25,6 +26,7 @@ import qtransform as qt
 
 from ..modules.online import installed
 from .blocks import blockwise, find_blocks
+from .loss import CalibrationLoss
 from .sites import evaluating, fold_sites, run_batch
 
 __all__ = ["ModelCalibrator"]
@@ -79,3 +81,6 @@ class ModelCalibrator:
         with evaluating(self.model), installed(self.model, online):
             return blockwise(self.model, params, plan, self._batches(), fit_block, qparams=qparams,
                              blocks=self.blocks, progress=self.progress, tokens=tokens)
+
+    def model_loss(self, plan: qt.Plan, *, online: Mapping | None = None) -> CalibrationLoss:
+        return CalibrationLoss(self.model, self._batches(), plan, online=online)

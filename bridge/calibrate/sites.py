@@ -48,6 +48,14 @@ class _Split(ValueError):
     """Tied names of a model hold different tensors in a tree."""
 
 
+def _storage(t: torch.Tensor):
+    """The data pointer of ``t``; a tensor without storage (a ``torch.func`` transform's wrapper) is its own."""
+    try:
+        return t.data_ptr()
+    except RuntimeError:
+        return id(t)
+
+
 def untied(model: nn.Module, params: Mapping[str, torch.Tensor]) -> dict:
     """``params`` with one name per group of tied tensors (``functional_call`` ties the others to it).
 
@@ -57,7 +65,7 @@ def untied(model: nn.Module, params: Mapping[str, torch.Tensor]) -> dict:
         given = [n for n in names if n in out]
         for n in given[1:]:
             a, b = out[given[0]], out[n]
-            if a is not b and (a.data_ptr() != b.data_ptr() or a.shape != b.shape):
+            if a is not b and (_storage(a) != _storage(b) or a.shape != b.shape):
                 raise _Split(f"{given[0]} and {n} are tied in {type(model).__name__}, but the tree holds "
                                  "different tensors for them")
             del out[n]

@@ -51,7 +51,7 @@ from ..rotation import OnlineRotation
 from ..spec import Site, as_plan
 from ..tensor import QParams
 
-__all__ = ["Fit", "Context", "SiteStats", "BlockInputs", "Block", "batch_tokens", "block_tokens", "Algorithm", "ALGORITHMS", "register_algorithm", "get_algorithm",
+__all__ = ["Fit", "Context", "SiteStats", "BlockInputs", "ModelLoss", "Block", "batch_tokens", "block_tokens", "Algorithm", "ALGORITHMS", "register_algorithm", "get_algorithm",
            "check_algorithm_options", "apply_fit"]
 
 
@@ -161,6 +161,15 @@ class BlockInputs(NamedTuple):
     tokens: Callable[..., int | None] | None = None
 
 
+class ModelLoss(NamedTuple):
+    """The step minimises the model's loss on the calibration data: ``context.loss(params, i, online=None)``
+    is the loss (a scalar tensor, differentiable with respect to ``params`` under ``torch.func.grad``) of
+    the model on calibration batch ``i`` (``0 <= i < len(context.loss)``) with its tensors taken from
+    ``params``, the plan's activation quantizers applied as fake quantization with straight-through
+    gradients, and the online rotations of earlier steps plus ``online`` (``{Site: OnlineRotation}``)
+    in place."""
+
+
 class Block(NamedTuple):
     """One block of a model, handed to a :class:`BlockInputs` step.
 
@@ -205,7 +214,7 @@ def block_tokens(block: Block) -> int:
 
 class Context(NamedTuple):
     """What the pipeline hands a step: ``stats`` (for :class:`SiteStats` steps), ``block`` (for
-    :class:`BlockInputs` steps), ``progress`` (``progress(iterable, desc=..., total=...)``, e.g.
+    :class:`BlockInputs` steps), ``loss`` (for :class:`ModelLoss` steps), ``progress`` (``progress(iterable, desc=..., total=...)``, e.g.
     ``tqdm.tqdm``, or ``None``) and ``online``, the online rotations earlier steps recorded
     (``{Site: OnlineRotation}``: the statistics and block inputs were taken with them applied)."""
 
@@ -213,6 +222,7 @@ class Context(NamedTuple):
     progress: Callable | None = None
     block: Block | None = None
     online: Mapping = {}
+    loss: Callable | None = None
 
     def track(self, iterable: Iterable, *, desc: str = "", total: int | None = None) -> Iterable:
         """``iterable`` wrapped by the progress bar, if any."""
@@ -242,8 +252,9 @@ class Algorithm:
         """Run this algorithm alone on ``params`` for ``recipe`` (a Recipe, QuantSpec or Plan); a
         :class:`SiteStats` algorithm takes its statistics as ``stats``."""
         self.check(options)
-        if isinstance(self.needs, BlockInputs):
-            raise ValueError(f"algorithm {self.name!r} runs block by block on calibration data: run it in a "
+        if isinstance(self.needs, (BlockInputs, ModelLoss)):
+            how = "block by block on" if isinstance(self.needs, BlockInputs) else "on the model's loss over"
+            raise ValueError(f"algorithm {self.name!r} runs {how} calibration data: run it in a "
                              "recipe (qt.run_steps with a calibrator, bridge.quantize(..., calibration=...))")
         if self.needs is not None and stats is None:
             raise ValueError(f"algorithm {self.name!r} needs statistics of activation sites: pass stats=")
@@ -267,8 +278,8 @@ class Algorithm:
 def _check_algorithm(name: str, algo) -> None:
     if not isinstance(algo, Algorithm):
         raise TypeError(f"register_algorithm: expected an Algorithm, got {type(algo).__name__}")
-    if algo.needs is not None and not isinstance(algo.needs, (SiteStats, BlockInputs)):
-        raise TypeError(f"register_algorithm {name}: needs must be None, SiteStats or BlockInputs, got "
+    if algo.needs is not None and not isinstance(algo.needs, (SiteStats, BlockInputs, ModelLoss)):
+        raise TypeError(f"register_algorithm {name}: needs must be None, SiteStats, BlockInputs or ModelLoss, got "
                         f"{type(algo.needs).__name__}")
 
 

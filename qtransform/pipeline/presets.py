@@ -160,6 +160,23 @@ register_preset("fp8-w8a8-kv", lambda: Preset(
     "bench/bench_w8a8_quality.py: x1.031 on SmolLM2 where min/max scales give x1.044; needs --calib)"))
 
 
+
+def _rotated(name: str, first: str, acts: int, description: str) -> None:
+    register_preset(name, lambda: Preset(name, Recipe(
+        type_rules={t: QuantSpec(format="int4", granularity=PerChannel(0)) for t in LINEAR_TYPES},
+        exclude=DEFAULT_EXCLUDE, input=QuantSpec(format=f"int{acts}", granularity=PerChannel(0), dynamic=True),
+        steps=[Step(first), Step("gptq")]), description))
+
+
+for _a in (8, 4):
+    _rotated(f"quarot-w4a{_a}", "rotate", _a,
+             f"QuaRot + GPTQ: rotated residual stream and heads, online Hadamard before the down projections; int4 "
+             f"weights per output channel, int{_a} dynamic per-token inputs (Llama, Mistral, Qwen2, Phi-3; needs --calib)")
+    _rotated(f"spinquant-w4a{_a}", "spinquant", _a,
+             f"SpinQuant + GPTQ: the rotations learned on the quantized model's loss (100 Cayley SGD iterations), "
+             f"then as quarot-w4a{_a} (Llama, Mistral, Qwen2, Phi-3; needs --calib)")
+
+
 def presets() -> dict[str, Preset]:
     """Every preset whose format is registered, by name."""
     out = {}

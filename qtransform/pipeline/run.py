@@ -33,7 +33,7 @@ from typing import Any, Callable, Mapping, Protocol, Sequence
 import torch
 
 from .. import _tree
-from ..algorithms import ALGORITHMS, Block, BlockInputs, Context, Fit, SiteStats
+from ..algorithms import ALGORITHMS, Block, BlockInputs, Context, Fit, ModelLoss, SiteStats
 from ..observers import Observer, init_stats
 from ..spec import Plan, Site, Step, as_plan
 from ..tensor import QParams
@@ -62,6 +62,12 @@ class Calibrator(Protocol):
         tokens (the step's ``BlockInputs.tokens``; ``None``: every batch). ``online``: as for
         :meth:`site_stats`; a block's ``capture`` records module arguments before their rotation."""
 
+    def model_loss(self, plan: Plan, *, online: Mapping | None = None) -> Callable:
+        """The model's loss on the calibration data for :class:`~qtransform.ModelLoss` steps:
+        ``loss(params, i, online=None)`` on batch ``i`` (``len(loss)`` batches), differentiable with
+        respect to ``params``, with ``plan``'s activation quantizers (fake quantization, straight-through)
+        and the rotations ``online`` (earlier steps') and the call's ``online`` applied."""
+
 
 def check_steps(steps: Sequence[Step], *, calibrated: bool | None = None, on_load: bool = False,
                 where: str = "recipe.steps") -> None:
@@ -87,6 +93,7 @@ def check_steps(steps: Sequence[Step], *, calibrated: bool | None = None, on_loa
                              "(bridge.quantize or `qtransform quantize`) and load the checkpoint")
         if algo.needs is not None and calibrated is False:
             what = ("runs block by block on" if isinstance(algo.needs, BlockInputs)
+                    else "learns on the model's loss over" if isinstance(algo.needs, ModelLoss)
                     else "needs statistics of activation sites, i.e.")
             raise ValueError(f"{at}: {step.name!r} {what} calibration data; "
                              "pass calibration batches (bridge.quantize(model, recipe, calibration=...), "
@@ -119,6 +126,10 @@ def _run_step(algo, step: Step, plan: Plan, current: dict, calibrator: Calibrato
         tokens = algo.needs.tokens(**step.options) if algo.needs.tokens is not None else None
         more = {} if tokens is None else {"tokens": tokens}  # calibrators without the option still serve others
         return calibrator.blockwise(dict(current), plan, fit_block, qparams=dict(qparams), **more, **rotated)
+    if isinstance(algo.needs, ModelLoss):
+        loss = calibrator.model_loss(plan, **rotated)
+        return algo.fn(dict(current), plan, context=Context(loss=loss, progress=progress, online=dict(online)),
+                       **step.options)
     stats = _collect(algo, step, plan, current, calibrator, at, rotated)
     return algo.fn(dict(current), plan, context=Context(stats=stats, progress=progress, online=dict(online)),
                    **step.options)
@@ -202,7 +213,8 @@ def run_steps(params: Any, recipe, *, types: Mapping[str, str] | None = None, ca
 def _check_calibrator(steps: Sequence[Step], calibrator) -> None:
     for i, step in enumerate(steps):
         needs = ALGORITHMS[step.name].needs
-        method = "blockwise" if isinstance(needs, BlockInputs) else "site_stats" if needs is not None else None
+        method = ("blockwise" if isinstance(needs, BlockInputs) else "model_loss" if isinstance(needs, ModelLoss)
+                  else "site_stats" if needs is not None else None)
         if method is not None and not callable(getattr(calibrator, method, None)):
             raise TypeError(f"recipe.steps[{i}] ({step.name}): the calibrator ({type(calibrator).__name__}) has no "
                             f"{method}() method, which this step needs (see qtransform.Calibrator)")

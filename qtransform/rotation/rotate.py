@@ -156,12 +156,15 @@ def _check(params: Mapping, layout: ResidualLayout, R1: torch.Tensor, R2) -> int
     if layout.heads:
         if R2 is None:
             return d
-        if not isinstance(R2, torch.Tensor) or R2.dim() != 2 or R2.shape[0] != R2.shape[1]:
-            raise ValueError(f"rotate: R2 must be a square matrix, got {getattr(R2, 'shape', type(R2).__name__)}")
+        n = len(layout.heads)
+        if not isinstance(R2, torch.Tensor) or R2.dim() not in (2, 3) or R2.shape[-1] != R2.shape[-2] or (
+                R2.dim() == 3 and R2.shape[0] != n):
+            raise ValueError(f"rotate: R2 must be a square matrix or a stack of {n} (one per head pair), got "
+                             f"{getattr(R2, 'shape', type(R2).__name__)}")
         for h in layout.heads:
             v, o = _get(params, h.v, "value projection"), _get(params, h.o, "output projection")
             rows = v.shape[0] if h.rows is None else h.rows[1] - h.rows[0]
-            if h.head_dim != R2.shape[0] or rows % h.head_dim or o.shape[1] % h.head_dim:
+            if h.head_dim != R2.shape[-1] or rows % h.head_dim or o.shape[1] % h.head_dim:
                 raise ValueError(f"rotate: heads of {h.v!r} ({rows} rows) and {h.o!r} ({o.shape[1]} columns) are not "
                                  f"whole heads of width {h.head_dim} matching R2 {tuple(R2.shape)}")
     elif R2 is not None:
@@ -169,15 +172,18 @@ def _check(params: Mapping, layout: ResidualLayout, R1: torch.Tensor, R2) -> int
     return d
 
 
-def fuse_norms(params: Mapping[str, torch.Tensor], layout: ResidualLayout) -> dict:
-    """``params`` with each norm's weight folded into the linears reading it (``W diag(g)``) and the
-    norm's weight set to ones: the same function."""
+def fuse_norms(params: Mapping[str, torch.Tensor], layout: ResidualLayout, *,
+               dtype: torch.dtype = torch.float64) -> dict:
+    """``params`` with each norm's weight folded into the linears reading it (``W diag(g)``, computed in
+    ``dtype``) and the norm's weight set to ones: the same function. Norms already all ones are left alone."""
     out = dict(params)
     for n in layout.norms:
         g = _get(params, n.weight, "norm weight")
+        if bool((g == 1).all()):
+            continue
         for r in n.readers:
             w = _get(out, r, f"reader of {n.weight}")
-            out[r] = (w.double() * g.double()).to(w.dtype)
+            out[r] = (w.to(dtype) * g.to(dtype)).to(w.dtype)
         out[n.weight] = torch.ones_like(g)
     return out
 
@@ -190,18 +196,20 @@ def _rotate_heads(w: torch.Tensor, R2: torch.Tensor, head_dim: int, *, rows: boo
 
 
 def rotate(params: Mapping[str, torch.Tensor], layout: ResidualLayout, R1: torch.Tensor,
-           R2: torch.Tensor | None = None) -> dict:
+           R2: torch.Tensor | None = None, *, dtype: torch.dtype = torch.float64) -> dict:
     """``params`` with the norms fused and the residual stream rotated by ``R1`` (and each attention
-    head by ``R2``), see the module docstring. ``R1``/``R2`` must be orthogonal for the function to be
-    preserved (e.g. :func:`qtransform.rotation.orthogonal`). Pure: ``params`` is not changed; the
-    products are computed in float64 and stored in each tensor's dtype."""
+    head by ``R2``: one matrix for every head pair, or a stack ``(len(layout.heads), n, n)``, one each),
+    see the module docstring. ``R1``/``R2`` must be orthogonal for the function to be preserved (e.g.
+    :func:`qtransform.rotation.orthogonal`). Pure: ``params`` is not changed; the products are computed
+    in ``dtype`` (float64; float32 where speed matters more, as in SpinQuant's training loop) and stored
+    in each tensor's dtype. Differentiable with respect to ``R1`` and ``R2``."""
     _check(params, layout, R1, R2)
-    out = fuse_norms(params, layout)
-    R = R1.double()
+    out = fuse_norms(params, layout, dtype=dtype)
+    R = R1.to(dtype)
 
     def put(path, fn):
         t = out[path]
-        out[path] = fn(t.double()).to(t.dtype)
+        out[path] = fn(t.to(dtype)).to(t.dtype)
 
     for p in layout.embeddings:
         put(p, lambda t: t @ R)
@@ -212,13 +220,13 @@ def rotate(params: Mapping[str, torch.Tensor], layout: ResidualLayout, R1: torch
         if isinstance(out.get(_bias(w)), torch.Tensor):
             put(_bias(w), lambda t: t @ R)
     if R2 is not None:
-        S = R2.double()
-        for h in layout.heads:
+        for i, h in enumerate(layout.heads):
+            S = (R2 if R2.dim() == 2 else R2[i]).to(dtype)
             lo, hi = h.rows or (0, out[h.v].shape[0])
             for path in (h.v, _bias(h.v)):
                 if isinstance(out.get(path), torch.Tensor):
-                    t = out[path].double().clone()
-                    t[lo:hi] = _rotate_heads(t[lo:hi], S, h.head_dim, rows=True)
-                    out[path] = t.to(out[path].dtype)
+                    t = out[path].to(dtype)
+                    part = _rotate_heads(t[lo:hi], S, h.head_dim, rows=True)
+                    out[path] = torch.cat([t[:lo], part, t[hi:]]).to(out[path].dtype)
             put(h.o, lambda t: _rotate_heads(t, S, h.head_dim, rows=False))
     return out

@@ -192,3 +192,34 @@ def test_a_step_of_your_own_from_the_readme_runs_through_the_command(tiny_model,
     broken.write_text("raise RuntimeError('oops')\n")
     _one_line_error(run("recipes", "--plugin", str(broken)), "RuntimeError: oops")
     assert not (tmp_path / "x").exists()
+
+
+def test_rotation_presets_report_save_and_reload_their_online_rotations(tiny_model, tmp_path):
+    """A rotation preset (SpinQuant, W4A4) from the command line with a calibrated fp8 key cache: the report lists the online
+    rotations (a Hadamard of the MLP width before each down projection, one of the head width on queries
+    and keys) and what the step did, `inspect` lists them from the checkpoint, and from_pretrained gives
+    the logits the command's own `eval` measures for the checkpoint."""
+    out = tmp_path / "ckpt"
+    res = run("quantize", "--model", str(tiny_model), "--recipe", "spinquant-w4a4", "--out", str(out), "--calib", "4",
+              "--seq-len", "32", "--eval-sequences", "2", "--kv-cache", "fp8_e4m3")
+    assert res.returncode == 0, res.stderr
+    rep = json.loads((out / "report.json").read_text())
+    rows = sorted((r["module"], r["role"], r["size"]) for r in rep["online"])
+    assert rows == sorted([(f"model.layers.{i}.mlp.down_proj", "input", 128) for i in range(2)]
+                          + [(f"model.layers.{i}.self_attn", "key", 16) for i in range(2)])
+    assert "online rotations: 2 input hadamard 128; 2 query/key hadamard 16" in res.stdout
+    info = rep["step_info"]["model.layers.0.mlp.down_proj.weight"]
+    before, after = map(float, info["spinquant_loss"].split(" -> "))
+    assert after < before and info["rotation"] == "SpinQuant (r1, r2 learned, 100 iterations)"
+    res = run("inspect", str(out))
+    assert res.returncode == 0 and "online rotations: 2 input hadamard 128; 2 query/key hadamard 16" in res.stdout
+    assert "metadata version 4" in res.stdout
+
+    from transformers import AutoModelForCausalLM
+
+    from bridge.app import corpus, evaluate, models
+    model = AutoModelForCausalLM.from_pretrained(out).eval()
+    seqs = corpus.token_sequences(corpus.load_text("builtin", part="eval"), models.load_tokenizer(str(tiny_model)),
+                                  seq_len=32, max_sequences=2)
+    with torch.no_grad():
+        assert evaluate.perplexity(model, seqs).perplexity == pytest.approx(rep["ppl_after"], rel=1e-5)
