@@ -28,8 +28,19 @@ PEERS = {"W4A8 RTN": "x2.09 (no rotation)", "W4A8 rotate + RTN": "Quark x4.74, l
 SPINQUANT = qt.Step("spinquant", iters=40)
 
 
-def schemes() -> dict[str, tuple[qt.Recipe, bool]]:
-    out = {}
+def rotated_unquantized(model, _):
+    """SmolLM2 rotated by the rotate step (R1, R2, online R3 and R4), nothing quantized."""
+    import bridge
+    from bridge.arch import with_layout
+
+    recipe = qt.Recipe(type_rules={"Linear": W4}, exclude=["lm_head*"], steps=[qt.Step("rotate", r3=True)])
+    params = bridge.extract(model)
+    fit = qt.run_steps(params, with_layout(model, bridge.plan(model, recipe)))
+    return bridge.to_module(model, qt.apply_fit(params, fit), online=fit.online)
+
+
+def schemes() -> dict:
+    out = {"rotated (R1-R4), unquantized": (rotated_unquantized, False)}
     for name, act in ACTS.items():
         for steps in (["rtn"], ["rotate", "rtn"], [SPINQUANT, "rtn"], ["gptq"], ["rotate", "gptq"], [SPINQUANT, "gptq"]):
             names = [s if isinstance(s, str) else s.name for s in steps]

@@ -71,8 +71,8 @@ def quality_args(*, calib: int, description: str = "", batch: int = 4):
 
 def quality_runs(schemes: dict, a):
     """SmolLM2's float perplexity on the evaluation tokens and, for each scheme ``name -> (recipe, needs
-    calibration)`` (those ``--only`` names), ``(name, perplexity, seconds to quantize)``; returns
-    ``(float perplexity, evaluation tokens, rows)``."""
+    calibration)`` (those ``--only`` names; a recipe may be a function ``(model, calibration) -> model``),
+    ``(name, perplexity, seconds to quantize)``; returns ``(float perplexity, evaluation tokens, rows)``."""
     import bridge
     from bridge.app import corpus, evaluate, models
 
@@ -89,7 +89,9 @@ def quality_runs(schemes: dict, a):
             continue
         t = time.perf_counter()
         with torch.no_grad():
-            qm = bridge.quantize(model, recipe, calibration=cal if calibrated else None, kernel="dequant")
+            data = cal if calibrated else None
+            qm = recipe(model, data) if callable(recipe) else bridge.quantize(model, recipe, calibration=data,
+                                                                              kernel="dequant")
             seconds = time.perf_counter() - t
             ppl = evaluate.perplexity(qm, ev).perplexity
         rows.append((name, ppl, seconds))

@@ -257,34 +257,33 @@ def decode(d, *, where: str = "quantization_config") -> Metadata:
                     online=_online(d.get("online"), where))
 
 
-def _activations(raw, specs: list, where: str) -> dict:
+def _sites(raw, field: str, roles, what: str, where: str, value) -> dict:
+    """``{Site: value(key, entry)}`` from the object ``field`` of ``'<module>:<role>'`` keys (roles ``roles``)."""
     if raw is None:
         return {}
     if not isinstance(raw, Mapping):
-        _fail(where, f"'activations' must be an object of '<module>:<role>' -> spec index, got {type(raw).__name__}")
+        _fail(where, f"'{field}' must be an object of '<module>:<role>' -> {what}, got {type(raw).__name__}")
     out = {}
-    for key, index in raw.items():
+    for key, entry in raw.items():
         module, _, role = key.rpartition(":")
-        if role not in qt.spec.SITE_ROLES or not module:
-            _fail(where, f"'activations' key {key!r} is not '<module>:<role>' with role in {list(qt.spec.SITE_ROLES)}")
+        if role not in roles or not module:
+            _fail(where, f"'{field}' key {key!r} is not '<module>:<role>' with role in {list(roles)}")
+        out[qt.Site(module, role)] = value(key, entry)
+    return out
+
+
+def _activations(raw, specs: list, where: str) -> dict:
+    def spec(key, index):
         if not isinstance(index, int) or isinstance(index, bool) or not 0 <= index < len(specs):
             _fail(where, f"'activations' entry {key!r}: {index!r} is not an index of 'specs'")
-        out[qt.Site(module, role)] = specs[index]
-    return out
+        return specs[index]
+    return _sites(raw, "activations", qt.spec.SITE_ROLES, "spec index", where, spec)
 
 
 def _online(raw, where: str) -> dict:
-    if raw is None:
-        return {}
-    if not isinstance(raw, Mapping):
-        _fail(where, f"'online' must be an object of '<module>:<role>' -> rotation, got {type(raw).__name__}")
-    out = {}
-    for key, value in raw.items():
-        module, _, role = key.rpartition(":")
-        if role not in ("input", "key") or not module:
-            _fail(where, f"'online' key {key!r} is not '<module>:input' or '<module>:key'")
+    def rotation(key, entry):
         try:
-            out[qt.Site(module, role)] = qt.OnlineRotation.from_value(value, where=f"'online' entry {key!r}")
+            return qt.OnlineRotation.from_value(entry, where=f"'online' entry {key!r}")
         except (TypeError, ValueError) as e:
             _fail(where, str(e))
-    return out
+    return _sites(raw, "online", ("input", "key"), "rotation", where, rotation)

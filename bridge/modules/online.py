@@ -20,7 +20,7 @@ duration of a block (calibration of the steps after a ``rotate`` step).
 >>> x = torch.randn(2, 8)
 >>> y = lin(x)
 >>> with torch.no_grad():
-...     lin.weight.copy_(apply_online(lin.weight, rot))
+...     _ = lin.weight.copy_(apply_online(lin.weight, rot))
 >>> install(lin, {qt.Site("", "input"): rot})
 >>> torch.allclose(lin(x), y, atol=1e-6), online_rotations(lin)
 (True, {Site(module='', role='input'): OnlineRotation(size=8, kind='hadamard')})

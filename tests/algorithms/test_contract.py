@@ -63,7 +63,7 @@ def test_registry_errors(registered):
         qt.register_algorithm("x", 3)
     with pytest.raises(TypeError, match="check_options must be callable"):
         qt.register_algorithm("x", lambda *a, **k: qt.Fit(), check_options=3)
-    with pytest.raises(TypeError, match="needs must be None, SiteStats or BlockInputs"):
+    with pytest.raises(TypeError, match="needs must be None, SiteStats, BlockInputs or ModelLoss"):
         qt.register_algorithm("x", lambda *a, **k: qt.Fit(), needs="data")
     assert "x" not in qt.ALGORITHMS
 

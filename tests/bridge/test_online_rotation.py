@@ -188,7 +188,7 @@ def test_a_bad_online_rotation_is_named(tmp_path):
         tf.AutoModelForCausalLM.from_pretrained(tmp_path)
     cfg["quantization_config"]["online"] = {"model.layers.0.mlp.down_proj:output": {"kind": "hadamard", "size": 8}}
     cfg_path.write_text(json.dumps(cfg))
-    with pytest.raises(CheckpointError, match="is not '<module>:input' or '<module>:key'"):
+    with pytest.raises(CheckpointError, match=r"'online' key .* is not '<module>:<role>' with role in \['input', 'key'\]"):
         bridge.load(tmp_path, like=tiny_with_outliers("llama"))
 
 

@@ -33,10 +33,25 @@ def _fit(model, *steps, cal=None):
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "phi3"])
 def test_learned_rotations_keep_the_float_function_and_lower_the_loss(arch):
+    """(The output head is scaled x10 so that the tiny model's predictions are peaked: with near-uniform
+    ones, as a random model's, quantization barely moves the loss and there is nothing to learn. One
+    thread: int4 straight-through training amplifies summation-order noise, which multi-threaded BLAS
+    varies with the machine's load.)"""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        _learn_and_check(arch)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _learn_and_check(arch):
     model = tiny_with_outliers(arch)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(10)
     fit = _fit(model, qt.Step("spinquant", iters=12, lr=0.1))
     before, after = map(float, next(iter(fit.info.values()))["spinquant_loss"].split(" -> "))
-    assert after < before
+    assert after < 0.95 * before
     rotated = bridge.to_module(model, qt.apply_fit(bridge.extract(model), fit), online=fit.online)
     with torch.no_grad():
         assert torch.allclose(rotated(IDS).logits, model(IDS).logits, atol=1e-4, rtol=1e-4)

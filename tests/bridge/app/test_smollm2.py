@@ -70,6 +70,20 @@ def test_hqq_beats_hqq_on_real_weights(smollm2, bits, group):
     assert ours < theirs < rtn
 
 
+def _quantize_from_the_command_line(preset, tmp_path, monkeypatch):
+    """`qtransform quantize --recipe PRESET --calib 4 --seq-len 128 --eval-sequences 2` on SmolLM2: (report, out)."""
+    import json
+
+    from bridge.app.cli import main
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    out = tmp_path / "ck"
+    rc = main(["quantize", "--recipe", preset, "--calib", "4", "--seq-len", "128", "--eval-sequences", "2",
+               "--out", str(out)])
+    assert rc == 0
+    return json.loads((out / "report.json").read_text()), out
+
+
 @pytest.mark.long
 @pytest.mark.parametrize("preset,bound", [("w8a8-int8", 4.0), ("w8a8-int8-dynamic", 1.3), ("w8a8-int8-sq", 1.3),
                                           ("fp8-w8a8", 1.3), ("fp8-w8a8-kv", 1.3)])
@@ -78,19 +92,11 @@ def test_w8a8_presets_from_the_command_line_on_the_default_model(preset, bound, 
     quantized (the report lists them), and the checkpoint reloads with its activation quantizers
     (the block-by-block SmoothQuant step and the fp8 key/value cache: the other W8A8 presets run the
     same paths, on six architectures, in test_cli_archs.py)."""
-    import json
-
     from transformers import AutoModelForCausalLM
 
     import bridge
-    from bridge.app.cli import main
 
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    out = tmp_path / "ck"
-    rc = main(["quantize", "--recipe", preset, "--calib", "4", "--seq-len", "128", "--eval-sequences", "2",
-               "--out", str(out)])
-    assert rc == 0
-    rep = json.loads((out / "report.json").read_text())
+    rep, out = _quantize_from_the_command_line(preset, tmp_path, monkeypatch)
     assert len(rep["layers"]) == 210 and len([a for a in rep["activations"] if a["role"] == "input"]) == 210
     assert rep["ppl_after"] < bound * rep["ppl_before"]
     kv = preset.endswith("-kv")
@@ -143,3 +149,44 @@ def test_rotation_keeps_the_default_models_logits(smollm2):
         got = torch.func.functional_call(model, rotated, (ids,), tie_weights=False).logits
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * float(want.abs().max()))
     assert not torch.equal(rotated["lm_head.weight"], rotated["model.embed_tokens.weight"])
+
+
+def test_online_rotations_keep_the_default_models_logits(smollm2):
+    """The rotate step with both online rotations (a Hadamard of order 1536 before every down projection,
+    one of order 64 on queries and keys): installed on a rebuilt SmolLM2, the original logits; without
+    them, not."""
+    import bridge
+    from bridge.arch import with_layout
+
+    model, tok = smollm2
+    recipe = qt.Recipe(type_rules={"Linear": qt.QuantSpec(format="int8")}, exclude=["lm_head*"],
+                       steps=[qt.Step("rotate", r3=True)])
+    params = bridge.extract(model)
+    fit = qt.run_steps(params, with_layout(model, bridge.plan(model, recipe)))
+    assert {(s.role, r.size) for s, r in fit.online.items()} == {("input", 1536), ("key", 64)}
+    ids = corpus.token_sequences(corpus.load_text("builtin", part="eval"), tok, seq_len=64, max_sequences=2)
+    with torch.no_grad():
+        want = model(ids).logits
+        got = bridge.to_module(model, qt.apply_fit(params, fit), online=fit.online)(ids).logits
+        without = bridge.to_module(model, qt.apply_fit(params, fit))(ids).logits
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * float(want.abs().max()))
+    assert (without - want).abs().max() > 0.1 * want.abs().max()
+
+
+@pytest.mark.long
+@pytest.mark.parametrize("preset,bound", [("quarot-w4a8", 1.6), ("spinquant-w4a4", 6.0)])
+def test_rotation_presets_from_the_command_line_on_the_default_model(preset, bound, tmp_path, monkeypatch):
+    """`qtransform quantize --recipe quarot-w4a8 | spinquant-w4a4 --calib 4` on SmolLM2 itself: 210 int4
+    weights, 210 dynamic input quantizers, 30 online rotations before the down projections; from_pretrained
+    reloads the checkpoint with them and measures the perplexity the command reported."""
+    from transformers import AutoModelForCausalLM
+
+    rep, out = _quantize_from_the_command_line(preset, tmp_path, monkeypatch)
+    assert len(rep["layers"]) == 210 and len(rep["activations"]) == 210
+    assert sorted({(r["role"], r["size"]) for r in rep["online"]}) == [("input", 1536)] and len(rep["online"]) == 30
+    assert rep["ppl_after"] < bound * rep["ppl_before"]
+    back = AutoModelForCausalLM.from_pretrained(out).eval()
+    seqs = corpus.token_sequences(corpus.load_text("builtin", part="eval"), models.load_tokenizer(None), seq_len=128,
+                                  max_sequences=2)
+    with torch.no_grad():
+        assert evaluate.perplexity(back, seqs).perplexity == pytest.approx(rep["ppl_after"], rel=1e-5)
