@@ -40,7 +40,7 @@ from .checkpoint.metadata import CheckpointError
 from .checkpoint.tree_io import (CONFIG, check_aliases, quantized_parts, read_metadata, read_tree, tensor_groups,
                                  verify_checksums)
 from .modules.actquant import PREFIX, activation_specs, static_buffers
-from .modules.online import online_rotations
+from .modules.online import check as check_online, online_rotations
 from .tree import extract, tie_groups, to_module
 
 __all__ = ["save", "load", "TOKENIZER_FILES"]
@@ -191,6 +191,10 @@ def load(directory, *, like: nn.Module, kernel: str = "auto", verify: bool = Tru
         else:
             expected[path] = (tuple(leaf.shape), leaf.dtype)
     act_parts = _activation_parts(like, meta)
+    try:  # the rotations fit the model, before any data is read
+        check_online(like, meta.online)
+    except ValueError as e:
+        raise CheckpointError(f"{CONFIG}: {e}") from None
     expected.update({n: v for parts in act_parts.values() for n, v in parts.items()})
     store.check_headers(root, located, handles, expected)
     verify_checksums(root, located, verify=verify)
@@ -200,12 +204,7 @@ def load(directory, *, like: nn.Module, kernel: str = "auto", verify: bool = Tru
     for site, spec in meta.activations.items():
         acts[site] = spec if spec.dynamic else qt.QParams(spec=spec, **{
             n.rpartition(".")[2].removeprefix(PREFIX[site.role]): tree.pop(n) for n in act_parts.get(site, {})})
-    try:
-        model = to_module(like, tree, kernel=kernel, activations=acts, online=meta.online)
-    except ValueError as e:
-        if "online rotation" not in str(e):
-            raise
-        raise CheckpointError(f"{CONFIG}: {e}") from None
+    model = to_module(like, tree, kernel=kernel, activations=acts, online=meta.online)
     left = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
     if left:
         raise CheckpointError(f"{root}: {left[:5]} have no value (not in the checkpoint; build `like` on a real "

@@ -36,13 +36,11 @@ from torch import nn
 
 import qtransform as qt
 from qtransform.rotation import OnlineRotation, apply_online, check_online
+from qtransform.rotation.online import ROLES
 
 from . import kvcache
 
-__all__ = ["ROLES", "install", "remove", "installed", "online_rotations", "check"]
-
-#: Where online rotations sit: a module's input, an attention module's queries and keys.
-ROLES = ("input", "key")
+__all__ = ["install", "remove", "installed", "online_rotations", "check"]
 
 
 def _rotate_input(module: nn.Module, args, kwargs):

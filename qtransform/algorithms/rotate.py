@@ -22,7 +22,7 @@ from ..rotation import rotate as rotate_tree
 from ..spec import Site
 from .base import Fit, register_algorithm
 
-__all__ = ["ROTATIONS", "rotation_matrix", "rotate_step", "check_options", "online_r3_r4"]
+__all__ = ["ROTATIONS", "rotation_matrix", "rotate_step", "check_options", "online_r3_r4", "fuse_online"]
 
 ROTATIONS = ("hadamard", "random")
 
@@ -54,24 +54,27 @@ def check_options(*, path=None, layout=None, rotation="hadamard", seed=0, heads=
         ResidualLayout.from_value(layout, where="rotate: layout")
 
 
-def online_r3_r4(params, plan, lay: ResidualLayout, *, r3, r4: bool) -> tuple[dict, dict]:
-    """The online rotations of ``lay`` (``R4`` before each down projection, ``R3`` on each attention
-    module's queries and keys; ``r3=None``: where the plan quantizes the keys) and the down weights
-    holding ``W H``: ``({Site: OnlineRotation}, {path: tensor})``."""
-    online, changed = {}, {}
+def online_r3_r4(params, plan, lay: ResidualLayout, *, r3, r4: bool) -> dict:
+    """The online rotations of ``lay``, ``{Site: OnlineRotation}``: ``R4`` before each down projection,
+    ``R3`` on each attention module's queries and keys (``r3=None``: where the plan quantizes the keys)."""
+    online = {}
     if r4:
         for path in lay.down:
             w = params.get(path)
             if not isinstance(w, torch.Tensor) or w.dim() != 2 or not w.is_floating_point():
                 raise ValueError(f"rotate: layout down {path!r} is not a float 2-D weight of the tree")
-            rot = online_hadamard(w.shape[1])
-            online[Site(path.rpartition(".")[0], "input")] = rot
-            changed[path] = apply_online(w.double(), rot).to(w.dtype)
+            online[Site(path.rpartition(".")[0], "input")] = online_hadamard(w.shape[1])
     keyed = {s.module for s in plan.activations if s.role == "key"}
     for a in lay.attention:
         if r3 or (r3 is None and a.module in keyed):
             online[Site(a.module, "key")] = online_hadamard(a.head_dim)
-    return online, changed
+    return online
+
+
+def fuse_online(tree, online, *, dtype=torch.float64) -> dict:
+    """The weights of the linears whose input ``online`` rotates, holding ``W H`` (computed in ``dtype``)."""
+    paths = {f"{s.module}.weight": rot for s, rot in online.items() if s.role == "input"}
+    return {p: apply_online(tree[p].to(dtype), rot).to(tree[p].dtype) for p, rot in paths.items()}
 
 
 def rotate_step(params, plan, *, context, layout=None, rotation: str = "hadamard", seed: int = 0,
@@ -90,8 +93,8 @@ def rotate_step(params, plan, *, context, layout=None, rotation: str = "hadamard
     R1 = rotation_matrix(d, rotation, seed)
     R2 = rotation_matrix(lay.heads[0].head_dim, rotation, seed + 1) if heads and lay.heads else None
     out = rotate_tree(params, lay if heads else lay._replace(heads=()), R1, R2)
-    online, downs = online_r3_r4(out, plan, lay, r3=r3, r4=r4)
-    out.update(downs)
+    online = online_r3_r4(out, plan, lay, r3=r3, r4=r4)
+    out.update(fuse_online(out, online))
     changed = {p: t for p, t in out.items() if t is not params.get(p)}
     info = {p: {"rotation": ("Hadamard" if rotation == "hadamard" and has_hadamard(d) else rotation)
                 + f" {d}"} for p in changed if p in plan.specs}

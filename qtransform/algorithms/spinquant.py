@@ -24,13 +24,13 @@ from __future__ import annotations
 
 import torch
 
-from ..rotation import ResidualLayout, apply_online, fuse_norms
+from ..rotation import ResidualLayout, fuse_norms
 from ..rotation import rotate as rotate_tree
 from ..rotation.stiefel import cayley_sgd_step
 from ..observers import choose_qparams
 from ..tensor import fake_quantize
 from .base import Fit, ModelLoss, register_algorithm
-from .rotate import online_r3_r4, rotation_matrix
+from .rotate import fuse_online, online_r3_r4, rotation_matrix
 
 __all__ = ["spinquant", "check_options", "LEARNABLE"]
 
@@ -90,14 +90,13 @@ def spinquant(params, plan, *, context, layout=None, iters: int = 100, lr: float
     d, hd = emb.shape[-1], lay.heads[0].head_dim
     R = {"r1": rotation_matrix(d, "hadamard", seed),
          "r2": rotation_matrix(hd, "hadamard", seed + 1).expand(len(lay.heads), hd, hd).clone()}
-    online, _ = online_r3_r4(params, plan, lay, r3=r3, r4=r4)
-    downs = {s.module + ".weight": rot for s, rot in online.items() if s.role == "input"}
+    online = online_r3_r4(params, plan, lay, r3=r3, r4=r4)
     base = fuse_norms(params, lay)
     fixed = {k: v for k, v in R.items() if k not in learn}
 
     def rotated(rots: dict, dtype) -> dict:
         tree = rotate_tree(base, lay, rots["r1"], rots["r2"], dtype=dtype)
-        tree.update({p: apply_online(tree[p].to(dtype), rot).to(tree[p].dtype) for p, rot in downs.items()})
+        tree.update(fuse_online(tree, online, dtype=dtype))
         return tree
 
     def objective(learned: dict, i: int):
@@ -107,8 +106,8 @@ def spinquant(params, plan, *, context, layout=None, iters: int = 100, lr: float
 
     grad = torch.func.grad(objective, has_aux=True)
     n = len(context.loss)
-    order = [round(k * (n - 1) / (batches - 1)) for k in range(batches)] if batches and batches < n and batches > 1 \
-        else [0] if batches == 1 else list(range(n))
+    order = list(range(n)) if not batches or batches >= n else [round(k * (n - 1) / max(batches - 1, 1))
+                                                                for k in range(batches)]
     learned = {k: R[k] for k in learn}
     moment = {k: torch.zeros_like(v) for k, v in learned.items()}
     losses = []

@@ -35,6 +35,7 @@ import torch
 from .. import _tree
 from ..algorithms import ALGORITHMS, Block, BlockInputs, Context, Fit, ModelLoss, SiteStats
 from ..observers import Observer, init_stats
+from ..rotation.online import ROLES as ONLINE_ROLES
 from ..spec import Plan, Site, Step, as_plan
 from ..tensor import QParams
 
@@ -155,7 +156,7 @@ def _check_fit(fit, at: str, plan: Plan, current: Mapping[str, torch.Tensor], be
                              "go on linear layers whose weight holds the rotation)")
         if site.role == "key" and site.module not in plan.attention:
             raise ValueError(f"{where}: not an attention module of the plan ({list(plan.attention)[:3]})")
-        if site.role not in ("input", "key"):
+        if site.role not in ONLINE_ROLES:
             raise ValueError(f"{where}: online rotations sit at a linear's input or an attention module's "
                              "queries and keys (roles 'input', 'key')")
     for path, t in fit.params.items():

@@ -32,10 +32,12 @@ import torch
 
 from .constructions import hadamard_transform, has_hadamard
 
-__all__ = ["OnlineRotation", "online_hadamard", "apply_online", "check_online"]
+__all__ = ["ROLES", "OnlineRotation", "online_hadamard", "apply_online", "check_online"]
 
 #: The kinds of online rotation.
 KINDS = ("hadamard",)
+#: Where online rotations sit: a linear's input, an attention module's queries and keys (site role ``"key"``).
+ROLES = ("input", "key")
 
 
 class OnlineRotation(NamedTuple):
