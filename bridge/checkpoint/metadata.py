@@ -286,4 +286,4 @@ def _online(raw, where: str) -> dict:
             return qt.OnlineRotation.from_value(entry, where=f"'online' entry {key!r}")
         except (TypeError, ValueError) as e:
             _fail(where, str(e))
-    return _sites(raw, "online", qt.rotation.online.ROLES, "rotation", where, rotation)
+    return _sites(raw, "online", qt.rotation.ONLINE_ROLES, "rotation", where, rotation)

@@ -35,8 +35,7 @@ import torch
 from torch import nn
 
 import qtransform as qt
-from qtransform.rotation import OnlineRotation, apply_online, check_online
-from qtransform.rotation.online import ROLES
+from qtransform.rotation import ONLINE_ROLES as ROLES, OnlineRotation, apply_online, check_online
 
 from . import kvcache
 

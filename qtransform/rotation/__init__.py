@@ -3,12 +3,12 @@ orthogonal matrices for any order, the residual-stream rotation of a parameter t
 offline rotations) and the rotations a model applies at run time (online)."""
 
 from .constructions import HadamardPlan, hadamard, hadamard_plan, hadamard_transform, has_hadamard
-from .online import OnlineRotation, apply_online, check_online, online_hadamard
+from .online import ROLES as ONLINE_ROLES, OnlineRotation, apply_online, check_online, online_hadamard
 from .orthogonal import (orthogonal, orthogonal_construction, random_hadamard, random_orthogonal,
                          random_signs)
 from .rotate import HeadPair, NormReaders, QueryKey, ResidualLayout, fuse_norms, rotate
 
-__all__ = ["HadamardPlan", "hadamard", "hadamard_plan", "hadamard_transform", "has_hadamard", "OnlineRotation",
+__all__ = ["HadamardPlan", "hadamard", "hadamard_plan", "hadamard_transform", "has_hadamard", "ONLINE_ROLES", "OnlineRotation",
            "apply_online", "check_online", "online_hadamard", "orthogonal", "orthogonal_construction",
            "random_hadamard", "random_orthogonal", "random_signs", "HeadPair", "NormReaders", "QueryKey", "ResidualLayout",
            "fuse_norms", "rotate"]
