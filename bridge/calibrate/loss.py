@@ -6,8 +6,9 @@
 loss: transformers' causal-LM cross-entropy, the batch's token ids as labels (a dict batch's
 ``labels`` when it has them). While it runs, the plan's activation quantizers fake-quantize the
 inputs (and outputs) of their modules with straight-through gradients, with parameters fitted to
-each activation (a static spec is fitted per batch: its scales are calibrated after the step), and
-the online rotations are in place (:mod:`bridge.modules.online`). The model itself is not changed.
+each activation, the gradient flowing through their scales as well (a static spec is fitted per
+batch: its scales are calibrated after the step), and the online rotations are in place
+(:mod:`bridge.modules.online`). The model itself is not changed.
 """
 
 from __future__ import annotations
@@ -27,9 +28,10 @@ __all__ = ["CalibrationLoss", "quantizing_activations"]
 
 
 def _fake(x: torch.Tensor, spec: qt.QuantSpec) -> torch.Tensor:
-    """``x`` fake-quantized as its (tokens, features) matrix, parameters fitted to it."""
+    """``x`` fake-quantized as its (tokens, features) matrix, parameters fitted to it (the gradient
+    flows through the fitted scale too, as a function of the activation's range)."""
     m = x.reshape(-1, x.shape[-1])
-    return qt.fake_quantize(m, qt.choose_qparams(m.detach(), spec)).reshape(x.shape)
+    return qt.fake_quantize(m, qt.choose_qparams(m.detach(), spec), range_grad=True).reshape(x.shape)
 
 
 @contextlib.contextmanager

@@ -3,21 +3,31 @@
 QuaRot's ``R1`` (residual stream) and ``R2`` (per attention layer, between values and output
 projection) are learned instead of fixed: starting from the randomised Hadamard matrices of the
 ``rotate`` step, they minimise the quantized network's loss on the calibration data (the model's
-own loss, next-token cross-entropy for a causal LM) with the weights fake-quantized by round to
-nearest and the activations by the plan's quantizers, both with straight-through gradients. The
-gradient with respect to the rotations comes from ``torch.func.grad`` through
+own loss, next-token cross-entropy for a causal LM) with the activations fake-quantized by the
+plan's quantizers and, unless a ``gptq`` step follows, the weights by round to nearest (SpinQuant's
+recipe for GPTQ learns with only the activations quantized: GPTQ then fits the weights to the
+rotation). Gradients are straight-through and also flow through each fitted scale as a function of
+its block's range (``fake_quantize(..., range_grad=True)``): without that term the gradient ignores
+what a rotation is for, smaller ranges, and on SmolLM2 with int4 activations the loss rises from
+the first step. The gradient with respect to the rotations comes from ``torch.func.grad`` through
 :func:`qtransform.rotate` and the model run on the rotated tree (``context.loss``: the calibrator
 runs it through ``functional_call``; no module is changed); the matrices stay exactly orthogonal,
 updated by Cayley SGD with momentum (:mod:`qtransform.rotation.stiefel`), the learning rate
 decaying linearly to zero. The online rotations (``R4`` before the down projections, ``R3`` on
 queries and keys) are QuaRot's fixed Hadamard transforms, applied during training too.
 
-Options: ``layout`` (filled by the bridge), ``iters`` (default 100), ``lr`` (0.1: on SmolLM2 with int4
-activations the loss falls steadily at 0.05 to 0.1 and diverges from 0.2 up), ``momentum`` (0),
+The loss of straight-through training is rough and its iterates wander, so the step keeps the
+best one it saw: the mean calibration loss (over up to four batches spread over the data) of the
+rotated tree is measured at the start, every ``iters / 20`` iterations and at the end, and the
+rotations of the lowest are returned: never worse, on the calibration data, than the Hadamard start.
+
+Options: ``layout`` (filled by the bridge), ``iters`` (default 100), ``lr`` (0.1), ``momentum`` (0),
 ``learn`` (``["r1", "r2"]``, or one of them), ``seed``, ``r3``, ``r4`` (as for ``rotate``),
-``batches`` (calibration batches used, spread over the data; default all, cycled). Reports the loss
-before and after (``info``); the progress bar shows it as it goes. Follow it with ``gptq`` or
-``rtn`` to quantize the learned, rotated weights.
+``batches`` (calibration batches used, spread over the data; default all, cycled), ``weights``
+(``"rtn"`` or ``"float"``: the weights while learning; default ``"float"`` when a ``gptq`` step
+follows, else ``"rtn"``). Reports the calibration loss at the start and of the rotations kept
+(``info``); the progress bar shows each iteration's batch loss. Follow it with ``gptq`` or ``rtn``
+to quantize the learned, rotated weights.
 """
 
 from __future__ import annotations
@@ -35,13 +45,18 @@ from .rotate import fuse_online, online_r3_r4, rotation_matrix
 __all__ = ["spinquant", "check_options", "LEARNABLE"]
 
 LEARNABLE = ("r1", "r2")
+WEIGHTS = ("rtn", "float")
+SELECT = 4  # calibration batches the kept iterate is chosen on (spread over the data)
+CHECKS = 20  # iterates compared, besides the end (the start is the first)
 
 
 def check_options(*, path=None, layout=None, iters=100, lr=0.1, momentum=0.0, learn=LEARNABLE, seed=0, r3=None,
-                  r4=True, batches=None, **unknown) -> None:
+                  r4=True, batches=None, weights=None, **unknown) -> None:
     if unknown:
         raise ValueError(f"spinquant: unknown option(s) {sorted(unknown)}; options: layout, iters, lr, momentum, "
-                         "learn, seed, r3, r4, batches")
+                         "learn, seed, r3, r4, batches, weights")
+    if weights is not None and weights not in WEIGHTS:
+        raise ValueError(f"spinquant: weights must be one of {list(WEIGHTS)} or null, got {weights!r}")
     if isinstance(iters, bool) or not isinstance(iters, int) or iters < 0:
         raise ValueError(f"spinquant: iters must be an int >= 0, got {iters!r}")
     if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not lr > 0:
@@ -61,8 +76,10 @@ def check_options(*, path=None, layout=None, iters=100, lr=0.1, momentum=0.0, le
 
 
 def _fake_quantized(tree: dict, specs) -> dict:
-    """Each planned weight fake-quantized by round to nearest (straight-through gradient)."""
-    return {p: fake_quantize(t, choose_qparams(t.detach(), specs[p], path=p), path=p) if p in specs else t
+    """Each planned weight fake-quantized by round to nearest (straight-through gradient, through the
+    fitted scale too)."""
+    return {p: fake_quantize(t, choose_qparams(t.detach(), specs[p], path=p), path=p, range_grad=True)
+            if p in specs else t
             for p, t in tree.items()}
 
 
@@ -72,11 +89,27 @@ def _postfix(bar, loss: float) -> None:
         set_postfix(loss=f"{loss:.4f}")
 
 
+def _weights_mode(weights, plan) -> str:
+    """``weights=None``: ``"float"`` when a ``gptq`` step follows (SpinQuant's GPTQ recipe learns the
+    rotations with only the activations quantized), else ``"rtn"``."""
+    if weights is not None:
+        return weights
+    names = [getattr(s, "name", s) for s in plan.steps]
+    return "float" if "spinquant" in names and "gptq" in names[names.index("spinquant") + 1:] else "rtn"
+
+
+def _spread(n: int, k: int | None) -> list[int]:
+    """``k`` indices spread evenly over ``range(n)`` (all of them when ``k`` is None or >= n)."""
+    if not k or k >= n:
+        return list(range(n))
+    return sorted({round(j * (n - 1) / max(k - 1, 1)) for j in range(k)})
+
+
 def spinquant(params, plan, *, context, layout=None, iters: int = 100, lr: float = 0.1, momentum: float = 0.0,
-              learn=LEARNABLE, seed: int = 0, r3=None, r4: bool = True, batches=None) -> Fit:
+              learn=LEARNABLE, seed: int = 0, r3=None, r4: bool = True, batches=None, weights=None) -> Fit:
     """The ``spinquant`` step (see the module docstring)."""
     check_options(layout=layout, iters=iters, lr=lr, momentum=momentum, learn=learn, seed=seed, r3=r3, r4=r4,
-                  batches=batches)
+                  batches=batches, weights=weights)
     if layout is None:
         raise ValueError("spinquant: layout: no residual layout given; bridge.quantize fills it from the model's "
                          "architecture table (bridge.arch.residual_layout), or pass layout=ResidualLayout(...)")
@@ -92,41 +125,54 @@ def spinquant(params, plan, *, context, layout=None, iters: int = 100, lr: float
          "r2": rotation_matrix(hd, "hadamard", seed + 1).expand(len(lay.heads), hd, hd).clone()}
     online = online_r3_r4(params, plan, lay, r3=r3, r4=r4)
     base = fuse_norms(params, lay)
-    fixed = {k: v for k, v in R.items() if k not in learn}
+    mode = _weights_mode(weights, plan)
 
-    def rotated(rots: dict, dtype) -> dict:
+    def rotated(learned: dict, dtype) -> dict:
+        rots = {**R, **learned}
         tree = rotate_tree(base, lay, rots["r1"], rots["r2"], dtype=dtype)
         tree.update(fuse_online(tree, online, dtype=dtype))
         return tree
 
+    def loss_at(learned: dict, i: int, dtype=torch.float32) -> torch.Tensor:
+        tree = rotated({k: m.to(dtype) for k, m in learned.items()}, dtype)
+        return context.loss(_fake_quantized(tree, plan.specs) if mode == "rtn" else tree, i, online=online)
+
+    order = _spread(len(context.loss), batches)
+    select = [order[j] for j in _spread(len(order), SELECT)]
+
+    def calibration_loss(learned: dict) -> float:
+        """The mean loss over the selection batches of the very tree these rotations give (rotated in float64)."""
+        with torch.no_grad():
+            return sum(float(loss_at(learned, i, torch.float64)) for i in select) / len(select)
+
     def objective(learned: dict, i: int):
-        tree = _fake_quantized(rotated({**fixed, **learned}, torch.float32), plan.specs)
-        loss = context.loss(tree, i, online=online)
+        loss = loss_at(learned, i)
         return loss, loss.detach()
 
     grad = torch.func.grad(objective, has_aux=True)
-    n = len(context.loss)
-    order = list(range(n)) if not batches or batches >= n else [round(k * (n - 1) / max(batches - 1, 1))
-                                                                for k in range(batches)]
+    every = max(1, iters // CHECKS)
     learned = {k: R[k] for k in learn}
     moment = {k: torch.zeros_like(v) for k, v in learned.items()}
-    losses = []
+    seen = []  # (calibration loss, iteration, rotations) at the start, every few iterations and the end
     bar = context.track(range(iters), desc="spinquant", total=iters)
     for k in bar:
-        g, loss = grad({name: m.float() for name, m in learned.items()}, order[k % len(order)])
-        losses.append(float(loss))
-        _postfix(bar, losses[-1])
+        g, loss = grad(learned, order[k % len(order)])
+        _postfix(bar, float(loss))
+        if k % every == 0:
+            seen.append((calibration_loss(learned), k, dict(learned)))
         step = lr * (1 - k / iters)
         for name in learned:
             learned[name], moment[name] = cayley_sgd_step(learned[name], g[name].double(), moment[name], lr=step,
                                                           momentum=momentum)
+    if iters:
+        seen.append((calibration_loss(learned), iters, dict(learned)))
+    best, at, learned = min(seen, key=lambda s: s[0]) if seen else (None, 0, learned)
     with torch.no_grad():
-        final = rotated({**fixed, **learned}, torch.float64)
-        last = float(context.loss(_fake_quantized(final, plan.specs), order[0], online=online)) if iters else None
+        final = rotated(learned, torch.float64)
     changed = {p: t for p, t in final.items() if t is not params.get(p)}
-    first = f"{losses[0]:.4f}" if losses else "-"
-    report = {"rotation": f"SpinQuant ({', '.join(learn)} learned, {iters} iterations)",
-              "spinquant_loss": f"{first} -> {last:.4f}" if last is not None else "-"}
+    kept = "the Hadamard start kept: no iterate lowered it" if at == 0 else f"iteration {at} of {iters} kept"
+    report = {"rotation": f"SpinQuant ({', '.join(learn)} learned, {iters} iterations, weights {mode})",
+              "spinquant_loss": f"{seen[0][0]:.4f} -> {best:.4f} ({kept})" if seen else "-"}
     info = {p: dict(report) for p in changed if p in plan.specs}
     return Fit(params=changed, info=info, online=online)
 

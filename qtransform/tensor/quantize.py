@@ -183,14 +183,24 @@ def roundtrip_blocks(v: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
     return spec.fmt.codec.round(v, rounding=rounding, lo=lo, hi=hi)
 
 
-def fake_quantize(x: torch.Tensor, qparams: QParams, *, generator=None, path: str | None = None) -> torch.Tensor:
+def fake_quantize(x: torch.Tensor, qparams: QParams, *, generator=None, path: str | None = None,
+                  range_grad: bool = False) -> torch.Tensor:
     """``dequantize(quantize(x, qparams))`` with a straight-through gradient.
 
     Differentiable with respect to ``x`` (1 inside the representable range, 0 where clipped)
-    and to a float32 ``qparams.scale`` / float ``zero_point`` (LSQ-style).
+    and to a float32 ``qparams.scale`` / float ``zero_point`` (LSQ-style). ``range_grad=True``
+    (for parameters fitted to ``x`` itself, as dynamic quantization fits them): the gradient also
+    flows through the scale as a function of ``x``, the scale taken proportional to each block's
+    range (``max |x|``; ``max x - min x`` with a zero point), the values unchanged.
     """
     p, xb, s, z = _blocked(x, qparams, path)
     check_finite(x, path=path)
+    if range_grad and x.requires_grad:
+        dims = blocks.reduce_dims(p)
+        r = xb.abs().amax(dim=dims, keepdim=True) if z is None else \
+            xb.amax(dim=dims, keepdim=True) - xb.amin(dim=dims, keepdim=True)
+        ref = r.detach()
+        s = s * torch.where(ref > 0, r / torch.where(ref > 0, ref, 1.0), 1.0)  # an all-zero block: scale as is
     spec = qparams.spec
     lo, hi = element_range(spec)
     needs_grad = x.requires_grad or s.requires_grad or (z is not None and z.requires_grad)

@@ -50,12 +50,57 @@ def _learn_and_check(arch):
     with torch.no_grad():
         model.lm_head.weight.mul_(10)
     fit = _fit(model, qt.Step("spinquant", iters=12, lr=0.1))
-    before, after = map(float, next(iter(fit.info.values()))["spinquant_loss"].split(" -> "))
+    before, after = _reported(fit)
     assert after < 0.95 * before
     rotated = bridge.to_module(model, qt.apply_fit(bridge.extract(model), fit), online=fit.online)
     with torch.no_grad():
         assert torch.allclose(rotated(IDS).logits, model(IDS).logits, atol=1e-4, rtol=1e-4)
     assert {s.role for s in fit.online} == {"input"}  # R4; R3 only with a key quantizer
+
+
+def _reported(fit) -> tuple[float, float]:
+    """The calibration loss at the start and of the rotations kept, as the step reports them."""
+    before, _, rest = next(iter(fit.info.values()))["spinquant_loss"].partition(" -> ")
+    return float(before), float(rest.split()[0])
+
+
+def _calibration_loss(model, fit, cal, steps, *, quantize_weights: bool) -> float:
+    """The mean loss over ``cal`` of the tree ``fit`` leaves (weights by round to nearest or not), computed
+    from the fit alone."""
+    plan = bridge.plan(model, _recipe(*steps))
+    tree = qt.apply_fit(bridge.extract(model), fit)
+    if quantize_weights:
+        tree = {p: qt.fake_quantize(t, qt.choose_qparams(t, plan.specs[p])) if p in plan.specs else t
+                for p, t in tree.items()}
+    loss = CalibrationLoss(model, cal, plan)
+    with torch.no_grad():
+        return sum(float(loss(tree, i, online=fit.online)) for i in range(len(cal))) / len(cal)
+
+
+@pytest.mark.parametrize("weights", ["rtn", "float"])
+def test_the_rotations_kept_are_never_worse_than_the_start(weights):
+    """With a step far too large (every Cayley step a rotation of norm 1) the iterates wander; the step
+    keeps the one of lowest calibration loss, the Hadamard start included: its loss, recomputed here
+    from the returned tree, is the one reported and at most the rotate step's."""
+    model, cal = tiny_with_outliers("llama"), _cal(3)
+    step = qt.Step("spinquant", iters=8, lr=50.0, weights=weights)
+    fit = _fit(model, step, cal=cal)
+    start = _calibration_loss(model, _fit(model, "rotate", cal=cal), cal, [step], quantize_weights=weights == "rtn")
+    kept = _calibration_loss(model, fit, cal, [step], quantize_weights=weights == "rtn")
+    before, after = _reported(fit)
+    assert before == pytest.approx(start, rel=1e-4) and after == pytest.approx(kept, rel=1e-4)
+    assert kept <= start + 1e-6
+
+
+def test_rotations_learned_before_gptq_see_unquantized_weights():
+    """SpinQuant's recipe for GPTQ: only the activations quantized while learning; before RTN (or alone)
+    the weights rounded too; an explicit weights= wins; anything else is refused by name."""
+    model, one = tiny_with_outliers("llama"), qt.Step("spinquant", iters=1)
+    rotation = lambda *steps: next(iter(_fit(model, *steps).info.values()))["rotation"]  # noqa: E731
+    assert "weights float" in rotation(one, "gptq") and "weights rtn" in rotation(one, "rtn")
+    assert "weights rtn" in rotation(qt.Step("spinquant", iters=1, weights="rtn"), "gptq")
+    with pytest.raises(ValueError, match=r"weights must be one of \['rtn', 'float'\] or null, got 'w4'"):
+        _fit(model, qt.Step("spinquant", weights="w4"), "rtn")
 
 
 def test_zero_iterations_is_the_rotate_step():

@@ -1,5 +1,6 @@
 """torch.func and torch.compile compatibility, learned-scale gradients."""
 
+import pytest
 import torch
 
 import qtransform as qt
@@ -55,3 +56,38 @@ def test_torch_compile_quantize_dequantize():
         return qt.dequantize(qt.quantize(t, qt.choose_qparams(t, SPEC)))
 
     assert torch.equal(torch.compile(roundtrip)(w), roundtrip(w))
+
+
+@pytest.mark.parametrize("shape", [(3, 8), (5, 16)])
+def test_range_grad_differentiates_the_fitted_scale(shape):
+    """int4 per row, scale = max|x| / 7.5 (the observer's symmetric int4 step): with range_grad the
+    gradient is the clipped straight-through one plus (q - v·in range)·∂s/∂x, where ∂s/∂x is
+    sign(x)/7.5 at each row's largest |x| (derived by hand); the values are those without it."""
+    spec = qt.QuantSpec(format="int4", granularity=qt.PerChannel(0), dynamic=True)
+    x = torch.randn(*shape, generator=torch.Generator().manual_seed(0), requires_grad=True)
+    qp = qt.choose_qparams(x.detach(), spec)
+    y = qt.fake_quantize(x, qp, range_grad=True)
+    assert torch.equal(y, qt.fake_quantize(x.detach(), qp))
+    w = torch.randn(*shape, generator=torch.Generator().manual_seed(1))
+    (g,) = torch.autograd.grad((y * w).sum(), x)
+    xd, rows = x.detach(), torch.arange(shape[0])
+    s = xd.abs().amax(1, keepdim=True) / 7.5
+    v = xd / s
+    q, inside = v.round().clamp(-8, 7), (v >= -8) & (v <= 7)
+    ds = torch.zeros_like(xd)
+    top = xd.abs().argmax(1)
+    ds[rows, top] = xd[rows, top].sign() / 7.5
+    expected = w * inside + (w * (q - torch.where(inside, v, 0))).sum(1, keepdim=True) * ds
+    torch.testing.assert_close(g, expected, atol=1e-5, rtol=0)
+    (plain,) = torch.autograd.grad((qt.fake_quantize(x, qp) * w).sum(), x)
+    assert not torch.allclose(g, plain)
+
+
+def test_range_grad_leaves_an_all_zero_block_finite():
+    spec = qt.QuantSpec(format="int8", granularity=qt.PerChannel(0), dynamic=True)
+    x = torch.cat([torch.zeros(1, 4), torch.ones(1, 4)]).requires_grad_()
+    qp = qt.choose_qparams(x.detach(), spec)
+    y = qt.fake_quantize(x, qp, range_grad=True)
+    y.sum().backward()
+    assert torch.equal(y.detach(), qt.fake_quantize(x.detach(), qp)) and torch.equal(y[0].detach(), torch.zeros(4))
+    assert torch.isfinite(x.grad).all()
