@@ -80,12 +80,13 @@ def _calibration_loss(model, fit, cal, steps, *, quantize_weights: bool) -> floa
 @pytest.mark.parametrize("weights", ["rtn", "float"])
 def test_the_rotations_kept_are_never_worse_than_the_start(weights):
     """With a step far too large (every Cayley step a rotation of norm 1) the iterates wander; the step
-    keeps the one of lowest calibration loss, the Hadamard start included: its loss, recomputed here
-    from the returned tree, is the one reported and at most the rotate step's."""
+    keeps the one of lowest calibration loss, the Hadamard start included: the losses reported are
+    those recomputed here from the returned trees, of zero iterations and of eight."""
     model, cal = tiny_with_outliers("llama"), _cal(3)
     step = qt.Step("spinquant", iters=8, lr=50.0, weights=weights)
     fit = _fit(model, step, cal=cal)
-    start = _calibration_loss(model, _fit(model, "rotate", cal=cal), cal, [step], quantize_weights=weights == "rtn")
+    start_fit = _fit(model, qt.Step("spinquant", iters=0, weights=weights), cal=cal)  # the Hadamard start
+    start = _calibration_loss(model, start_fit, cal, [step], quantize_weights=weights == "rtn")
     kept = _calibration_loss(model, fit, cal, [step], quantize_weights=weights == "rtn")
     before, after = _reported(fit)
     assert before == pytest.approx(start, rel=1e-4) and after == pytest.approx(kept, rel=1e-4)
