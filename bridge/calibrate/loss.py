@@ -21,16 +21,18 @@ from torch import nn
 
 import qtransform as qt
 
+from ..modules.actquant import activation_view
 from ..modules.online import installed
 from .sites import evaluating, run_batch, takes
 
 __all__ = ["CalibrationLoss", "quantizing_activations"]
 
 
-def _fake(x: torch.Tensor, spec: qt.QuantSpec) -> torch.Tensor:
-    """``x`` fake-quantized as its (tokens, features) matrix, parameters fitted to it (the gradient
-    flows through the fitted scale too, as a function of the activation's range)."""
-    m = x.reshape(-1, x.shape[-1])
+def _fake(module: nn.Module, x: torch.Tensor, spec: qt.QuantSpec) -> torch.Tensor:
+    """``x`` fake-quantized as the quantized modules view it (:func:`~bridge.modules.actquant.activation_view`),
+    parameters fitted to it (the gradient flows through the fitted scale too, as a function of the
+    activation's range)."""
+    m = activation_view(module, x)
     return qt.fake_quantize(m, qt.choose_qparams(m.detach(), spec), range_grad=True).reshape(x.shape)
 
 
@@ -44,11 +46,11 @@ def quantizing_activations(model: nn.Module, plan: qt.Plan):
             module = model.get_submodule(site.module)
             if site.role == "input":
                 handles.append(module.register_forward_pre_hook(
-                    lambda m, args, kwargs, spec=spec: ((_fake(args[0], spec), *args[1:]), kwargs)
+                    lambda m, args, kwargs, spec=spec: ((_fake(m, args[0], spec), *args[1:]), kwargs)
                     if args and isinstance(args[0], torch.Tensor) else None, with_kwargs=True))
             elif site.role == "output":
                 handles.append(module.register_forward_hook(
-                    lambda m, args, out, spec=spec: _fake(out, spec) if isinstance(out, torch.Tensor) else None))
+                    lambda m, args, out, spec=spec: _fake(m, out, spec) if isinstance(out, torch.Tensor) else None))
         yield model
     finally:
         for h in handles:
