@@ -108,6 +108,19 @@ class QTensor:
     def shape(self) -> torch.Size:
         return torch.Size((*self.codes.shape[:-1], self.width))
 
+    @property
+    def device(self) -> torch.device:
+        """The device of ``codes`` (read-only; move a QTensor with ``tree_map``). Tools that follow the
+        GPTQ/AWQ convention read ``module.qweight.device`` and ``.dtype`` (peft does).
+
+        >>> import torch, qtransform as qt
+        >>> w = torch.randn(4, 32)
+        >>> q = qt.quantize(w, qt.choose_qparams(w, qt.QuantSpec(format="int4", granularity=qt.PerGroup(32))))
+        >>> q.device, q.dtype
+        (device(type='cpu'), torch.float32)
+        """
+        return self.codes.device
+
     def numel(self) -> int:
         return self.shape.numel()
 
