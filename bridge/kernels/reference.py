@@ -36,13 +36,18 @@ def _dequant_embedding(module, st, x, **kw):
 
 def _gather_embedding(module, st, x, **kw):
     q = module.qweight
-    rows, inverse = torch.unique(x.reshape(-1), return_inverse=True)
+    if kw:  # bags: each distinct row once (torch.unique), the bag reduced over that sub-table
+        rows, inverse = torch.unique(x.reshape(-1), return_inverse=True)
+        inverse = inverse.reshape(x.shape)
+    else:  # plain lookups: every index its row, no data-dependent shapes (torch.compile traces it)
+        rows = x.reshape(-1)
+        inverse = torch.arange(rows.numel(), device=x.device).reshape(x.shape)
     parts = {}
     for name, t in q.qparams.tensors().items():
         parts[name] = t if (t.dim() == 0 or t.shape[0] == 1) else t.index_select(0, rows)
     sub = qt.QTensor(codes=q.codes.index_select(0, rows), width=q.width, dtype=q.dtype,
                      qparams=qt.QParams(spec=q.spec, **parts))
-    return module._lookup(inverse.reshape(x.shape), qt.dequantize(sub, dtype=module.compute_dtype), rows, **kw)
+    return module._lookup(inverse, qt.dequantize(sub, dtype=module.compute_dtype), rows, **kw)
 
 
 def _dequant_conv(module, st, x, **kw):

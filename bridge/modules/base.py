@@ -133,20 +133,55 @@ class QModule(nn.Module):
         return tuple((id(b), b._version, b.device) for b in (self._buffers[n] for n in self._qnames))
 
     def _resolve(self):
+        if torch.compiler.is_compiling() and self._cache is not None:
+            return self._cache  # chosen outside the trace: no guards on buffer identities
         key = self._key()
         if self._cache is None or self._cache[0] != key:
             name = kernels.choose(self, self.KERNELS, self._kernel_request)
             self._cache = (key, name, None)
         return self._cache
 
-    def _run(self, x: torch.Tensor, **kw) -> torch.Tensor:
+    @torch.compiler.disable
+    def _prepared(self):
+        """The kernel choice and its prepared state, computed eagerly (outside any compiled graph)."""
         key, name, state = self._resolve()
         k = self.KERNELS[name]
-        if state is None and k.prepare is not None:
+        if state is None:  # kernels with nothing to prepare get an empty state: "prepared"
             with torch.no_grad():
-                state = k.prepare(self)
+                state = {} if k.prepare is None else k.prepare(self)
             self._cache = (key, name, state)
-        return k.run(self, state, x, **kw)
+        return self._cache
+
+    def prepare(self) -> "QModule":
+        """Choose the kernel and derive its packed state now (it is otherwise derived on first use).
+
+        Loading a checkpoint and :func:`bridge.to_module` call it, so that ``torch.compile`` traces
+        a forward with no data-dependent work: after ``.to(...)`` or ``load_state_dict`` the state
+        is derived again on the next eager call, or by calling ``prepare()`` before compiling (a
+        compiled forward that finds no prepared state runs this step outside its graph, which
+        ``fullgraph=True`` refuses). No-op on the ``meta`` device. Returns ``self``."""
+        if not any(self._buffers[n].is_meta for n in self._qnames):
+            self._prepared()
+        return self
+
+    def _run(self, x: torch.Tensor, **kw) -> torch.Tensor:
+        cache = self._cache
+        if not (torch.compiler.is_compiling() and cache is not None and cache[2] is not None):
+            cache = self._prepared()
+        k = self.KERNELS[cache[1]]
+        if torch.is_grad_enabled() and x.requires_grad:
+            return _KernelGrad.apply(x, self, k, cache[2], kw)
+        return k.run(self, cache[2], x, **kw)
+
+    def _grad_input(self, grad: torch.Tensor, shape: torch.Size, **kw) -> torch.Tensor:
+        """The gradient of ``_run`` with respect to its (floating) input of ``shape``, given the
+        output's gradient: the vector-Jacobian product of the reference (``dequant``) path, which is
+        affine in the input, so it is evaluated at zero. Subclasses override it with a closed form."""
+        ref = self.KERNELS["dequant"]
+        with torch.enable_grad():
+            x = grad.new_zeros(shape, requires_grad=True)
+            y = ref.run(self, None, x, **kw)
+            return torch.autograd.grad(y, x, grad)[0]
 
     # ------------------------------------------------------------------ torch.nn plumbing
     def _apply(self, fn, recurse=True):
@@ -199,6 +234,19 @@ class QModule(nn.Module):
         return actquant.apply(self, "output", fn(x, **kw))
 
 
+class _KernelGrad(torch.autograd.Function):
+    """Any kernel forward, with the gradient with respect to the input through the dequantized
+    weight (recomputed in ``backward``, never kept: the quantized weight is frozen, QLoRA-style)."""
+
+    @staticmethod
+    def forward(ctx, x, module, kernel, state, kw):
+        ctx.module, ctx.kw, ctx.shape = module, kw, x.shape
+        return kernel.run(module, state, x, **kw)
+
+    @staticmethod
+    def backward(ctx, grad):
+        gx = ctx.module._grad_input(grad, ctx.shape, **ctx.kw)
+        return gx, None, None, None, None
 
 
 def _check_entry(name: str, entry) -> None:

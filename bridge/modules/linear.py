@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+import qtransform as qt
 from qtransform import QTensor
 
 from .. import kernels
@@ -59,6 +60,10 @@ class QLinear(QModule):
     def _linear(self, x):
         y = self._run(x)
         return y if self.bias is None else y + self.bias.to(y.dtype)
+
+    def _grad_input(self, grad: torch.Tensor, shape: torch.Size, **kw) -> torch.Tensor:
+        w = qt.dequantize(self.qweight, dtype=grad.dtype)  # (out, in), or (in, out) transposed
+        return (grad @ (w.t() if self.transposed else w)).reshape(shape)
 
     def extra_repr(self) -> str:
         t = ", transposed=True" if self.transposed else ""

@@ -224,4 +224,6 @@ def to_module(model: nn.Module, qtree: Any, *, inplace: bool = False, kernel: st
     kvcache.install(target)
     for hook in REBUILD_HOOKS.values():
         hook(target, quantized, plan)
+    for path in quantized:  # kernels chosen and packed now, not inside a first (compiled) forward
+        submodule(target, path)[0].prepare()
     return target
