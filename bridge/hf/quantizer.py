@@ -139,7 +139,8 @@ class QTransformHfQuantizer(HfQuantizer):
 
     @property
     def is_trainable(self) -> bool:
-        return False
+        """Adapters (peft LoRA, :mod:`bridge.hf.peft`) train on the frozen quantized weights."""
+        return True
 
 
 class _QuantizeOnLoad(ConversionOps):
