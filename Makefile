@@ -9,7 +9,7 @@ TORCH   := torch==2.13.0
 STAMP   := $(VENV)/.installed
 PYTEST  := $(BIN)/python -m pytest
 
-.PHONY: install test quick test-long demo bench bench-gptq bench-gptq-peer bench-awq bench-rotation clean
+.PHONY: install test quick test-long demo bench bench-gptq bench-gptq-peer bench-awq bench-rotation bench-e2e clean
 
 $(STAMP): pyproject.toml Makefile .ci/constraints.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -71,6 +71,11 @@ bench-awq: $(STAMP) $(PEER)/bin/python
 ## QuaRot's offline rotations on SmolLM2: W4A8 and W4A4, RTN and GPTQ, with and without (minutes)
 bench-rotation: $(STAMP)
 	$(BIN)/python bench/bench_rotation.py
+
+## end to end on SmolLM2-135M and a random 1.1B Llama: prefill and decode tokens/s, peak RSS, fp32/bf16/ours/torchao
+## (about 1.5 hours on 2 quiet cores; bench/results/e2e.{json,md})
+bench-e2e: $(STAMP)
+	HF_HUB_OFFLINE=1 $(BIN)/python bench/bench_e2e.py --threads 2
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis
