@@ -36,7 +36,7 @@ from ..modules import actquant, kvcache, online
 from ..modules.actquant import PREFIX, abstract_qparams, activation_specs
 from ..pipeline import plan as model_plan
 from ..tree import REBUILD_HOOKS, replace_module, submodule
-from . import checks
+from . import checks, offload
 from .config import QTransformConfig
 
 __all__ = ["QTransformHfQuantizer", "attach_config", "register"]
@@ -106,6 +106,7 @@ class QTransformHfQuantizer(HfQuantizer):
         except (TypeError, ValueError) as e:
             raise CheckpointError(f"config.json: {e}") from None
         kvcache.install(model)
+        offload.distinct_buffers(model)  # the cached abstract tensors, one per module (see bridge.hf.offload)
         _untie(model, set(cfg.entries))
         if self.pre_quantized:  # the files against the skeleton, before transformers reads any data
             checks.check_checkpoint(model, cfg, kwargs.get("checkpoint_files"), verify=cfg.verify)
@@ -120,7 +121,8 @@ class QTransformHfQuantizer(HfQuantizer):
         for path, e in self.quantization_config.entries.items():
             module = submodule(model, path)[0]
             q = module.qweight
-            bad = [n for n in module._buffers if module._buffers[n] is not None and module._buffers[n].is_meta]
+            held = offload.offloaded_names(module)  # on meta between forwards, read by accelerate's hooks
+            bad = [n for n, b in module._buffers.items() if b is not None and b.is_meta and n not in held]
             if bad:
                 raise CheckpointError(f"checkpoint: quantized tensor(s) {[path.rpartition('.')[0] + '.' + n for n in bad]} "
                                       "are missing")
@@ -128,7 +130,9 @@ class QTransformHfQuantizer(HfQuantizer):
             module._cache = None
         for site in self.quantization_config.activations:
             module = model.get_submodule(site.module)
-            bad = [n for n, b in module._buffers.items() if b is not None and b.is_meta and n.startswith(PREFIX[site.role])]
+            held = offload.offloaded_names(module)
+            bad = [n for n, b in module._buffers.items()
+                   if b is not None and b.is_meta and n.startswith(PREFIX[site.role]) and n not in held]
             if bad:
                 raise CheckpointError(f"checkpoint: activation quantizer tensor(s) {[site.module + '.' + n for n in bad]} "
                                       "are missing")
@@ -191,6 +195,7 @@ def register() -> None:
     hf_auto.AUTO_QUANTIZATION_CONFIG_MAPPING[metadata.QUANT_METHOD] = QTransformConfig
     hf_auto.AUTO_QUANTIZER_MAPPING[metadata.QUANT_METHOD] = QTransformHfQuantizer
     checks.install(QTransformConfig)
+    offload.install()
     if "transformers" not in REBUILD_HOOKS:
         REBUILD_HOOKS.register("transformers", attach_config)
 
