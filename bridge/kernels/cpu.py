@@ -9,6 +9,7 @@ import torch
 
 import qtransform as qt
 
+from . import dense
 from .base import LINEAR_KERNELS, Kernel, grid, has_op, int_codec, linear_common, register_kernel, rows
 
 __all__ = ["INT4_GROUPS", "int4pack_linear", "int8pack_linear"]
@@ -30,19 +31,22 @@ def _int4_check(module, forced: bool) -> str | None:
     if n % 16:
         return f"out_features {n} is not a multiple of 16"
     rows, groups = grid(module)
-    if rows not in (1, n) or k % groups or _int4_group(k, groups) is None:
-        return f"scale grid {(rows, groups)} is not per-channel or per-group (32..256) along in_features"
-    if module.spec.granularity.block_size((n, k))[-1] * groups != k:  # a padded last group
-        return f"the last group of in_features {k} is padded"
+    block = module.spec.granularity.block_size((n, k))[-1]
+    if rows not in (1, n) or -(-k // block) != groups or _int4_group(k, block) is None:
+        return (f"scale grid {(rows, groups)} is not per-channel or per-group along in_features with a group "
+                f"that a kernel group of 32..256 divides")
     return None
 
 
-def _int4_group(k: int, groups: int) -> int | None:
-    g = k // groups
-    if g in INT4_GROUPS:
-        return g
-    # coarser scales (per channel / per tensor) repeat onto the largest supported group dividing them
-    return next((c for c in INT4_GROUPS if g % c == 0), None)
+def _int4_group(k: int, block: int) -> int | None:
+    """The kernel's group: the largest supported size dividing both the scale block along in_features
+    and ``k`` (coarser scales, and a padded last block, repeat onto it)."""
+    return next((c for c in INT4_GROUPS if block % c == 0 and k % c == 0), None)
+
+
+def _per_kernel_group(t, n: int, k: int, block: int, group: int):
+    """``(rows, ceil(k / block))`` -> ``(n, k / group)``: each block's value on each of its kernel groups."""
+    return t.expand(n, -1).repeat_interleave(block // group, dim=1)[:, : k // group]
 
 
 def _int4_prepare(module):
@@ -50,15 +54,18 @@ def _int4_prepare(module):
     codec = int_codec(module)
     n, k = q.shape
     s, z = q.qparams.effective()
-    group = _int4_group(k, s.shape[1])
+    block = module.spec.granularity.block_size((n, k))[-1]
+    group = _int4_group(k, block)
     nibbles = (qt.unpacked_codes(q).to(torch.int32) - codec.qmin).contiguous()  # 0 .. 2^bits - 1
     packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(nibbles, 2)
     # the kernel computes (nibble - 8) * scale + zero; ours is (code - zero_point) * scale
     zero = (codec.qmin + 8 - (0.0 if z is None else z)) * s
-    rep = (k // group) // s.shape[1]
-    s, zero = (t.expand(n, -1).repeat_interleave(rep, dim=1) for t in (s, zero))
-    scale_zeros = torch.stack([s.t(), zero.t()], dim=-1).to(torch.bfloat16).contiguous()
-    return {"packed": packed, "group": group, "scale_zeros": scale_zeros}
+    s_g, zero_g = (_per_kernel_group(t, n, k, block, group) for t in (s, zero))
+    scale_zeros = torch.stack([s_g.t(), zero_g.t()], dim=-1).to(torch.bfloat16).contiguous()
+    d_scale, d_offset = (_per_kernel_group(t, n, k, block, group).contiguous() for t in dense.affine_params(q))
+    four = codec.bits == 4  # the buffer holds nibbles two per byte; fewer bits are unpacked per dense call
+    return {"packed": packed, "group": group, "scale_zeros": scale_zeros, "dense_scale": d_scale,
+            "dense_offset": d_offset, "codes": module.weight if four else None, "signed": codec.signed}
 
 
 def int4pack_linear(x: torch.Tensor, packed: torch.Tensor, group: int, scale_zeros: torch.Tensor) -> torch.Tensor:
@@ -72,8 +79,18 @@ def int4pack_linear(x: torch.Tensor, packed: torch.Tensor, group: int, scale_zer
     return y.to(x.dtype).reshape(*x.shape[:-1], n)
 
 
+def _dense(module, name: str, st, x):
+    """The dequantize + ``F.linear`` path when ``x`` has at least ``PREFILL_ROWS[name]`` rows, else ``None``."""
+    limit = dense.PREFILL_ROWS.get(name)
+    if limit is None or x.numel() < limit * x.shape[-1]:
+        return None
+    codes = st["codes"] if st["codes"] is not None else qt.unpacked_codes(module.qweight)
+    return dense.dense_linear(x, codes, st["dense_scale"], st["dense_offset"], signed=st["signed"])
+
+
 def _int4_run(module, st, x, **kw):
-    return int4pack_linear(x, st["packed"], st["group"], st["scale_zeros"])
+    y = _dense(module, "int4pack_cpu", st, x)
+    return int4pack_linear(x, st["packed"], st["group"], st["scale_zeros"]) if y is None else y
 
 
 def _int8_shift(codec) -> int:
@@ -109,8 +126,10 @@ def _int8_prepare(module):
     n, _ = q.shape
     codes = qt.unpacked_codes(q).to(torch.int16) - _int8_shift(int_codec(module))
     s, _ = q.qparams.effective()
+    d_scale, d_offset = dense.affine_params(q)
     return {"codes": codes.to(torch.int8).contiguous(),
-            "scale": s.expand(n, 1).reshape(n).to(torch.bfloat16).contiguous()}
+            "scale": s.expand(n, 1).reshape(n).to(torch.bfloat16).contiguous(),
+            "dense": {"codes": module.weight, "dense_scale": d_scale, "dense_offset": d_offset, "signed": True}}
 
 
 def int8pack_linear(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -125,7 +144,8 @@ def int8pack_linear(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -
 
 
 def _int8_run(module, st, x, **kw):
-    return int8pack_linear(x, st["codes"], st["scale"])
+    y = _dense(module, "int8pack_cpu", st["dense"], x)
+    return int8pack_linear(x, st["codes"], st["scale"]) if y is None else y
 
 
 register_kernel(LINEAR_KERNELS, Kernel("int4pack_cpu", _int4_check, _int4_prepare, _int4_run))
