@@ -38,6 +38,7 @@ from ..pipeline import plan as model_plan
 from ..tree import REBUILD_HOOKS, replace_module, submodule
 from . import checks, offload
 from .config import QTransformConfig
+from .dequantize import dequantize_model
 
 __all__ = ["QTransformHfQuantizer", "attach_config", "register"]
 
@@ -140,6 +141,11 @@ class QTransformHfQuantizer(HfQuantizer):
 
     def is_serializable(self):
         return True
+
+    def _dequantize(self, model, dtype=None):
+        """``model.dequantize()``: the float model (:func:`bridge.hf.dequantize.dequantize_model`); transformers
+        then removes the quantization config, so ``save_pretrained`` writes a plain float checkpoint."""
+        return dequantize_model(model, dtype)
 
     @property
     def is_trainable(self) -> bool:

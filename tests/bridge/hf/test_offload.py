@@ -33,7 +33,8 @@ def _checkpoint(path, recipe=RECIPE, model=None, calibration=None):
 
 
 def _disk_modules(model):
-    return [m for name, m in model.named_modules() if name.startswith("model.layers.1.") and isinstance(m, bridge.QModule)]
+    return [m for name, m in model.named_modules()
+            if name.startswith("model.layers.1.") and isinstance(m, bridge.QModule)]
 
 
 def test_explicit_device_map_with_cpu_and_disk_entries(tmp_path):
@@ -104,3 +105,11 @@ def test_save_pretrained_of_an_offloaded_model_reloads(tmp_path, where):
                                                  offload_folder=tmp_path / "off")
     model.save_pretrained(tmp_path / "sp")
     assert torch.equal(_logits(AutoModelForCausalLM.from_pretrained(tmp_path / "sp")), ref)
+
+
+def test_dequantize_of_an_offloaded_model_is_refused(tmp_path):
+    model = AutoModelForCausalLM.from_pretrained(_checkpoint(tmp_path / "ck"), device_map=MAP,
+                                                 offload_folder=tmp_path / "off")
+    with pytest.raises(ValueError, match=r"model.layers.1.self_attn.q_proj is offloaded by accelerate"):
+        model.dequantize()
+    assert isinstance(model.model.layers[0].self_attn.q_proj, bridge.QLinear) and model.is_quantized
