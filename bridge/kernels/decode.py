@@ -1,0 +1,206 @@
+"""Int4 weight-only linear for decode (1 to a few tokens) on AVX2 CPUs, near the memory bandwidth.
+
+At one token a linear layer is a matrix-vector product: its time is the time to read the weight.
+``aten._weight_int4pack_mm_for_cpu`` is compute-bound unpacking nibbles on AVX2 (1.2x to 2x fp32
+``F.linear``); this path streams 4-bit codes through a small C++ kernel (``decode_avx2.cpp``) and
+runs 4x to 6x faster than fp32 ``F.linear`` there, on 1 and 2 threads (``bench/bench_decode.py``;
+results and the per-CPU choice in ``bench/results/decode.md``). Two variants:
+
+* default: the activations are rounded to int16 per (token, group) (scale ``max|x_g| / 32767``,
+  so each element moves by at most ``2^-16 max|x_g|``: over ten times closer to ``F.linear`` than
+  the bf16 activations of the int4pack kernel) and multiplied with ``vpmaddwd``; groups of a
+  multiple of 32 features, at most 16384;
+* ``exact=True``: fp32 FMA over codes widened to fp32 (fp32 rounding only), about 1.4x slower;
+  groups of a multiple of 16 features.
+
+The kernel is compiled at first use with ``torch.utils.cpp_extension`` (a C++ compiler and ninja;
+cached in torch's extension directory, so later processes only load it) and registered as
+``torch.ops.qtransform_decode.int4_gemv`` / ``int4_gemv_i16`` with fake implementations, so
+``torch.compile(fullgraph=True)`` traces through it. Without a compiler, on a CPU without AVX2 +
+FMA, or with ``QTRANSFORM_NO_DECODE_KERNEL=1``, :func:`decode_available` is ``False`` and
+:func:`int4_decode_linear` computes the same product with plain torch ops (slowly), so callers
+never break.
+
+Output: ``F.linear(x, W)`` with ``W = (codes - zero_point) * scale``, in ``x.dtype`` (computed in
+fp32; the sums run in another order, per group).
+
+>>> import torch
+>>> codes = torch.randint(-8, 8, (32, 64))
+>>> scale = torch.rand(32, 2) + 0.5
+>>> st = prepare_decode(codes, scale, qmin=-8, native=False)
+>>> x = torch.randn(1, 64)
+>>> w = (codes.float().view(32, 2, 32) * scale[..., None]).view(32, 64)
+>>> torch.allclose(int4_decode_linear(x, st), x @ w.t(), atol=1e-4)
+True
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import pathlib
+import shutil
+from typing import NamedTuple
+
+import torch
+
+__all__ = ["DECODE_MAX_ROWS", "DecodeState", "decode_available", "decode_unavailable_reason", "decode_group",
+           "prepare_decode", "int4_decode_linear"]
+
+#: Rows (tokens) up to which :func:`int4_decode_linear` is the fastest int4 path on AVX2 CPUs
+#: (``bench/bench_decode.py``, 1 and 2 threads); above it use the int4pack kernel or dequant + GEMM.
+DECODE_MAX_ROWS = 8
+
+R = 4  # rows per tile of the packed layouts (decode_avx2.cpp)
+I16_MAX_GROUP = 16384  # int32 accumulation of int16 x int4 products stays exact up to this group
+_SOURCE = pathlib.Path(__file__).with_name("decode_avx2.cpp")
+_NAME = "qtransform_decode_avx2"
+_CFLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-DNDEBUG"]
+
+
+class DecodeState(NamedTuple):
+    """A weight packed for :func:`int4_decode_linear` (derived on first use, never saved).
+
+    ``packed``: uint8 ``(tiles, K / block, 4, block / 2)`` (block 32, or 16 when ``exact``);
+    ``scale``, ``mzero``: fp32 ``(tiles, groups, 4)`` with ``mzero = -scale * zero``; ``group``:
+    input features per scale; ``out_features``: rows of the weight; ``exact``: the fp32 variant;
+    ``native``: run the compiled kernel (else the plain-torch fallback)."""
+
+    packed: torch.Tensor
+    scale: torch.Tensor
+    mzero: torch.Tensor
+    group: int
+    out_features: int
+    exact: bool
+    native: bool
+
+
+@functools.cache
+def _load() -> str | None:
+    """Compile (or load the cached build) and register the kernel once per process; ``None`` when
+    it runs, else the reason it cannot."""
+    if os.environ.get("QTRANSFORM_NO_DECODE_KERNEL"):
+        return "disabled by QTRANSFORM_NO_DECODE_KERNEL"
+    cap = torch.backends.cpu.get_cpu_capability()
+    if cap not in ("AVX2", "AVX512"):
+        return f"CPU capability {cap}: the kernel needs AVX2 + FMA"
+    if not _SOURCE.is_file():
+        return f"kernel source {_SOURCE.name} is not installed"
+    if shutil.which(os.environ.get("CXX", "c++")) is None:
+        return "no C++ compiler found (set CXX)"
+    try:
+        from torch.utils import cpp_extension
+        cpp_extension.load(name=_NAME, sources=[str(_SOURCE)], extra_cflags=_CFLAGS,
+                           extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
+    except Exception as e:  # no ninja, a compiler error, a read-only cache: fall back, say why
+        return f"building {_SOURCE.name} failed: {type(e).__name__}: {str(e).strip()[:300]}"
+    for op in ("int4_gemv", "int4_gemv_i16"):
+        torch.library.register_fake(f"qtransform_decode::{op}")(_fake_gemv)
+    return None
+
+
+def _fake_gemv(x, packed, scale, mzero, group, n):
+    return x.new_empty(x.shape[0], n)
+
+
+def decode_unavailable_reason() -> str | None:
+    """Why the compiled kernel cannot run here (``None`` when it can). Builds it on the first call."""
+    return _load()
+
+
+def decode_available() -> bool:
+    """True when the compiled kernel runs here (AVX2 + FMA, a working C++ compiler and ninja).
+
+    The first call in a process builds or loads it: tens of seconds once per machine (the build
+    is cached), about a second later on."""
+    return _load() is None
+
+
+def decode_group(in_features: int, groups: int, *, exact: bool = False) -> int | None:
+    """Features per group for ``groups`` scales along ``in_features``, or ``None`` when the layout
+    cannot hold it: the group must be a multiple of 32 features (16 when ``exact``) and, unless
+    ``exact``, at most ``I16_MAX_GROUP``."""
+    block = 16 if exact else 32
+    if groups < 1 or in_features % groups:
+        return None
+    g = in_features // groups
+    return g if g % block == 0 and (exact or g <= I16_MAX_GROUP) else None
+
+
+def _grid(t: torch.Tensor | None, n: int, name: str) -> torch.Tensor | None:
+    if t is None:
+        return None
+    if not isinstance(t, torch.Tensor) or t.dim() != 2 or t.shape[0] not in (1, n):
+        raise ValueError(f"prepare_decode: {name} must be 2-D with 1 or {n} rows, got "
+                         f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
+    return t.to(torch.float32).expand(n, -1)
+
+
+def prepare_decode(codes: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None = None, *,
+                   qmin: int = 0, exact: bool = False, native: bool | None = None) -> DecodeState:
+    """Pack integer ``codes`` ``(N, K)`` in ``[qmin, qmin + 15]`` for :func:`int4_decode_linear`.
+
+    ``scale`` and ``zero_point`` are ``(1 or N, G)`` (per-tensor/per-channel/per-group along K),
+    ``W = (codes - zero_point) * scale`` broadcast over groups of ``K / G`` features;
+    ``zero_point=None`` means 0 (symmetric). ``exact`` picks the fp32 variant; ``native`` the
+    compiled kernel (default: when :func:`decode_available`; ``False``: the plain-torch path).
+    Raises ``ValueError`` for what the layout cannot hold (see :func:`decode_group`)."""
+    if not isinstance(codes, torch.Tensor) or codes.dim() != 2 or codes.is_floating_point():
+        raise ValueError("prepare_decode: codes must be a 2-D integer tensor, got "
+                         + (f"{codes.dtype} {tuple(codes.shape)}" if isinstance(codes, torch.Tensor)
+                            else type(codes).__name__))
+    n, k = codes.shape
+    s = _grid(scale, n, "scale")
+    z = _grid(zero_point, n, "zero_point")
+    if z is not None and z.shape[1] != s.shape[1]:
+        raise ValueError(f"prepare_decode: zero_point has {z.shape[1]} groups, scale {s.shape[1]}")
+    group = decode_group(k, s.shape[1], exact=exact)
+    if group is None:
+        raise ValueError(f"prepare_decode: in_features {k} in {s.shape[1]} groups: the group must be a multiple "
+                         f"of {16 if exact else 32} features" + ("" if exact else f" and at most {I16_MAX_GROUP}"))
+    nib = codes.to(torch.int16) - qmin
+    if nib.numel() and (int(nib.min()) < 0 or int(nib.max()) > 15):
+        raise ValueError(f"prepare_decode: codes must lie in [{qmin}, {qmin + 15}] (qmin={qmin})")
+    if native is None:
+        native = decode_available()
+    elif native and not decode_available():
+        raise ValueError(f"prepare_decode: native=True but the kernel cannot run: {decode_unavailable_reason()}")
+    block = 16 if exact else 32
+    tiles = -(-n // R)
+    pad = tiles * R - n
+    nib = torch.nn.functional.pad(nib.to(torch.uint8), (0, 0, 0, pad)).view(tiles, R, k // block, 2, block // 2)
+    packed = (nib[:, :, :, 0] | (nib[:, :, :, 1] << 4)).permute(0, 2, 1, 3).contiguous()
+    mz = -s * ((0.0 if z is None else z) - qmin)  # W = nib * scale + mzero
+
+    def tiled(t):  # (N, G) -> (tiles, G, R); padded rows are zero
+        return torch.nn.functional.pad(t, (0, 0, 0, pad)).view(tiles, R, -1).transpose(1, 2).contiguous()
+
+    return DecodeState(packed, tiled(s), tiled(mz), group, n, bool(exact), bool(native))
+
+
+def _torch_gemv(x: torch.Tensor, st: DecodeState) -> torch.Tensor:
+    """The product in plain torch ops from the packed state (fallback; traceable): fp32 ``(M, N)``."""
+    tiles, groups = st.scale.shape[:2]
+    nib = torch.stack([st.packed & 15, st.packed >> 4], dim=3)  # (tiles, K/block, R, 2, block/2)
+    nib = nib.permute(0, 2, 1, 3, 4).reshape(tiles * R, groups, -1)
+    s = st.scale.transpose(1, 2).reshape(tiles * R, groups, 1)
+    mz = st.mzero.transpose(1, 2).reshape(tiles * R, groups, 1)
+    w = (nib.to(torch.float32) * s + mz).reshape(tiles * R, -1)
+    return x @ w[: st.out_features].t()
+
+
+def int4_decode_linear(x2d: torch.Tensor, state: DecodeState) -> torch.Tensor:
+    """``x2d @ W.T`` for a :func:`prepare_decode` weight: ``(M, K) -> (M, N)`` in ``x2d.dtype``.
+
+    Fastest for ``M <= DECODE_MAX_ROWS``; correct for any ``M``."""
+    k = state.packed.shape[1] * state.packed.shape[3] * 2
+    if not isinstance(x2d, torch.Tensor) or x2d.dim() != 2 or x2d.shape[1] != k:
+        raise ValueError(f"int4_decode_linear: x2d must be (rows, {k}), got "
+                         f"{tuple(x2d.shape) if isinstance(x2d, torch.Tensor) else type(x2d).__name__}")
+    xf = x2d if x2d.dtype == torch.float32 and x2d.is_contiguous() else x2d.to(torch.float32).contiguous()
+    if state.native:
+        op = torch.ops.qtransform_decode.int4_gemv if state.exact else torch.ops.qtransform_decode.int4_gemv_i16
+        y = op(xf, state.packed, state.scale, state.mzero, state.group, state.out_features)
+    else:
+        y = _torch_gemv(xf, state)
+    return y if y.dtype == x2d.dtype else y.to(x2d.dtype)
