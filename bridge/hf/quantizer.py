@@ -128,7 +128,7 @@ class QTransformHfQuantizer(HfQuantizer):
                 raise CheckpointError(f"checkpoint: quantized tensor(s) {[path.rpartition('.')[0] + '.' + n for n in bad]} "
                                       "are missing")
             check_like(path, q, abstract_qtensor(e.shape, e.dtype, e.spec), where="checkpoint")
-            module._cache = None
+            module.prepare()  # the kernel chosen and packed at load, outside any compiled forward
         for site in self.quantization_config.activations:
             module = model.get_submodule(site.module)
             held = offload.offloaded_names(module)
