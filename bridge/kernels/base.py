@@ -4,8 +4,9 @@
 kernel               when                                                         modules
 ===================  ===========================================================  ================
 ``int4pack_cpu``     CPU, integer codes of at most 4 bits, per-group scales       QLinear
-                     (group 32/64/128/256 along in_features) or per-channel,
-                     ``out_features % 16 == 0``: ``aten._weight_int4pack_mm_for_cpu``
+                     (a group that 32/64/128/256 divides, along in_features; a
+                     padded last group too) or per-channel, ``out_features %
+                     16 == 0``: ``aten._weight_int4pack_mm_for_cpu``
 ``int8pack_cpu``     CPU, 8-bit integer codes, per-channel symmetric scales:      QLinear
                      ``aten._weight_int8pack_mm``
 ``fp8_scaled_mm``    CUDA with compute capability >= 8.9, float8_e4m3fn weights   QLinear
@@ -21,6 +22,13 @@ kernel               when                                                       
 ``dequant``          everything: dequantize this one layer's weight, then the     all
                      float op (the reference)
 ===================  ===========================================================  ================
+
+With many tokens (``dense.PREFILL_ROWS``, measured) ``int4pack_cpu`` and ``int8pack_cpu``
+dequantize into a reused buffer and run ``F.linear`` in the input's dtype (:mod:`.dense`): the
+packed kernels are compute-bound there. Every path has a backward with respect to its input
+(through the dequantized weight, recomputed: the quantized weight is frozen), and the choice
+and packing happen outside ``forward``'s traced path (``QModule.prepare``), so
+``torch.compile(fullgraph=True)`` traces quantized models.
 
 ``module.kernel`` tells which path runs; ``kernel="dequant"`` (or any eligible name) forces
 one. The packed CPU kernels compute in bfloat16 (activations and scales are cast to bf16,

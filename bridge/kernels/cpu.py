@@ -1,7 +1,12 @@
 """CPU weight-only kernels: PyTorch's packed int4 (``_weight_int4pack_mm_for_cpu``) and int8
 (``_weight_int8pack_mm``) matmuls, computing in bfloat16 (output = ``F.linear(x, dequantize(q))`` to
-bf16 rounding). Packed weights are derived on first use and cached per device (never saved:
-their layout depends on the CPU)."""
+bf16 rounding). Packed weights are derived on first use (or by ``QModule.prepare``) and cached
+per device (never saved: their layout depends on the CPU). From ``dense.PREFILL_ROWS`` tokens on,
+both dequantize and call ``F.linear`` instead (:mod:`.dense`; float rounding only).
+
+Scale blocks along in_features map onto the int4 kernel's group (32..256): the largest that
+divides both the block and in_features, each block's scale repeated over its kernel groups, so a
+padded last block (int4 g128 on 576 features: four groups of 128, one of 64) runs here too."""
 
 from __future__ import annotations
 
