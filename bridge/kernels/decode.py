@@ -44,8 +44,11 @@ from typing import NamedTuple
 
 import torch
 
+import qtransform as qt
+from qtransform.formats import IntCodec
+
 __all__ = ["DECODE_MAX_ROWS", "DecodeState", "decode_available", "decode_unavailable_reason", "decode_group",
-           "prepare_decode", "int4_decode_linear"]
+           "decode_check", "prepare_decode", "prepare_decode_qtensor", "int4_decode_linear"]
 
 #: Rows (tokens) up to which :func:`int4_decode_linear` is the fastest int4 path on AVX2 CPUs
 #: (``bench/bench_decode.py``, 1 and 2 threads); above it use the int4pack kernel or dequant + GEMM.
@@ -178,6 +181,37 @@ def prepare_decode(codes: torch.Tensor, scale: torch.Tensor, zero_point: torch.T
     return DecodeState(packed, tiled(s), tiled(mz), group, n, bool(exact), bool(native))
 
 
+def decode_check(q: qt.QTensor, *, exact: bool = False) -> str | None:
+    """Why the 2-D weight ``q`` (out_features x in_features) cannot take this path, or ``None``.
+
+    Shapes and format only (works on meta tensors): integer codes of at most 4 bits, scales per
+    tensor, per channel (axis 0) or per group along in_features (see :func:`decode_group`), no
+    padded last group. Does not build the kernel (see :func:`decode_available`)."""
+    codec = q.spec.fmt.codec
+    if not isinstance(codec, IntCodec) or codec.bits > 4:
+        return f"codes are not integers of at most 4 bits ({q.spec.format})"
+    if len(q.shape) != 2:
+        return f"weight of shape {tuple(q.shape)} is not 2-D"
+    n, k = q.shape
+    rows, groups = q.qparams.effective()[0].shape
+    if rows not in (1, n) or decode_group(k, groups, exact=exact) is None:
+        return (f"scale grid {(rows, groups)} over in_features {k}: not per-tensor/per-channel/per-group with "
+                f"groups of a multiple of {16 if exact else 32} features")
+    if q.spec.granularity.block_size((n, k))[-1] * groups != k:
+        return f"the last group of in_features {k} is padded"
+    return None
+
+
+def prepare_decode_qtensor(q: qt.QTensor, *, exact: bool = False, native: bool | None = None) -> DecodeState:
+    """:func:`prepare_decode` for a quantized weight ``q`` (``ValueError`` with
+    :func:`decode_check`'s reason when it cannot take this path)."""
+    reason = decode_check(q, exact=exact)
+    if reason is not None:
+        raise ValueError(f"prepare_decode_qtensor: {reason}")
+    s, z = q.qparams.effective()
+    return prepare_decode(qt.unpacked_codes(q), s, z, qmin=q.spec.fmt.codec.qmin, exact=exact, native=native)
+
+
 def _torch_gemv(x: torch.Tensor, st: DecodeState) -> torch.Tensor:
     """The product in plain torch ops from the packed state (fallback; traceable): fp32 ``(M, N)``."""
     tiles, groups = st.scale.shape[:2]
@@ -190,13 +224,14 @@ def _torch_gemv(x: torch.Tensor, st: DecodeState) -> torch.Tensor:
 
 
 def int4_decode_linear(x2d: torch.Tensor, state: DecodeState) -> torch.Tensor:
-    """``x2d @ W.T`` for a :func:`prepare_decode` weight: ``(M, K) -> (M, N)`` in ``x2d.dtype``.
-
-    Fastest for ``M <= DECODE_MAX_ROWS``; correct for any ``M``."""
+    """``x2d @ W.T`` for a :func:`prepare_decode` weight: ``(M, K) -> (M, N)`` in ``x2d.dtype``
+    (``(..., K) -> (..., N)`` also works). Fastest for ``M <= DECODE_MAX_ROWS``; correct for any ``M``."""
     k = state.packed.shape[1] * state.packed.shape[3] * 2
-    if not isinstance(x2d, torch.Tensor) or x2d.dim() != 2 or x2d.shape[1] != k:
+    if not isinstance(x2d, torch.Tensor) or x2d.dim() < 1 or x2d.shape[-1] != k:
         raise ValueError(f"int4_decode_linear: x2d must be (rows, {k}), got "
                          f"{tuple(x2d.shape) if isinstance(x2d, torch.Tensor) else type(x2d).__name__}")
+    if x2d.dim() != 2:
+        return int4_decode_linear(x2d.reshape(-1, k), state).reshape(*x2d.shape[:-1], state.out_features)
     xf = x2d if x2d.dtype == torch.float32 and x2d.is_contiguous() else x2d.to(torch.float32).contiguous()
     if state.native:
         op = torch.ops.qtransform_decode.int4_gemv if state.exact else torch.ops.qtransform_decode.int4_gemv_i16
