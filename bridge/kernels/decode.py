@@ -1,17 +1,25 @@
 """Int4 weight-only linear for decode (1 to a few tokens) on AVX2 CPUs, near the memory bandwidth.
 
 At one token a linear layer is a matrix-vector product: its time is the time to read the weight.
-``aten._weight_int4pack_mm_for_cpu`` is compute-bound unpacking nibbles on AVX2 (1.2x to 2x fp32
-``F.linear``); this path streams 4-bit codes through a small C++ kernel (``decode_avx2.cpp``) and
-runs 4x to 6x faster than fp32 ``F.linear`` there, on 1 and 2 threads (``bench/bench_decode.py``;
-results and the per-CPU choice in ``bench/results/decode.md``). Two variants:
+``aten._weight_int4pack_mm_for_cpu`` is compute-bound unpacking nibbles on AVX2 (1.5x to 2.5x fp32
+``F.linear`` there); this path streams 4-bit codes (with software prefetch) through a small C++
+kernel, ``decode_avx2.cpp``, and runs about 4x (the 192x576 layers: per-call overhead) to 8x faster
+than fp32 ``F.linear`` on AVX2, 1 and 2 threads, cold weights as in a real decode step
+(``bench/bench_decode.py``; the measured tables in ``bench/results/decode.md``). Two variants:
 
-* default: the activations are rounded to int16 per (token, group) (scale ``max|x_g| / 32767``,
-  so each element moves by at most ``2^-16 max|x_g|``: over ten times closer to ``F.linear`` than
-  the bf16 activations of the int4pack kernel) and multiplied with ``vpmaddwd``; groups of a
-  multiple of 32 features, at most 16384;
-* ``exact=True``: fp32 FMA over codes widened to fp32 (fp32 rounding only), about 1.4x slower;
-  groups of a multiple of 16 features.
+* default: activations rounded to int16 per (token, group) (scale ``max|x_g| / 32767``) and
+  multiplied with ``vpmaddwd`` into int32 per group; the result differs from ``F.linear`` by at
+  most ``2^-16 max|x_g| * sum_k (code_k - qmin) * scale`` per group, about 5e-5 of the output's
+  range on random data (the int4pack kernel's bf16 activations: about 5e-3). Groups of a multiple
+  of 32 features, at most 16384;
+* ``exact=True``: fp32 FMA over codes widened to fp32 (fp32 rounding only), about 1.4x slower.
+  Groups of a multiple of 16 features.
+
+Which CPU gets what (measured; :data:`DECODE_MAX_ROWS_BY_CAPABILITY`): on AVX2 without AVX-512
+this path for up to 32 tokens (it beats the int4pack kernel at every count measured, 1 to 64);
+on AVX-512 CPUs, where ``_weight_int4pack_mm_for_cpu`` has its own AVX-512 kernel, only for 1 and
+2 tokens (there it is 1.2x to 1.6x faster than int4pack; from 4 tokens int4pack is as fast or
+faster); elsewhere never.
 
 The kernel is compiled at first use with ``torch.utils.cpp_extension`` (a C++ compiler and ninja;
 cached in torch's extension directory, so later processes only load it) and registered as
@@ -47,12 +55,17 @@ import torch
 import qtransform as qt
 from qtransform.formats import IntCodec
 
-__all__ = ["DECODE_MAX_ROWS", "DecodeState", "decode_available", "decode_unavailable_reason", "decode_group",
+__all__ = ["DECODE_MAX_ROWS", "DECODE_MAX_ROWS_BY_CAPABILITY", "DecodeState", "decode_available", "decode_unavailable_reason", "decode_group",
            "decode_check", "prepare_decode", "prepare_decode_qtensor", "int4_decode_linear"]
 
-#: Rows (tokens) up to which :func:`int4_decode_linear` is the fastest int4 path on AVX2 CPUs
-#: (``bench/bench_decode.py``, 1 and 2 threads); above it use the int4pack kernel or dequant + GEMM.
-DECODE_MAX_ROWS = 8
+#: Rows (tokens) up to which :func:`int4_decode_linear` is the fastest int4 path, per
+#: ``torch.backends.cpu.get_cpu_capability()`` (``bench/bench_decode.py``, 1 and 2 threads, see
+#: ``bench/results/decode.md``). AVX2: faster than the int4pack kernel at every measured count
+#: (1 to 64 tokens) and than fp32 ``F.linear`` up to about 64; 32 leaves room for dequant + GEMM.
+#: AVX-512: ``_weight_int4pack_mm_for_cpu`` has an AVX-512 kernel that catches up from 4 tokens.
+DECODE_MAX_ROWS_BY_CAPABILITY = {"AVX2": 32, "AVX512": 2}
+#: :data:`DECODE_MAX_ROWS_BY_CAPABILITY` for this CPU (0: never; the kernel needs AVX2).
+DECODE_MAX_ROWS = DECODE_MAX_ROWS_BY_CAPABILITY.get(torch.backends.cpu.get_cpu_capability(), 0)
 
 R = 4  # rows per tile of the packed layouts (decode_avx2.cpp)
 I16_MAX_GROUP = 16384  # int32 accumulation of int16 x int4 products stays exact up to this group
@@ -66,13 +79,15 @@ class DecodeState(NamedTuple):
 
     ``packed``: uint8 ``(tiles, K / block, 4, block / 2)`` (block 32, or 16 when ``exact``);
     ``scale``, ``mzero``: fp32 ``(tiles, groups, 4)`` with ``mzero = -scale * zero``; ``group``:
-    input features per scale; ``out_features``: rows of the weight; ``exact``: the fp32 variant;
+    input features per scale; ``in_features``, ``out_features``: the weight's ``(K, N)``;
+    ``exact``: the fp32 variant;
     ``native``: run the compiled kernel (else the plain-torch fallback)."""
 
     packed: torch.Tensor
     scale: torch.Tensor
     mzero: torch.Tensor
     group: int
+    in_features: int
     out_features: int
     exact: bool
     native: bool
@@ -178,7 +193,7 @@ def prepare_decode(codes: torch.Tensor, scale: torch.Tensor, zero_point: torch.T
     def tiled(t):  # (N, G) -> (tiles, G, R); padded rows are zero
         return torch.nn.functional.pad(t, (0, 0, 0, pad)).view(tiles, R, -1).transpose(1, 2).contiguous()
 
-    return DecodeState(packed, tiled(s), tiled(mz), group, n, bool(exact), bool(native))
+    return DecodeState(packed, tiled(s), tiled(mz), group, k, n, bool(exact), bool(native))
 
 
 def decode_check(q: qt.QTensor, *, exact: bool = False) -> str | None:
@@ -226,7 +241,7 @@ def _torch_gemv(x: torch.Tensor, st: DecodeState) -> torch.Tensor:
 def int4_decode_linear(x2d: torch.Tensor, state: DecodeState) -> torch.Tensor:
     """``x2d @ W.T`` for a :func:`prepare_decode` weight: ``(M, K) -> (M, N)`` in ``x2d.dtype``
     (``(..., K) -> (..., N)`` also works). Fastest for ``M <= DECODE_MAX_ROWS``; correct for any ``M``."""
-    k = state.packed.shape[1] * state.packed.shape[3] * 2
+    k = state.in_features
     if not isinstance(x2d, torch.Tensor) or x2d.dim() < 1 or x2d.shape[-1] != k:
         raise ValueError(f"int4_decode_linear: x2d must be (rows, {k}), got "
                          f"{tuple(x2d.shape) if isinstance(x2d, torch.Tensor) else type(x2d).__name__}")
