@@ -11,15 +11,15 @@ than fp32 ``F.linear`` on AVX2, 1 and 2 threads, cold weights as in a real decod
   multiplied with ``vpmaddwd`` into int32 per group; the result differs from ``F.linear`` by at
   most ``2^-16 max|x_g| * sum_k (code_k - qmin) * scale`` per group, about 5e-5 of the output's
   range on random data (the int4pack kernel's bf16 activations: about 5e-3). Groups of a multiple
-  of 32 features, at most 16384;
+  of 32 features (groups over 4096 features, per channel, are split in sub-groups);
 * ``exact=True``: fp32 FMA over codes widened to fp32 (fp32 rounding only), about 1.4x slower.
   Groups of a multiple of 16 features.
 
 Which CPU gets what (measured; :data:`DECODE_MAX_ROWS_BY_CAPABILITY`): on AVX2 without AVX-512
 this path for up to 32 tokens (it beats the int4pack kernel at every count measured, 1 to 64);
 on AVX-512 CPUs, where ``_weight_int4pack_mm_for_cpu`` has its own AVX-512 kernel, only for 1 and
-2 tokens (there it is 1.2x to 1.6x faster than int4pack; from 4 tokens int4pack is as fast or
-faster); elsewhere never.
+2 tokens (1.2x to 1.6x faster than int4pack at 1 token, 1.0x to 1.3x at 2; from 4 tokens
+int4pack is as fast or faster); elsewhere never.
 
 The kernel is compiled at first use with ``torch.utils.cpp_extension`` (a C++ compiler and ninja;
 cached in torch's extension directory, so later processes only load it) and registered as
@@ -68,7 +68,7 @@ DECODE_MAX_ROWS_BY_CAPABILITY = {"AVX2": 32, "AVX512": 2}
 DECODE_MAX_ROWS = DECODE_MAX_ROWS_BY_CAPABILITY.get(torch.backends.cpu.get_cpu_capability(), 0)
 
 R = 4  # rows per tile of the packed layouts (decode_avx2.cpp)
-I16_MAX_GROUP = 16384  # int32 accumulation of int16 x int4 products stays exact up to this group
+I16_MAX_GROUP = 4096  # int32 sums of int16 x 4-bit products per row and group stay below 2^31
 _SOURCE = pathlib.Path(__file__).with_name("decode_avx2.cpp")
 _NAME = "qtransform_decode_avx2"
 _CFLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-DNDEBUG"]
@@ -94,27 +94,27 @@ class DecodeState(NamedTuple):
 
 
 @functools.cache
-def _load() -> str | None:
-    """Compile (or load the cached build) and register the kernel once per process; ``None`` when
-    it runs, else the reason it cannot."""
+def _build():
+    """Build (or load the cached build of) the kernel once per process and register its ops:
+    ``(module, None)`` when it runs here, else ``(None, reason)``."""
     if os.environ.get("QTRANSFORM_NO_DECODE_KERNEL"):
-        return "disabled by QTRANSFORM_NO_DECODE_KERNEL"
+        return None, "disabled by QTRANSFORM_NO_DECODE_KERNEL"
     cap = torch.backends.cpu.get_cpu_capability()
     if cap not in ("AVX2", "AVX512"):
-        return f"CPU capability {cap}: the kernel needs AVX2 + FMA"
+        return None, f"CPU capability {cap}: the kernel needs AVX2 + FMA"
     if not _SOURCE.is_file():
-        return f"kernel source {_SOURCE.name} is not installed"
+        return None, f"kernel source {_SOURCE.name} is not installed"
     if shutil.which(os.environ.get("CXX", "c++")) is None:
-        return "no C++ compiler found (set CXX)"
+        return None, "no C++ compiler found (set CXX)"
     try:
         from torch.utils import cpp_extension
-        cpp_extension.load(name=_NAME, sources=[str(_SOURCE)], extra_cflags=_CFLAGS,
-                           extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
+        mod = cpp_extension.load(name=_NAME, sources=[str(_SOURCE)], extra_cflags=_CFLAGS,
+                                 extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as e:  # no ninja, a compiler error, a read-only cache: fall back, say why
-        return f"building {_SOURCE.name} failed: {type(e).__name__}: {str(e).strip()[:300]}"
+        return None, f"building {_SOURCE.name} failed: {type(e).__name__}: {str(e).strip()[:300]}"
     for op in ("int4_gemv", "int4_gemv_i16"):
         torch.library.register_fake(f"qtransform_decode::{op}")(_fake_gemv)
-    return None
+    return mod, None
 
 
 def _fake_gemv(x, packed, scale, mzero, group, n):
@@ -123,7 +123,7 @@ def _fake_gemv(x, packed, scale, mzero, group, n):
 
 def decode_unavailable_reason() -> str | None:
     """Why the compiled kernel cannot run here (``None`` when it can). Builds it on the first call."""
-    return _load()
+    return _build()[1]
 
 
 def decode_available() -> bool:
@@ -131,18 +131,17 @@ def decode_available() -> bool:
 
     The first call in a process builds or loads it: tens of seconds once per machine (the build
     is cached), about a second later on."""
-    return _load() is None
+    return _build()[0] is not None
 
 
 def decode_group(in_features: int, groups: int, *, exact: bool = False) -> int | None:
     """Features per group for ``groups`` scales along ``in_features``, or ``None`` when the layout
-    cannot hold it: the group must be a multiple of 32 features (16 when ``exact``) and, unless
-    ``exact``, at most ``I16_MAX_GROUP``."""
+    cannot hold it: the group must be a multiple of 32 features (16 when ``exact``)."""
     block = 16 if exact else 32
     if groups < 1 or in_features % groups:
         return None
     g = in_features // groups
-    return g if g % block == 0 and (exact or g <= I16_MAX_GROUP) else None
+    return g if g % block == 0 else None
 
 
 def _grid(t: torch.Tensor | None, n: int, name: str) -> torch.Tensor | None:
@@ -175,7 +174,11 @@ def prepare_decode(codes: torch.Tensor, scale: torch.Tensor, zero_point: torch.T
     group = decode_group(k, s.shape[1], exact=exact)
     if group is None:
         raise ValueError(f"prepare_decode: in_features {k} in {s.shape[1]} groups: the group must be a multiple "
-                         f"of {16 if exact else 32} features" + ("" if exact else f" and at most {I16_MAX_GROUP}"))
+                         f"of {16 if exact else 32} features")
+    if not exact and group > I16_MAX_GROUP:  # split long groups (per channel) into sub-groups, scales repeated
+        sub = next(d for d in range(I16_MAX_GROUP, 31, -32) if group % d == 0)
+        s, z = (None if t is None else t.repeat_interleave(group // sub, dim=1) for t in (s, z))
+        group = sub
     nib = codes.to(torch.int16) - qmin
     if nib.numel() and (int(nib.min()) < 0 or int(nib.max()) > 15):
         raise ValueError(f"prepare_decode: codes must lie in [{qmin}, {qmin + 15}] (qmin={qmin})")
@@ -249,7 +252,11 @@ def int4_decode_linear(x2d: torch.Tensor, state: DecodeState) -> torch.Tensor:
         return int4_decode_linear(x2d.reshape(-1, k), state).reshape(*x2d.shape[:-1], state.out_features)
     xf = x2d if x2d.dtype == torch.float32 and x2d.is_contiguous() else x2d.to(torch.float32).contiguous()
     if state.native:
-        op = torch.ops.qtransform_decode.int4_gemv if state.exact else torch.ops.qtransform_decode.int4_gemv_i16
+        if torch.compiler.is_compiling():  # the registered op (with its fake) for the graph
+            lib = torch.ops.qtransform_decode
+        else:  # eager: the direct binding, a few microseconds less than the dispatcher
+            lib = _build()[0]
+        op = lib.int4_gemv if state.exact else lib.int4_gemv_i16
         y = op(xf, state.packed, state.scale, state.mzero, state.group, state.out_features)
     else:
         y = _torch_gemv(xf, state)

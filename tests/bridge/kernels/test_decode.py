@@ -76,8 +76,9 @@ def test_matches_dequant_reference(spec, exact, native):
     (1536, 576, qt.QuantSpec(format="uint4", granularity=qt.PerGroup(32), symmetric=False)),
     (577, 1536, qt.QuantSpec(format="int4", granularity=qt.PerGroup(128))),
     (64, 4096, qt.QuantSpec(format="int4", granularity=qt.PerChannel(0), symmetric=False)),
+    (16, 8448, qt.QuantSpec(format="uint4", granularity=qt.PerChannel(0), symmetric=False)),  # sub-groups
     (3, 32, qt.QuantSpec(format="uint4", granularity=qt.PerGroup(32), symmetric=False)),
-], ids=["kv-576", "up-576", "577x1536", "perchannel-4096", "tiny"])
+], ids=["kv-576", "up-576", "577x1536", "perchannel-4096", "perchannel-8448", "tiny"])
 def test_shapes(n, k, spec, native):
     q = quantized(spec, n, k, seed=n)
     for exact in (False, True):
@@ -153,7 +154,7 @@ def test_errors_name_the_problem():
 def test_no_compiler_fallback(monkeypatch):
     """Without a compiler the path reports why, packs for the torch fallback and stays correct."""
     monkeypatch.setenv("CXX", "/nonexistent/c++")
-    D._load.cache_clear()
+    D._build.cache_clear()
     try:
         assert not D.decode_available()
         assert "compiler" in D.decode_unavailable_reason()
@@ -166,7 +167,7 @@ def test_no_compiler_fallback(monkeypatch):
         check(D.int4_decode_linear(x, st), x, q, 32, exact=True)  # the fallback is fp32-exact
     finally:
         monkeypatch.undo()
-        D._load.cache_clear()
+        D._build.cache_clear()
     assert D.decode_available() is NATIVE
 
 
