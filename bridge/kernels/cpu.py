@@ -14,7 +14,7 @@ import torch
 
 import qtransform as qt
 
-from . import dense
+from . import decode, dense
 from .base import LINEAR_KERNELS, Kernel, grid, has_op, int_codec, linear_common, register_kernel, rows
 
 __all__ = ["INT4_GROUPS", "int4pack_linear", "int8pack_linear"]
@@ -61,16 +61,24 @@ def _int4_prepare(module):
     s, z = q.qparams.effective()
     block = module.spec.granularity.block_size((n, k))[-1]
     group = _int4_group(k, block)
-    nibbles = (qt.unpacked_codes(q).to(torch.int32) - codec.qmin).contiguous()  # 0 .. 2^bits - 1
-    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(nibbles, 2)
-    # the kernel computes (nibble - 8) * scale + zero; ours is (code - zero_point) * scale
-    zero = (codec.qmin + 8 - (0.0 if z is None else z)) * s
-    s_g, zero_g = (_per_kernel_group(t, n, k, block, group) for t in (s, zero))
-    scale_zeros = torch.stack([s_g.t(), zero_g.t()], dim=-1).to(torch.bfloat16).contiguous()
+    codes = qt.unpacked_codes(q)
     d_scale, d_offset = (_per_kernel_group(t, n, k, block, group).contiguous() for t in dense.affine_params(q))
     four = codec.bits == 4  # the buffer holds nibbles two per byte; fewer bits are unpacked per dense call
-    return {"packed": packed, "group": group, "scale_zeros": scale_zeros, "dense_scale": d_scale,
-            "dense_offset": d_offset, "codes": module.weight if four else None, "signed": codec.signed}
+    st = {"group": group, "dense_scale": d_scale, "dense_offset": d_offset,
+          "codes": module.weight if four else None, "signed": codec.signed, "decode": None, "packed": None}
+    few = decode.DECODE_MAX_ROWS
+    if few and decode.decode_available():  # the GEMV kernel for few tokens (AVX2 build)
+        zg = None if z is None else _per_kernel_group(z, n, k, block, group)
+        st["decode"] = decode.prepare_decode(codes, _per_kernel_group(s, n, k, block, group), zg, qmin=codec.qmin)
+    limit = dense.PREFILL_ROWS.get("int4pack_cpu")
+    if st["decode"] is None or limit is None or few < limit - 1:  # token counts between the two
+        nibbles = (codes.to(torch.int32) - codec.qmin).contiguous()  # 0 .. 2^bits - 1
+        st["packed"] = torch.ops.aten._convert_weight_to_int4pack_for_cpu(nibbles, 2)
+        # the kernel computes (nibble - 8) * scale + zero; ours is (code - zero_point) * scale
+        zero = (codec.qmin + 8 - (0.0 if z is None else z)) * s
+        s_g, zero_g = (_per_kernel_group(t, n, k, block, group) for t in (s, zero))
+        st["scale_zeros"] = torch.stack([s_g.t(), zero_g.t()], dim=-1).to(torch.bfloat16).contiguous()
+    return st
 
 
 def int4pack_linear(x: torch.Tensor, packed: torch.Tensor, group: int, scale_zeros: torch.Tensor) -> torch.Tensor:
@@ -95,7 +103,11 @@ def _dense(module, name: str, st, x):
 
 def _int4_run(module, st, x, **kw):
     y = _dense(module, "int4pack_cpu", st, x)
-    return int4pack_linear(x, st["packed"], st["group"], st["scale_zeros"]) if y is None else y
+    if y is not None:
+        return y
+    if st["decode"] is not None and (st["packed"] is None or x.numel() <= decode.DECODE_MAX_ROWS * x.shape[-1]):
+        return decode.int4_decode_linear(x, st["decode"])
+    return int4pack_linear(x, st["packed"], st["group"], st["scale_zeros"])
 
 
 def _int8_shift(codec) -> int:

@@ -4,7 +4,8 @@ The packed CPU kernels (:mod:`.cpu`) win while few tokens share a weight (decode
 4 or 8 bits per weight instead of 32. With many tokens the GEMM dominates, and the packed
 kernels compute it slower than the float ``F.linear`` of the same shape (bf16 with AVX2, no
 AVX-512: ~3x slower at 512 tokens). Above :data:`PREFILL_ROWS` rows the int4/int8 kernels
-therefore dequantize the weight in the input's dtype, in one vectorized pass, into a buffer
+therefore dequantize the weight in the input's dtype (4-bit codes to float32: one AVX2 pass of
+``dense_avx2.cpp``, built at first use by :mod:`.native`; otherwise plain tensor ops), into a buffer
 kept per thread and reused by every layer (allocating a fresh weight-sized tensor costs more
 than filling it: page faults), and call ``F.linear``: the prefill of a quantized model runs
 at the float model's GEMM speed plus one dequantization per layer per call.
@@ -20,7 +21,7 @@ every shape to first order. ``bench/bench_prefill.py`` measures it (see the READ
 ...                                                         symmetric=False)))
 >>> s, off = affine_params(q)
 >>> w_ = dequantize_int(q.codes, s, off, 256, torch.float32, signed=False)
->>> bool(torch.allclose(w_, qt.dequantize(q)))
+>>> bool(torch.allclose(w_, qt.dequantize(q), atol=1e-6))
 True
 """
 
@@ -31,6 +32,8 @@ import threading
 import torch
 
 import qtransform as qt
+
+from . import native
 
 __all__ = ["PREFILL_ROWS", "affine_params", "dequantize_int", "dense_linear", "release_buffers"]
 
@@ -86,6 +89,12 @@ def dequantize_int(codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tenso
         return (bits.view(n, groups, k // groups).to(dtype) * s + (off - 8 * s if signed else off)).view(n, k)
     dev = codes.device
     w = _buffer("weight", (n, k), dtype, dev)
+    if four and dtype == torch.float32 and dev.type == "cpu" and (k // groups) % 2 == 0:
+        ext, _ = native.build("dense_avx2.cpp", "qtransform_dense_avx2")
+        if ext is not None:  # one AVX2 pass (5x the plain ops below)
+            ext.dequant_int4(codes.contiguous(), scale.to(torch.float32).contiguous(),
+                             offset.to(torch.float32).contiguous(), bool(signed), w)
+            return w
     if four:
         bits = codes
         if signed:  # the stored nibble with its sign bit flipped is code + 8

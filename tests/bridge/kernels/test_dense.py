@@ -102,3 +102,19 @@ def test_padded_group_runs_the_packed_kernel_at_decode():
     x = torch.randn(1, 576)
     ref = _reference(m, bias, x)
     assert (m(x).double() - ref).abs().max() <= 2e-2 * ref.abs().max()
+
+
+@pytest.mark.parametrize("spec,k", SPECS[:5], ids=lambda v: str(v))
+def test_native_and_plain_dequantization_agree(spec, k, monkeypatch):
+    """The AVX2 pass (built at first use) and the plain tensor ops give the same weight."""
+    m, _ = _module(spec, k)
+    q = m.qweight
+    block = spec.granularity.block_size(tuple(q.shape))[-1]
+    s, off = (t.repeat_interleave(block // 32, dim=1)[:, : k // 32].contiguous() for t in dense.affine_params(q))
+    signed = spec.fmt.codec.signed
+    got = dense.dequantize_int(q.codes, s, off, k, torch.float32, signed=signed).clone()
+    monkeypatch.setattr(dense.native, "build", lambda *a, **kw: (None, "turned off by the test"))
+    plain = dense.dequantize_int(q.codes, s, off, k, torch.float32, signed=signed)
+    ref = qt.dequantize(q)
+    scale = ref.abs().max()
+    assert (got - ref).abs().max() <= 1e-6 * scale and (plain - ref).abs().max() <= 1e-6 * scale
