@@ -6,6 +6,9 @@ One random int4 weight per shape (asymmetric, per-group scales and zero points, 
 * ``fp32`` / ``bf16``: ``F.linear`` on the dequantized weight (the baseline and the 16-bit peer);
 * ``int4pack``: ``aten._weight_int4pack_mm_for_cpu`` (bf16 compute), qtransform's ``int4pack_cpu``;
 * ``int8pack``: ``aten._weight_int8pack_mm`` on an int8 per-channel weight (bf16; twice the bytes);
+* ``ao-da8w4``, ``ao-kleidiai``, ``dyn-quant-4bit``: torchao's int8-activation int4 kernel, its
+  opaque KleidiAI/lowbit layouts and ``aten._dyn_quant_matmul_4bit`` (reported as "not run here"
+  with the reason where this CPU or build lacks them: on x86 without torchao's C++ kernels, all);
 * ``dequant+gemm``: unpack and dequantize the whole weight each call, then fp32 ``F.linear`` (the
   many-token path; not in the default set);
 * ``ao-a16w4``: torchao's CPU int4 weight-only tensor (``Int4OpaqueTensor``, bf16 activations);
@@ -86,6 +89,37 @@ def c_ao_a16w4(codes, s, z, w, g):
     return lin, lambda x, st: st(x.to(torch.bfloat16)).float()
 
 
+def c_ao_da8w4(codes, s, z, w, g):
+    """torchao's int8-activation x int4-weight CPU kernel (needs its C++ extension)."""
+    from torchao.prototype.quantization.int4.inference_workflow import Int8DynamicActivationInt4WeightConfig
+    from torchao.quantization import quantize_
+    lin = torch.nn.Linear(w.shape[1], w.shape[0], bias=False)
+    lin.weight.data.copy_(w)
+    quantize_(lin, Int8DynamicActivationInt4WeightConfig(group_size=g))
+    return lin, lambda x, st: st(x)
+
+
+def c_ao_kleidiai(codes, s, z, w, g):
+    """torchao's opaque int4 CPU layouts (KleidiAI / its lowbit kernels)."""
+    from torchao.quantization import IntxWeightOnlyConfig, quantize_
+    from torchao.quantization.granularity import PerGroup
+    lin = torch.nn.Linear(w.shape[1], w.shape[0], bias=False)
+    lin.weight.data.copy_(w)
+    quantize_(lin, IntxWeightOnlyConfig(weight_dtype=torch.int4, granularity=PerGroup(g),
+                                        intx_packing_format="opaque_aten_kleidiai"))
+    return lin, lambda x, st: st(x)
+
+
+def c_dyn_quant_4bit(codes, s, z, w, g):
+    """``aten._dyn_quant_matmul_4bit`` (int8 activations x int4 weights; KleidiAI on Arm)."""
+    if not torch.backends.kleidiai.is_available():
+        raise RuntimeError("no KleidiAI here: aten._dyn_quant_pack_4bit_weight keeps a dense fp32 copy "
+                           "(no 4-bit storage) on this CPU")
+    n, k = codes.shape
+    packed = torch.ops.aten._dyn_quant_pack_4bit_weight(codes.to(torch.uint8), s, None, g, k, n)
+    return packed, lambda x, st: torch.ops.aten._dyn_quant_matmul_4bit(x, st, g, k, n)
+
+
 def c_dequant_gemm(codes, s, z, w, g):
     """Dequantize the whole weight from bytes of two nibbles each call, then fp32 F.linear."""
     n, k = codes.shape
@@ -132,9 +166,11 @@ def _decode(exact):
 
 
 CANDIDATES = {"fp32": c_fp32, "bf16": c_bf16, "int4pack": c_int4pack, "int8pack": c_int8pack,
-              "ao-a16w4": c_ao_a16w4, "dequant+gemm": c_dequant_gemm, "inductor": _inductor(None),
+              "ao-a16w4": c_ao_a16w4, "ao-da8w4": c_ao_da8w4, "ao-kleidiai": c_ao_kleidiai,
+              "dyn-quant-4bit": c_dyn_quant_4bit, "dequant+gemm": c_dequant_gemm, "inductor": _inductor(None),
               "inductor-ma": _inductor("max-autotune-no-cudagraphs"), "decode": _decode(False), "decode-exact": _decode(True)}
-DEFAULT = ("fp32", "bf16", "int4pack", "int8pack", "ao-a16w4", "decode", "decode-exact")
+DEFAULT = ("fp32", "bf16", "int4pack", "int8pack", "ao-a16w4", "ao-da8w4", "ao-kleidiai", "dyn-quant-4bit",
+           "decode", "decode-exact")
 
 
 def nbytes(st) -> int:
