@@ -160,7 +160,7 @@ def prepare_decode(codes: torch.Tensor, scale: torch.Tensor, zero_point: torch.T
     ``scale`` and ``zero_point`` are ``(1 or N, G)`` (per-tensor/per-channel/per-group along K),
     ``W = (codes - zero_point) * scale`` broadcast over groups of ``K / G`` features;
     ``zero_point=None`` means 0 (symmetric). ``exact`` picks the fp32 variant; ``native`` the
-    compiled kernel (default: when :func:`decode_available`; ``False``: the plain-torch path).
+    compiled kernel (default: on the CPU when :func:`decode_available`; ``False``: plain torch).
     Raises ``ValueError`` for what the layout cannot hold (see :func:`decode_group`)."""
     if not isinstance(codes, torch.Tensor) or codes.dim() != 2 or codes.is_floating_point():
         raise ValueError("prepare_decode: codes must be a 2-D integer tensor, got "
@@ -182,10 +182,12 @@ def prepare_decode(codes: torch.Tensor, scale: torch.Tensor, zero_point: torch.T
     nib = codes.to(torch.int16) - qmin
     if nib.numel() and (int(nib.min()) < 0 or int(nib.max()) > 15):
         raise ValueError(f"prepare_decode: codes must lie in [{qmin}, {qmin + 15}] (qmin={qmin})")
+    on_cpu = codes.device.type == "cpu"
     if native is None:
-        native = decode_available()
-    elif native and not decode_available():
-        raise ValueError(f"prepare_decode: native=True but the kernel cannot run: {decode_unavailable_reason()}")
+        native = on_cpu and decode_available()
+    elif native and not (on_cpu and decode_available()):
+        raise ValueError("prepare_decode: native=True but the kernel cannot run: "
+                         + (decode_unavailable_reason() or f"codes on {codes.device}, not the CPU"))
     block = 16 if exact else 32
     tiles = -(-n // R)
     pad = tiles * R - n

@@ -136,6 +136,7 @@ std::array<int64_t, 4> check(const char* op, const at::Tensor& x, const at::Tens
                              const at::Tensor& mzero, int64_t group, int64_t n, int64_t block, int64_t max_group) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() && x.is_cpu(), op,
               ": x must be a contiguous 2-D float32 CPU tensor");
+  TORCH_CHECK(packed.is_cpu() && scale.is_cpu() && mzero.is_cpu(), op, ": the packed weight must be on the CPU");
   TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() && packed.dim() == 4 &&
                   packed.size(2) == R && packed.size(3) == block / 2,
               op, ": packed must be contiguous uint8 (tiles, K/", block, ", 4, ", block / 2, ")");
