@@ -45,15 +45,14 @@ True
 from __future__ import annotations
 
 import functools
-import os
-import pathlib
-import shutil
 from typing import NamedTuple
 
 import torch
 
 import qtransform as qt
 from qtransform.formats import IntCodec
+
+from . import native
 
 __all__ = ["DECODE_MAX_ROWS", "DECODE_MAX_ROWS_BY_CAPABILITY", "DecodeState", "decode_available", "decode_unavailable_reason", "decode_group",
            "decode_check", "prepare_decode", "prepare_decode_qtensor", "int4_decode_linear"]
@@ -69,9 +68,8 @@ DECODE_MAX_ROWS = DECODE_MAX_ROWS_BY_CAPABILITY.get(torch.backends.cpu.get_cpu_c
 
 R = 4  # rows per tile of the packed layouts (decode_avx2.cpp)
 I16_MAX_GROUP = 4096  # int32 sums of int16 x 4-bit products per row and group stay below 2^31
-_SOURCE = pathlib.Path(__file__).with_name("decode_avx2.cpp")
+_SOURCE = "decode_avx2.cpp"
 _NAME = "qtransform_decode_avx2"
-_CFLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-DNDEBUG"]
 
 
 class DecodeState(NamedTuple):
@@ -96,25 +94,12 @@ class DecodeState(NamedTuple):
 @functools.cache
 def _build():
     """Build (or load the cached build of) the kernel once per process and register its ops:
-    ``(module, None)`` when it runs here, else ``(None, reason)``."""
-    if os.environ.get("QTRANSFORM_NO_DECODE_KERNEL"):
-        return None, "disabled by QTRANSFORM_NO_DECODE_KERNEL"
-    cap = torch.backends.cpu.get_cpu_capability()
-    if cap not in ("AVX2", "AVX512"):
-        return None, f"CPU capability {cap}: the kernel needs AVX2 + FMA"
-    if not _SOURCE.is_file():
-        return None, f"kernel source {_SOURCE.name} is not installed"
-    if shutil.which(os.environ.get("CXX", "c++")) is None:
-        return None, "no C++ compiler found (set CXX)"
-    try:
-        from torch.utils import cpp_extension
-        mod = cpp_extension.load(name=_NAME, sources=[str(_SOURCE)], extra_cflags=_CFLAGS,
-                                 extra_ldflags=["-fopenmp"], verbose=False)
-    except Exception as e:  # no ninja, a compiler error, a read-only cache: fall back, say why
-        return None, f"building {_SOURCE.name} failed: {type(e).__name__}: {str(e).strip()[:300]}"
-    for op in ("int4_gemv", "int4_gemv_i16"):
-        torch.library.register_fake(f"qtransform_decode::{op}")(_fake_gemv)
-    return mod, None
+    ``(module, None)`` when it runs here, else ``(None, reason)`` (:func:`native.build`)."""
+    mod, reason = native.build(_SOURCE, _NAME, env="QTRANSFORM_NO_DECODE_KERNEL")
+    if mod is not None:
+        for op in ("int4_gemv", "int4_gemv_i16"):
+            torch.library.register_fake(f"qtransform_decode::{op}")(_fake_gemv)
+    return mod, reason
 
 
 def _fake_gemv(x, packed, scale, mzero, group, n):

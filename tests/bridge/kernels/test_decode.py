@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 import qtransform as qt
 from bridge.kernels import decode as D
+from bridge.kernels import native
 
 NATIVE = D.decode_available()
 native_only = pytest.mark.skipif(not NATIVE, reason=f"decode kernel unavailable: {D.decode_unavailable_reason()}")
@@ -155,6 +156,7 @@ def test_no_compiler_fallback(monkeypatch):
     """Without a compiler the path reports why, packs for the torch fallback and stays correct."""
     monkeypatch.setenv("CXX", "/nonexistent/c++")
     D._build.cache_clear()
+    native.build.cache_clear()
     try:
         assert not D.decode_available()
         assert "compiler" in D.decode_unavailable_reason()
@@ -168,6 +170,8 @@ def test_no_compiler_fallback(monkeypatch):
     finally:
         monkeypatch.undo()
         D._build.cache_clear()
+        native.build.cache_clear()
+    native.build.cache_clear()
     assert D.decode_available() is NATIVE
 
 
