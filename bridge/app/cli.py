@@ -4,6 +4,7 @@
                         [--out DIR [--overwrite]] [--plot] [--json FILE] [--no-eval]
     qtransform eval --model DIR [--baseline PATH]
     qtransform formats | recipes | inspect DIR
+    qtransform export CHECKPOINT --to quark|compressed-tensors|gguf|onnx --out DIR   (bridge.app.export)
 
 ``--plugin FILE.py|MODULE`` (any command, repeatable) imports Python code first: formats,
 observers, algorithms or presets it registers are then usable by name (in recipe files too).
@@ -30,7 +31,7 @@ import time
 import warnings
 from pathlib import Path
 
-from . import inputs, outputs
+from . import export, inputs, outputs
 from .inputs import UserError
 
 __all__ = ["main"]
@@ -162,6 +163,7 @@ def cmd_quantize(a) -> int:
     eval_seqs = None if a.no_eval else inputs.sequences(tokenizer, text, a.corpus, a.seq_len, a.eval_sequences)
     calibration = inputs.calibration(a, tokenizer, calib_text)
     plan = _plan(model, recipe, label)
+    export.check_plan(a, plan, out)
     unmatched = recipe.unmatched(plan)
     for glob in unmatched:
         _warn(f"recipe pattern {glob!r} matches no tensor of the model")
@@ -221,8 +223,9 @@ def cmd_quantize(a) -> int:
         shutil.rmtree(tmp, ignore_errors=True)
     if a.json:
         outputs.write_text(Path(a.json), json.dumps(rep.to_dict(), indent=2) + "\n", option="--json")
+    exported = export.export_after_quantize(a, out)
     _say()
-    _say(rep.render())
+    _say(rep.render() + (f"\nexported ({a.to}): {exported}" if exported else ""))
     return 0
 
 
@@ -326,6 +329,7 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--plot", action="store_true", help="write report.png next to the checkpoint")
     q.add_argument("--json", metavar="FILE", help="also write the report as JSON to FILE")
     q.add_argument("--no-eval", action="store_true", help="skip the perplexity before/after")
+    export.add_quantize_options(q)
 
     e = sub.add_parser("eval", help="perplexity and a greedy generation, optionally against a baseline")
     e.add_argument("--model", required=True, help="checkpoint or model directory (or 'default')")
@@ -346,14 +350,14 @@ def build_parser() -> argparse.ArgumentParser:
     r = sub.add_parser("recipes", help="the named recipe presets")
     i = sub.add_parser("inspect", help="what a checkpoint holds")
     i.add_argument("directory")
-    for cmd in (q, e, f, r, i):
+    for cmd in (q, e, f, r, i, export.add_parser(sub)):
         cmd.add_argument("--plugin", action="append", default=[], metavar="FILE.py|MODULE",
                          help="import this first (it may register formats, observers, algorithms, presets)")
     return p
 
 
 COMMANDS = {"quantize": cmd_quantize, "eval": cmd_eval, "formats": cmd_formats, "recipes": cmd_recipes,
-            "inspect": cmd_inspect}
+            "inspect": cmd_inspect, "export": export.cmd_export}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,17 @@
+"""Checkpoints other tools read: exporters of qtransform checkpoints to other ecosystems' formats.
+
+:mod:`.base` holds the interface (:class:`Exporter`, :class:`Source`, :class:`Support`), the
+registry :data:`EXPORTERS` and :func:`export`; each target is one module of this package that
+registers itself when imported here. :class:`Importer` and :data:`IMPORTERS` are the way
+back: other tools' checkpoints read into our tree without re-quantizing.
+"""
+
+from .base import (EXPORTERS, EXTRA_FILES, IMPORTERS, SUPPORT_KINDS, Exporter, Importer, Source, Support,
+                   copy_extras, detect_format, export, read_source, register_exporter, register_importer,
+                   write_config)
+
+# the targets register themselves on import (one module each)
+
+__all__ = ["EXPORTERS", "EXTRA_FILES", "IMPORTERS", "SUPPORT_KINDS", "Exporter", "Importer", "Source", "Support",
+           "copy_extras", "detect_format", "export", "read_source", "register_exporter", "register_importer",
+           "write_config"]

@@ -1,0 +1,221 @@
+"""Exports of qtransform checkpoints to other ecosystems' formats: the interface every target implements.
+
+A target (``quark``, ``compressed-tensors``, ``gguf``, ``onnx``...) is an :class:`Exporter` in its own
+module of this package, registered in :data:`EXPORTERS` under its name. It says, per quantized
+tensor, whether its format can hold the spec (:meth:`Exporter.support`: ``"exact"``, ``"nearest"``
+with the reason, or ``"no"``) and writes a :class:`Source` (a qtransform checkpoint read without a
+model: its metadata, tree and ``config.json``) into a directory (:meth:`Exporter.write`).
+
+:func:`export` is what the ``qtransform export`` command and ``qtransform quantize --to`` call:
+it reads the checkpoint (checksums verified), asks the target about every quantized tensor and
+activation quantizer first and refuses with one ``ValueError`` listing the tree paths it cannot
+express (nothing is written then), and writes the export into a temporary directory renamed into
+place at the end (:func:`bridge.checkpoint.store.atomic_directory`): never half a directory.
+
+>>> import qtransform as qt
+>>> sorted(EXPORTERS) == sorted(EXPORTERS.keys())
+True
+"""
+
+from __future__ import annotations
+
+import abc
+import json
+import shutil
+from pathlib import Path
+from typing import Mapping, NamedTuple
+
+import qtransform as qt
+
+from ..checkpoint import store
+from ..checkpoint.metadata import Metadata
+from ..checkpoint.tree_io import CONFIG, load_tree, read_metadata
+
+__all__ = ["Source", "Support", "Exporter", "EXPORTERS", "register_exporter", "Importer", "IMPORTERS",
+           "register_importer", "detect_format", "read_source", "export",
+           "EXTRA_FILES", "copy_extras", "write_config", "SUPPORT_KINDS"]
+
+#: What :meth:`Exporter.support` answers: the target holds the spec bit for bit, holds the nearest
+#: format it has (extra error, said in the note), or cannot hold it.
+SUPPORT_KINDS = ("exact", "nearest", "no")
+
+#: Files a transformers checkpoint carries beside its weights, copied into exports that keep
+#: the transformers directory shape (tokenizer, generation settings, chat template).
+EXTRA_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+               "tokenizer.model", "vocab.json", "vocab.txt", "merges.txt", "added_tokens.json", "chat_template.jinja")
+
+
+class Source(NamedTuple):
+    """A qtransform checkpoint read without a model.
+
+    ``tree``: ``{path: Tensor | QTensor}`` (tied paths included, bit for bit as stored);
+    ``meta``: its decoded ``quantization_config`` (specs of every quantized tensor, activation and
+    key/value-cache quantizers, online rotations); ``config``: ``config.json`` without its
+    ``quantization_config`` (the transformers model config; ``{}`` for a checkpoint of a plain
+    module); ``directory``: where it was read (tokenizer files sit there)."""
+
+    directory: Path
+    meta: Metadata
+    tree: dict
+    config: dict
+
+
+class Support(NamedTuple):
+    """``kind`` in :data:`SUPPORT_KINDS`; ``note``: the target's name for it, or why not / what is lost."""
+
+    kind: str
+    note: str = ""
+
+
+class Exporter(abc.ABC):
+    """One target format. Subclasses set :attr:`name` and :attr:`suffix` and implement
+    :meth:`support` and :meth:`write`; :meth:`problems` has a default built on :meth:`support`."""
+
+    #: The ``--to`` name.
+    name: str = ""
+    #: One line for ``qtransform export --help`` and the README table.
+    description: str = ""
+
+    @abc.abstractmethod
+    def support(self, spec: qt.QuantSpec, role: str = "weight") -> Support:
+        """Can this target hold a tensor quantized with ``spec``? ``role``: ``"weight"``, or an
+        activation site's role (``"input"``, ``"output"``, ``"key"``, ``"value"``)."""
+
+    @abc.abstractmethod
+    def write(self, source: Source, out: Path, *, allow_nearest: bool = False) -> None:
+        """Write the export of ``source`` into the (empty, temporary) directory ``out``."""
+
+    def problems(self, source: Source, *, allow_nearest: bool = False) -> list[str]:
+        """Why ``source`` cannot be exported (one line per tree path or site; empty when it can).
+        Targets with whole-model conditions (an architecture, online rotations) extend it."""
+        out = []
+        for path, entry in source.meta.entries.items():
+            out += self._judge(path, entry.spec, "weight", allow_nearest)
+        for site, spec in source.meta.activations.items():
+            out += self._judge(f"{site.module}:{site.role}", spec, site.role, allow_nearest)
+        for site in source.meta.online:
+            out.append(f"{site.module}:{site.role}: an online rotation, which {self.name} cannot express "
+                       "(dequantize-and-fold it first: model.dequantize(), or quantize without R3/R4)")
+        return out
+
+    def _judge(self, where: str, spec: qt.QuantSpec, role: str, allow_nearest: bool) -> list[str]:
+        s = self.support(spec, role)
+        if s.kind not in SUPPORT_KINDS:
+            raise TypeError(f"{type(self).__name__}.support returned kind {s.kind!r}, not one of {SUPPORT_KINDS}")
+        if s.kind == "no" or (s.kind == "nearest" and not allow_nearest):
+            extra = " (pass allow_nearest=True / --allow-nearest to accept it)" if s.kind == "nearest" else ""
+            return [f"{where}: {spec}: {s.note or 'not expressible'}{extra}"]
+        return []
+
+
+class Importer(abc.ABC):
+    """Reads another tool's checkpoint into a :class:`Source` (our tree and metadata) without
+    re-quantizing where its format maps to one of ours. Subclasses set :attr:`name`."""
+
+    name: str = ""
+
+    @abc.abstractmethod
+    def detect(self, directory: Path) -> bool:
+        """True when ``directory`` (or file) is a checkpoint of this format (cheap: headers, config)."""
+
+    @abc.abstractmethod
+    def read(self, directory: Path) -> Source:
+        """The checkpoint as a :class:`Source`; ``ValueError`` naming the tensor it cannot map."""
+
+
+def _check_exporter(name: str, exporter) -> None:
+    if not isinstance(exporter, Exporter):
+        raise TypeError(f"register_exporter: expected an Exporter, got {type(exporter).__name__}")
+    if name != exporter.name:
+        raise ValueError(f"register_exporter: name {name!r} differs from the exporter's name {exporter.name!r}")
+
+
+#: ``--to`` name -> :class:`Exporter`.
+EXPORTERS = qt.Registry("export target", check=_check_exporter)
+
+
+def _check_importer(name: str, importer) -> None:
+    if not isinstance(importer, Importer) or name != importer.name:
+        raise TypeError(f"register_importer: expected an Importer named {name!r}, got {importer!r}")
+
+
+#: format name -> :class:`Importer`.
+IMPORTERS = qt.Registry("import format", check=_check_importer)
+
+
+def register_importer(importer: Importer, *, replace: bool = False) -> Importer:
+    """Add ``importer`` under its :attr:`~Importer.name`."""
+    return IMPORTERS.register(getattr(importer, "name", None), importer, replace=replace)
+
+
+def detect_format(path) -> str | None:
+    """The name of the :data:`IMPORTERS` entry that reads ``path`` (``None``: none does)."""
+    p = Path(path)
+    return next((name for name, imp in IMPORTERS.items() if imp.detect(p)), None)
+
+
+def register_exporter(exporter: Exporter, *, replace: bool = False) -> Exporter:
+    """Add ``exporter`` under its :attr:`~Exporter.name`."""
+    return EXPORTERS.register(getattr(exporter, "name", None), exporter, replace=replace)
+
+
+def read_source(checkpoint, *, verify: bool = True) -> Source:
+    """Read a qtransform checkpoint directory into a :class:`Source` (checksums verified unless
+    ``verify=False``); :class:`~bridge.CheckpointError` when it is not one."""
+    root = Path(checkpoint)
+    meta = read_metadata(root)
+    tree = load_tree(root, verify=verify)
+    config = store.read_json(root / CONFIG, "checkpoint config")
+    config = {k: v for k, v in config.items() if k != "quantization_config"}
+    return Source(root, meta, tree, config)
+
+
+def copy_extras(source: Source, out: Path, names=EXTRA_FILES) -> list[str]:
+    """Copy the tokenizer and generation files that sit beside the checkpoint; the names copied."""
+    copied = []
+    for name in names:
+        src = source.directory / name
+        if src.is_file():
+            shutil.copy2(src, out / name)
+            copied.append(name)
+    return copied
+
+
+def write_config(out: Path, config: Mapping) -> None:
+    """``config.json`` in transformers' style (sorted keys, two-space indent)."""
+    (out / CONFIG).write_text(json.dumps(dict(config), indent=2, sort_keys=True) + "\n")
+
+
+def export(checkpoint, *, to: str, out, overwrite: bool = False, allow_nearest: bool = False,
+           verify: bool = True) -> Path:
+    """Export the qtransform checkpoint directory ``checkpoint`` to format ``to`` in directory ``out``.
+
+    Raises ``ValueError`` (a :class:`~bridge.CheckpointError` for a damaged checkpoint) before
+    anything is written: an unknown target, a checkpoint that is not one, tensors or activation
+    quantizers the target cannot hold (each listed by tree path), an ``out`` that exists and is not
+    empty without ``overwrite``. ``allow_nearest`` accepts specs the target holds only
+    approximately (see :meth:`Exporter.support`). Returns ``Path(out)``."""
+    if not isinstance(to, str) or to not in EXPORTERS:
+        raise ValueError(f"export: to must be one of {sorted(EXPORTERS)}, got {to!r}")
+    for name, flag in (("overwrite", overwrite), ("allow_nearest", allow_nearest), ("verify", verify)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"export: {name} must be True or False, got {flag!r}")
+    target = Path(out)
+    if target.exists() and not target.is_dir():
+        raise ValueError(f"export: out {target} exists and is not a directory")
+    if target.exists() and any(target.iterdir()) and not overwrite:
+        raise ValueError(f"export: out {target} exists and is not empty (pass overwrite=True / --overwrite)")
+    if Path(checkpoint).resolve() == target.resolve():
+        raise ValueError(f"export: out {target} is the checkpoint itself")
+    exporter = EXPORTERS[to]
+    source = read_source(checkpoint, verify=verify)
+    problems = exporter.problems(source, allow_nearest=allow_nearest)
+    if problems:
+        shown = "\n  ".join(problems[:20]) + (f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else "")
+        raise ValueError(f"export to {to}: {len(problems)} item(s) of {source.directory} cannot be expressed:\n  {shown}")
+    try:
+        with store.atomic_directory(target, overwrite=overwrite) as tmp:
+            exporter.write(source, Path(tmp), allow_nearest=allow_nearest)
+    except FileExistsError as e:
+        raise ValueError(f"export: {e}") from None
+    return target
