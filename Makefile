@@ -45,7 +45,8 @@ demo: $(STAMP)
 bench: $(STAMP)
 	$(PIP) install -q -c .ci/constraints.txt -e ".[bench]"
 	$(BIN)/python bench/bench_core.py
-	$(BIN)/python bench/bench_linear.py
+	$(BIN)/python bench/bench_decode.py
+	$(BIN)/python bench/bench_prefill.py --threads 2
 	$(BIN)/python bench/bench_formats.py
 	$(BIN)/python bench/bench_hqq.py
 	$(BIN)/python bench/bench_checkpoint.py
