@@ -48,6 +48,10 @@ __all__ = ["ROLES", "KV_ROLES", "PREFIX", "attach", "activation_view", "qparams_
 
 ROLES = ("input", "output")
 KV_ROLES = qt.spec.KV_ROLES
+#: The observer of dynamic quantizers (min/max of each input), made once: ``torch.compile`` traces
+#: its statistics but not the observer registry's lookup.
+_DYNAMIC_OBSERVER = qt.make_observer("minmax")
+
 #: Stored-name prefix of each role's QParams fields: ``input_scale``, ``k_scale``...
 PREFIX = {"input": "input_", "output": "output_", "key": "k_", "value": "v_"}
 
@@ -124,7 +128,7 @@ def qparams_for(module: nn.Module, role: str, x: torch.Tensor) -> QParams | None
     if spec is None:
         return None
     if spec.dynamic:
-        return qt.choose_qparams(activation_view(module, x.detach()), spec)
+        return qt.choose_qparams(activation_view(module, x.detach()), spec, observer=_DYNAMIC_OBSERVER)
     fields = {f: module._buffers[PREFIX[role] + f] for f in QParams.FIELDS if PREFIX[role] + f in module._buffers}
     if role in KV_ROLES:  # stored as scalars; the grid of the (batch, heads, tokens, head_dim) tensor
         fields = {f: t.reshape((1,) * x.dim()) for f, t in fields.items()}
