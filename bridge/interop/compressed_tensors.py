@@ -1,0 +1,291 @@
+"""``--to compressed-tensors``: checkpoints vLLM and transformers' compressed-tensors quantizer load.
+
+The export is a transformers checkpoint directory: ``config.json`` with a ``quantization_config``
+of ``quant_method: "compressed-tensors"`` (``config_groups`` of layers sharing one scheme,
+``ignore``, ``kv_cache_scheme``, ``format``, ``quantization_status: "compressed"``), safetensors
+shards with compressed-tensors' tensor names and packing (:mod:`.ct_tensors`), and the tokenizer
+and generation files. What maps to what (:mod:`.ct_args`):
+
+* integer weights (``int1``..``int8``, ``uint1``..``uint8``; per tensor, per output channel, groups
+  along the input features, 2-D blocks; symmetric or with an integer zero point) are
+  ``pack-quantized`` (``int-quantized`` when the layer's inputs are integer-quantized too);
+* fp8 e4m3 weights are ``float-quantized`` (``naive-quantized`` without activation quantizers);
+  static per-tensor and dynamic per-tensor/per-token/group activation quantizers (int or fp8 e4m3)
+  become ``input_activations``/``output_activations`` with ``input_scale``/``output_scale``; the
+  static per-tensor key/value cache becomes ``kv_cache_scheme`` with ``k_scale``/``v_scale``;
+* ``mxfp4``, ``mxfp6_e2m3``, ``mxfp8_e4m3`` and ``nvfp4`` are ``mxfp4-pack-quantized``,
+  ``mxfp6-pack-quantized``, ``mxfp8-quantized`` and ``nvfp4-pack-quantized``.
+
+All of these are exact: the codes and scales are ours, bit for bit. Float zero points (HQQ), fp8
+e5m2 and the other element types compressed-tensors lacks are ``"nearest"``: with
+``allow_nearest`` the weight is dequantized and re-quantized to :func:`.ct_args.nearest` (its
+extra error is measured in the README). GPTQ's act-order needs no ``g_idx``: our GPTQ fixes its
+groups before the column loop (``static_groups``), so checkpoints carry no permutation.
+
+Our own metadata (specs, recipe, tied paths) rides along in the shards' safetensors metadata
+(``qtransform_config``), ignored by other readers, so that :class:`.ct_import.CompressedTensorsImporter`
+gives back the very tree that was exported.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+from torch import nn
+
+import qtransform as qt
+
+from ..checkpoint import metadata, store
+from ..checkpoint.metadata import Entry
+from ..modules.actquant import PREFIX
+from . import ct_args
+from .base import Exporter, Source, Support, copy_extras, register_exporter, register_importer, write_config
+from .ct_import import GLOBAL_SCALES_KEY, HINT_KEY, CompressedTensorsImporter
+from .ct_model import QUANTIZABLE, is_cached_attention, skeleton
+from .ct_tensors import to_ct
+
+__all__ = ["CompressedTensorsExporter", "CompressedTensorsImporter"]
+
+_FLOATS = (torch.float32, torch.float16, torch.bfloat16)
+
+
+class _Layer(NamedTuple):
+    """One quantized module of the export."""
+
+    weight: qt.QTensor | None      # the (possibly re-quantized) weight, None for activation-only layers
+    mapping: ct_args.Mapping | None
+    inputs: dict | None            # QuantizationArgs of its input / output quantizers
+    outputs: dict | None
+
+
+class _Plan(NamedTuple):
+    layers: dict[str, _Layer]                  # module name -> layer
+    kv: dict | None                            # the kv_cache_scheme
+    specs: dict[str, qt.QuantSpec]             # exported spec per weight path
+    activations: dict[qt.Site, qt.QuantSpec]   # exported activation specs
+    linears: list[str]                         # every nn.Linear of the model (for "Linear" targets)
+    problems: list[str]
+    untie: bool = False                        # the output embedding is quantized: transformers must not tie it
+
+
+def _model_dtype(config: dict) -> torch.dtype | None:
+    name = config.get("dtype") or config.get("torch_dtype")
+    dt = getattr(torch, name, None) if isinstance(name, str) else None
+    return dt if dt in _FLOATS else None
+
+
+def _fits(src: torch.dtype, dst: torch.dtype) -> bool:
+    """Every ``src`` value is a ``dst`` value (compressed-tensors holds scales in the model's dtype)."""
+    return src == dst or dst == torch.float32 or (src == torch.float16 and dst == torch.float32)
+
+
+def _plan(source: Source, allow_nearest: bool) -> _Plan:
+    """Everything the export writes, or the reasons it cannot (``problems``, one line per path)."""
+    problems: list[str] = []
+    model, why = skeleton(source.config)
+    if model is None:
+        return _Plan({}, None, {}, {}, [], [f"{source.directory}: {why}"])
+    modules = dict(model.named_modules())
+    mdtype = _model_dtype(source.config)
+    layers, specs = {}, {}
+    for path, entry in source.meta.entries.items():
+        mname, _, leaf = path.rpartition(".")
+        module = modules.get(mname)
+        if leaf != "weight" or not isinstance(module, QUANTIZABLE):
+            kind = "no module" if module is None else type(module).__name__
+            problems.append(f"{path}: {kind} weight; compressed-tensors quantizes the weights of nn.Linear and "
+                            "nn.Embedding only (transformers' Conv1D of GPT-2 included)")
+            continue
+        s = ct_args.judge(entry.spec, "weight")
+        if s.kind == "no" or (s.kind == "nearest" and not allow_nearest):
+            continue  # reported by Exporter.problems
+        spec = ct_args.nearest(entry.spec)
+        mapping = ct_args.weight_mapping(spec)
+        cols = entry.shape[-1]
+        size = mapping.args.get("group_size")
+        if size and cols % size:
+            problems.append(f"{path}: group size {size} does not divide the {cols} input features "
+                            "(compressed-tensors needs whole groups)")
+            continue
+        q = source.tree[path]
+        if spec != entry.spec:
+            w = qt.dequantize(q)
+            q = qt.quantize(w, qt.choose_qparams(w, spec))
+        if mdtype is not None and q.qparams.scale.is_floating_point() and mapping.kind in ("pack", "int", "float") \
+                and not _fits(q.qparams.scale.dtype, mdtype):
+            problems.append(f"{path}: {q.qparams.scale.dtype} scales in a {mdtype} model (compressed-tensors "
+                            "holds scales in the model's dtype; save the model in float32)")
+            continue
+        layers[mname] = _Layer(q, mapping, None, None)
+        specs[path] = spec
+    acts, kv_specs = {}, {}
+    for site, spec in source.meta.activations.items():
+        s = ct_args.judge(spec, site.role)
+        if s.kind == "no" or (s.kind == "nearest" and not allow_nearest):
+            continue
+        spec = ct_args.nearest(spec)
+        module = modules.get(site.module)
+        if site.role in qt.spec.KV_ROLES:
+            if module is None or not is_cached_attention(module):
+                problems.append(f"{site.module}:{site.role}: not an attention module whose key/value cache "
+                                "compressed-tensors quantizes")
+            kv_specs[site] = spec
+        elif not isinstance(module, nn.Linear):
+            problems.append(f"{site.module}:{site.role}: compressed-tensors quantizes activations of nn.Linear only")
+        else:
+            old = layers.get(site.module, _Layer(None, None, None, None))
+            args = ct_args.activation_args(spec, site.role)
+            layers[site.module] = old._replace(**{"inputs" if site.role == "input" else "outputs": args})
+        acts[site] = spec
+    kv = None
+    if kv_specs:
+        attn = sorted(n for n, m in modules.items() if is_cached_attention(m))
+        covered = {s.module for s in kv_specs}
+        if len(set(kv_specs.values())) > 1 or covered != set(attn) or \
+                {s.role for s in kv_specs} != set(qt.spec.KV_ROLES) or len(kv_specs) != 2 * len(covered):
+            problems.append("key/value cache: compressed-tensors' kv_cache_scheme is one scheme for the keys and "
+                            f"values of every attention layer ({len(attn)} here); this checkpoint quantizes "
+                            f"{len(kv_specs)} key/value sites with {len(set(kv_specs.values()))} spec(s)")
+        else:
+            kv = ct_args.activation_args(next(iter(kv_specs.values())), "key")
+    linears = sorted(n for n, m in modules.items() if isinstance(m, nn.Linear))
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    head_name = next((n for n, m in modules.items() if head is not None and m is head), None)
+    untie = bool(source.config.get("tie_word_embeddings")) and f"{head_name}.weight" in specs
+    return _Plan(layers, kv, specs, acts, linears, problems, untie)
+
+
+def _kind(layer: _Layer) -> str:
+    """How the layer's weight is stored: integer weights of ``int-quantized`` layers unpacked in int8."""
+    fmt = ct_args.compression_format(layer.mapping, layer.inputs)
+    return "int" if fmt == "int-quantized" else layer.mapping.kind
+
+
+def _groups(plan: _Plan) -> tuple[dict, list[str], str]:
+    """``config_groups``, ``ignore`` and the top-level ``format``."""
+    by_scheme: dict[str, list[str]] = {}
+    schemes = {}
+    for name, layer in plan.layers.items():
+        fmt = "dense" if layer.mapping is None else ct_args.compression_format(layer.mapping, layer.inputs)
+        scheme = {"weights": None if layer.mapping is None else layer.mapping.args,
+                  "input_activations": layer.inputs, "output_activations": layer.outputs, "format": fmt}
+        key = json.dumps(scheme, sort_keys=True)
+        schemes[key] = scheme
+        by_scheme.setdefault(key, []).append(name)
+    groups, ignore = {}, []
+    keys = sorted(by_scheme)
+    only = len(keys) == 1 and set(by_scheme[keys[0]]) <= set(plan.linears)
+    for i, key in enumerate(keys):
+        targets = ["Linear"] if only else sorted(by_scheme[key])
+        groups[f"group_{i}"] = {"targets": targets, **schemes[key]}
+    if only:
+        ignore = sorted(set(plan.linears) - set(by_scheme[keys[0]]))
+    formats = {s["format"] for s in schemes.values()} - {"dense"}
+    top = formats.pop() if len(formats) == 1 else "mixed-precision" if formats else "dense"
+    return groups, ignore, top
+
+
+def _act_tensors(source: Source, site: qt.Site, spec: qt.QuantSpec) -> dict[str, torch.Tensor]:
+    """compressed-tensors' tensors of a static activation quantizer (``input_scale``... shape ``(1,)``)."""
+    out = {}
+    for field in ("scale",) if spec.symmetric else ("scale", "zero_point"):
+        name = f"{site.module}.{PREFIX[site.role]}{field}"
+        if name not in source.tree:
+            if field == "scale":
+                raise ValueError(f"{name}: the static {site.role} quantizer's scale is not in the checkpoint")
+            continue
+        t = source.tree[name].reshape(1)
+        if field == "zero_point":
+            codec = spec.fmt.codec
+            off = 0 if codec.signed else 1 << (codec.bits - 1)
+            t = (t.to(torch.int32) - off).to(torch.int8)
+        out[name] = t
+    return out
+
+
+def _tensor_groups(source: Source, plan: _Plan) -> list[dict[str, torch.Tensor]]:
+    """The tensors to write, one group per layer (kept in one shard)."""
+    groups, claimed = [], set()
+    for name, layer in plan.layers.items():
+        if layer.weight is not None:
+            parts = to_ct(layer.weight, _kind(layer), args=layer.mapping.args, where=f"{name}.weight")
+            groups.append({f"{name}.{k}": v for k, v in parts.items()})
+            claimed.add(f"{name}.weight")
+    for site, spec in plan.activations.items():
+        if not spec.dynamic:
+            acts = _act_tensors(source, site, spec)
+            groups.append(acts)
+            claimed |= {f"{site.module}.{PREFIX[site.role]}{f}" for f in qt.QParams.FIELDS}
+    tied = bool(source.config.get("tie_word_embeddings", True)) and not plan.untie
+    for path, leaf in source.tree.items():
+        if path in claimed or path in source.meta.entries:
+            continue
+        if path in source.meta.aliases and (tied or isinstance(leaf, qt.QTensor)):
+            continue  # transformers ties it on load (save_pretrained stores tied tensors once too)
+        groups.append({path: leaf})
+    return groups
+
+
+def _hint(source: Source, plan: _Plan) -> str:
+    """Our metadata of the exported tree (``qtransform_config``), for the importer."""
+    entries = {p: Entry(spec, source.meta.entries[p].shape, source.meta.entries[p].dtype)
+               for p, spec in plan.specs.items()}
+    d = metadata.encode(entries, recipe=source.meta.recipe, recipe_name=source.meta.recipe_name,
+                        rules=source.meta.rules, aliases=source.meta.aliases, skip_modules=source.meta.skip_modules,
+                        activations=plan.activations)
+    return json.dumps(d, sort_keys=True, separators=(",", ":"))
+
+
+def _global_scales(plan: _Plan) -> str:
+    """Our exact NVFP4 tensor scales (compressed-tensors stores their reciprocals), ``{path: float.hex()}``."""
+    return json.dumps({f"{n}.weight": float(layer.weight.qparams.global_scale).hex() for n, layer in plan.layers.items()
+                       if layer.weight is not None and layer.weight.qparams.global_scale is not None}, sort_keys=True)
+
+
+class CompressedTensorsExporter(Exporter):
+    """``--to compressed-tensors`` (see the module docstring)."""
+
+    name = "compressed-tensors"
+    description = "compressed-tensors (vLLM, transformers): pack-quantized int1-8, fp8 (+ activations, KV cache), " \
+                  "MXFP4/6/8, NVFP4"
+
+    def support(self, spec: qt.QuantSpec, role: str = "weight") -> Support:
+        return ct_args.judge(spec, role)
+
+    def problems(self, source: Source, *, allow_nearest: bool = False) -> list[str]:
+        out = super().problems(source, allow_nearest=allow_nearest)
+        plan = _plan(source, allow_nearest)
+        out += plan.problems
+        for name, layer in plan.layers.items():  # data: zero points compressed-tensors cannot store
+            if layer.weight is not None and layer.mapping.kind in ("pack", "int"):
+                try:
+                    to_ct(layer.weight, _kind(layer), args=layer.mapping.args, where=f"{name}.weight")
+                except ValueError as e:
+                    out.append(str(e))
+        return out
+
+    def write(self, source: Source, out: Path, *, allow_nearest: bool = False) -> None:
+        plan = _plan(source, allow_nearest)
+        if plan.problems:
+            raise ValueError("export to compressed-tensors:\n  " + "\n  ".join(plan.problems))
+        groups, ignore, fmt = _groups(plan)
+        qc = {"quant_method": "compressed-tensors", "format": fmt, "quantization_status": "compressed",
+              "config_groups": groups, "ignore": ignore, "kv_cache_scheme": plan.kv,
+              "global_compression_ratio": None, "sparsity_config": {}, "transform_config": {}}
+        store.write_shards(out, _tensor_groups(source, plan),
+                           file_metadata={"format": "pt", HINT_KEY: _hint(source, plan),
+                                          GLOBAL_SCALES_KEY: _global_scales(plan)})
+        config = dict(source.config)
+        if plan.untie:  # a quantized output embedding: its own weights, not the (float) input embedding's
+            config["tie_word_embeddings"] = False
+        if not config.get("architectures"):  # a model built from a config: the class the skeleton took
+            config["architectures"] = [type(skeleton(source.config)[0]).__name__]
+        write_config(out, {**config, "quantization_config": qc})
+        copy_extras(source, out)
+
+
+register_exporter(CompressedTensorsExporter())
+register_importer(CompressedTensorsImporter())

@@ -1,0 +1,268 @@
+"""Reading compressed-tensors checkpoints (ours, or llm-compressor's) into our tree, without re-quantizing.
+
+:class:`CompressedTensorsImporter` finds each quantized layer's scheme (``config_groups`` targets
+and ``ignore``: names, ``re:`` regexes, class names, the last resolved on the model built on the
+``meta`` device), reads its args back into our spec (:func:`.ct_args.spec_of`) and its tensors
+into a QTensor (:func:`.ct_tensors.from_ct`): codes and scales bit for bit. Activation quantizers
+become our activation sites (``input_scale`` -> the ``input`` site), ``kv_cache_scheme`` the
+``key``/``value`` sites of every attention layer with ``k_scale``/``v_scale``.
+
+A checkpoint that :class:`~bridge.interop.compressed_tensors.CompressedTensorsExporter` wrote
+carries our metadata (``qtransform_config`` in the safetensors metadata): where its spec of a
+tensor stores the same bits (the same compressed-tensors args, the tensors read back under it),
+the importer takes it, so calibration-only fields (``symmetric_range``, ``pad``...), unsigned
+formats, the recipe and tied paths come back as they were: export then import gives the same tree.
+Act-order permutations (``weight_g_idx`` other than ``i // group_size``) have no equivalent in our
+checkpoints and are refused.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+import qtransform as qt
+
+from ..checkpoint import metadata, store
+from ..checkpoint.metadata import CheckpointError, Entry, Metadata
+from ..checkpoint.tree_io import CONFIG
+from . import ct_args
+from .base import Importer, Source
+from .ct_model import matches, skeleton
+from .ct_tensors import from_ct, reciprocal
+
+__all__ = ["CompressedTensorsImporter", "HINT_KEY", "GLOBAL_SCALES_KEY"]
+
+#: The safetensors metadata key of our metadata in exports.
+HINT_KEY = "qtransform_config"
+#: ... and of our NVFP4 tensor scales (``{path: float.hex()}``): compressed-tensors stores their reciprocals,
+#: and not every float32 is the reciprocal of one, so the exact value travels beside it.
+GLOBAL_SCALES_KEY = "qtransform_global_scales"
+_WEIGHT_PARTS = ("weight", "weight_packed", "weight_scale", "weight_zero_point", "weight_shape", "weight_global_scale",
+                 "weight_g_idx")
+_ACT_PREFIX = {"input": "input_", "output": "output_", "key": "k_", "value": "v_"}
+
+
+def _infer_format(w: dict, inputs: dict | None) -> str:
+    """The compressor compressed-tensors infers for a scheme without a ``format`` of its own."""
+    bits, typ, group = w.get("num_bits"), w.get("type"), w.get("group_size")
+    if typ == "float" and group == 32 and bits in (4, 6):
+        return f"mxfp{bits}-pack-quantized"
+    if typ == "float" and group == 32 and bits == 8 and str(w.get("scale_dtype")) in ("torch.uint8", "uint8"):
+        return "mxfp8-quantized"
+    if typ == "float" and bits == 4 and group == 16:
+        return "nvfp4-pack-quantized"
+    if typ == "int":
+        return "int-quantized" if inputs is not None else "pack-quantized"
+    return "float-quantized" if inputs is not None else "naive-quantized"
+
+
+def _logical_shape(parts: dict, kind: str, where: str) -> tuple[int, int]:
+    if "weight_shape" in parts:
+        return tuple(int(n) for n in parts["weight_shape"].tolist())
+    t = parts.get("weight", parts.get("weight_packed"))
+    if t is None or t.dim() != 2:
+        raise ValueError(f"{where}: no 2-D weight or weight_packed")
+    rows, cols = t.shape
+    return rows, {"mxfp4": 2 * cols, "nvfp4": 2 * cols, "mxfp6": 4 * cols // 3}.get(kind, cols)
+
+
+def _same_args(mapping_args: dict, args: dict) -> bool:
+    norm = lambda v: str(v).removeprefix("torch.") if v is not None else None  # noqa: E731
+    return all(norm(args.get(k)) == norm(v) for k, v in mapping_args.items())
+
+
+class CompressedTensorsImporter(Importer):
+    """Reads ``quant_method: "compressed-tensors"`` checkpoint directories (see the module docstring)."""
+
+    name = "compressed-tensors"
+
+    def detect(self, directory: Path) -> bool:
+        path = Path(directory) / CONFIG
+        try:
+            qc = json.loads(path.read_text()).get("quantization_config") if path.is_file() else None
+        except (OSError, ValueError, AttributeError):
+            return False
+        return isinstance(qc, dict) and qc.get("quant_method") == "compressed-tensors"
+
+    def read(self, directory: Path) -> Source:
+        root = Path(directory)
+        config = store.read_json(root / CONFIG, "checkpoint config")
+        qc = config.get("quantization_config") if isinstance(config, dict) else None
+        if not isinstance(qc, dict) or qc.get("quant_method") != "compressed-tensors":
+            raise CheckpointError(f"{root / CONFIG}: not a compressed-tensors checkpoint")
+        if qc.get("quantization_status", "compressed") != "compressed":
+            raise CheckpointError(f"{root / CONFIG}: quantization_status {qc.get('quantization_status')!r}: the "
+                                  "weights are not stored compressed (nothing to import without re-quantizing)")
+        located, handles = store.open_shards(root)
+        hint = self._hint(handles, HINT_KEY)
+        hint_weights, hint_acts = self._hint_specs(hint)
+        exact_globals = self._hint(handles, GLOBAL_SCALES_KEY)
+        plain = {k: v for k, v in config.items() if k != "quantization_config"}
+        scheme_of = _resolver(qc, plain, root)
+        read = lambda n: handles[located[n]].get_tensor(n)  # noqa: E731
+        tree, entries, activations, claimed = {}, {}, {}, set()
+
+        def add_activation(site, args):
+            (spec, tensors), names = self._activation(site, args, located, read, hint_acts,
+                                                      where=f"{root}: {site.module}:{site.role}")
+            activations[site] = spec
+            tree.update(tensors)
+            claimed.update(names)
+
+        weight_modules = {n.rpartition(".")[0] for n in located if n.endswith((".weight_scale", ".weight_packed"))}
+        act_modules = {n.rpartition(".")[0] for n in located if n.endswith((".input_scale", ".output_scale"))}
+        for mname in sorted(weight_modules | act_modules):
+            scheme = scheme_of(mname)
+            w = scheme.get("weights")
+            if w is not None and mname in weight_modules:
+                parts = {p: read(f"{mname}.{p}") for p in _WEIGHT_PARTS if f"{mname}.{p}" in located}
+                claimed |= {f"{mname}.{p}" for p in parts}
+                fmt = scheme.get("format") or (qc.get("format") if qc.get("format") not in (None, "mixed-precision")
+                                               else _infer_format(w, scheme.get("input_activations")))
+                try:
+                    q = self._weight(parts, w, fmt, _dtype(plain), hint_weights.get(f"{mname}.weight"),
+                                     f"{root}: {mname}.weight")
+                    q = _exact_global(q, parts, exact_globals.get(f"{mname}.weight"))
+                except ValueError as e:
+                    raise CheckpointError(str(e)) from None
+                tree[f"{mname}.weight"] = q
+                entries[f"{mname}.weight"] = Entry(q.spec, tuple(q.shape), q.dtype)
+            for role in ("input", "output"):
+                if scheme.get(f"{role}_activations") is not None:
+                    add_activation(qt.Site(mname, role), scheme[f"{role}_activations"])
+        if qc.get("kv_cache_scheme") is not None:
+            for mname in sorted({n.rpartition(".")[0] for n in located if n.endswith(".k_scale")}):
+                for role in qt.spec.KV_ROLES:
+                    add_activation(qt.Site(mname, role), qc["kv_cache_scheme"])
+        tree.update({n: read(n) for n in located if n not in claimed})
+        aliases = {a: t for a, t in (hint.get("aliases") or {}).items() if t in tree and a not in tree}
+        tree.update({a: tree[t] for a, t in aliases.items()})
+        hmeta = self._hint_meta(hint)
+        meta = Metadata(entries=entries, layout="native", recipe=hmeta.recipe if hmeta else None,
+                        recipe_name=hmeta.recipe_name if hmeta else None, rules=hmeta.rules if hmeta else {},
+                        aliases=aliases, skip_modules=hmeta.skip_modules if hmeta else None,
+                        version=metadata.VERSION_ACTIVATIONS if activations else metadata.VERSION,
+                        activations=activations)
+        return Source(root, meta, tree, plain)
+
+    # ------------------------------------------------------------------ pieces
+    @staticmethod
+    def _hint(handles, key: str) -> dict:
+        for h in handles.values():
+            raw = (h.metadata() or {}).get(key)
+            if raw:
+                try:
+                    d = json.loads(raw)
+                    return d if isinstance(d, dict) else {}
+                except ValueError:
+                    return {}
+        return {}
+
+    @staticmethod
+    def _hint_meta(hint: dict) -> Metadata | None:
+        try:
+            return metadata.decode(hint) if hint else None
+        except CheckpointError:
+            return None
+
+    @staticmethod
+    def _hint_specs(hint: dict) -> tuple[dict, dict]:
+        """``({weight path: (spec, dtype)}, {"module:role": spec})`` our metadata recorded (empty when absent
+        or unreadable)."""
+        try:
+            specs = [qt.QuantSpec.from_dict(s) for s in hint.get("specs", [])]
+            weights = {p: (specs[e["spec"]], metadata.dtype_from_name(e["dtype"]))
+                       for p, e in hint.get("tensors", {}).items()}
+            acts = {k: specs[i] for k, i in (hint.get("activations") or {}).items()}
+            return weights, acts
+        except (AttributeError, KeyError, IndexError, TypeError, ValueError):
+            return {}, {}
+
+    def _weight(self, parts: dict, args: dict, fmt: str, dtype, hinted, where: str) -> qt.QTensor:
+        if "weight_g_idx" in parts:
+            g, size = parts.pop("weight_g_idx"), args.get("group_size") or 0
+            if size <= 0 or not torch.equal(g.long(), torch.arange(g.numel()) // size):
+                raise ValueError(f"{where}: an act-order permutation (weight_g_idx), which qtransform checkpoints "
+                                 "cannot hold (quantize with static groups instead)")
+        spec, kind = ct_args.spec_of(args, fmt, parts["weight_scale"].dtype, where=where)
+        shape = _logical_shape(parts, kind, where)
+        if hinted is not None:  # the spec our metadata recorded, when it stores the same bits
+            hs, hdtype = hinted
+            try:
+                m = ct_args.weight_mapping(hs)
+                if (m.kind == kind or {m.kind, kind} == {"pack", "int"}) and _same_args(m.args, args):
+                    return from_ct(parts, kind, hs, shape, hdtype, args=args, where=where)
+            except ValueError:
+                pass
+        return from_ct(parts, kind, spec, shape, dtype, args=args, where=where)
+
+    def _activation(self, site: qt.Site, args: dict, located, read, hinted, *, where: str):
+        """``((spec, {our tensor name: tensor}), ct names read)`` of one activation quantizer."""
+        prefix = f"{site.module}.{_ACT_PREFIX[site.role]}"
+        names = {f: prefix + f for f in ("scale", "zero_point") if prefix + f in located}
+        if not args.get("dynamic") and "scale" not in names:
+            raise CheckpointError(f"{where}: static quantizer without {prefix}scale")
+        scale = read(names["scale"]) if "scale" in names else None
+        try:
+            spec = ct_args.activation_spec_of(args, None if scale is None else scale.dtype, where=where)
+        except ValueError as e:
+            raise CheckpointError(str(e)) from None
+        hs = hinted.get(f"{site.module}:{site.role}")
+        if hs is not None and ct_args.judge(hs, site.role).kind == "exact" and \
+                _same_args(ct_args.activation_args(hs, site.role), args) and hs.scale_dtype == spec.scale_dtype:
+            spec = hs
+        out = {}
+        if not spec.dynamic:
+            shape = () if site.role in qt.spec.KV_ROLES else (1, 1)
+            out[names["scale"]] = scale.reshape(shape)
+            codec = spec.fmt.codec
+            if spec.fmt.family == "int" and (not spec.symmetric or not codec.signed):  # uint: the fixed mid-range one
+                off = 0 if codec.signed else 1 << (codec.bits - 1)
+                z = read(names["zero_point"]).to(torch.int32) if "zero_point" in names else torch.zeros(1, dtype=torch.int32)
+                out[prefix + "zero_point"] = (z + off).to(codec.code_dtype).reshape(shape)
+        return (spec, out), set(names.values())
+
+
+def _resolver(qc: dict, config: dict, root: Path):
+    """``scheme_of(module name)``: the ``config_groups`` scheme that selects a module holding quantization
+    tensors (names and regexes first; class names on the model built on the ``meta`` device)."""
+    groups, ignore, built = qc.get("config_groups") or {}, qc.get("ignore") or [], {}
+
+    def scheme_of(mname: str) -> dict:
+        named = [g for g in groups.values() if matches(mname, None, g.get("targets", []))]
+        module = None
+        if not named:
+            if "modules" not in built:
+                model, why = skeleton(config)
+                if model is None:
+                    raise CheckpointError(f"{root}: config_groups target module classes: {why}")
+                built["modules"] = dict(model.named_modules())
+            module = built["modules"].get(mname)
+            named = [g for g in groups.values() if module is not None and matches(mname, module, g.get("targets", []))]
+        if not named or matches(mname, module, ignore):
+            raise CheckpointError(f"{root}: {mname} has quantization tensors but no config_groups scheme selects it")
+        return named[0]
+    return scheme_of
+
+
+def _exact_global(q: qt.QTensor, parts: dict, value) -> qt.QTensor:
+    """``q`` with the NVFP4 tensor scale our metadata recorded, when its reciprocal is the stored one."""
+    if q.qparams.global_scale is None or not isinstance(value, str):
+        return q
+    try:
+        g = torch.tensor(float.fromhex(value), dtype=torch.float32)
+    except (ValueError, OverflowError):
+        return q
+    if not torch.equal(reciprocal(g), parts["weight_global_scale"].reshape(1).float()):
+        return q
+    qp = qt.QParams(spec=q.spec, **{**q.qparams.tensors(), "global_scale": g})
+    return qt.QTensor(codes=q.codes, qparams=qp, width=q.width, dtype=q.dtype)
+
+
+def _dtype(config: dict) -> torch.dtype:
+    name = config.get("dtype") or config.get("torch_dtype") or "float32"
+    dt = getattr(torch, str(name), None)
+    return dt if isinstance(dt, torch.dtype) and dt.is_floating_point else torch.float32

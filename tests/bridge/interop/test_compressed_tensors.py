@@ -1,0 +1,336 @@
+"""``--to compressed-tensors``: tiny models of every architecture transformers' compressed-tensors path loads,
+quantized by our presets, exported, then loaded in a fresh interpreter that never imports the bridge
+(transformers' compressed-tensors quantizer, CPU): same logits as our quantized model, and the weights that
+compressed-tensors' own compressors decompress are our dequantized weights, bit for bit where the format is
+exact. The importer gives back the tree that was exported; the command refuses what the format cannot hold."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from bridge_util import same_bits, tiny_causal_lm
+from safetensors.torch import load_file
+
+import bridge
+import qtransform as qt
+from bridge import interop
+from bridge.interop.ct_args import judge
+from bridge.modules import actquant
+
+pytestmark = pytest.mark.filterwarnings("ignore")
+
+TO = "compressed-tensors"
+IDS = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(1))
+FP8 = qt.QuantSpec(format="fp8_e4m3")
+FP8_CHANNEL = qt.QuantSpec(format="fp8_e4m3", granularity=qt.PerChannel(0))
+
+
+def _recipe(name):
+    if name == "fp8-dynamic":  # fp8 weights per channel, fp8 inputs per token at run time
+        return qt.Recipe(type_rules={"Linear": FP8_CHANNEL}, exclude=["lm_head*"],
+                         input=qt.QuantSpec(format="fp8_e4m3", granularity=qt.PerChannel(0), dynamic=True))
+    if name == "fp8-static-kv":  # fp8 weights, static per-tensor fp8 inputs and key/value cache
+        return qt.Recipe(type_rules={"Linear": FP8_CHANNEL}, exclude=["lm_head*"], input=FP8, kv_cache=FP8)
+    return qt.get_preset(name).recipe
+
+
+def _batches(n=3):
+    g = torch.Generator().manual_seed(0)
+    return [torch.randint(0, 128, (2, 12), generator=g) for _ in range(n)]
+
+
+def _tiny(arch):
+    """A tiny ``arch`` model as transformers saves it (its config names its class)."""
+    torch.manual_seed(0)
+    model = tiny_causal_lm(arch).eval()
+    model.config.architectures = [type(model).__name__]
+    return model
+
+
+def _quantize(model, name, tmp_path):
+    """Our quantized model (reference kernels) and its checkpoint."""
+    recipe = _recipe(name)
+    calib = _batches() if (recipe.input is not None and not recipe.input.dynamic) or recipe.kv_cache else None
+    q = bridge.quantize(model, recipe, calibration=calib, kernel="dequant")
+    ckpt = tmp_path / f"{name}-ckpt"
+    bridge.save(q, ckpt)
+    return q, ckpt
+
+
+# A fresh interpreter: compressed-tensors' own compressor of each layer's scheme decompresses the stored
+# weights (straight from the safetensors file), then transformers (with compressed-tensors) loads each export
+# and computes the logits.
+_CLEAN = r"""
+import json, sys, torch, transformers
+from safetensors.torch import load_file, save_file
+from compressed_tensors.compressors import BaseCompressor
+from compressed_tensors.quantization import QuantizationScheme
+jobs = json.loads(sys.argv[1])
+ids = torch.tensor(jobs["ids"])
+for job in jobs["dirs"]:
+    qc = json.load(open(job["dir"] + "/config.json"))["quantization_config"]
+    groups = [QuantizationScheme.model_validate(g) for g in qc["config_groups"].values()]
+    stored, out = load_file(job["dir"] + "/model.safetensors"), {}
+    for name in sorted(k.removesuffix(".weight_scale") for k in stored if k.endswith(".weight_scale")):
+        scheme = next(g for g in groups if name in g.targets or g.targets == ["Linear"])
+        local = {k[len(name) + 1:]: v for k, v in stored.items() if k.startswith(name + ".weight")}
+        compressor = BaseCompressor.get_value_from_registry(scheme.format)
+        out["w." + name] = compressor.decompress(local, scheme)["weight"].contiguous()
+    cfg, errors = transformers.AutoConfig.from_pretrained(job["dir"]), {}
+    cls = getattr(transformers, cfg.architectures[0])
+    try:  # compressed: compressed-tensors modules, decompressed on the first forward
+        model = cls.from_pretrained(job["dir"]).eval()
+        assert type(model.config.quantization_config).__name__ == "CompressedTensorsConfig"
+        assert any(hasattr(m, "quantization_scheme") for m in model.modules())
+        with torch.no_grad():
+            out["logits"] = model(ids).logits.contiguous()
+    except Exception as e:  # decompressed by compressed-tensors' compressors while loading
+        errors["compressed"] = f"{type(e).__name__}: {e}"
+        model = cls.from_pretrained(job["dir"], quantization_config=transformers.CompressedTensorsConfig(dequantize=True))
+        with torch.no_grad():
+            out["logits"] = model.eval()(ids).logits.contiguous()
+    json.dump(errors, open(job["out"] + ".json", "w"))
+    save_file(out, job["out"])
+assert not [m for m in sys.modules if m.split(".")[0] in ("bridge", "qtransform")], "bridge was imported"
+print("clean")
+"""
+
+
+def _load_clean(dirs, tmp_path):
+    """``[({name: tensor}, {"compressed": error})]`` per export directory, from the clean interpreter."""
+    jobs = {"ids": IDS.tolist(), "dirs": [{"dir": str(d), "out": str(tmp_path / f"clean-{i}.safetensors")}
+                                          for i, d in enumerate(dirs)]}
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_VERBOSITY="error", TQDM_DISABLE="1")
+    res = subprocess.run([sys.executable, "-c", _CLEAN, json.dumps(jobs)], capture_output=True, text=True,
+                         cwd=tmp_path, env=env, timeout=600)
+    assert res.returncode == 0 and "clean" in res.stdout, res.stderr[-3000:]
+    return [(load_file(j["out"]), json.loads(open(j["out"] + ".json").read())) for j in jobs["dirs"]]
+
+
+# What transformers 5.24 with compressed-tensors 0.20 cannot run compressed (it then loads them with
+# CompressedTensorsConfig(dequantize=True): compressed-tensors' compressors decompress while loading):
+# asymmetric pack-quantized layers (compressed-tensors compresses the empty model with its zero points left
+# unpacked, so the stored packed ones mismatch; llm-compressor issue 1618), and NVFP4 and MXFP4/6/8 in a float32
+# model (decompressed to bfloat16 weights that float32 inputs cannot multiply).
+KNOWN = {"int4-g32-asym": "size", "nvfp4": "dtype", "mxfp4": "dtype", "mxfp6": "dtype", "mxfp8": "dtype"}
+
+
+def _as_transformers_runs_it(q, arch=None):
+    """``q`` computing what transformers 5.24 with compressed-tensors 0.20 computes for its export:
+
+    * the key/value cache left unquantized: transformers 5's attention takes ``cache`` where compressed-tensors
+      looks for ``past_key_values``, so ``kv_cache_scheme`` is not applied under this pairing (vLLM reads
+      ``k_scale``/``v_scale``; the round-trip test checks them bit for bit);
+    * OPT's ``fc1``/``fc2`` (which receive the hidden states flattened to 2-D) with dynamic per-*tensor* inputs
+      where the spec is per token: compressed-tensors' ``token`` strategy reduces every axis past the first two,
+      none of a 2-D input's (vLLM quantizes each row).
+    """
+    for name, m in q.named_modules():
+        for role in ("key", "value"):
+            if getattr(m, f"{role}_spec", None) is not None:
+                actquant.attach(m, role, None)
+        spec = getattr(m, "input_spec", None)
+        if arch == "opt" and name.endswith((".fc1", ".fc2")) and spec is not None and spec.dynamic \
+                and isinstance(spec.granularity, qt.PerChannel):
+            actquant.attach(m, "input", spec.replace(granularity=qt.PerTensor()))
+    return q
+
+
+def _check(name, q, ckpt, clean, arch=None):
+    """The clean process's decompressed weights are ours bit for bit (NVFP4: rounded to bfloat16, as
+    compressed-tensors decompresses it), its logits ours; it ran the export compressed unless :data:`KNOWN`
+    says why it cannot."""
+    got, errors = clean
+    known = KNOWN.get(name)
+    assert ("compressed" in errors) == (known is not None), (name, errors)
+    if known is not None:
+        assert known in errors["compressed"], errors["compressed"]
+    tree = interop.read_source(ckpt).tree
+    quantized = {p: v for p, v in tree.items() if isinstance(v, qt.QTensor)}
+    assert {f"w.{p.removesuffix('.weight')}" for p in quantized} == {k for k in got if k.startswith("w.")}
+    for path, qw in quantized.items():
+        ours, theirs = qt.dequantize(qw), got[f"w.{path.removesuffix('.weight')}"]
+        if theirs.dtype != ours.dtype:  # compressed-tensors decompresses NVFP4 and the MX formats to bfloat16
+            assert theirs.dtype == torch.bfloat16, (path, theirs.dtype)
+            if name == "nvfp4":  # fp4 x fp8 x fp32 tensor scale: more bits than bfloat16 has
+                ours = ours.to(torch.bfloat16)
+            else:  # fp4/fp6/fp8 times a power of two: exact in bfloat16
+                theirs = theirs.to(ours.dtype)
+        assert same_bits(theirs, ours), (name, path)
+    with torch.no_grad():
+        ref = _as_transformers_runs_it(q, arch)(IDS).logits
+    err = (got["logits"] - ref).abs().max() / ref.abs().max()
+    assert err < (1e-2 if name == "nvfp4" else 2e-5), (name, float(err))
+
+
+CAUSAL = ("llama", "mistral", "qwen2", "phi3", "opt")
+SCHEMES = ("int4-g32", "int4-g32-asym", "int8-channel", "fp8-static-kv", "fp8-dynamic", "nvfp4")
+
+
+@pytest.mark.parametrize("arch", CAUSAL)
+def test_tiny_models_load_in_transformers_without_bridge(arch, tmp_path):
+    """int4 group symmetric, uint4 group with integer zero points, int8 per channel, fp8 with static inputs and
+    key/value cache, fp8 with dynamic per-token inputs, NVFP4: one clean process per architecture."""
+    model = _tiny(arch)
+    runs = []
+    for name in SCHEMES:
+        q, ckpt = _quantize(model, name, tmp_path)
+        out = interop.export(ckpt, to=TO, out=tmp_path / f"{name}-ct")
+        runs.append((name, q, ckpt, out))
+    for (name, q, ckpt, out), got in zip(runs, _load_clean([r[3] for r in runs], tmp_path)):
+        _check(name, q, ckpt, got, arch)
+    qc = {name: json.loads((out / "config.json").read_text())["quantization_config"] for name, _, _, out in runs}
+    assert qc["int4-g32"]["format"] == "pack-quantized" and qc["int4-g32"]["ignore"] == ["lm_head"]
+    g = qc["int4-g32-asym"]["config_groups"]["group_0"]
+    assert g["targets"] == ["Linear"] and g["weights"]["symmetric"] is False and g["weights"]["group_size"] == 32
+    assert qc["fp8-static-kv"]["format"] == "float-quantized" and qc["fp8-static-kv"]["kv_cache_scheme"]["type"] == "float"
+    assert qc["fp8-dynamic"]["config_groups"]["group_0"]["input_activations"]["strategy"] == "token"
+    assert qc["nvfp4"]["format"] == "nvfp4-pack-quantized"
+    st = load_file(runs[3][3] / "model.safetensors")
+    attn = "model.decoder.layers.0.self_attn" if arch == "opt" else "model.layers.0.self_attn"
+    assert st[f"{attn}.k_scale"].shape == (1,) and st[f"{attn}.v_scale"].shape == (1,)
+
+
+def test_mx_formats_int8_activations_and_bert(tmp_path):
+    """MXFP4/6/8 (E8M0 scales), int8 weights with dynamic per-token int8 inputs (int-quantized), and a BERT
+    encoder (fp8 weights and static inputs; its self-attention has no cache compressed-tensors quantizes)."""
+    llama, bert = _tiny("llama"), _tiny("bert")
+    runs = []
+    for model, name in ((llama, "mxfp4"), (llama, "mxfp6"), (llama, "mxfp8"), (llama, "w8a8-int8-dynamic"),
+                        (bert, "fp8-w8a8")):
+        q, ckpt = _quantize(model, name, tmp_path)
+        runs.append((name, q, ckpt, interop.export(ckpt, to=TO, out=tmp_path / f"{name}-ct")))
+    for (name, q, ckpt, out), got in zip(runs, _load_clean([r[3] for r in runs], tmp_path)):
+        _check(name, q, ckpt, got)
+    formats = [json.loads((r[3] / "config.json").read_text())["quantization_config"]["format"] for r in runs]
+    assert formats == ["mxfp4-pack-quantized", "mxfp6-pack-quantized", "mxfp8-quantized", "int-quantized",
+                       "float-quantized"]
+
+
+@pytest.mark.parametrize("name", ["int4-g32", "int4-g32-asym", "int8-channel", "fp8-static-kv", "fp8-dynamic",
+                                  "nvfp4", "mxfp4", "mxfp6", "mxfp8", "w8a8-int8-dynamic", "gptq4-g64"])
+def test_export_then_import_gives_the_same_tree(name, tmp_path):
+    model = _tiny("qwen2")
+    if name == "gptq4-g64":
+        bridge.save(bridge.quantize(model, _recipe(name), calibration=_batches()), tmp_path / "ckpt")
+        ckpt = tmp_path / "ckpt"
+    else:
+        _, ckpt = _quantize(model, name, tmp_path)
+    out = interop.export(ckpt, to=TO, out=tmp_path / "ct")
+    assert interop.detect_format(out) == TO and interop.detect_format(ckpt) != TO
+    want, got = interop.read_source(ckpt), interop.IMPORTERS[TO].read(out)
+    assert set(got.tree) == set(want.tree)
+    for path, w in want.tree.items():
+        g = got.tree[path]
+        if isinstance(w, qt.QTensor):
+            assert isinstance(g, qt.QTensor) and g.spec == w.spec and g.shape == w.shape and g.dtype == w.dtype, path
+            assert same_bits(g.codes, w.codes), path
+            assert w.qparams.tensors().keys() == g.qparams.tensors().keys(), path
+            assert all(same_bits(g.qparams.tensors()[k], t) for k, t in w.qparams.tensors().items()), path
+        else:
+            assert same_bits(g, w), path
+    assert got.meta.entries == want.meta.entries and dict(got.meta.activations) == dict(want.meta.activations)
+    assert got.meta.recipe == want.meta.recipe and dict(got.meta.aliases) == dict(want.meta.aliases)
+
+
+def test_import_without_our_metadata_reads_compressed_tensors_own_terms(tmp_path):
+    """A checkpoint without qtransform's metadata (as llm-compressor writes it): the specs come from the
+    compressed-tensors args alone; the same values, signed codes for symmetric integers."""
+    import safetensors.torch
+
+    _, ckpt = _quantize(_tiny("llama"), "int4-g32-asym", tmp_path)
+    out = interop.export(ckpt, to=TO, out=tmp_path / "ct")
+    tensors = load_file(out / "model.safetensors")
+    safetensors.torch.save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    got, want = interop.IMPORTERS[TO].read(out), interop.read_source(ckpt)
+    for path, w in want.meta.entries.items():
+        assert got.meta.entries[path].spec == qt.QuantSpec(format="uint4", granularity=qt.PerGroup(32),
+                                                           symmetric=False)
+        assert torch.equal(qt.dequantize(got.tree[path]), qt.dequantize(want.tree[path]))
+
+
+def test_support_table():
+    S = qt.QuantSpec
+    exact = [S(format="int4", granularity=qt.PerGroup(128)), S(format="uint4", granularity=qt.PerGroup(64),
+             symmetric=False), S(format="int8", granularity=qt.PerChannel(0)), S(format="uint8"),
+             S(format="fp8_e4m3", granularity=qt.PerBlock((128, 128))), S(format="nvfp4"), S(format="mxfp4"),
+             S(format="mxfp6_e2m3"), S(format="mxfp8_e4m3"), S(format="int3", granularity=qt.PerGroup(32))]
+    nearest = [qt.pipeline.hqq_spec(4, 64), S(format="fp8_e5m2"), S(format="mxfp6_e3m2")]
+    no = [S(format="nf4"), S(format="mx6"), S(format="bfp16"), S(format="mxint8"), S(format="fp4_e2m1"),
+          S(format="int4", granularity=qt.PerGroup(32, axis=0)), S(format="int8", granularity=qt.PerChannel(1))]
+    assert [judge(s).kind for s in exact] == ["exact"] * len(exact)
+    assert [judge(s).kind for s in nearest] == ["nearest"] * len(nearest)
+    assert [judge(s).kind for s in no] == ["no"] * len(no)
+    assert judge(FP8, "key").kind == "exact" and judge(S(format="int8", dynamic=True), "key").kind == "no"
+    assert judge(S(format="int8", granularity=qt.PerChannel(0), dynamic=True, symmetric=False), "input").kind == "exact"
+    assert "integer" in judge(qt.pipeline.hqq_spec(4, 64)).note
+
+
+def test_refusals_name_the_tree_path_and_write_nothing(tmp_path):
+    torch.manual_seed(0)
+    gpt2 = tiny_causal_lm("gpt2").eval()
+    bridge.save(bridge.quantize(gpt2, qt.get_preset("int4-g32").recipe), tmp_path / "gpt2")
+    with pytest.raises(ValueError, match=r"transformer\.h\.0\.attn\.c_attn\.weight: Conv1D weight"):
+        interop.export(tmp_path / "gpt2", to=TO, out=tmp_path / "gpt2-ct")
+    llama = tiny_causal_lm("llama").eval()
+    bridge.save(bridge.quantize(llama, qt.QuantSpec(format="int4", granularity=qt.PerGroup(48), pad=True)),
+                tmp_path / "g48")
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.self_attn\.q_proj\.weight: group size 48 does not divide"):
+        interop.export(tmp_path / "g48", to=TO, out=tmp_path / "g48-ct")
+    bridge.save(bridge.quantize(llama, qt.get_preset("hqq4-g64").recipe), tmp_path / "hqq")
+    with pytest.raises(ValueError, match=r"model\.layers\.1\.mlp\.down_proj\.weight: .*allow-nearest"):
+        interop.export(tmp_path / "hqq", to=TO, out=tmp_path / "hqq-ct")
+    assert not [p for p in tmp_path.iterdir() if p.name.endswith("-ct") or p.name.startswith(".")]
+    interop.export(tmp_path / "hqq", to=TO, out=tmp_path / "hqq-ct", allow_nearest=True)
+    spec = interop.IMPORTERS[TO].read(tmp_path / "hqq-ct").meta.entries["model.layers.0.mlp.up_proj.weight"].spec
+    assert spec.zero_point_domain == "int" and spec.scale_dtype == "float16"
+
+
+def _cli(*args, cwd):
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_VERBOSITY="error", TQDM_DISABLE="1")
+    return subprocess.run([sys.executable, "-m", "bridge.app.cli", *args], capture_output=True, text=True,
+                          cwd=cwd, env=env, timeout=600)
+
+
+def test_cli_quantize_to_and_export(tmp_path):
+    torch.manual_seed(0)
+    from bridge.app.models import load_tokenizer
+
+    tiny = tmp_path / "tiny"
+    _tiny("llama").save_pretrained(tiny)
+    load_tokenizer(None).save_pretrained(tiny)
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    res = _cli("quantize", "--model", str(tiny), "--recipe", "int4-g32", "--no-eval", "--out", str(tmp_path / "q"),
+               "--to", TO, cwd=root)
+    assert res.returncode == 0, res.stderr
+    assert json.loads((tmp_path / f"q-{TO}" / "config.json").read_text())["quantization_config"]["quant_method"] == TO
+    assert (tmp_path / f"q-{TO}" / "tokenizer.json").is_file()
+    res = _cli("export", str(tmp_path / "q"), "--to", TO, "--out", str(tmp_path / "again"), cwd=root)
+    assert res.returncode == 0 and "wrote" in res.stdout, res.stderr
+    assert (tmp_path / "again" / "model.safetensors").read_bytes() == (tmp_path / f"q-{TO}" / "model.safetensors").read_bytes()
+    res = _cli("quantize", "--model", str(tiny), "--recipe", "mx6", "--no-eval", "--out", str(tmp_path / "m"),
+               "--to", TO, cwd=root)
+    assert res.returncode != 0 and "model.layers.0.self_attn.q_proj.weight" in res.stderr and "mx6" in res.stderr
+    assert not (tmp_path / "m").exists() and not (tmp_path / f"m-{TO}").exists()
+    res = _cli("quantize", "--model", str(tiny), "--recipe", "mx6", "--no-eval", "--out", str(tmp_path / "m"), cwd=root)
+    assert res.returncode == 0, res.stderr
+    res = _cli("export", str(tmp_path / "m"), "--to", TO, "--out", str(tmp_path / "m-ct"), cwd=root)
+    assert res.returncode != 0 and "model.layers.1.mlp.down_proj.weight: mx6" in res.stderr
+    assert "Traceback" not in res.stderr and not (tmp_path / "m-ct").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["int4-g64", "fp8-dynamic"])
+def test_smollm2_exports_load_in_transformers_without_bridge(name, tmp_path):
+    from bridge.app.models import load_model
+
+    model = load_model()
+    q = bridge.quantize(model, _recipe(name), kernel="dequant")
+    bridge.save(q, tmp_path / "ckpt")
+    del model
+    out = interop.export(tmp_path / "ckpt", to=TO, out=tmp_path / "ct")
+    (got,) = _load_clean([out], tmp_path)
+    _check(name, q, tmp_path / "ckpt", got)
