@@ -5,7 +5,8 @@ from the formats' definitions, in float64 numpy, without qtransform's codecs, sc
   at the bottom for a restricted symmetric range), ``k / 2^frac`` for fixed point (MXINT8), every
   finite value of a minifloat from its exponent and mantissa bits, bias and special values
   (``tests/minifloat_reference.py``), or the levels of a codebook;
-* **scale** per element: the stored float scale, ``2^(code - 127)`` for E8M0, the fp8 block scale
+* **scale** per element (and zero point: an offset ``m``, ``x = code * scale + m``, is the grid shift
+  ``-m / scale``): the stored float scale, ``2^(code - 127)`` for E8M0, the fp8 block scale
   times the global scale (two-level), or ``2^(E - shift - (bits - 2))`` per pair for the shared
   micro-exponent formats; broadcast over the granularity's blocks by ``repeat_interleave`` (padding
   cropped);
@@ -102,6 +103,8 @@ def element_scale(qp: qt.QParams, shape: tuple[int, ...]) -> tuple[np.ndarray, n
     if qp.global_scale is not None:
         s = s * float(qp.global_scale)
     z = np.zeros_like(s) if qp.zero_point is None else _np(qp.zero_point)
+    if spec.zero_point_domain == "offset":  # code * s + m: the value of code 0, as a grid shift -m / s
+        z = -z / s
     block = _block(spec, shape)
     return _spread(s, block, shape), _spread(z, block, shape)
 

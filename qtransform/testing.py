@@ -32,7 +32,8 @@ _GRANULARITIES = (PerTensor(), PerChannel(0), PerChannel(-1), PerGroup(16), PerG
                   PerBlock((4, 8)))
 _SYMMETRY = (("sym", {"symmetric": True}),
              ("asym_int", {"symmetric": False, "zero_point_domain": "int"}),
-             ("asym_float", {"symmetric": False, "zero_point_domain": "float"}))
+             ("asym_float", {"symmetric": False, "zero_point_domain": "float"}),
+             ("asym_offset", {"symmetric": False, "zero_point_domain": "offset"}))
 
 
 def granularity_id(g) -> str:

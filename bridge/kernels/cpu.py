@@ -59,6 +59,7 @@ def _int4_prepare(module):
     codec = int_codec(module)
     n, k = q.shape
     s, z = q.qparams.effective()
+    offset = z is not None and module.spec.zero_point_domain == "offset"
     block = module.spec.granularity.block_size((n, k))[-1]
     group = _int4_group(k, block)
     codes = qt.unpacked_codes(q)
@@ -69,13 +70,16 @@ def _int4_prepare(module):
     few = decode.DECODE_MAX_ROWS
     if few and decode.decode_available():  # the GEMV kernel for few tokens (AVX2 build)
         zg = None if z is None else _per_kernel_group(z, n, k, block, group)
-        st["decode"] = decode.prepare_decode(codes, _per_kernel_group(s, n, k, block, group), zg, qmin=codec.qmin)
+        sg = _per_kernel_group(s, n, k, block, group)
+        st["decode"] = (decode.prepare_decode(codes, sg, offset=zg, qmin=codec.qmin) if offset else
+                        decode.prepare_decode(codes, sg, zg, qmin=codec.qmin))
     limit = dense.PREFILL_ROWS.get("int4pack_cpu")
     if st["decode"] is None or limit is None or few < limit - 1:  # token counts between the two
         nibbles = (codes.to(torch.int32) - codec.qmin).contiguous()  # 0 .. 2^bits - 1
         st["packed"] = torch.ops.aten._convert_weight_to_int4pack_for_cpu(nibbles, 2)
         # the kernel computes (nibble - 8) * scale + zero; ours is (code - zero_point) * scale
-        zero = (codec.qmin + 8 - (0.0 if z is None else z)) * s
+        # (code * scale + zero_point for an offset zero point)
+        zero = (codec.qmin + 8) * s + z if offset else (codec.qmin + 8 - (0.0 if z is None else z)) * s
         s_g, zero_g = (_per_kernel_group(t, n, k, block, group) for t in (s, zero))
         st["scale_zeros"] = torch.stack([s_g.t(), zero_g.t()], dim=-1).to(torch.bfloat16).contiguous()
     return st
@@ -129,6 +133,8 @@ def _int8_check(module, forced: bool) -> str | None:
         return f"in_features {k} is not a multiple of 8"
     if grid(module) not in ((n, 1), (1, 1)):
         return "scales are not per-channel (axis 0) or per-tensor"
+    if module.spec.zero_point_domain == "offset":
+        return "asymmetric (an offset zero point)"
     _, z = module.qweight.qparams.effective()
     if z is not None:
         if z.device.type == "meta":

@@ -139,12 +139,14 @@ def _grid(t: torch.Tensor | None, n: int, name: str) -> torch.Tensor | None:
 
 
 def prepare_decode(codes: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None = None, *,
-                   qmin: int = 0, exact: bool = False, native: bool | None = None) -> DecodeState:
+                   qmin: int = 0, exact: bool = False, native: bool | None = None,
+                   offset: torch.Tensor | None = None) -> DecodeState:
     """Pack integer ``codes`` ``(N, K)`` in ``[qmin, qmin + 15]`` for :func:`int4_decode_linear`.
 
     ``scale`` and ``zero_point`` are ``(1 or N, G)`` (per-tensor/per-channel/per-group along K),
     ``W = (codes - zero_point) * scale`` broadcast over groups of ``K / G`` features;
-    ``zero_point=None`` means 0 (symmetric). ``exact`` picks the fp32 variant; ``native`` the
+    ``zero_point=None`` means 0 (symmetric); ``offset`` (instead of ``zero_point``, same shape) gives
+    ``W = codes * scale + offset`` (``zero_point_domain="offset"``). ``exact`` picks the fp32 variant; ``native`` the
     compiled kernel (default: on the CPU when :func:`decode_available`; ``False``: plain torch).
     Raises ``ValueError`` for what the layout cannot hold (see :func:`decode_group`)."""
     if not isinstance(codes, torch.Tensor) or codes.dim() != 2 or codes.is_floating_point():
@@ -154,15 +156,19 @@ def prepare_decode(codes: torch.Tensor, scale: torch.Tensor, zero_point: torch.T
     n, k = codes.shape
     s = _grid(scale, n, "scale")
     z = _grid(zero_point, n, "zero_point")
-    if z is not None and z.shape[1] != s.shape[1]:
-        raise ValueError(f"prepare_decode: zero_point has {z.shape[1]} groups, scale {s.shape[1]}")
+    o = _grid(offset, n, "offset")
+    if z is not None and o is not None:
+        raise ValueError("prepare_decode: pass zero_point or offset, not both")
+    for name, t in (("zero_point", z), ("offset", o)):
+        if t is not None and t.shape[1] != s.shape[1]:
+            raise ValueError(f"prepare_decode: {name} has {t.shape[1]} groups, scale {s.shape[1]}")
     group = decode_group(k, s.shape[1], exact=exact)
     if group is None:
         raise ValueError(f"prepare_decode: in_features {k} in {s.shape[1]} groups: the group must be a multiple "
                          f"of {16 if exact else 32} features")
     if not exact and group > I16_MAX_GROUP:  # split long groups (per channel) into sub-groups, scales repeated
         sub = next(d for d in range(I16_MAX_GROUP, 31, -32) if group % d == 0)
-        s, z = (None if t is None else t.repeat_interleave(group // sub, dim=1) for t in (s, z))
+        s, z, o = (None if t is None else t.repeat_interleave(group // sub, dim=1) for t in (s, z, o))
         group = sub
     nib = codes.to(torch.int16) - qmin
     if nib.numel() and (int(nib.min()) < 0 or int(nib.max()) > 15):
@@ -178,7 +184,10 @@ def prepare_decode(codes: torch.Tensor, scale: torch.Tensor, zero_point: torch.T
     pad = tiles * R - n
     nib = torch.nn.functional.pad(nib.to(torch.uint8), (0, 0, 0, pad)).view(tiles, R, k // block, 2, block // 2)
     packed = (nib[:, :, :, 0] | (nib[:, :, :, 1] << 4)).permute(0, 2, 1, 3).contiguous()
-    mz = -s * ((0.0 if z is None else z) - qmin)  # W = nib * scale + mzero
+    if o is not None:  # W = code * scale + offset = nib * scale + (offset + qmin * scale)
+        mz = o + s * qmin
+    else:
+        mz = -s * ((0.0 if z is None else z) - qmin)  # W = nib * scale + mzero
 
     def tiled(t):  # (N, G) -> (tiles, G, R); padded rows are zero
         return torch.nn.functional.pad(t, (0, 0, 0, pad)).view(tiles, R, -1).transpose(1, 2).contiguous()
@@ -214,6 +223,8 @@ def prepare_decode_qtensor(q: qt.QTensor, *, exact: bool = False, native: bool |
     if reason is not None:
         raise ValueError(f"prepare_decode_qtensor: {reason}")
     s, z = q.qparams.effective()
+    if q.spec.zero_point_domain == "offset":
+        return prepare_decode(qt.unpacked_codes(q), s, offset=z, qmin=q.spec.fmt.codec.qmin, exact=exact, native=native)
     return prepare_decode(qt.unpacked_codes(q), s, z, qmin=q.spec.fmt.codec.qmin, exact=exact, native=native)
 
 

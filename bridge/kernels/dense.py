@@ -62,11 +62,15 @@ def release_buffers() -> None:
 
 def affine_params(q: qt.QTensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(scale, offset)``, each ``(rows, groups)`` float32, with ``value = code * scale + offset``
-    (``offset = -zero_point * scale``) for an integer-coded ``q``."""
+    (``offset = -zero_point * scale``; the zero point itself for ``zero_point_domain="offset"``) for an
+    integer-coded ``q``."""
     s, z = q.qparams.effective()
     n = q.shape[0]
     s = s.to(torch.float32).expand(n, -1)
-    return s.contiguous(), (torch.zeros_like(s) if z is None else -z.to(torch.float32).expand(n, -1) * s).contiguous()
+    if z is None:
+        return s.contiguous(), torch.zeros_like(s)
+    z = z.to(torch.float32).expand(n, -1)
+    return s.contiguous(), (z if q.spec.zero_point_domain == "offset" else -z * s).contiguous()
 
 
 def dequantize_int(codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, k: int,

@@ -70,6 +70,8 @@ def _weight_reason(module) -> str | None:
         return f"in_features {k} exceeds {MAX_IN_FEATURES} (int32 accumulation could overflow)"
     if grid(module) not in ((n, 1), (1, 1)):
         return "weight scales are not per-channel (axis 0) or per-tensor"
+    if module.spec.zero_point_domain == "offset":
+        return "asymmetric weights (an offset zero point)"
     _, z = module.qweight.qparams.effective()
     if z is not None:
         if z.device.type == "meta":
@@ -91,7 +93,7 @@ def _input_reason(module) -> str | None:
     if spec.rounding == "stochastic":
         return "the input quantizer rounds stochastically"
     if not spec.symmetric and spec.zero_point_domain != "int":
-        return "the input quantizer has a float zero point"
+        return f"the input quantizer has a {spec.zero_point_domain} zero point"
     z = None if spec.dynamic else module._buffers.get("input_zero_point")
     if z is None:
         return None

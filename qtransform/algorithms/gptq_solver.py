@@ -128,6 +128,8 @@ def _element(qp: QParams, shape) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Float32 scale and zero point per element of a tensor of ``shape`` (transposed: ``(in, out)``)."""
     p = blocks.plan(shape, qp.spec, sub_block=True)
     s, z = qp.effective()
+    if z is not None and qp.spec.zero_point_domain == "offset":  # code * s + m == (code - (-m / s)) * s
+        z = -z / s
     inter = [d for g, b in zip(p.grid, p.block) for d in (g, b)]
     full = lambda t: blocks.unview(blocks.expand(t.to(torch.float32), p).expand(inter), p).T.contiguous()  # noqa: E731
     return full(s), None if z is None else full(z)

@@ -10,7 +10,8 @@ quantization parameters are handed to it and read by attribute, so formats sit b
 ``scheme.from_range(lo, hi, spec)`` returns the quantization parameters as a dict of
 ``QParams`` fields (``scale``, ``zero_point``, ``global_scale``, ``micro_exponent``);
 ``scheme.effective(qparams)`` the float32 ``(scale, zero_point)`` that quantize and
-dequantize broadcast over blocks.
+dequantize broadcast over blocks (the zero point in the spec's domain: for ``"offset"`` the
+value of code 0, added after scaling).
 
 Conventions of the affine scheme (REFERENCE.md):
 
@@ -20,6 +21,9 @@ Conventions of the affine scheme (REFERENCE.md):
   ``zero_point = clamp(qmin - round(min⁻ / scale))`` with ``min⁻ = min(min, 0)``;
 * asymmetric, float zero point: ``scale = (max - min) / (qmax - qmin)``,
   ``zero_point = qmin - min / scale`` (not rounded, range need not contain 0);
+* asymmetric, offset: ``zero_point = min - qmin * scale`` rounded down to the scale dtype (the value
+  of code 0: ``min`` for unsigned codes), ``scale = (max - zero_point) / qmax`` rounded up; the
+  values are ``code * scale + zero_point`` (GGUF Q4_1), not ``(code - zero_point) * scale``;
 * power of two (``scale_rule``): ``floor`` = ``2^(floor(log2 A) - emax)`` (OCP MX),
   ``even`` = the same after rounding ``A`` to the element's mantissa width (Quark),
   ``ceil`` = the smallest power of two ``>= amax / D`` (never clips), with ``A`` the amax;
@@ -38,7 +42,7 @@ import torch
 from .._checks import under_transform, where
 
 __all__ = ["Scheme", "AffineScheme", "UnitScheme", "AFFINE", "UNIT", "SCALE_DTYPES", "decode_scale",
-           "pow2_exponent", "round_up_to", "FP8_E4M3_MAX", "E8M0_BIAS", "check_e8m0", "to_e8m0"]
+           "pow2_exponent", "round_up_to", "round_down_to", "FP8_E4M3_MAX", "E8M0_BIAS", "check_e8m0", "to_e8m0"]
 
 #: name -> (storage dtype, bits). "e8m0" is a power of two stored as a biased uint8 exponent.
 SCALE_DTYPES: Mapping[str, tuple[torch.dtype, int]] = types.MappingProxyType({
@@ -116,6 +120,16 @@ def round_up_to(s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     int_dtype = _SAME_WIDTH_INT[low.element_size()]
     up = (low.view(int_dtype) + 1).view(dtype)  # next representable value above a positive one
     return torch.where(low.to(torch.float32) < s, up, low)
+
+
+def round_down_to(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Cast finite ``x`` (any sign) to ``dtype`` rounding toward -inf (an offset stored this way
+    never lies above the value it stands for)."""
+    if dtype == torch.float32:
+        return x
+    low = x.to(dtype)
+    down = torch.nextafter(low, torch.full_like(low, float("-inf")))
+    return torch.where(low.to(torch.float32) > x, down, low)
 
 
 def check_e8m0(scale, spec, *, name: str = "qparams.scale") -> None:
@@ -224,6 +238,8 @@ class AffineScheme(Scheme):
             return {"scale": stored,
                     "zero_point": torch.full(s.shape, int(mid), dtype=codec.code_dtype, device=s.device)}
         span = qhi - qlo
+        if spec.zero_point_domain == "offset":
+            return _offset_from_range(lo, hi, qlo, qhi, spec, path)
         if spec.zero_point_domain == "int":
             lo, hi = lo.clamp(max=0), hi.clamp(min=0)
         width = hi - lo
@@ -252,6 +268,35 @@ class AffineScheme(Scheme):
             s = torch.where(s > 0, s, torch.finfo(torch.float32).tiny)
         z = None if qparams.zero_point is None else qparams.zero_point.to(torch.float32)
         return s, z
+
+
+def _offset_from_range(lo, hi, qlo: float, qhi: float, spec, path) -> dict:
+    """``x = code * scale + offset`` (GGUF Q4_1's ``d * q + m``). The offset, the value of code 0, is
+    ``lo - qlo * scale`` rounded *down* to the scale dtype (``lo`` itself for unsigned codes), then the
+    scale ``(hi - offset) / qhi`` rounded *up*: storing either never clips ``[lo, hi]``. Codes whose
+    top is 0 (int1: -1, 0) anchor the offset at ``hi`` (rounded up) instead."""
+    span = qhi - qlo
+    width = hi - lo
+    ideal = torch.where(torch.isinf(width), hi / span - lo / span, width / span)
+    _check_finite_scale(ideal, lo, hi, span, spec, path)
+    dtype = SCALE_DTYPES[spec.scale_dtype][0]
+    top = qhi <= 0
+    target = hi if top else lo if qlo == 0 else lo - qlo * ideal
+    if qlo < 0 < qhi:  # a value inside [lo, hi] whose terms may overflow: form it at half size there
+        target = torch.where(torch.isinf(target), (lo * 0.5 - qlo * (ideal * 0.5)) * 2, target)
+    finfo = torch.finfo(dtype)
+    if not under_transform(target) and bool((target.abs() > finfo.max).any()):
+        first = tuple(int(i) for i in (target.abs() > finfo.max).nonzero()[0])
+        raise ValueError(f"{where(path)}the block at grid index {first} needs the offset {float(target[first]):.4g}, "
+                         f"beyond scale_dtype={spec.scale_dtype!r} (max {finfo.max:.4g})"
+                         + ("; use scale_dtype='float32'" if dtype != torch.float32 else ""))
+    offset = -round_down_to(-target, dtype) if top else round_down_to(target, dtype)
+    m = offset.to(torch.float32)
+    reach, steps = (m - lo, -qlo) if top else (hi - m, qhi)
+    # a reach beyond float32 (a range near +-float32 max): the scale without forming it
+    need = torch.where(torch.isinf(reach), (m / steps - lo / steps) if top else (hi / steps - m / steps), reach / steps)
+    stored, _ = _store_scale(need, need, need, spec, path)
+    return {"scale": stored, "zero_point": offset}
 
 
 def _two_level_from_range(lo, hi, elem_max: float) -> dict:

@@ -55,7 +55,7 @@ def _shrink(lo, hi, r, spec: QuantSpec):
     if spec.symmetric:
         amax = torch.maximum(-lo, hi) * r
         return -amax, amax
-    if spec.zero_point_domain == "float":
+    if spec.zero_point_domain in ("float", "offset"):
         mid = (lo + hi) / 2
         return mid + (lo - mid) * r, mid + (hi - mid) * r
     return lo * r, hi * r
@@ -71,9 +71,10 @@ def mse_range(stats: HistogramStats, spec: QuantSpec, *, candidates: int = 100, 
         lo, hi = _shrink(stats.min, stats.max, r, spec)
         s, z = QParams.from_range(lo, hi, spec).effective()
         s, z = s.unsqueeze(-1), (None if z is None else z.unsqueeze(-1))
-        v = means / s if z is None else means / s + z
+        offset = spec.zero_point_domain == "offset"
+        v = means / s if z is None else (means - z) / s if offset else means / s + z
         g = roundtrip_blocks(v, spec)
-        deq = (g if z is None else g - z) * s
+        deq = g * s if z is None else g * s + z if offset else (g - z) * s
         err = (counts * (means - deq) ** 2).sum(-1)
         if best_err is None:
             best_err, best_lo, best_hi = err, lo, hi

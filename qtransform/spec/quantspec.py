@@ -20,9 +20,12 @@ from ..formats.base import ROUNDINGS
 from ..granularity import (Granularity, PerBlock, PerChannel, PerGroup, PerTensor,
                           granularity_from_dict)
 
-__all__ = ["QuantSpec", "SCALE_RULES", "CALIBRATION_FIELDS"]
+__all__ = ["QuantSpec", "SCALE_RULES", "ZERO_POINT_DOMAINS", "CALIBRATION_FIELDS"]
 
 SCALE_RULES = ("floor", "ceil", "even")
+#: ``"int"``: rounded zero point, ``(code - zp) * scale``; ``"float"``: unrounded, same formula;
+#: ``"offset"``: ``code * scale + zp`` (the zero point is the value of code 0, stored like the scale).
+ZERO_POINT_DOMAINS = ("int", "float", "offset")
 #: Fields of version-1 specs that were calibration choices (moved to the observers).
 CALIBRATION_FIELDS = ("observer", "percentile", "histogram_bins")
 _GRANULARITIES = (PerTensor, PerChannel, PerGroup, PerBlock)
@@ -38,8 +41,11 @@ class QuantSpec:
             ``PerBlock(shape)``; ``None`` takes the format's default (``PerGroup(32)`` for MX).
         symmetric: no zero point (signed formats) or the fixed mid-range zero point
             ``2^(N-1)`` (unsigned integers). ``False`` fits ``[min, max]`` with a zero point.
-        zero_point_domain: ``"int"`` (rounded, the range always contains 0) or ``"float"``
-            (HQQ-style, not rounded, the range need not contain 0). Asymmetric specs only.
+        zero_point_domain: ``"int"`` (rounded, the range always contains 0), ``"float"``
+            (HQQ-style, not rounded, the range need not contain 0; ``x = (code - zero_point) * scale``)
+            or ``"offset"`` (the zero point stores the value of code 0 itself, in the scale dtype:
+            ``x = code * scale + zero_point``, GGUF Q4_1's ``d * q + m``, reproduced exactly with
+            16-bit parameters, which ``"float"``'s ``-m / d`` is not). Asymmetric specs only.
         symmetric_range: for symmetric integer specs, ``"full"`` (default; Quark, torchao and
             GPTQ: ``amax / ((qmax - qmin) / 2)``, all codes used) or ``"restricted"``
             (``amax / qmax``, codes in ``[-qmax, qmax]``).
@@ -141,10 +147,10 @@ class QuantSpec:
             if self.symmetric_range is not None:
                 raise ValueError("QuantSpec: symmetric_range applies to symmetric specs only")
             _set("zero_point_domain", self.zero_point_domain or "int")
-            _choice("zero_point_domain", self.zero_point_domain, ("int", "float"))
-            if self.power_of_two and self.zero_point_domain == "float":
-                raise ValueError("QuantSpec: a float zero point with power-of-two scales is not supported; "
-                                 "use zero_point_domain='int'")
+            _choice("zero_point_domain", self.zero_point_domain, ZERO_POINT_DOMAINS)
+            if self.power_of_two and self.zero_point_domain != "int":
+                raise ValueError(f"QuantSpec: a {self.zero_point_domain} zero point with power-of-two scales is not "
+                                 "supported; use zero_point_domain='int'")
             if self.scale_dtype == "float8_e4m3fn":
                 raise ValueError("QuantSpec: two-level fp8 scales are symmetric only")
 

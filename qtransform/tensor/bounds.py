@@ -19,7 +19,7 @@ import torch
 
 from . import blocks
 from .types import QParams
-from .quantize import _blocked, _from_element, _to_element, element_range
+from .quantize import _blocked, _from_element, _limit, _offset, _to_element, _wide, element_range
 
 __all__ = ["error_bound"]
 
@@ -28,7 +28,9 @@ def error_bound(x: torch.Tensor, qparams: QParams) -> torch.Tensor:
     """Bound on ``|x - dequantize(quantize(x, qparams))|``, elementwise (float32, shape of ``x``)."""
     p, xb, s, z = _blocked(x, qparams, None)
     spec = qparams.spec
-    v = _to_element(xb, s, z)
+    offset = _offset(spec)
+    wide = _offset(spec) and _wide(spec, _limit(spec, s, z, torch.float32, xb))
+    v = _to_element(xb, s, z, offset=offset, wide=wide)
     lo, hi = element_range(spec)
     vc = v if lo is None else v.clamp(lo, hi)
     half = spec.fmt.codec.half_spacing(vc)
@@ -36,6 +38,6 @@ def error_bound(x: torch.Tensor, qparams: QParams) -> torch.Tensor:
         half = 2 * half
     # beyond the range the error is the distance to the (representable) end, taken in the x
     # domain: v - clamp(v) would lose most of its digits when v is large and the excess small
-    saturated = _from_element(vc, s, z)
+    saturated = _from_element(vc, s, z, offset=offset, wide=wide)
     bound = torch.where(vc == v, half * s, (xb - saturated).abs())
     return blocks.unview(bound, p)

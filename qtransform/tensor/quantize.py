@@ -68,15 +68,31 @@ def _blocked(x: torch.Tensor, qparams: QParams, path):
     return p, xb, s, z
 
 
-def _to_element(xb, s, z, *, differentiable: bool = False):
+def _offset(spec: QuantSpec) -> bool:
+    """Whether ``spec``'s zero point is an offset (``code * scale + zero_point``)."""
+    return spec.zero_point_domain == "offset"
+
+
+def _to_element(xb, s, z, *, offset: bool = False, differentiable: bool = False, wide: bool = False):
     if z is None:
         return xb / s
+    if offset:  # wide: where x - z overflows (parameters near the largest float), at half size
+        v = (xb - z) / s
+        return torch.where(torch.isfinite(v), v, (xb * 0.5 - z * 0.5) / (s * 0.5)) if wide else v
     # addcdiv is one pass, but its backward is not exactly 1/s; the STE path divides plainly
     return xb / s + z if differentiable else torch.addcdiv(z, xb, s)
 
 
-def _from_element(vals, s, z, *, inplace: bool = False):
-    """``(vals - z) * s``; with ``inplace`` the fresh ``vals`` buffer is reused (two passes, no copies)."""
+def _from_element(vals, s, z, *, offset: bool = False, inplace: bool = False, wide: bool = False):
+    """``(vals - z) * s`` (``vals * s + z`` with ``offset``: for the element grid's integers and a 16-bit
+    scale the product is exact in float32, so the sum rounds once, as GGUF's ``d * q + m``; ``wide``
+    forms it at half size where the full-size product overflows although the sum need not);
+    with ``inplace`` the fresh ``vals`` buffer is reused (two passes, no copies)."""
+    if offset and z is not None:
+        if wide:  # where the product overflows although the sum need not, at half size
+            y = vals * s + z
+            return torch.where(torch.isfinite(y), y, (vals * (s * 0.5) + z * 0.5) * 2)
+        return vals.mul_(s).add_(z) if inplace else vals * s + z
     if inplace:
         return (vals if z is None else vals.sub_(z)).mul_(s)
     return (vals if z is None else vals - z) * s
@@ -101,20 +117,31 @@ def _limit(spec: QuantSpec, s: torch.Tensor, z, dtype: torch.dtype, like: torch.
     limit = min(float(torch.finfo(dtype).max), _F32_MAX)
     if not under_transform(like) and like.device.type == "cpu":
         lo, hi = spec.fmt.codec.qrange(symmetric=False, restricted=False)
-        reach = max(abs(lo), abs(hi)) + (0.0 if z is None else float(z.detach().abs().amax()))
-        if float(s.detach().amax()) * reach * (1.0 + 2.0 ** -10) <= limit:
+        zmax = 0.0 if z is None else float(z.detach().abs().amax())
+        smax = float(s.detach().abs().amax())  # an imported scale may be negative (GGUF Q4_0)
+        reach = smax * max(abs(lo), abs(hi)) + zmax if _offset(spec) else smax * (max(abs(lo), abs(hi)) + zmax)
+        if reach * (1.0 + 2.0 ** -10) <= limit:
             return None
     return limit
 
 
-def _straight_through(vq, g, s, z, limit: float) -> torch.Tensor:
-    """``(g - z) * s`` clamped to ``+-limit``, with the gradient of ``(vq - z) * s`` (``vq`` equals ``g``
-    forward): the differentiable product is formed at half scale, so it cannot overflow, and its
-    forward value cancels exactly (``t - t.detach() == 0``)."""
-    value = _from_element(g, s.detach(), None if z is None else z.detach()).clamp(-limit, limit)
-    exact = s.detach() >= 2.0 ** -125  # halving a normal scale above 2^-125 is exact
+def _wide(spec: QuantSpec, limit: float | None) -> bool:
+    """Whether an offset spec's ``code * scale`` may overflow before the offset is added: parameters
+    near the largest float (``limit`` set), unless they are fp16 (at most ``255 * 65504``)."""
+    return _offset(spec) and limit is not None and spec.scale_dtype != "float16"
+
+
+def _straight_through(vq, g, s, z, limit: float, *, offset: bool = False, spec_wide: bool = False) -> torch.Tensor:
+    """``(g - z) * s`` (``g * s + z`` with ``offset``) clamped to ``+-limit``, with the gradient of the same
+    form in ``vq`` (``vq`` equals ``g`` forward): the differentiable value is formed at half scale, so it
+    cannot overflow, and its forward value cancels exactly (``t - t.detach() == 0``)."""
+    value = _from_element(g, s.detach(), None if z is None else z.detach(), offset=offset,
+                          wide=offset and spec_wide).clamp(-limit, limit)
+    exact = s.detach().abs() >= 2.0 ** -125  # halving a normal scale above 2^-125 is exact
     half = torch.where(exact, s * 0.5, s)
-    t = _from_element(vq, half, z)
+    if offset and z is not None:
+        z = z * torch.where(exact, 0.5, 1.0)
+    t = _from_element(vq, half, z, offset=offset)
     return value + (t - t.detach()) * torch.where(exact, 2.0, 1.0)
 
 
@@ -135,7 +162,8 @@ def quantize(x: torch.Tensor, qparams: QParams, *, generator=None, path: str | N
     spec = qparams.spec
     codec = spec.fmt.codec
     lo, hi = element_range(spec)
-    v = _to_element(xb, s, z)
+    offset = _offset(spec)
+    v = _to_element(xb, s, z, offset=offset, wide=offset and _wide(spec, _limit(spec, s, z, torch.float32, xb)))
     codes = codec.encode(v, rounding=spec.rounding, noise=_noise(v.shape, x.device, spec, generator),
                          lo=lo, hi=hi)
     codes = blocks.unview(codes, p)
@@ -154,7 +182,8 @@ def unpacked_codes(q: QTensor) -> torch.Tensor:
 
 
 def dequantize(q: QTensor, *, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """``(decode(codes) - zero_point) * scale`` in ``q.dtype`` (or ``dtype``, a floating dtype), shape
+    """``(decode(codes) - zero_point) * scale`` (``decode(codes) * scale + zero_point`` for
+    ``zero_point_domain="offset"``) in ``q.dtype`` (or ``dtype``, a floating dtype), shape
     ``q.shape``. Values that would round past the largest finite value of ``q.dtype`` saturate to it
     (never Inf, unless the spec says ``saturate=False``)."""
     if not isinstance(q, QTensor):
@@ -169,8 +198,9 @@ def dequantize(q: QTensor, *, dtype: torch.dtype | None = None) -> torch.Tensor:
     vals = blocks.view(decoded, p)
     inplace = (not under_transform(vals) and not s.requires_grad and (z is None or not z.requires_grad)
                and decoded.data_ptr() != codes.data_ptr())
-    y = _from_element(vals, blocks.expand(s, p), None if z is None else blocks.expand(z, p), inplace=inplace)
-    limit = _limit(spec, s, z, q.dtype, y)
+    limit = _limit(spec, s, z, q.dtype, vals)
+    y = _from_element(vals, blocks.expand(s, p), None if z is None else blocks.expand(z, p), offset=_offset(spec),
+                      inplace=inplace, wide=_wide(spec, limit))
     if limit is not None:
         y = y.clamp_(-limit, limit) if inplace else y.clamp(-limit, limit)
     return blocks.unview(y, p).to(q.dtype if dtype is None else dtype)
@@ -204,16 +234,19 @@ def fake_quantize(x: torch.Tensor, qparams: QParams, *, generator=None, path: st
     spec = qparams.spec
     lo, hi = element_range(spec)
     needs_grad = x.requires_grad or s.requires_grad or (z is not None and z.requires_grad)
-    v = _to_element(xb, s, z, differentiable=needs_grad)
+    offset = _offset(spec)
+    limit = _limit(spec, s, z, x.dtype, xb)
+    v = _to_element(xb, s, z, offset=offset, differentiable=needs_grad,
+                    wide=offset and _wide(spec, _limit(spec, s, z, torch.float32, xb)))
     g = spec.fmt.codec.round(v.detach(), rounding=spec.rounding,
                              noise=_noise(v.shape, x.device, spec, generator), lo=lo, hi=hi)
-    limit = _limit(spec, s, z, x.dtype, g)
     if not needs_grad:  # nothing to differentiate: the rounded values, rescaled in place
-        y = _from_element(g, s, z, inplace=not under_transform(g))
+        y = _from_element(g, s, z, offset=offset, inplace=not under_transform(g), wide=_wide(spec, limit))
         if limit is not None:
             y = y.clamp(-limit, limit) if under_transform(g) else y.clamp_(-limit, limit)
         return blocks.unview(y, p).to(x.dtype)
     vc = v if lo is None else v.clamp(lo, hi)
     vq = vc + (g - vc).detach()
-    y = _from_element(vq, s, z) if limit is None else _straight_through(vq, g, s, z, limit)
+    y = _from_element(vq, s, z, offset=offset) if limit is None else \
+        _straight_through(vq, g, s, z, limit, offset=offset, spec_wide=_wide(spec, limit))
     return blocks.unview(y, p).to(x.dtype)

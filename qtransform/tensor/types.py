@@ -25,7 +25,8 @@ class QParams:
     """Quantization parameters of one tensor.
 
     Invariant: ``x ≈ (decode(codes) - zero_point) * scale`` broadcast over the spec's
-    granularity. ``scale`` has the *grid* shape ``ceil(shape / block_size)`` and is stored
+    granularity (``decode(codes) * scale + zero_point`` for ``zero_point_domain="offset"``, whose
+    zero point is stored in the scale dtype). ``scale`` has the *grid* shape ``ceil(shape / block_size)`` and is stored
     in ``spec.scale_dtype`` (uint8 biased exponents for ``"e8m0"``, ``float8_e4m3fn`` block
     scales for two-level specs, which also carry a float32 ``global_scale`` of shape ()).
     ``micro_exponent`` holds the bit-packed 1-bit shifts of MX4/MX6/MX9 sub-blocks.
@@ -60,7 +61,9 @@ class QParams:
     def effective(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Float32 ``(scale, zero_point)`` per block of the grid (zero point ``None`` when absent):
         what quantize and dequantize broadcast (E8M0 exponents, two-level and micro-exponent
-        scales decoded)."""
+        scales decoded). The zero point is in the spec's domain: values are
+        ``(code - zero_point) * scale``, except for ``zero_point_domain="offset"``, where they are
+        ``code * scale + zero_point`` (the zero point is the value of code 0)."""
         return self.spec.fmt.scheme.effective(self)
 
     def tensors(self) -> dict[str, torch.Tensor]:

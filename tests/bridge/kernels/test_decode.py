@@ -25,7 +25,9 @@ SPECS += [qt.QuantSpec(format="int4", granularity=qt.PerGroup(256), symmetric=Fa
           qt.QuantSpec(format="uint3", granularity=qt.PerGroup(64), symmetric=False, zero_point_domain="float"),
           qt.QuantSpec(format="int2", granularity=qt.PerGroup(32), symmetric_range="restricted"),
           qt.QuantSpec(format="int4", granularity=qt.PerGroup(128), scale_dtype="bfloat16"),
-          qt.QuantSpec(format="int4", granularity=qt.PerTensor())]
+          qt.QuantSpec(format="int4", granularity=qt.PerTensor()),
+          qt.QuantSpec(format="uint4", granularity=qt.PerGroup(32), symmetric=False, zero_point_domain="offset", scale_dtype="float16"),  # GGUF Q4_1
+          qt.QuantSpec(format="int4", granularity=qt.PerChannel(0), symmetric=False, zero_point_domain="offset")]
 
 
 def quantized(spec, n, k, seed=0):

@@ -19,6 +19,7 @@ SPECS = [
     (qt.QuantSpec(format="int3", granularity=qt.PerGroup(32)), 256),  # codes of fewer bits: unpacked per call
     (qt.QuantSpec(format="int8", granularity=qt.PerChannel(0)), 256),
     (qt.QuantSpec(format="uint8", granularity=qt.PerTensor(), symmetric=True), 256),
+    (qt.QuantSpec(format="uint4", granularity=qt.PerGroup(32), symmetric=False, zero_point_domain="offset", scale_dtype="float16"), 256),  # GGUF Q4_1
 ]
 
 
@@ -104,7 +105,7 @@ def test_padded_group_runs_the_packed_kernel_at_decode():
     assert (m(x).double() - ref).abs().max() <= 2e-2 * ref.abs().max()
 
 
-@pytest.mark.parametrize("spec,k", SPECS[:5], ids=lambda v: str(v))
+@pytest.mark.parametrize("spec,k", SPECS[:5] + SPECS[-1:], ids=lambda v: str(v))
 def test_native_and_plain_dequantization_agree(spec, k, monkeypatch):
     """The AVX2 pass (built at first use) and the plain tensor ops give the same weight."""
     m, _ = _module(spec, k)

@@ -29,7 +29,9 @@ INT4_SPECS = [qt.QuantSpec(format=f, granularity=g, symmetric=sym)
               for g in (qt.PerGroup(32), qt.PerGroup(64), qt.PerGroup(128), qt.PerGroup(256), qt.PerChannel(0))]
 INT4_SPECS += [qt.QuantSpec(format="uint3", granularity=qt.PerGroup(64), symmetric=False, zero_point_domain="float"),
                qt.QuantSpec(format="int2", granularity=qt.PerGroup(32), symmetric_range="restricted"),
-               qt.QuantSpec(format="int4", granularity=qt.PerGroup(128), scale_dtype="bfloat16")]
+               qt.QuantSpec(format="int4", granularity=qt.PerGroup(128), scale_dtype="bfloat16"),
+               qt.QuantSpec(format="uint4", granularity=qt.PerGroup(32), symmetric=False, zero_point_domain="offset", scale_dtype="float16"),  # GGUF Q4_1
+               qt.QuantSpec(format="int4", granularity=qt.PerGroup(64), symmetric=False, zero_point_domain="offset")]
 
 
 @pytest.mark.parametrize("spec", INT4_SPECS, ids=str)
@@ -80,10 +82,12 @@ def test_int8pack_matches_reference(spec):
 
 def test_ineligible_cases_fall_back():
     asym8 = make(qt.QuantSpec(format="int8", granularity=qt.PerChannel(0), symmetric=False))
+    # an offset zero point of 128 in every row is not the symmetric uint8 zero point
+    off8 = make(qt.QuantSpec(format="uint8", granularity=qt.PerChannel(0), symmetric=False, zero_point_domain="offset"))
     g16 = make(qt.QuantSpec(format="int4", granularity=qt.PerGroup(16)))
     odd_n = make(qt.QuantSpec(format="int4", granularity=qt.PerGroup(32)), n=40)
     nf4 = make(qt.QuantSpec(format="nf4"))
-    for lin, q in (asym8, g16, odd_n, nf4):
+    for lin, q in (asym8, off8, g16, odd_n, nf4):
         m = QLinear.from_float(lin, q)
         assert m.kernel == "dequant", q.spec
         x = torch.randn(2, 256)
