@@ -1,0 +1,248 @@
+"""Export to AMD Quark's HF format (``quant_method: "quark"``), which transformers loads through its
+Quark quantizer (with ``amd-quark`` installed) and vLLM serves.
+
+The export is a transformers checkpoint directory: ``config.json`` (the model's config with Quark's
+``quantization_config``), safetensors shards with Quark's tensor names and packing
+(:mod:`.quark_tensors`), and the tokenizer and generation files. ``quantization_config`` holds:
+
+* ``global_quant_config``: the layer config (``weight`` / ``input_tensors`` / ``output_tensors``
+  :mod:`Quark tensor configs <.quark_config>`) most linear layers share;
+* ``layer_quant_config``: the others, by module name (``"*.<name>"`` when every linear layer of that
+  name shares one); ``exclude``: the linear layers left in floating point;
+* the static fp8 key/value cache as the ``output_tensors`` of ``k_proj`` / ``v_proj`` with
+  ``export.kv_cache_group = ["*k_proj", "*v_proj"]`` (vLLM reads them as the attention's
+  ``k_scale`` / ``v_scale``; transformers' Quark layers quantize the projections' outputs, i.e.
+  before the rotary embedding where a model has one, while we and vLLM quantize the cache after it);
+* ``export``: ``pack_method: "reorder"`` (int4 in AWQ order), ``weight_format: "real_quantized"``;
+* ``qtransform``: our own metadata (specs, logical dtypes, recipe), which Quark and vLLM ignore and
+  :class:`~bridge.interop.quark_import.QuarkImporter` uses to give back the very same specs.
+
+Quark quantizes ``nn.Linear`` layers only: quantized embeddings, transformers' ``Conv1D`` (GPT-2) and
+fused attention projections without ``k_proj``/``v_proj`` for a KV cache are refused by tree path.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from collections import Counter
+from pathlib import Path
+
+import torch
+
+import qtransform as qt
+
+from ..checkpoint import metadata, store
+from ..modules.actquant import PREFIX
+from . import quark_config as qc
+from . import quark_import  # noqa: F401  (registers the importer)
+from .base import Exporter, Source, Support, copy_extras, register_exporter, write_config
+from .quark_tensors import shape_problem, symmetric_zero, to_quark
+
+__all__ = ["QuarkExporter", "KV_CACHE_GROUP", "FORMAT_VERSION", "skeleton", "layer_config"]
+
+#: What ``export.kv_cache_group`` names (the projections whose outputs are the key/value cache).
+KV_CACHE_GROUP = ["*k_proj", "*v_proj"]
+#: The Quark version whose config format the export follows (written as ``version``).
+FORMAT_VERSION = "0.13"
+_KV_PROJ = {"key": "k_proj", "value": "v_proj"}
+_EMPTY = {"input_tensors": None, "output_tensors": None, "weight": None, "bias": None, "target_device": None}
+
+
+_HEADS = ("AutoModelForCausalLM", "AutoModelForMaskedLM", "AutoModelForSeq2SeqLM", "AutoModelForSequenceClassification",
+          "AutoModelForTokenClassification", "AutoModel")
+
+
+@functools.lru_cache(maxsize=8)
+def _skeleton(config_json: str, paths: tuple[str, ...]) -> tuple[dict, str | None, str]:
+    import transformers
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    config = json.loads(config_json)
+    if config.get("model_type") not in CONFIG_MAPPING:
+        raise ValueError(f"config.json names model_type {config.get('model_type')!r}, not a transformers model "
+                         "this transformers builds")
+    cfg = CONFIG_MAPPING[config["model_type"]].from_dict(config)
+    named = [a for a in config.get("architectures") or [] if isinstance(a, str) and hasattr(transformers, a)]
+    for name in named + list(_HEADS):
+        try:
+            with torch.device("meta"):
+                cls = getattr(transformers, name)
+                model = cls(cfg) if name in named else cls.from_config(cfg)
+        except (ValueError, KeyError, TypeError, AttributeError, RuntimeError):
+            continue
+        if set(paths) <= set(model.state_dict(keep_vars=True)):
+            break
+    else:
+        raise ValueError(f"no transformers class of model_type {config['model_type']!r} has the checkpoint's "
+                         f"tensors (tried {named + list(_HEADS)})")
+    types = {n: type(m) for n, m in model.named_modules()}
+    out = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    out_name = next((n for n, m in model.named_modules() if m is out), None) if out is not None else None
+    tied = bool(getattr(cfg, "tie_word_embeddings", False))
+    return types, (out_name if tied else None), type(model).__name__
+
+
+def skeleton(source: Source) -> tuple[dict, str | None, str]:
+    """``({module name: module class}, the tied output embedding's name or None, class name)`` of the
+    transformers model whose weights ``source`` holds (its ``architectures``, else the first head class
+    that has all its weights), built on the ``meta`` device (no memory); ``ValueError`` when none does."""
+    paths = tuple(sorted(p for p in list(source.tree) + list(source.meta.entries)
+                         if p.endswith((".weight", ".bias"))))
+    return _skeleton(json.dumps(source.config, sort_keys=True, default=str), paths)
+
+
+def _module(path: str) -> str:
+    return path.rpartition(".")[0]
+
+
+def layer_config(weight: dict | None = None, input_tensors: dict | None = None, output_tensors: dict | None = None) -> dict:
+    """One Quark ``QLayerConfig`` as JSON."""
+    return {**_EMPTY, "weight": weight, "input_tensors": input_tensors, "output_tensors": output_tensors}
+
+
+class QuarkExporter(Exporter):
+    """``--to quark``: Quark's HF format (see the module docstring)."""
+
+    name = "quark"
+    description = "AMD Quark HF format (transformers with amd-quark, vLLM): int4/uint4/int8 weights, fp8, OCP MX"
+
+    def support(self, spec: qt.QuantSpec, role: str = "weight") -> Support:
+        return qc.judge(spec, role)
+
+    # ------------------------------------------------------------------ whole-model conditions
+    def problems(self, source: Source, *, allow_nearest: bool = False) -> list[str]:
+        out = super().problems(source, allow_nearest=allow_nearest)
+        try:
+            types, tied_out, _ = skeleton(source)
+        except (ValueError, TypeError, KeyError, AttributeError, RuntimeError) as e:
+            return out + [f"{source.directory}: {e}" if source.config else
+                          f"{source.directory}: no transformers config.json (Quark exports transformers models)"]
+        linear = {n for n, t in types.items() if t is torch.nn.Linear}
+        for path, entry in source.meta.entries.items():
+            m = _module(path)
+            if not path.endswith(".weight") or m not in linear:
+                kind = types[m].__name__ if m in types else "no module of the model"
+                out.append(f"{path}: a quantized {kind} weight; Quark quantizes the weights of nn.Linear layers only")
+                continue
+            why = shape_problem(entry.spec, entry.shape)
+            if why is not None:
+                out.append(f"{path}: {why}")
+            if m == tied_out:
+                out.append(f"{path}: the output embedding is quantized while the config ties it to the input "
+                           "embedding (transformers would tie the two again on load)")
+        outputs = {s.module for s in source.meta.activations if s.role == "output"}
+        for site in source.meta.activations:
+            where = f"{site.module}:{site.role}"
+            if site.role in _KV_PROJ:
+                proj = f"{site.module}.{_KV_PROJ[site.role]}"
+                if proj not in linear:
+                    out.append(f"{where}: the {site.role} cache of a module without an nn.Linear "
+                               f"{_KV_PROJ[site.role]} (Quark stores it as that projection's output scale)")
+                elif proj in outputs:
+                    out.append(f"{where}: {proj} also quantizes its output; Quark has one output quantizer per layer")
+            elif site.module not in linear:
+                out.append(f"{where}: an activation quantizer on a {types.get(site.module, type(None)).__name__}; "
+                           "Quark quantizes the inputs and outputs of nn.Linear layers only")
+        return out
+
+    # ------------------------------------------------------------------ writing
+    def write(self, source: Source, out: Path, *, allow_nearest: bool = False) -> None:
+        types, _, arch = skeleton(source)
+        linear = [n for n, t in types.items() if t is torch.nn.Linear]
+        meta = source.meta
+        layers = {m: dict(_EMPTY) for m in linear}
+        groups, consumed = [], set()
+        for path, entry in meta.entries.items():
+            m = _module(path)
+            layers[m]["weight"] = qc.tensor_config(entry.spec, "weight")
+            groups.append({f"{m}.{k}": v for k, v in to_quark(source.tree[path], path).items()})
+            consumed.add(path)
+        for site, spec in meta.activations.items():
+            names = {f: f"{site.module}.{PREFIX[site.role]}{f}" for f in qt.QParams.FIELDS}
+            consumed |= set(names.values())
+            if site.role in _KV_PROJ:
+                proj, role = f"{site.module}.{_KV_PROJ[site.role]}", "output"
+            else:
+                proj, role = site.module, site.role
+            layers[proj][f"{role}_tensors"] = qc.tensor_config(spec, site.role)
+            groups.append(_activation_tensors(source.tree, names, spec, f"{proj}.{role}_"))
+        seen = {}
+        for path, leaf in source.tree.items():
+            if path in consumed:
+                continue
+            key = (leaf.untyped_storage().data_ptr(), leaf.storage_offset(), tuple(leaf.shape), leaf.dtype)
+            groups.append({path: leaf.clone() if leaf.numel() and key in seen else leaf})
+            seen.setdefault(key, path)
+        config = dict(source.config)
+        if not config.get("architectures"):  # vLLM picks the model class by it
+            config["architectures"] = [arch]
+        config["quantization_config"] = quantization_config(layers, linear, meta)
+        store.write_shards(out, groups, file_metadata={"format": "pt"})
+        write_config(out, config)
+        copy_extras(source, out)
+
+
+def _activation_tensors(tree: dict, names: dict, spec: qt.QuantSpec, prefix: str) -> dict:
+    """A static per-tensor activation quantizer's scale (and zero point) as Quark's scalars."""
+    scale = tree.get(names["scale"])
+    if scale is None:
+        raise ValueError(f"{names['scale']}: missing from the checkpoint (a static activation quantizer's scale)")
+    out = {prefix + "scale": scale.reshape(()).contiguous()}
+    if spec.format in qc.INT_DTYPES:
+        codes = torch.int8 if spec.format == "int8" else torch.uint8
+        zp = tree.get(names["zero_point"])
+        zp = torch.tensor(symmetric_zero(spec.format)) if zp is None else zp
+        out[prefix + "zero_point"] = zp.reshape(()).to(codes).contiguous()
+    return out
+
+
+def _compress(names: list[str], chosen: set[str], linear: list[str]) -> list[str]:
+    """``names`` (a subset ``chosen`` of the linear layers), with ``"*.<last>"`` for each last name
+    component every linear layer of which is in ``chosen``."""
+    by_last: dict[str, list[str]] = {}
+    for n in linear:
+        by_last.setdefault(n.rpartition(".")[2], []).append(n)
+    out, done = [], set()
+    for n in names:
+        last = n.rpartition(".")[2]
+        if "." in n and len(by_last[last]) > 1 and all(x in chosen for x in by_last[last]):
+            if last not in done:
+                out.append(f"*.{last}")
+                done.add(last)
+        else:
+            out.append(n)
+    return out
+
+
+def quantization_config(layers: dict[str, dict], linear: list[str], meta: metadata.Metadata) -> dict:
+    """Quark's ``quantization_config`` for ``{linear layer: layer config}`` (empty: excluded)."""
+    keys = {m: json.dumps(c, sort_keys=True) for m, c in layers.items()}
+    quantized = [m for m in linear if layers[m] != _EMPTY]
+    common = Counter(keys[m] for m in quantized).most_common(1)
+    glob = json.loads(common[0][0]) if common else dict(_EMPTY)
+    per_layer = {}
+    for key in dict.fromkeys(keys[m] for m in quantized):
+        members = [m for m in quantized if keys[m] == key]
+        if key == json.dumps(glob, sort_keys=True):
+            continue
+        for pattern in _compress(members, set(members), linear):
+            per_layer[pattern] = json.loads(key)
+    excluded = [m for m in linear if layers[m] == _EMPTY]
+    kv = next((layers[m]["output_tensors"] for m in quantized for s in meta.activations
+               if s.role in _KV_PROJ and m == f"{s.module}.{_KV_PROJ[s.role]}"), None)
+    hint = metadata.encode(meta.entries, recipe=meta.recipe, recipe_name=meta.recipe_name,
+                           activations=meta.activations)
+    return {"quant_method": "quark", "global_quant_config": glob, "layer_quant_config": per_layer,
+            "layer_type_quant_config": {}, "exclude": _compress(excluded, set(excluded), linear),
+            "kv_cache_quant_config": ({p: layer_config(output_tensors=kv) for p in KV_CACHE_GROUP} if kv else {}),
+            "kv_cache_post_rope": False, "algo_config": None, "softmax_quant_spec": None, "quant_mode": "eager_mode",
+            "version": FORMAT_VERSION,
+            "export": {"kv_cache_group": list(KV_CACHE_GROUP) if kv else [], "min_kv_scale": 0.0,
+                       "pack_method": "reorder", "weight_format": "real_quantized", "weight_merge_groups": None},
+            "qtransform": hint}
+
+
+# replace=True: pytest's importlib mode imports this file a second time under another name (its name is the
+# amd-quark package's), and the second copy must not fail on the first's registration
+register_exporter(QuarkExporter(), replace=True)

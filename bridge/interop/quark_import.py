@@ -1,0 +1,216 @@
+"""Reading Quark HF-format checkpoints (``quant_method: "quark"``) into our tree, without re-quantizing.
+
+Each linear layer's Quark config is resolved as Quark's loader does: the first
+``layer_quant_config`` pattern that matches its name (``fnmatch``), else ``layer_type_quant_config
+["Linear"]``, else ``global_quant_config``; ``exclude`` leaves it in floating point (its key/value
+cache output, if ``kv_cache_quant_config`` names it, still counts). A layer is quantized where its
+config has a weight spec and the checkpoint holds ``<layer>.weight_scale``; its weight becomes a
+:class:`~qtransform.QTensor` holding the very codes, scales and zero points
+(:func:`~bridge.interop.quark_tensors.from_quark`). Static activation scales become
+``<layer>.input_scale`` / ``output_scale`` (and zero points); the outputs of the
+``export.kv_cache_group`` projections ``k_proj`` / ``v_proj`` become the attention module's
+``k_scale`` / ``v_scale``. Everything else (biases, norms, embeddings, unquantized layers) is copied.
+
+A checkpoint that :class:`~bridge.interop.quark.QuarkExporter` wrote carries our specs under
+``quantization_config["qtransform"]``: where one decodes like the spec read from Quark's fields,
+it is taken (with the logical dtype), so export then import gives back the same tree. Quark
+dtypes or schemes without a qtransform equivalent (two-stage NVFP4-style configs, dynamic
+weights, MX int8...) raise ``ValueError`` naming the layer.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+from pathlib import Path
+
+import torch
+
+import qtransform as qt
+
+from ..checkpoint import metadata, store
+from ..checkpoint.layout import dtype_from_name, dtype_name
+from ..checkpoint.tree_io import CONFIG
+from . import quark_config as qc
+from .base import Importer, Source, register_importer
+from .quark_tensors import from_quark, symmetric_zero
+
+__all__ = ["QuarkImporter", "resolve_layer"]
+
+_KV = {"k_proj": ("key", "k_scale"), "v_proj": ("value", "v_scale")}
+
+
+def resolve_layer(qcfg: dict, name: str) -> dict | None:
+    """The Quark layer config of the linear layer ``name`` (``None``: not quantized), as Quark resolves it."""
+    for pattern, cfg in (qcfg.get("layer_quant_config") or {}).items():
+        if fnmatch.fnmatch(name, pattern):
+            chosen = cfg
+            break
+    else:
+        chosen = (qcfg.get("layer_type_quant_config") or {}).get("Linear") or qcfg.get("global_quant_config")
+    if any(fnmatch.fnmatch(name, pattern) for pattern in qcfg.get("exclude") or []):
+        kv = next((c for p, c in (qcfg.get("kv_cache_quant_config") or {}).items() if fnmatch.fnmatch(name, p)), None)
+        return {"weight": None, "input_tensors": None, "output_tensors": kv.get("output_tensors")} if kv else None
+    return chosen
+
+
+def _logical_shape(cfg: dict, weight: torch.Tensor, scale: torch.Tensor, where: str) -> tuple[int, int]:
+    dtype, grouped = cfg.get("dtype"), cfg.get("qscheme") == "per_group"
+    if weight.dim() != 2:
+        raise ValueError(f"{where}: a {weight.dim()}-D quantized weight; Quark's linear weights are 2-D")
+    a, b = weight.shape
+    if dtype in ("int4", "uint4"):
+        return (int(scale.shape[-1]), a) if grouped else (a, b * 8)
+    if dtype in ("int8", "uint8"):
+        return (b, a) if grouped else (a, b)
+    if dtype == "fp4":
+        return a, b * 2
+    if dtype in ("fp6_e3m2", "fp6_e2m3"):
+        return a, b * 4 // 3
+    return a, b
+
+
+def _scale_dtype(cfg: dict, scale: torch.Tensor, where: str) -> str:
+    if cfg.get("scale_format") == "e8m0":
+        if scale.dtype != torch.uint8:
+            raise ValueError(f"{where}: e8m0 scales stored as {scale.dtype}, expected uint8")
+        return "e8m0"
+    name = dtype_name(scale.dtype)
+    if name not in qc.FLOAT_SCALES:
+        raise ValueError(f"{where}: scales stored as {name}; expected one of {list(qc.FLOAT_SCALES)}")
+    return name
+
+
+def _symmetric(cfg: dict, zp: torch.Tensor | None, fmt: str) -> bool:
+    """Quark says symmetric and every stored zero point is the symmetric one."""
+    return bool(cfg.get("symmetric")) and cfg.get("zero_point_type") != "float32" and (
+        zp is None or bool(torch.all(zp == symmetric_zero(fmt))))
+
+
+def _weight(cfg: dict, parts: dict, dtype: torch.dtype, where: str) -> qt.QTensor:
+    zp = parts.get("weight_zero_point")
+    if zp is not None and zp.is_floating_point() and zp.dtype != parts["weight_scale"].dtype:
+        # our float zero points share the scale's dtype: read both as float32 (exact for either)
+        parts = {**parts, "weight_scale": parts["weight_scale"].float(), "weight_zero_point": zp.float()}
+    scale_dtype = _scale_dtype(cfg, parts["weight_scale"], where)
+    shape = _logical_shape(cfg, parts["weight"], parts["weight_scale"], where)
+    spec = qc.spec_of(cfg, scale_dtype=scale_dtype, symmetric=False, where=where)
+    q = from_quark(parts, spec, shape, dtype, where)
+    if spec.format in qc.INT_DTYPES and _symmetric(cfg, q.qparams.zero_point, spec.format):
+        q = from_quark(parts, qc.spec_of(cfg, scale_dtype=scale_dtype, symmetric=True, where=where), shape, dtype, where)
+    return q
+
+
+def _activation(cfg: dict, scale: torch.Tensor, zp: torch.Tensor | None, kv: bool, where: str):
+    """``(spec, {field: tensor})`` of a static per-tensor activation quantizer."""
+    if cfg.get("qscheme") != "per_tensor" or cfg.get("is_dynamic"):
+        raise ValueError(f"{where}: a {'dynamic ' if cfg.get('is_dynamic') else ''}{cfg.get('qscheme')} activation "
+                         "quantizer; only static per-tensor ones are imported")
+    dtype = cfg.get("dtype")
+    if dtype not in ("fp8_e4m3", "fp8_e5m2", "int8", "uint8"):
+        raise ValueError(f"{where}: activation dtype {dtype!r} is not imported")
+    sdt = _scale_dtype(cfg, scale, where)
+    sym = dtype.startswith("fp8") or _symmetric(cfg, zp, dtype)
+    spec = qt.QuantSpec(format=dtype, granularity=qt.PerTensor(), symmetric=sym, scale_dtype=sdt)
+    grid = () if kv else (1, 1)
+    fields = {"scale": scale.reshape(grid).contiguous()}
+    want = qt.choose_qparams(torch.zeros(1, 1), spec).zero_point
+    if want is not None:
+        if zp is None:
+            raise ValueError(f"{where}: an integer activation quantizer without a zero point")
+        fields["zero_point"] = zp.reshape(grid).to(want.dtype).contiguous()
+    return spec, fields
+
+
+def _read_all(root: Path) -> dict[str, torch.Tensor]:
+    located, handles = store.open_shards(root)
+    out = {}
+    for name, f in located.items():
+        try:
+            out[name] = handles[f].get_tensor(name)
+        except Exception as e:  # safetensors raises its own error types
+            raise ValueError(f"{root / f}: cannot read tensor {name!r} ({e})") from None
+    return out
+
+
+def _hint(qcfg: dict) -> metadata.Metadata | None:
+    raw = qcfg.get("qtransform")
+    if not isinstance(raw, dict):
+        return None
+    try:
+        return metadata.decode(raw, where="quantization_config.qtransform")
+    except metadata.CheckpointError:
+        return None
+
+
+class QuarkImporter(Importer):
+    """Reads Quark's HF format (see the module docstring)."""
+
+    name = "quark"
+
+    def detect(self, directory: Path) -> bool:
+        p = Path(directory) / CONFIG
+        if not p.is_file():
+            return False
+        try:
+            qcfg = json.loads(p.read_text()).get("quantization_config")
+        except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
+            return False
+        return isinstance(qcfg, dict) and qcfg.get("quant_method") == "quark" and "global_quant_config" in qcfg
+
+    def read(self, directory: Path) -> Source:
+        root = Path(directory)
+        if not self.detect(root):
+            raise ValueError(f"{root}: not a Quark checkpoint (config.json with quantization_config.quant_method "
+                             "'quark' and a global_quant_config)")
+        config = store.read_json(root / CONFIG, "checkpoint config")
+        qcfg = config["quantization_config"]
+        tensors = _read_all(root)
+        hint = _hint(qcfg)
+        dtype = dtype_from_name(config.get("dtype") or config.get("torch_dtype") or "float32")
+        kv_group = (qcfg.get("export") or {}).get("kv_cache_group") or []
+        tree, entries, acts, consumed = {}, {}, {}, set()
+        for wname in [n for n in tensors if n.endswith(".weight") and f"{n}_scale" in tensors]:
+            layer = wname[: -len(".weight")]
+            cfg = resolve_layer(qcfg, layer)
+            if cfg is None or cfg.get("weight") is None:
+                raise ValueError(f"{wname}: stored with a weight_scale, but the Quark config leaves {layer} unquantized")
+            if isinstance(cfg["weight"], list):
+                raise ValueError(f"{wname}: a two-stage Quark weight quantizer (e.g. NVFP4-style); not imported")
+            parts = {k: tensors[f"{layer}.{k}"] for k in ("weight", "weight_scale", "weight_zero_point")
+                     if f"{layer}.{k}" in tensors}
+            q = _weight(cfg["weight"], parts, dtype, wname)
+            known = hint.entries.get(wname) if hint is not None else None
+            if known is not None and qc.decodes_alike(known.spec, q.spec) and tuple(known.shape) == tuple(q.shape):
+                q = qt.QTensor(codes=q.codes, qparams=qt.QParams(spec=known.spec, scale=q.qparams.scale,
+                                                                 zero_point=q.qparams.zero_point),
+                               width=q.width, dtype=known.dtype)
+            tree[wname], entries[wname] = q, metadata.Entry(q.spec, tuple(q.shape), q.dtype)
+            consumed |= {f"{layer}.{k}" for k in parts}
+        for sname in [n for n in tensors if n.endswith((".input_scale", ".output_scale"))]:
+            layer, _, field = sname.rpartition(".")
+            role = field.removesuffix("_scale")
+            cfg = resolve_layer(qcfg, layer) or {}
+            tcfg = cfg.get(f"{role}_tensors")
+            if not isinstance(tcfg, dict):
+                raise ValueError(f"{sname}: stored, but the Quark config of {layer} has no static {role} quantizer")
+            parent, _, last = layer.rpartition(".")
+            kv = role == "output" and last in _KV and any(fnmatch.fnmatch(layer, p) for p in kv_group)
+            zname = f"{layer}.{role}_zero_point"
+            spec, fields = _activation(tcfg, tensors[sname], tensors.get(zname), kv, sname)
+            site = qt.Site(parent, _KV[last][0]) if kv else qt.Site(layer, role)
+            prefix = f"{parent}.{_KV[last][1].removesuffix('scale')}" if kv else f"{layer}.{role}_"
+            known = hint.activations.get(site) if hint is not None else None
+            acts[site] = known if known is not None and qc.decodes_alike(known, spec) else spec
+            tree.update({prefix + f: t for f, t in fields.items()})
+            consumed |= {sname, zname}
+        for name, t in tensors.items():
+            if name not in consumed:
+                tree[name] = t
+        meta = metadata.Metadata(
+            entries=entries, recipe=hint.recipe if hint else None, recipe_name=hint.recipe_name if hint else None,
+            version=metadata.VERSION_ACTIVATIONS if acts else metadata.VERSION, activations=acts)
+        return Source(root, meta, tree, {k: v for k, v in config.items() if k != "quantization_config"})
+
+
+register_importer(QuarkImporter(), replace=True)  # see bridge.interop.quark

@@ -1,0 +1,72 @@
+"""``qtransform quantize --to quark`` and ``qtransform export --to quark``, and their refusals."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from interop.quark_helpers import ENV, same_bits, stored
+
+pytestmark = pytest.mark.filterwarnings("ignore")
+
+
+# ---------------------------------------------------------------------------------------------- the command
+def run_cli(*args, cwd=None):
+    return subprocess.run([sys.executable, "-m", "bridge.app.cli", *args], capture_output=True, text=True, cwd=cwd,
+                          env=ENV, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    """A tiny untrained Llama with SmolLM2's tokenizer, saved as a transformers directory."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from bridge.app import models
+
+    tokenizer = models.load_tokenizer(None)
+    cfg = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                      tie_word_embeddings=True)
+    torch.manual_seed(0)
+    d = tmp_path_factory.mktemp("tiny") / "tiny-llama"
+    LlamaForCausalLM(cfg).eval().save_pretrained(d)
+    tokenizer.save_pretrained(d)
+    return d
+
+
+def test_cli_quantize_to_quark_and_export(tiny_dir, tmp_path):
+    out = tmp_path / "ckpt"
+    res = run_cli("quantize", "--model", str(tiny_dir), "--recipe", "int4-g32-asym", "--no-eval", "--out", str(out),
+                  "--to", "quark")
+    assert res.returncode == 0, res.stderr
+    exported = tmp_path / "ckpt-quark"
+    cfg = json.loads((exported / "config.json").read_text())
+    qcfg = cfg["quantization_config"]
+    assert qcfg["quant_method"] == "quark" and qcfg["global_quant_config"]["weight"]["dtype"] == "uint4"
+    assert qcfg["exclude"] == ["lm_head"] and qcfg["export"]["pack_method"] == "reorder"  # tied, not quantized
+    assert (exported / "tokenizer.json").is_file() and (exported / "generation_config.json").is_file()
+    files = stored(exported)
+    assert files["model.layers.0.mlp.down_proj.weight"].dtype == torch.int32
+    assert files["model.layers.0.mlp.down_proj.weight"].shape == (128, 64 // 8)  # (in, out / 8): transposed
+
+    res = run_cli("export", str(out), "--to", "quark", "--out", str(tmp_path / "again"))
+    assert res.returncode == 0, res.stderr
+    assert "wrote" in res.stdout and stored(tmp_path / "again").keys() == files.keys()
+    assert all(same_bits(v, files[k]) for k, v in stored(tmp_path / "again").items())
+
+
+def test_cli_refuses_an_inexpressible_spec(tiny_dir, tmp_path):
+    res = run_cli("quantize", "--model", str(tiny_dir), "--recipe", "nvfp4", "--no-eval", "--out",
+                  str(tmp_path / "nv"), "--to", "quark")
+    assert res.returncode != 0 and "model.layers.0.self_attn.q_proj.weight" in res.stderr, res.stderr
+    assert "--to quark cannot hold" in res.stderr and not (tmp_path / "nv").exists()
+    from transformers import AutoModelForCausalLM
+
+    import bridge
+    import qtransform as qt
+    model = AutoModelForCausalLM.from_pretrained(tiny_dir).eval()
+    bridge.save(bridge.quantize(model, qt.get_preset("nvfp4").recipe), tmp_path / "nv")
+    res = run_cli("export", str(tmp_path / "nv"), "--to", "quark", "--out", str(tmp_path / "nv-quark"))
+    assert res.returncode != 0 and "model.layers.1.mlp.up_proj.weight: nvfp4" in res.stderr, res.stderr
+    assert "Traceback" not in res.stderr and not (tmp_path / "nv-quark").exists()
