@@ -143,7 +143,13 @@ def judge(spec: qt.QuantSpec, role: str = "weight") -> Support:
     if lost is not None:
         return Support("nearest", lost)
     d = tensor_config(spec, role)
-    return Support("exact", f"quark {d['dtype']} {d['qscheme']}")
+    note = f"quark {d['dtype']} {d['qscheme']}"
+    if spec.format.startswith("mxfp8"):
+        note += (" (Quark 0.13's transformers loader cannot dequantize per-group fp8 and vLLM reads MX fp4/fp6 only: "
+                 "the file is Quark's MXFP8, but nothing runs it yet)")
+    elif role in ("input", "output") and spec.format in INT_DTYPES:
+        note += " (Quark rounds x * (1 / scale) where we round x / scale: about one value in a million differs at a tie)"
+    return Support("exact", note)
 
 
 def tensor_config(spec: qt.QuantSpec, role: str = "weight") -> dict:

@@ -1,6 +1,6 @@
 """Quark HF-format exports loaded by transformers with amd-quark, in a fresh interpreter that never imports
 ``bridge`` or ``qtransform``: the same logits as our quantized models, for every architecture transformers'
-Quark loader handles (and the default model's int4 and fp8 exports, marked slow)."""
+Quark loader handles (and the default model's int4 and fp8 exports, marked long)."""
 
 from typing import NamedTuple
 
@@ -113,7 +113,7 @@ def test_fp8_kv_cache_of_a_rotary_model(loaded):
 
 
 # ---------------------------------------------------------------------------------------------- the default model
-@pytest.mark.slow
+@pytest.mark.long  # about 5 minutes on 2 busy cores: two 135M checkpoints written, exported and loaded twice
 def test_smollm2_int4_and_fp8_exports_load_in_transformers_without_bridge(tmp_path):
     from bridge.app import models
 
