@@ -26,11 +26,13 @@ point shifted the same way.
 >>> import torch, qtransform as qt
 >>> w = torch.randn(4, 64)
 >>> q = qt.quantize(w, qt.choose_qparams(w, qt.QuantSpec(format="uint4", granularity=qt.PerGroup(32), symmetric=False)))
->>> parts = to_ct(q, "pack", where="fc.weight")
+>>> from bridge.interop.ct_args import weight_mapping
+>>> m = weight_mapping(q.spec)
+>>> parts = to_ct(q, m.kind, args=m.args, where="fc.weight")
 >>> sorted((k, tuple(v.shape), str(v.dtype)) for k, v in parts.items())  # doctest: +NORMALIZE_WHITESPACE
 [('weight_packed', (4, 8), 'torch.int32'), ('weight_scale', (4, 2), 'torch.float32'),
  ('weight_shape', (2,), 'torch.int64'), ('weight_zero_point', (1, 2), 'torch.int32')]
->>> back = from_ct(parts, "pack", q.spec, (4, 64), torch.float32, where="fc.weight")
+>>> back = from_ct(parts, m.kind, q.spec, (4, 64), torch.float32, args=m.args, where="fc.weight")
 >>> torch.equal(qt.dequantize(back), qt.dequantize(q))
 True
 """
@@ -144,7 +146,7 @@ def to_ct(q: qt.QTensor, kind: str, *, args: dict | None = None, where: str) -> 
             out["weight_global_scale"] = reciprocal(q.qparams.global_scale)
         return out
     if args is None:
-        args = {"strategy": "tensor"} if isinstance(q.spec.granularity, qt.PerTensor) else None
+        raise TypeError(f"{where}: to_ct needs the QuantizationArgs (args=) of a {kind!r} weight")
     shape = ct_scale_shape(args, q.shape)
     scale = _float_scale(q).reshape(shape)
     if kind == "float":
