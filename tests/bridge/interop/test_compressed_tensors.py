@@ -252,6 +252,76 @@ def test_import_without_our_metadata_reads_compressed_tensors_own_terms(tmp_path
         assert torch.equal(qt.dequantize(got.tree[path]), qt.dequantize(want.tree[path]))
 
 
+def _ct_checkpoint(out, scheme_kw, inputs=None):
+    """A tiny Llama quantized and compressed by compressed-tensors itself (as llm-compressor saves it: its
+    ``ModelCompressor`` writes the config; min/max qparams by its own ``calculate_qparams``)."""
+    from compressed_tensors.compressors import ModelCompressor
+    from compressed_tensors.quantization import (QuantizationArgs, QuantizationConfig, QuantizationScheme,
+                                                 apply_quantization_config)
+    from compressed_tensors.quantization.utils import calculate_qparams
+    from safetensors.torch import save_file
+
+    model = _tiny("llama")
+    scheme = QuantizationScheme(targets=["Linear"], weights=QuantizationArgs(**scheme_kw),
+                                input_activations=None if inputs is None else QuantizationArgs(**inputs))
+    apply_quantization_config(model, QuantizationConfig(config_groups={"group_0": scheme}, ignore=["lm_head"]))
+    for m in model.modules():
+        args = getattr(getattr(m, "quantization_scheme", None), "weights", None)
+        if args is not None:
+            w = m.weight.detach()
+            blocks = w.reshape(w.shape[0], -1, args.group_size) if args.group_size else w
+            dim = -1 if args.group_size else 1
+            scale, zp = calculate_qparams(blocks.amin(dim, keepdim=not args.group_size),
+                                          blocks.amax(dim, keepdim=not args.group_size), args)
+            m.weight_scale.data.copy_(scale.reshape(m.weight_scale.shape))
+            if hasattr(m, "weight_zero_point"):
+                m.weight_zero_point.data.copy_(zp.reshape(m.weight_zero_point.shape))
+    compressor = ModelCompressor.from_pretrained_model(model)
+    compressor.compress_model(model)
+    out.mkdir()
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, out / "model.safetensors",
+              metadata={"format": "pt"})
+    model.config.save_pretrained(out)
+    compressor.update_config(out)
+    return scheme
+
+
+@pytest.mark.parametrize("kind", ["w4a16-asym-g32", "w4a16-sym-channel", "fp8-dynamic"])
+def test_import_of_a_checkpoint_compressed_tensors_wrote(kind, tmp_path):
+    """Our importer on compressed-tensors' own output: every weight dequantizes to what compressed-tensors'
+    compressor decompresses from the same file, bit for bit, and the activation quantizers come along."""
+    from compressed_tensors.compressors import BaseCompressor
+
+    w4 = {"num_bits": 4, "type": "int"}
+    kw, inputs = {"w4a16-asym-g32": ({**w4, "symmetric": False, "strategy": "group", "group_size": 32}, None),
+                  "w4a16-sym-channel": ({**w4, "symmetric": True, "strategy": "channel"}, None),
+                  "fp8-dynamic": ({"num_bits": 8, "type": "float", "strategy": "channel"},
+                                  {"num_bits": 8, "type": "float", "strategy": "token", "dynamic": True})}[kind]
+    out = tmp_path / "ct"
+    scheme = _ct_checkpoint(out, kw, inputs)
+    assert interop.detect_format(out) == TO
+    src = interop.IMPORTERS[TO].read(out)
+    stored = load_file(out / "model.safetensors")
+    fmt = json.loads((out / "config.json").read_text())["quantization_config"]["format"]
+    scheme.format = fmt
+    paths = sorted(src.meta.entries)
+    assert len(paths) == 14 and "lm_head.weight" not in paths and not isinstance(src.tree["lm_head.weight"], qt.QTensor)
+    for path in paths:
+        name = path.removesuffix(".weight")
+        local = {k[len(name) + 1:]: v for k, v in stored.items() if k.startswith(name + ".weight")}
+        theirs = BaseCompressor.get_value_from_registry(fmt).decompress(local, scheme)["weight"]
+        assert same_bits(qt.dequantize(src.tree[path]), theirs), path
+    spec = src.meta.entries[paths[0]].spec
+    if kind == "w4a16-asym-g32":
+        assert spec == qt.QuantSpec(format="uint4", granularity=qt.PerGroup(32), symmetric=False)
+    elif kind == "fp8-dynamic":
+        assert set(src.meta.activations.values()) == {qt.QuantSpec(format="fp8_e4m3", granularity=qt.PerChannel(0),
+                                                                   dynamic=True)}
+    bridge.save(src.tree, tmp_path / "ours")  # our checkpoint of the imported tree reads back the same
+    back = interop.read_source(tmp_path / "ours").tree
+    assert all(same_bits(qt.dequantize(back[p]), qt.dequantize(src.tree[p])) for p in paths)
+
+
 def test_support_table():
     S = qt.QuantSpec
     exact = [S(format="int4", granularity=qt.PerGroup(128)), S(format="uint4", granularity=qt.PerGroup(64),
