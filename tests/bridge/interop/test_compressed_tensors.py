@@ -322,6 +322,32 @@ def test_import_of_a_checkpoint_compressed_tensors_wrote(kind, tmp_path):
     assert all(same_bits(qt.dequantize(back[p]), qt.dequantize(src.tree[p])) for p in paths)
 
 
+def test_import_refuses_what_our_tree_cannot_hold(tmp_path):
+    """An act-order permutation (``weight_g_idx`` other than ``i // group_size``) and a checkpoint whose weights
+    are not stored compressed are refused by path; a trivial ``g_idx`` is read past."""
+    import safetensors.torch
+
+    _, ckpt = _quantize(_tiny("llama"), "int4-g32", tmp_path)
+    out = interop.export(ckpt, to=TO, out=tmp_path / "ct")
+    tensors = load_file(out / "model.safetensors")
+    name = "model.layers.1.mlp.down_proj"
+    cols = int(tensors[f"{name}.weight_shape"][1])
+    tensors[f"{name}.weight_g_idx"] = torch.arange(cols, dtype=torch.int32) // 32
+    safetensors.torch.save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    got = interop.IMPORTERS[TO].read(out).tree[f"{name}.weight"]
+    assert torch.equal(qt.dequantize(got), qt.dequantize(interop.read_source(ckpt).tree[f"{name}.weight"]))
+    tensors[f"{name}.weight_g_idx"] = torch.randperm(cols, generator=torch.Generator().manual_seed(0)).int() // 32
+    safetensors.torch.save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(bridge.CheckpointError, match=rf"{name}\.weight: an act-order permutation"):
+        interop.IMPORTERS[TO].read(out)
+    cfg = json.loads((out / "config.json").read_text())
+    cfg["quantization_config"]["quantization_status"] = "frozen"
+    (out / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(bridge.CheckpointError, match="not stored compressed"):
+        interop.IMPORTERS[TO].read(out)
+    assert not interop.IMPORTERS[TO].detect(ckpt) and not interop.IMPORTERS[TO].detect(tmp_path / "missing")
+
+
 def test_support_table():
     S = qt.QuantSpec
     exact = [S(format="int4", granularity=qt.PerGroup(128)), S(format="uint4", granularity=qt.PerGroup(64),
