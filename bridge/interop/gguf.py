@@ -4,8 +4,9 @@
 ``DIR/gguf_export.json``): each quantized weight whose spec *is* a GGUF block format is written
 bit for bit (:data:`~bridge.interop.gguf_quants.EXACT_TYPES`: Q8_0, Q4_0, Q4_1 with the
 ``"offset"`` zero point, MXFP4). Any other spec is written, with ``allow_nearest``, as the nearest
-GGUF type: its dequantized weight re-quantized to Q4_K (Q4_1 when rows are not a multiple of 256)
-for at most 4 bits, Q6_K (Q8_0) for 5 and 6 bits, Q8_0 beyond; the extra error (relative RMS and
+GGUF type: its dequantized weight re-quantized to Q4_1 for at most 4 bits, Q8_0 above (the least
+extra error); ``--to gguf-k`` writes K-quants instead where rows are a multiple of 256 (Q4_K for at
+most 4 bits, Q6_K for 5 and 6: smaller files, more error); the extra error (relative RMS and
 largest absolute difference against our dequantized weight, read back through the ``gguf``
 package's own dequantization) is measured per tensor into ``gguf_export.json``. Float tensors keep
 their dtype (F32, F16, BF16; 1-D tensors F32, as llama.cpp wants norms). Architecture and
@@ -39,22 +40,27 @@ __all__ = ["GGUFExporter", "GGUFImporter", "nearest_type", "REPORT"]
 REPORT = "gguf_export.json"
 
 
-def nearest_type(spec: qt.QuantSpec, k: int) -> str:
-    """The GGUF type a non-exact ``spec`` is written as, for rows of ``k`` elements."""
+def nearest_type(spec: qt.QuantSpec, k: int, *, k_quants: bool = False) -> str:
+    """The GGUF type a non-exact ``spec`` is written as, for rows of ``k`` elements: the least extra
+    error (Q4_1 for at most 4 bits, Q8_0 above), or with ``k_quants`` the smaller K-quant files (Q4_K,
+    Q6_K) where rows are a multiple of 256; F16 for rows GGUF blocks cannot hold."""
     bits = spec.fmt.codec.bits
     if k % 32:
         return "F16"
     if bits <= 4:
-        return "Q4_K" if k % 256 == 0 else "Q4_1"
+        return "Q4_K" if k_quants and k % 256 == 0 else "Q4_1"
     if bits <= 6:
-        return "Q6_K" if k % 256 == 0 else "Q8_0"
+        return "Q6_K" if k_quants and k % 256 == 0 else "Q8_0"
     return "Q8_0"
 
 
-def _nearest_note(spec: qt.QuantSpec) -> str:
+def _nearest_note(spec: qt.QuantSpec, k_quants: bool) -> str:
     bits = spec.fmt.codec.bits
-    kind = "Q4_K (Q4_1 for rows not a multiple of 256)" if bits <= 4 else \
-        "Q6_K (Q8_0 for rows not a multiple of 256)" if bits <= 6 else "Q8_0"
+    if k_quants:
+        kind = "Q4_K (Q4_1 for rows not a multiple of 256)" if bits <= 4 else \
+            "Q6_K (Q8_0 for rows not a multiple of 256)" if bits <= 6 else "Q8_0"
+    else:
+        kind = "Q4_1" if bits <= 4 else "Q8_0"
     return f"re-quantized to GGUF {kind}; extra error measured per tensor in {REPORT}"
 
 
@@ -62,7 +68,15 @@ class GGUFExporter(Exporter):
     """``--to gguf``: one ``.gguf`` file llama.cpp and transformers read (see the module)."""
 
     name = "gguf"
-    description = "GGUF for llama.cpp (Q8_0/Q4_0/Q4_1/MXFP4 exact, others as Q4_K/Q6_K/Q8_0)"
+    description = "GGUF for llama.cpp (Q8_0/Q4_0/Q4_1/MXFP4 exact, others as Q4_1/Q8_0)"
+
+    def __init__(self, *, k_quants: bool = False):
+        if not isinstance(k_quants, bool):
+            raise TypeError(f"GGUFExporter: k_quants must be True or False, got {k_quants!r}")
+        self.k_quants = k_quants
+        if k_quants:
+            self.name = "gguf-k"
+            self.description = "GGUF for llama.cpp, nearest types as K-quants (Q4_K/Q6_K: smaller, less exact)"
 
     def support(self, spec: qt.QuantSpec, role: str = "weight") -> Support:
         if role != "weight":
@@ -74,7 +88,7 @@ class GGUFExporter(Exporter):
         qtype = gguf_quants.exact_type(spec)
         if qtype is not None:
             return Support("exact", f"GGUF {qtype}")
-        return Support("nearest", _nearest_note(spec))
+        return Support("nearest", _nearest_note(spec, self.k_quants))
 
     def problems(self, source: Source, *, allow_nearest: bool = False) -> list[str]:
         out = super().problems(source, allow_nearest=allow_nearest)
@@ -114,7 +128,7 @@ class GGUFExporter(Exporter):
         report = {}
         for tree_path, gname in names.items():
             leaf = source.tree[tree_path]
-            data, qtype, info = _tensor(tree_path, leaf, config, allow_nearest=allow_nearest)
+            data, qtype, info = _tensor(tree_path, leaf, config, allow_nearest=allow_nearest, k_quants=self.k_quants)
             raw_dtype = None if qtype in ("F32", "F16") else gguf.GGMLQuantizationType[qtype]
             writer.add_tensor(gname, data, raw_dtype=raw_dtype)
             report[gname] = {"path": tree_path, "type": qtype, **info}
@@ -146,7 +160,7 @@ def _float_data(w: torch.Tensor) -> tuple[np.ndarray, str]:
     return w.detach().contiguous().view(torch.uint8).numpy().reshape(w.shape[0], -1), "BF16"
 
 
-def _tensor(path: str, leaf, config: dict, *, allow_nearest: bool):
+def _tensor(path: str, leaf, config: dict, *, allow_nearest: bool, k_quants: bool = False):
     """``(data, GGUF type, report entry)`` of one tree leaf (rows in llama.cpp's order)."""
     import gguf.quants
 
@@ -163,7 +177,7 @@ def _tensor(path: str, leaf, config: dict, *, allow_nearest: bool):
         raise ValueError(f"{path}: {leaf.spec} has no exact GGUF type; pass allow_nearest=True")
     w = _rows(qt.dequantize(leaf, dtype=torch.float32), index)
     w2 = w.reshape(-1, w.shape[-1]) if w.dim() != 2 else w
-    qtype = nearest_type(leaf.spec, w2.shape[-1]) if w.dim() >= 2 else "F32"
+    qtype = nearest_type(leaf.spec, w2.shape[-1], k_quants=k_quants) if w.dim() >= 2 else "F32"
     if qtype in ("F16", "F32"):
         data = w.numpy().astype(np.float16 if qtype == "F16" else np.float32)
         back = torch.from_numpy(data.astype(np.float32))
@@ -176,8 +190,8 @@ def _tensor(path: str, leaf, config: dict, *, allow_nearest: bool):
         back = torch.from_numpy(gguf.quants.dequantize(data, gguf.GGMLQuantizationType[qtype]).copy())
     diff = (back.reshape(w.shape) - w).double()
     rms = float(w.double().pow(2).mean().sqrt())
-    info = {"kind": "nearest", "spec": str(leaf.spec), "rel_rms_error": float(diff.pow(2).mean().sqrt()) / max(rms, 1e-30),
-            "max_abs_error": float(diff.abs().max())}
+    info = {"kind": "nearest", "spec": str(leaf.spec),
+            "rel_rms_error": float(diff.pow(2).mean().sqrt()) / max(rms, 1e-30), "max_abs_error": float(diff.abs().max())}
     return data, qtype, info
 
 
@@ -271,4 +285,5 @@ def _gguf_to_hf(config: dict) -> dict[str, str]:
 
 
 register_exporter(GGUFExporter())
+register_exporter(GGUFExporter(k_quants=True))
 register_importer(GGUFImporter())

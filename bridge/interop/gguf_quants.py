@@ -152,7 +152,7 @@ def decode(raw: np.ndarray, qtype: str, shape: tuple[int, int], dtype: torch.dty
     rows, k = shape
     if k % size or raw.size != rows * k // size * nbytes:
         raise ValueError(f"{path}: {raw.size} bytes do not hold a {qtype} tensor of shape {tuple(shape)}")
-    b = torch.from_numpy(np.ascontiguousarray(raw, dtype=np.uint8)).reshape(rows, k // size, nbytes)
+    b = torch.from_numpy(np.array(raw, dtype=np.uint8)).reshape(rows, k // size, nbytes)  # a copy: files map read-only
     spec = IMPORT_SPECS[qtype]
     if qtype == "Q8_0":
         codes, fields = b[:, :, 2:].reshape(rows, k).view(torch.int8), {"scale": _f16(b[:, :, :2])}

@@ -42,16 +42,34 @@ def _env():
     (qt.QuantSpec(format="mxfp4"), "exact", "MXFP4"),
     (qt.QuantSpec(format="bf16"), "exact", "BF16"),
     (qt.QuantSpec(format="fp16"), "exact", "F16"),
-    (Q4_1.replace(zero_point_domain="float"), "nearest", "Q4_K"),  # -m/d in fp16 cannot be d*q + m
-    (Q4_1.replace(scale_dtype="float32"), "nearest", "Q4_K"),
-    (Q4_1.replace(granularity=qt.PerGroup(64)), "nearest", "Q4_K"),
+    (Q4_1.replace(zero_point_domain="float"), "nearest", "Q4_1"),  # -m/d in fp16 cannot be d*q + m
+    (Q4_1.replace(scale_dtype="float32"), "nearest", "Q4_1"),
+    (Q4_1.replace(granularity=qt.PerGroup(64)), "nearest", "Q4_1"),
     (qt.QuantSpec(format="int8", granularity=qt.PerChannel(0)), "nearest", "Q8_0"),
     (qt.QuantSpec(format="fp8_e4m3"), "nearest", "Q8_0"),
-    (qt.QuantSpec(format="int6", granularity=qt.PerGroup(16)), "nearest", "Q6_K"),
+    (qt.QuantSpec(format="int6", granularity=qt.PerGroup(16)), "nearest", "Q8_0"),
 ])
 def test_support_table(spec, kind, note):
     s = GGUFExporter().support(spec)
     assert s.kind == kind and note in s.note
+    assert interop.EXPORTERS["gguf"].support(spec) == s
+
+
+def test_k_quant_variant():
+    ex = interop.EXPORTERS["gguf-k"]
+    assert ex.name == "gguf-k" and ex.k_quants
+    assert "Q4_K" in ex.support(NEAREST).note and "Q6_K" in ex.support(qt.QuantSpec(format="int6")).note
+    assert ex.support(Q4_1).kind == "exact"
+    from bridge.interop.gguf import _tensor
+    w = torch.randn(8, 512, generator=torch.Generator().manual_seed(5))
+    q = qt.quantize(w, qt.choose_qparams(w, NEAREST))
+    data, qtype, info = _tensor("m.weight", q, {}, allow_nearest=True, k_quants=True)
+    back = gguf_dequantize(data, gguf.GGMLQuantizationType.Q4_K)
+    rel = np.sqrt(((back - qt.dequantize(q).numpy()) ** 2).mean() / (qt.dequantize(q).numpy() ** 2).mean())
+    assert qtype == "Q4_K" and info["kind"] == "nearest" and info["rel_rms_error"] == pytest.approx(rel, rel=1e-4)
+    assert _tensor("m.weight", q, {}, allow_nearest=True)[1] == "Q4_1"
+    with pytest.raises(ValueError, match="m.weight: .* has no exact GGUF type"):
+        _tensor("m.weight", q, {}, allow_nearest=False)
 
 
 def test_activation_quantizers():
@@ -63,7 +81,10 @@ def test_activation_quantizers():
 
 def test_nearest_type_by_bits_and_rows():
     u4 = qt.QuantSpec(format="uint4", granularity=qt.PerGroup(128), symmetric=False)
-    assert (nearest_type(u4, 512), nearest_type(u4, 576), nearest_type(u4, 48)) == ("Q4_K", "Q4_1", "F16")
+    assert (nearest_type(u4, 512), nearest_type(u4, 576), nearest_type(u4, 48)) == ("Q4_1", "Q4_1", "F16")
+    assert (nearest_type(u4, 512, k_quants=True), nearest_type(u4, 576, k_quants=True)) == ("Q4_K", "Q4_1")
+    i6 = qt.QuantSpec(format="int6", granularity=qt.PerGroup(16))
+    assert (nearest_type(i6, 512), nearest_type(i6, 512, k_quants=True)) == ("Q8_0", "Q6_K")
 
 
 # --------------------------------------------------------------------------- block bytes, both ways
@@ -333,7 +354,7 @@ def test_import_refuses_types_without_an_exact_spec(tmp_path):
 
 
 @pytest.mark.slow
-def test_smollm2_gguf_imports_losslessly():
+def test_smollm2_gguf_imports_losslessly(tmp_path):
     """Every tensor of SmolLM2's own file: our codes and parameters re-encode to the file's bytes, and our
     dequantized values are gguf's (Q/K rows in transformers' order, undone as transformers undoes them)."""
     from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor
@@ -360,3 +381,9 @@ def test_smollm2_gguf_imports_losslessly():
             q = leaf if index is None else _permute_q(leaf, index)
             assert np.array_equal(gguf_quants.encode(q, kind), np.asarray(t.data)), t.name
     assert kinds.get("Q4_1", 0) > 100  # the linear weights
+    GGUFExporter().write(src, tmp_path)  # and written back: the same tensors, byte for byte
+    name = json.loads((tmp_path / "gguf_export.json").read_text())["file"]
+    again = {t.name: t for t in gguf.GGUFReader(str(tmp_path / name)).tensors}
+    for t in reader.tensors:
+        assert again[t.name].tensor_type == t.tensor_type and np.array_equal(np.asarray(again[t.name].data),
+                                                                                np.asarray(t.data)), t.name
