@@ -19,7 +19,9 @@ and generation files. What maps to what (:mod:`.ct_args`):
 All of these are exact: the codes and scales are ours, bit for bit. Float zero points (HQQ), fp8
 e5m2 and the other element types compressed-tensors lacks are ``"nearest"``: with
 ``allow_nearest`` the weight is dequantized and re-quantized to :func:`.ct_args.nearest` (its
-extra error is measured in the README). GPTQ's act-order needs no ``g_idx``: our GPTQ fixes its
+extra error is measured in the README). compressed-tensors holds float scales in the model's
+dtype (``config.json``'s ``dtype``): scales wider than it (float32 scales of a bfloat16 model) are
+refused, or rounded to it with ``allow_nearest``. GPTQ's act-order needs no ``g_idx``: our GPTQ fixes its
 groups before the column loop (``static_groups``), so checkpoints carry no permutation.
 
 Our own metadata (specs, recipe, tied paths) rides along in the shards' safetensors metadata
@@ -117,9 +119,14 @@ def _plan(source: Source, allow_nearest: bool) -> _Plan:
             q = qt.quantize(w, qt.choose_qparams(w, spec, observer="mse" if spec.fmt.family == "int" else None))
         if mdtype is not None and q.qparams.scale.is_floating_point() and mapping.kind in ("pack", "int", "float") \
                 and not _fits(q.qparams.scale.dtype, mdtype):
-            problems.append(f"{path}: {q.qparams.scale.dtype} scales in a {mdtype} model (compressed-tensors "
-                            "holds scales in the model's dtype; save the model in float32)")
-            continue
+            if not allow_nearest:
+                problems.append(f"{path}: {q.qparams.scale.dtype} scales in a {mdtype} model (compressed-tensors "
+                                "holds scales in the model's dtype; quantize the model in float32, or pass "
+                                f"allow_nearest=True / --allow-nearest to round them to {mdtype})")
+                continue
+            spec = spec.replace(scale_dtype=str(mdtype).removeprefix("torch."))
+            qp = qt.QParams(spec=spec, **{**q.qparams.tensors(), "scale": q.qparams.scale.to(mdtype)})
+            q = qt.QTensor(codes=q.codes, qparams=qp, width=q.width, dtype=q.dtype)
         layers[mname] = _Layer(q, mapping, None, None)
         specs[path] = spec
     acts, kv_specs = {}, {}

@@ -383,6 +383,20 @@ def test_refusals_name_the_tree_path_and_write_nothing(tmp_path):
     interop.export(tmp_path / "hqq", to=TO, out=tmp_path / "hqq-ct", allow_nearest=True)
     spec = interop.IMPORTERS[TO].read(tmp_path / "hqq-ct").meta.entries["model.layers.0.mlp.up_proj.weight"].spec
     assert spec.zero_point_domain == "int" and spec.scale_dtype == "float16"
+    # compressed-tensors holds scales in the model's dtype: float32 scales of a bfloat16 model are rounded
+    bf16 = _tiny("llama").to(torch.bfloat16)
+    bf16.config.dtype = torch.bfloat16  # as from_pretrained(..., dtype=torch.bfloat16) leaves it
+    bridge.save(bridge.quantize(bf16, qt.get_preset("int4-g32").recipe), tmp_path / "bf16")
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.self_attn\.q_proj\.weight: torch\.float32 scales in a "
+                                         r"torch\.bfloat16 model"):
+        interop.export(tmp_path / "bf16", to=TO, out=tmp_path / "bf16-ct")
+    assert not (tmp_path / "bf16-ct").exists()
+    interop.export(tmp_path / "bf16", to=TO, out=tmp_path / "bf16-ct", allow_nearest=True)
+    src, got = interop.read_source(tmp_path / "bf16"), interop.IMPORTERS[TO].read(tmp_path / "bf16-ct")
+    for path, w in src.meta.entries.items():
+        assert got.meta.entries[path].spec == w.spec.replace(scale_dtype="bfloat16")
+        assert torch.equal(got.tree[path].qparams.scale, src.tree[path].qparams.scale.to(torch.bfloat16))
+        assert torch.equal(got.tree[path].codes, src.tree[path].codes)
 
 
 def _cli(*args, cwd):
