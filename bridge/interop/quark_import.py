@@ -87,7 +87,7 @@ def _symmetric(cfg: dict, zp: torch.Tensor | None, fmt: str) -> bool:
         zp is None or bool(torch.all(zp == symmetric_zero(fmt))))
 
 
-def _weight(cfg: dict, parts: dict, dtype: torch.dtype, where: str) -> qt.QTensor:
+def _weight(cfg: dict, parts: dict, dtype: torch.dtype, where: str, reorder: bool) -> qt.QTensor:
     zp = parts.get("weight_zero_point")
     if zp is not None and zp.is_floating_point() and zp.dtype != parts["weight_scale"].dtype:
         # our float zero points share the scale's dtype: read both as float32 (exact for either)
@@ -95,9 +95,10 @@ def _weight(cfg: dict, parts: dict, dtype: torch.dtype, where: str) -> qt.QTenso
     scale_dtype = _scale_dtype(cfg, parts["weight_scale"], where)
     shape = _logical_shape(cfg, parts["weight"], parts["weight_scale"], where)
     spec = qc.spec_of(cfg, scale_dtype=scale_dtype, symmetric=False, where=where)
-    q = from_quark(parts, spec, shape, dtype, where)
+    q = from_quark(parts, spec, shape, dtype, where, reorder=reorder)
     if spec.format in qc.INT_DTYPES and _symmetric(cfg, q.qparams.zero_point, spec.format):
-        q = from_quark(parts, qc.spec_of(cfg, scale_dtype=scale_dtype, symmetric=True, where=where), shape, dtype, where)
+        q = from_quark(parts, qc.spec_of(cfg, scale_dtype=scale_dtype, symmetric=True, where=where), shape, dtype, where,
+                       reorder=reorder)
     return q
 
 
@@ -168,7 +169,14 @@ class QuarkImporter(Importer):
         tensors = _read_all(root)
         hint = _hint(qcfg)
         dtype = dtype_from_name(config.get("dtype") or config.get("torch_dtype") or "float32")
-        kv_group = (qcfg.get("export") or {}).get("kv_cache_group") or []
+        export = qcfg.get("export") or {}
+        kv_group = export.get("kv_cache_group") or []
+        if export.get("weight_format", "real_quantized") != "real_quantized":
+            raise ValueError(f"{root}: Quark export with weight_format {export.get('weight_format')!r}; only "
+                             "'real_quantized' weights are read (fake-quantized ones are plain float checkpoints)")
+        if export.get("pack_method", "reorder") not in ("reorder", "order"):
+            raise ValueError(f"{root}: Quark pack_method {export.get('pack_method')!r} is not 'reorder' or 'order'")
+        reorder = export.get("pack_method", "reorder") == "reorder"
         tree, entries, acts, consumed = {}, {}, {}, set()
         for wname in [n for n in tensors if n.endswith(".weight") and f"{n}_scale" in tensors]:
             layer = wname[: -len(".weight")]
@@ -177,9 +185,11 @@ class QuarkImporter(Importer):
                 raise ValueError(f"{wname}: stored with a weight_scale, but the Quark config leaves {layer} unquantized")
             if isinstance(cfg["weight"], list):
                 raise ValueError(f"{wname}: a two-stage Quark weight quantizer (e.g. NVFP4-style); not imported")
+            if cfg.get("bias") is not None:
+                raise ValueError(f"{wname}: {layer} has a quantized bias in Quark's config; not imported")
             parts = {k: tensors[f"{layer}.{k}"] for k in ("weight", "weight_scale", "weight_zero_point")
                      if f"{layer}.{k}" in tensors}
-            q = _weight(cfg["weight"], parts, dtype, wname)
+            q = _weight(cfg["weight"], parts, dtype, wname, reorder)
             known = hint.entries.get(wname) if hint is not None else None
             if known is not None and qc.decodes_alike(known.spec, q.spec) and tuple(known.shape) == tuple(q.shape):
                 q = qt.QTensor(codes=q.codes, qparams=qt.QParams(spec=known.spec, scale=q.qparams.scale,

@@ -54,8 +54,8 @@ def _pack4(nibbles: torch.Tensor) -> torch.Tensor:
     return qt.pack(nibbles.to(torch.uint8) & 15, 4, container=torch.int32, order="awq")
 
 
-def _unpack4(words: torch.Tensor, n: int, signed: bool) -> torch.Tensor:
-    return qt.unpack(words, 4, n, container=torch.int32, order="awq", signed=signed)
+def _unpack4(words: torch.Tensor, n: int, signed: bool, order: str = "awq") -> torch.Tensor:
+    return qt.unpack(words, 4, n, container=torch.int32, order=order, signed=signed)
 
 
 def symmetric_zero(fmt: str) -> int:
@@ -130,10 +130,11 @@ def _check(name: str, t: torch.Tensor, shape, dtype, path: str) -> None:
                          f"expected shape {tuple(shape)} and dtype {dtype}")
 
 
-def from_quark(parts, spec: qt.QuantSpec, shape, dtype: torch.dtype, path: str) -> qt.QTensor:
+def from_quark(parts, spec: qt.QuantSpec, shape, dtype: torch.dtype, path: str, *, reorder: bool = True) -> qt.QTensor:
     """The QTensor of a ``shape``/``dtype`` weight quantized with ``spec`` from Quark's ``parts``
     (``{"weight", "weight_scale"[, "weight_zero_point"]}``), bit for bit; ``ValueError`` naming
-    ``path`` when a tensor is missing or has the wrong shape or dtype."""
+    ``path`` when a tensor is missing or has the wrong shape or dtype. ``reorder=False`` reads 4-bit
+    words in sequential order (Quark's ``pack_method: "order"``) instead of the AWQ order."""
     why = shape_problem(spec, shape)
     if why is not None:
         raise ValueError(f"{path}: {why}")
@@ -159,12 +160,13 @@ def from_quark(parts, spec: qt.QuantSpec, shape, dtype: torch.dtype, path: str) 
         if four:
             signed = spec.format == "int4"
             _check("weight", parts["weight"], (n, out // 8) if grouped else (out, n // 8), torch.int32, path)
-            codes = _unpack4(parts["weight"], out if grouped else n, signed)
+            order = "awq" if reorder else "sequential"
+            codes = _unpack4(parts["weight"], out if grouped else n, signed, order)
             codes = qt.pack((codes.t() if grouped else codes).contiguous(), 4)
         else:
             codes = parts["weight"].t() if grouped else parts["weight"]
         if four and not zp.is_floating_point() and zp.dim():
-            zp = _unpack4(zp if grouped else zp.reshape(1, -1), out, signed)
+            zp = _unpack4(zp if grouped else zp.reshape(1, -1), out, signed, order)
         if grouped:
             zp = zp.t()
         if wz is None:  # signed symmetric: Quark's zeros are not ours to keep

@@ -134,6 +134,11 @@ def test_importer_refuses_what_it_cannot_map(tmp_path):
     with pytest.raises(ValueError, match=r"model\.layers\.\d\.\w+\.\w+_proj\.weight: Quark dtype 'int3'"):
         QuarkImporter().read(tmp_path / "quark")
     assert not QuarkImporter().detect(tmp_path / "ckpt")  # our own format is not Quark's
+    cfg["quantization_config"]["global_quant_config"]["weight"]["dtype"] = "int4"
+    cfg["quantization_config"]["export"]["weight_format"] = "fake_quantized"
+    (tmp_path / "quark" / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="weight_format 'fake_quantized'"):
+        QuarkImporter().read(tmp_path / "quark")
 
 
 # ---------------------------------------------------------------------------------------------- Quark's own exports
@@ -148,7 +153,7 @@ for scheme in sys.argv[2:]:
     model = tf.LlamaForCausalLM(tf.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)).eval()
     kv = {}
-    if scheme == "uint4-g32-asym":
+    if scheme.startswith("uint4-g32-asym"):
         layer = C.QLayerConfig(weight=C.Uint4PerGroupSpec(ch_axis=-1, group_size=32, symmetric=False).to_quantization_spec())
     elif scheme == "int8-channel-a8":
         layer = C.QLayerConfig(weight=C.Int8PerChannelSpec(ch_axis=0, symmetric=True).to_quantization_spec(),
@@ -162,7 +167,7 @@ for scheme in sys.argv[2:]:
                        kv_cache_group=list(kv), exclude=["lm_head"])
     quantizer = ModelQuantizer(config)
     model = quantizer.freeze(quantizer.quantize_model(model, [torch.randint(0, 128, (1, 16)) for _ in range(2)]))
-    export_safetensors(model, out)
+    export_safetensors(model, out, pack_method="order" if scheme.endswith("-order") else "reorder")
     loaded = tf.AutoModelForCausalLM.from_pretrained(out).eval()
     weights = {f"{n}.weight": m.weight_quantizer(m.weight).float() for n, m in loaded.named_modules()
                if type(m).__name__ == "QParamsLinear" and m.weight_quantizer is not None}
@@ -170,7 +175,7 @@ for scheme in sys.argv[2:]:
     torch.save({"weights": weights, "scales": scales}, f"{out}/dequantized.pt")
 assert not [m for m in sys.modules if m.split(".")[0] in ("bridge", "qtransform")]
 """
-SCHEMES = ["uint4-g32-asym", "int8-channel-a8", "fp8-kv", "mxfp4"]
+SCHEMES = ["uint4-g32-asym", "uint4-g32-asym-order", "int8-channel-a8", "fp8-kv", "mxfp4"]
 
 
 @pytest.fixture(scope="module")
@@ -189,6 +194,8 @@ def test_import_of_quarks_own_export(scheme, quark_exports):
     """We read Quark's export without re-quantizing and dequantize to the very values Quark does."""
     out = quark_exports / scheme
     truth = torch.load(out / "dequantized.pt")
+    export = json.loads((out / "config.json").read_text())["quantization_config"]["export"]
+    assert export["pack_method"] == ("order" if scheme.endswith("-order") else "reorder")
     source = QuarkImporter().read(out)
     assert sorted(source.meta.entries) == sorted(truth["weights"]) and len(truth["weights"]) == 14
     for path, w in truth["weights"].items():
