@@ -348,6 +348,30 @@ def test_import_refuses_what_our_tree_cannot_hold(tmp_path):
     assert not interop.IMPORTERS[TO].detect(ckpt) and not interop.IMPORTERS[TO].detect(tmp_path / "missing")
 
 
+@pytest.mark.parametrize("spec", [qt.QuantSpec(format="int3", granularity=qt.PerGroup(32)),
+                                  qt.QuantSpec(format="uint5", granularity=qt.PerGroup(32), symmetric=False),
+                                  qt.QuantSpec(format="uint2", granularity=qt.PerChannel(0), symmetric=False),
+                                  qt.QuantSpec(format="int8", granularity=qt.PerBlock((32, 32)))],
+                         ids=["int3-g32", "uint5-asym-g32", "uint2-asym-channel", "int8-block32"])
+def test_other_widths_and_blocks_decompress_bit_for_bit(spec, tmp_path):
+    """3/5/2-bit codes (compressed-tensors' dense int32 packing) and 2-D blocks: its own compressor decompresses
+    our exported tensors to our dequantized weights, bit for bit."""
+    from compressed_tensors.compressors import BaseCompressor
+    from compressed_tensors.quantization import QuantizationScheme
+
+    bridge.save(bridge.quantize(_tiny("llama"), qt.Recipe(type_rules={"Linear": spec}, exclude=["lm_head*"])),
+                tmp_path / "ckpt")
+    out = interop.export(tmp_path / "ckpt", to=TO, out=tmp_path / "ct")
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    scheme = QuantizationScheme.model_validate(qc["config_groups"]["group_0"])
+    stored, tree = load_file(out / "model.safetensors"), interop.read_source(tmp_path / "ckpt").tree
+    for path in [p for p, v in tree.items() if isinstance(v, qt.QTensor)]:
+        name = path.removesuffix(".weight")
+        local = {k[len(name) + 1:]: v for k, v in stored.items() if k.startswith(name + ".weight")}
+        theirs = BaseCompressor.get_value_from_registry(scheme.format).decompress(local, scheme)["weight"]
+        assert same_bits(theirs, qt.dequantize(tree[path])), path
+
+
 def test_support_table():
     S = qt.QuantSpec
     exact = [S(format="int4", granularity=qt.PerGroup(128)), S(format="uint4", granularity=qt.PerGroup(64),
