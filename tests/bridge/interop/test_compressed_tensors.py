@@ -2,7 +2,7 @@
 quantized by our presets, exported, then loaded in a fresh interpreter that never imports the bridge
 (transformers' compressed-tensors quantizer, CPU): same logits as our quantized model, and the weights that
 compressed-tensors' own compressors decompress are our dequantized weights, bit for bit where the format is
-exact; the export and the command refuse what the format cannot hold, by tree path (the importer: 
+exact; the export and the command refuse what the format cannot hold, by tree path (the importer:
 ``test_compressed_tensors_import.py``)."""
 
 import json
