@@ -38,6 +38,20 @@ def tiny_causal_lm(arch: str):
     raise ValueError(arch)
 
 
+def tiny_llama_with_tokenizer(layers: int = 2, seed: int = 0):
+    """``(model, tokenizer)``: a tiny untrained Llama over SmolLM2's tokenizer (tied embeddings), eval mode."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from bridge.app import models
+
+    tokenizer = models.load_tokenizer(None)
+    cfg = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                      tie_word_embeddings=True)
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(cfg).eval(), tokenizer
+
+
 def tiny_with_outliers(arch: str, seed: int = 0):
     """A tiny model (:func:`tiny_causal_lm`, eval mode) with random norm weights, a few channels x20
     (activation outliers), and random biases."""

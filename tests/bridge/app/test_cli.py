@@ -22,16 +22,9 @@ def run(*args, cwd=None):
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory):
     """A tiny untrained Llama with SmolLM2's tokenizer, saved as a transformers directory."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from bridge_util import tiny_llama_with_tokenizer
 
-    from bridge.app import models
-
-    tokenizer = models.load_tokenizer(None)
-    cfg = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                      tie_word_embeddings=True)
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(cfg).eval()
+    model, tokenizer = tiny_llama_with_tokenizer()
     d = tmp_path_factory.mktemp("tiny") / "tiny-llama"
     model.save_pretrained(d)
     tokenizer.save_pretrained(d)

@@ -29,6 +29,17 @@ def test_fixtures_present():
                      "llama-tied-save-pretrained"]
 
 
+@pytest.fixture(autouse=True)
+def kernels_of_the_fixtures(monkeypatch):
+    """The int4 fixtures' logits came from ``_weight_int4pack_mm_for_cpu`` (bf16) at every token count:
+    the same kernel must give the same bits. Later paths (the decode GEMV up to ``DECODE_MAX_ROWS``
+    tokens, dequantize + GEMM from ``PREFILL_ROWS``) round differently, by design."""
+    from bridge.kernels import decode, dense
+
+    monkeypatch.setattr(decode, "DECODE_MAX_ROWS", 0)
+    monkeypatch.setitem(dense.PREFILL_ROWS, "int4pack_cpu", None)
+
+
 def _same(logits, stored):
     torch.testing.assert_close(logits, stored, rtol=0, atol=1e-6 * float(stored.abs().max()))
 

@@ -7,6 +7,7 @@ import torch
 
 import qtransform as qt
 import bridge
+from bridge.kernels import dense
 from bridge_util import tiny_causal_lm
 
 RECIPE = qt.Recipe(default=qt.QuantSpec(format="int4", granularity=qt.PerGroup(32)),
@@ -50,8 +51,11 @@ def _check_compiled(model, ids_list, kernels=("int4pack_cpu", "int8pack_cpu", "g
                 m.kernel = "auto"
                 m.prepare()
         own = _rel(eager, reference)
-        assert own > 0  # the packed kernels did run (bf16 rounding shows)
-        assert _rel(_logits(compiled, ids), eager) <= 2 * own
+        if ids.numel() < dense.PREFILL_ROWS["int4pack_cpu"]:
+            assert own > 0  # the packed kernels did run (their rounding shows)
+        # from PREFILL_ROWS tokens the dense path may equal the reference exactly; the compiler may
+        # still reorder float sums (1e-6)
+        assert _rel(_logits(compiled, ids), eager) <= 2 * own + 1e-6
 
 
 def test_fullgraph_on_a_loaded_tiny_llama(tmp_path):

@@ -13,6 +13,7 @@ import sys
 import pytest
 import torch
 from bridge_util import same_bits, tiny_causal_lm
+from interop.ct_helpers import FP8, batches as _batches, needs_calibration, recipe as _recipe, tiny as _tiny
 from safetensors.torch import load_file
 
 import bridge
@@ -25,36 +26,12 @@ pytestmark = pytest.mark.filterwarnings("ignore")
 
 TO = "compressed-tensors"
 IDS = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(1))
-FP8 = qt.QuantSpec(format="fp8_e4m3")
-FP8_CHANNEL = qt.QuantSpec(format="fp8_e4m3", granularity=qt.PerChannel(0))
-
-
-def _recipe(name):
-    if name == "fp8-dynamic":  # fp8 weights per channel, fp8 inputs per token at run time
-        return qt.Recipe(type_rules={"Linear": FP8_CHANNEL}, exclude=["lm_head*"],
-                         input=qt.QuantSpec(format="fp8_e4m3", granularity=qt.PerChannel(0), dynamic=True))
-    if name == "fp8-static-kv":  # fp8 weights, static per-tensor fp8 inputs and key/value cache
-        return qt.Recipe(type_rules={"Linear": FP8_CHANNEL}, exclude=["lm_head*"], input=FP8, kv_cache=FP8)
-    return qt.get_preset(name).recipe
-
-
-def _batches(n=3):
-    g = torch.Generator().manual_seed(0)
-    return [torch.randint(0, 128, (2, 12), generator=g) for _ in range(n)]
-
-
-def _tiny(arch):
-    """A tiny ``arch`` model as transformers saves it (its config names its class)."""
-    torch.manual_seed(0)
-    model = tiny_causal_lm(arch).eval()
-    model.config.architectures = [type(model).__name__]
-    return model
 
 
 def _quantize(model, name, tmp_path):
     """Our quantized model (reference kernels) and its checkpoint."""
     recipe = _recipe(name)
-    calib = _batches() if (recipe.input is not None and not recipe.input.dynamic) or recipe.kv_cache else None
+    calib = _batches() if needs_calibration(recipe) else None
     q = bridge.quantize(model, recipe, calibration=calib, kernel="dequant")
     ckpt = tmp_path / f"{name}-ckpt"
     bridge.save(q, ckpt)

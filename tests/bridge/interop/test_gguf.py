@@ -266,16 +266,9 @@ def test_nearest_needs_to_be_allowed(tmp_path):
 
 
 def test_tokenizer_metadata_reads_back(tmp_path):
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    from bridge_util import tiny_llama_with_tokenizer
 
-    from bridge.app import models
-
-    tok = models.load_tokenizer(None)
-    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=1,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                      tie_word_embeddings=True)
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(cfg).eval()
+    model, tok = tiny_llama_with_tokenizer(layers=1)
     recipe = qt.Recipe(default=Q4_1, exclude=["lm_head*", "*embed_tokens*"])  # tied float embedding
     bridge.save(bridge.quantize(model, recipe), tmp_path / "ck", tokenizer=tok)
     out = interop.export(tmp_path / "ck", to="gguf", out=tmp_path / "g")
