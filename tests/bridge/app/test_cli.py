@@ -19,18 +19,6 @@ def run(*args, cwd=None):
                           cwd=cwd, env=env, timeout=600)
 
 
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory):
-    """A tiny untrained Llama with SmolLM2's tokenizer, saved as a transformers directory."""
-    from bridge_util import tiny_llama_with_tokenizer
-
-    model, tokenizer = tiny_llama_with_tokenizer()
-    d = tmp_path_factory.mktemp("tiny") / "tiny-llama"
-    model.save_pretrained(d)
-    tokenizer.save_pretrained(d)
-    return d
-
-
 def _one_line_error(res, *needles):
     assert res.returncode != 0
     lines = [l for l in res.stderr.splitlines() if l.strip()]
@@ -40,10 +28,10 @@ def _one_line_error(res, *needles):
         assert n in lines[0], lines[0]
 
 
-def test_quantize_report_plot_and_reload(tiny_model, tmp_path):
+def test_quantize_report_plot_and_reload(tiny_llama_dir, tmp_path):
     out = tmp_path / "ckpt"
     rep_json = tmp_path / "r.json"
-    res = run("quantize", "--model", str(tiny_model), "--recipe", "hqq4-g64", "--out", str(out),
+    res = run("quantize", "--model", str(tiny_llama_dir), "--recipe", "hqq4-g64", "--out", str(out),
               "--seq-len", "64", "--eval-sequences", "2", "--plot", "--json", str(rep_json))
     assert res.returncode == 0, res.stderr
     assert "worst layers" in res.stdout and "perplexity" in res.stdout and str(out) in res.stdout
@@ -68,7 +56,7 @@ def test_quantize_report_plot_and_reload(tiny_model, tmp_path):
     assert "model.layers.1.mlp.down_proj.weight" in res.stdout and "type_rules[Linear]" in res.stdout
     assert "steps: hqq (error_norm=4.0, refine_scale=False); recipe: hqq4-g64" in res.stdout
 
-    res = run("eval", "--model", str(out), "--baseline", str(tiny_model), "--seq-len", "64",
+    res = run("eval", "--model", str(out), "--baseline", str(tiny_llama_dir), "--seq-len", "64",
               "--eval-sequences", "2", "--max-new-tokens", "4", "--json", str(tmp_path / "e.json"))
     assert res.returncode == 0, res.stderr
     ev = json.loads((tmp_path / "e.json").read_text())
@@ -76,13 +64,13 @@ def test_quantize_report_plot_and_reload(tiny_model, tmp_path):
     assert abs(ev["results"][0]["perplexity"] - rep["ppl_after"]) / rep["ppl_after"] < 0.05
 
 
-def test_recipe_files_json_and_toml(tiny_model, tmp_path):
+def test_recipe_files_json_and_toml(tiny_llama_dir, tmp_path):
     recipe = {"algorithm": "rtn", "type_rules": {"Linear": "int4-g32"},
               "rules": {"*.down_proj.weight": {"format": "int8", "granularity": {"type": "PerChannel", "axis": 0}},
                         "*.no_such_layer.weight": None}}
     f = tmp_path / "r.json"
     f.write_text(json.dumps(recipe))
-    res = run("quantize", "--model", str(tiny_model), "--recipe", str(f), "--out", str(tmp_path / "a"), "--no-eval")
+    res = run("quantize", "--model", str(tiny_llama_dir), "--recipe", str(f), "--out", str(tmp_path / "a"), "--no-eval")
     assert res.returncode == 0, res.stderr
     assert "warning: recipe pattern '*.no_such_layer.weight' matches no tensor" in res.stderr
     rep = json.loads((tmp_path / "a" / "report.json").read_text())
@@ -91,7 +79,7 @@ def test_recipe_files_json_and_toml(tiny_model, tmp_path):
     toml = tmp_path / "r.toml"
     toml.write_text('nbits = 3\ngroup_size = 32\n[options]\nerror_norm = 4\niters = 3\n'
                     '[dynamic_config."mlp.up_proj"]\nnbits = 2\ngroup_size = 16\n')
-    res = run("quantize", "--model", str(tiny_model), "--recipe", str(toml), "--out", str(tmp_path / "b"), "--no-eval")
+    res = run("quantize", "--model", str(tiny_llama_dir), "--recipe", str(toml), "--out", str(tmp_path / "b"), "--no-eval")
     assert res.returncode == 0, res.stderr
     assert "(hqq (error_norm=4, iters=3))" in res.stdout
     rep = json.loads((tmp_path / "b" / "report.json").read_text())
@@ -106,19 +94,19 @@ def test_recipe_files_json_and_toml(tiny_model, tmp_path):
     from qtransform.algorithms import hqq
     from qtransform.pipeline import hqq_spec
     key = "model.layers.0.mlp.up_proj.weight"
-    w = AutoModelForCausalLM.from_pretrained(tiny_model).get_parameter(key).detach()
+    w = AutoModelForCausalLM.from_pretrained(tiny_llama_dir).get_parameter(key).detach()
     stored = load_file(tmp_path / "b" / "model.safetensors")[key + "_zero_point"]
     want = hqq.optimize(w, hqq_spec(2, 16), error_norm=4, iters=3).zero_point
     assert torch.equal(stored, want)
     assert not torch.equal(stored, hqq.optimize(w, hqq_spec(2, 16)).zero_point)
 
 
-def test_bad_input_gives_one_line_and_writes_nothing(tiny_model, tmp_path):
+def test_bad_input_gives_one_line_and_writes_nothing(tiny_llama_dir, tmp_path):
     _one_line_error(run("quantize", "--model", str(tmp_path / "missing"), "--out", str(tmp_path / "x")),
                     "model not found")
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"default": {"format": "int9"}}))
-    _one_line_error(run("quantize", "--model", str(tiny_model), "--recipe", str(bad), "--out", str(tmp_path / "x")),
+    _one_line_error(run("quantize", "--model", str(tiny_llama_dir), "--recipe", str(bad), "--out", str(tmp_path / "x")),
                     "unknown format 'int9'")
     bad.write_text("{not json")
     _one_line_error(run("quantize", "--recipe", str(bad)), "cannot read recipe file")
@@ -128,15 +116,15 @@ def test_bad_input_gives_one_line_and_writes_nothing(tiny_model, tmp_path):
     existing = tmp_path / "exists"
     existing.mkdir()
     (existing / "keep.txt").write_text("x")
-    _one_line_error(run("quantize", "--model", str(tiny_model), "--out", str(existing)), "exists and is not empty")
+    _one_line_error(run("quantize", "--model", str(tiny_llama_dir), "--out", str(existing)), "exists and is not empty")
     assert (existing / "keep.txt").read_text() == "x"
-    _one_line_error(run("quantize", "--model", str(tiny_model), "--out", str(tmp_path / "y"),
+    _one_line_error(run("quantize", "--model", str(tiny_llama_dir), "--out", str(tmp_path / "y"),
                         "--corpus", str(tmp_path / "no.txt")), "cannot read corpus")
     _one_line_error(run("eval", "--model", str(tmp_path / "nope")), "model not found")
     short = tmp_path / "short.txt"
     short.write_text("Too short.")
-    _one_line_error(run("eval", "--model", str(tiny_model), "--corpus", str(short)), "corpus", "tokens")
-    _one_line_error(run("inspect", str(tiny_model)), "quantization_config")
+    _one_line_error(run("eval", "--model", str(tiny_llama_dir), "--corpus", str(short)), "corpus", "tokens")
+    _one_line_error(run("inspect", str(tiny_llama_dir)), "quantization_config")
     res = run("quantize", "--bogus")
     assert res.returncode == 2 and len(res.stderr.strip().splitlines()) == 1
     assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
@@ -153,7 +141,7 @@ def test_formats_and_recipes_listings():
         assert f"\n{name} " in res.stdout
 
 
-def test_a_step_of_your_own_from_the_readme_runs_through_the_command(tiny_model, tmp_path):
+def test_a_step_of_your_own_from_the_readme_runs_through_the_command(tiny_llama_dir, tmp_path):
     """The README's ``shrink`` plugin and recipe file, as written there: shrink, then HQQ."""
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
@@ -164,12 +152,12 @@ def test_a_step_of_your_own_from_the_readme_runs_through_the_command(tiny_model,
     plugin, recipe, out = tmp_path / "shrink.py", tmp_path / "shrink.toml", tmp_path / "ck"
     plugin.write_text(readme_block("# shrink.py"))
     recipe.write_text(readme_block("# shrink.toml", "toml"))
-    res = run("quantize", "--plugin", str(plugin), "--model", str(tiny_model), "--recipe", str(recipe),
+    res = run("quantize", "--plugin", str(plugin), "--model", str(tiny_llama_dir), "--recipe", str(recipe),
               "--out", str(out), "--no-eval")
     assert res.returncode == 0, res.stderr
     assert "shrink (factor=0.25) -> hqq (error_norm=4)" in res.stdout
     key = "model.layers.1.mlp.up_proj.weight"
-    w = AutoModelForCausalLM.from_pretrained(tiny_model).get_parameter(key).detach()
+    w = AutoModelForCausalLM.from_pretrained(tiny_llama_dir).get_parameter(key).detach()
     shrunk = w - 0.25 * (w - w.mean(-1, keepdim=True))  # by hand, independently of the plugin
     want = qt.quantize(shrunk, hqq.optimize(shrunk, qt.get_preset("hqq4-g64").spec, error_norm=4))
     stored = load_file(out / "model.safetensors")
@@ -178,7 +166,7 @@ def test_a_step_of_your_own_from_the_readme_runs_through_the_command(tiny_model,
     assert steps == [{"name": "shrink", "options": {"factor": 0.25}}, {"name": "hqq", "options": {"error_norm": 4}}]
     res = run("inspect", str(out))  # reading the checkpoint needs no plugin: steps are provenance
     assert res.returncode == 0 and "steps: shrink (factor=0.25) -> hqq (error_norm=4)" in res.stdout
-    _one_line_error(run("quantize", "--model", str(tiny_model), "--recipe", str(recipe), "--out", str(tmp_path / "x")),
+    _one_line_error(run("quantize", "--model", str(tiny_llama_dir), "--recipe", str(recipe), "--out", str(tmp_path / "x")),
                     "recipe.steps[0] (shrink): unknown algorithm 'shrink'")
     _one_line_error(run("recipes", "--plugin", str(tmp_path / "none.py")), "plugin file not found")
     broken = tmp_path / "broken.py"
@@ -187,13 +175,13 @@ def test_a_step_of_your_own_from_the_readme_runs_through_the_command(tiny_model,
     assert not (tmp_path / "x").exists()
 
 
-def test_rotation_presets_report_save_and_reload_their_online_rotations(tiny_model, tmp_path):
+def test_rotation_presets_report_save_and_reload_their_online_rotations(tiny_llama_dir, tmp_path):
     """A rotation preset (SpinQuant, W4A4) from the command line with a calibrated fp8 key cache: the report lists the online
     rotations (a Hadamard of the MLP width before each down projection, one of the head width on queries
     and keys) and what the step did, `inspect` lists them from the checkpoint, and from_pretrained gives
     the logits the command's own `eval` measures for the checkpoint."""
     out = tmp_path / "ckpt"
-    res = run("quantize", "--model", str(tiny_model), "--recipe", "spinquant-w4a4", "--out", str(out), "--calib", "4",
+    res = run("quantize", "--model", str(tiny_llama_dir), "--recipe", "spinquant-w4a4", "--out", str(out), "--calib", "4",
               "--seq-len", "32", "--eval-sequences", "2", "--kv-cache", "fp8_e4m3")
     assert res.returncode == 0, res.stderr
     rep = json.loads((out / "report.json").read_text())
@@ -213,7 +201,7 @@ def test_rotation_presets_report_save_and_reload_their_online_rotations(tiny_mod
 
     from bridge.app import corpus, evaluate, models
     model = AutoModelForCausalLM.from_pretrained(out).eval()
-    seqs = corpus.token_sequences(corpus.load_text("builtin", part="eval"), models.load_tokenizer(str(tiny_model)),
+    seqs = corpus.token_sequences(corpus.load_text("builtin", part="eval"), models.load_tokenizer(str(tiny_llama_dir)),
                                   seq_len=32, max_sequences=2)
     with torch.no_grad():
         assert evaluate.perplexity(model, seqs).perplexity == pytest.approx(rep["ppl_after"], rel=1e-5)

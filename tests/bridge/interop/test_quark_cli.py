@@ -17,21 +17,9 @@ def run_cli(*args, cwd=None):
                           env=ENV, timeout=600)
 
 
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    """A tiny untrained Llama with SmolLM2's tokenizer, saved as a transformers directory."""
-    from bridge_util import tiny_llama_with_tokenizer
-
-    model, tokenizer = tiny_llama_with_tokenizer()
-    d = tmp_path_factory.mktemp("tiny") / "tiny-llama"
-    model.save_pretrained(d)
-    tokenizer.save_pretrained(d)
-    return d
-
-
-def test_cli_quantize_to_quark_and_export(tiny_dir, tmp_path):
+def test_cli_quantize_to_quark_and_export(tiny_llama_dir, tmp_path):
     out = tmp_path / "ckpt"
-    res = run_cli("quantize", "--model", str(tiny_dir), "--recipe", "int4-g32-asym", "--no-eval", "--out", str(out),
+    res = run_cli("quantize", "--model", str(tiny_llama_dir), "--recipe", "int4-g32-asym", "--no-eval", "--out", str(out),
                   "--to", "quark")
     assert res.returncode == 0, res.stderr
     exported = tmp_path / "ckpt-quark"
@@ -50,8 +38,8 @@ def test_cli_quantize_to_quark_and_export(tiny_dir, tmp_path):
     assert all(same_bits(v, files[k]) for k, v in stored(tmp_path / "again").items())
 
 
-def test_cli_refuses_an_inexpressible_spec(tiny_dir, tmp_path):
-    res = run_cli("quantize", "--model", str(tiny_dir), "--recipe", "nvfp4", "--no-eval", "--out",
+def test_cli_refuses_an_inexpressible_spec(tiny_llama_dir, tmp_path):
+    res = run_cli("quantize", "--model", str(tiny_llama_dir), "--recipe", "nvfp4", "--no-eval", "--out",
                   str(tmp_path / "nv"), "--to", "quark")
     assert res.returncode != 0 and "model.layers.0.self_attn.q_proj.weight" in res.stderr, res.stderr
     assert "--to quark cannot hold" in res.stderr and not (tmp_path / "nv").exists()
@@ -59,7 +47,7 @@ def test_cli_refuses_an_inexpressible_spec(tiny_dir, tmp_path):
 
     import bridge
     import qtransform as qt
-    model = AutoModelForCausalLM.from_pretrained(tiny_dir).eval()
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir).eval()
     bridge.save(bridge.quantize(model, qt.get_preset("nvfp4").recipe), tmp_path / "nv")
     res = run_cli("export", str(tmp_path / "nv"), "--to", "quark", "--out", str(tmp_path / "nv-quark"))
     assert res.returncode != 0 and "model.layers.1.mlp.up_proj.weight: nvfp4" in res.stderr, res.stderr
