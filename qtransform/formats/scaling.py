@@ -34,6 +34,7 @@ Conventions of the affine scheme (REFERENCE.md):
 from __future__ import annotations
 
 import abc
+import math
 import types
 from typing import Mapping
 
@@ -248,8 +249,7 @@ class AffineScheme(Scheme):
         ideal = torch.where(torch.isinf(width), hi / span - lo / span, ideal)
         _check_finite_scale(ideal, lo, hi, span, spec, path)
         if spec.zero_point_domain == "float":
-            # a (near-)constant block: keep lo / scale finite (the error stays below |lo| * 2^-61)
-            ideal = torch.maximum(ideal, torch.maximum(lo.abs(), hi.abs()) * 2.0 ** -60)
+            ideal = torch.maximum(ideal, torch.maximum(lo.abs(), hi.abs()) * _float_zero_floor(spec))
         stored, s = _store_scale(ideal, width, ideal, spec, path)
         if spec.zero_point_domain == "int":
             zp = (qlo - torch.round(lo / s)).clamp(qlo, qhi).to(codec.code_dtype)
@@ -268,6 +268,19 @@ class AffineScheme(Scheme):
             s = torch.where(s > 0, s, torch.finfo(torch.float32).tiny)
         z = None if qparams.zero_point is None else qparams.zero_point.to(torch.float32)
         return s, z
+
+
+def _float_zero_floor(spec) -> float:
+    """The smallest scale of a float-zero-point block, relative to its largest magnitude.
+
+    A (near-)constant block's ideal scale tends to 0 and ``lo / scale`` to infinity. The zero point
+    ``qmin - lo / scale`` must stay finite in its dtype (fp16: below 65504), and small enough
+    (``2^20`` at most) that float32 arithmetic on ``x / scale + zero_point`` keeps a sixteenth of a
+    code: then quantizing the dequantized values gives the same codes. The floor costs at most
+    ``amax * 2^-21`` of error on blocks narrower than ``amax * 2^-20 * steps``.
+    """
+    top = int(math.floor(math.log2(torch.finfo(SCALE_DTYPES[spec.scale_dtype][0]).max))) - 1
+    return 2.0 ** -min(20, top)
 
 
 def _offset_from_range(lo, hi, qlo: float, qhi: float, spec, path) -> dict:
