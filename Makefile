@@ -9,7 +9,7 @@ TORCH   := torch==2.13.0
 STAMP   := $(VENV)/.installed
 PYTEST  := $(BIN)/python -m pytest
 
-.PHONY: install test quick test-long demo bench bench-gptq bench-gptq-peer bench-awq bench-rotation bench-e2e clean
+.PHONY: install test quick test-long test-llamacpp demo bench bench-gptq bench-gptq-peer bench-awq bench-rotation bench-e2e clean
 
 $(STAMP): pyproject.toml Makefile .ci/constraints.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -24,7 +24,7 @@ install: $(STAMP)
 
 ## the whole suite: tests/, property_tests/ and the doctests of qtransform/ and bridge/
 test: $(STAMP)
-	HYPOTHESIS_PROFILE=ci $(PYTEST) -q -m "not long"
+	HYPOTHESIS_PROFILE=ci $(PYTEST) -q -m "not long and not llamacpp"
 
 ## whole pipelines on the default model, minutes each (W8A8 presets from the command line on SmolLM2)
 test-long: $(STAMP)
@@ -32,7 +32,12 @@ test-long: $(STAMP)
 
 ## the same without tests marked slow
 quick: $(STAMP)
-	HYPOTHESIS_PROFILE=ci $(PYTEST) -q -m "not slow and not long"
+	HYPOTHESIS_PROFILE=ci $(PYTEST) -q -m "not slow and not long and not llamacpp"
+
+## llama.cpp (llama-cpp-python, built from source: several minutes) runs our GGUF exports of the default model
+test-llamacpp: $(STAMP)
+	$(PIP) install -q -c .ci/constraints.txt -e ".[llamacpp]"
+	HYPOTHESIS_PROFILE=ci $(PYTEST) -q -m llamacpp
 
 DEMO_OUT := out/smollm2-hqq4-g64
 
