@@ -16,6 +16,7 @@ FileNotFoundError: model not found: no/such/model (expected a transformers direc
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 from pathlib import Path
 from typing import NamedTuple
@@ -131,13 +132,38 @@ def load_model(model: str | os.PathLike | None = None, *, dtype: torch.dtype = t
     return m.eval()
 
 
+def _gguf_pre_tokenizer(tokenizer, path: Path):
+    """``tokenizer`` splitting text as the GGUF file's ``tokenizer.ggml.pre`` says (transformers reads
+    every GGUF byte-level BPE tokenizer as GPT-2's; SmolLM2's ``smollm`` splits digits first), so that
+    our token ids are llama.cpp's and a checkpoint's saved ``tokenizer.json`` names it again."""
+    from gguf import GGUFReader
+    from tokenizers import Tokenizer
+
+    from ..interop.gguf_arch import HF_PRE_TOKENIZERS
+
+    field = GGUFReader(str(path)).fields.get("tokenizer.ggml.pre")
+    want = HF_PRE_TOKENIZERS.get(field.contents()) if field is not None else None
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if want is None or backend is None:
+        return tokenizer
+    state = json.loads(backend.to_str())
+    if state.get("pre_tokenizer") != want:
+        state["pre_tokenizer"] = want
+        backend.pre_tokenizer = Tokenizer.from_str(json.dumps(state)).pre_tokenizer
+    return tokenizer
+
+
 def load_tokenizer(model: str | os.PathLike | None = None):
-    """The tokenizer of :func:`resolve` ``(model)`` (from the GGUF file itself for GGUF models)."""
+    """The tokenizer of :func:`resolve` ``(model)`` (from the GGUF file itself for GGUF models, with
+    the file's pre-tokenizer: see :data:`bridge.interop.gguf_arch.HF_PRE_TOKENIZERS`)."""
     from transformers import AutoTokenizer
 
     source = resolve(model)
     _needs_gguf(source)
-    return AutoTokenizer.from_pretrained(str(source.directory), **_kwargs(source))
+    tokenizer = AutoTokenizer.from_pretrained(str(source.directory), **_kwargs(source))
+    if source.gguf_file is not None:
+        tokenizer = _gguf_pre_tokenizer(tokenizer, source.directory / source.gguf_file)
+    return tokenizer
 
 
 def load(model: str | os.PathLike | None = None, *, dtype: torch.dtype = torch.float32):

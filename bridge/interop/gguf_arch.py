@@ -14,8 +14,11 @@ order, and the tokenizer.
   ``(heads, d/2, 2)``); transformers undoes it on load. Whole rows move, so quantized rows (codes,
   scales and zero points of groups along the row) move losslessly. Qwen2 (NeoX rotary) keeps them.
 * **Tokenizer**: a byte-level BPE ``tokenizer.json`` (GPT-2 style, what SmolLM2, Llama 3 and Qwen2
-  ship) -> ``tokenizer.ggml.model = "gpt2"``, tokens, types, merges, special token ids and the chat
-  template, through the ``gguf`` package's vocabulary readers.
+  ship) -> ``tokenizer.ggml.model = "gpt2"``, the pre-tokenizer's llama.cpp name (``smollm``,
+  ``gpt-2``, ``llama-bpe``, ``qwen2``), tokens, types (special added tokens CONTROL), merges, special
+  token ids, ``add_bos_token`` and the chat template, through the ``gguf`` package's vocabulary
+  readers. A checkpoint made from a GGUF model carries the tokenizer ``bridge.save(...,
+  tokenizer=)`` wrote (``qtransform quantize`` passes it).
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from pathlib import Path
 import torch
 
 __all__ = ["ARCHES", "arch_of", "arch_problems", "write_arch", "tensor_name_map", "qk_rows", "write_tokenizer",
-           "hf_names"]
+           "hf_names", "HF_PRE_TOKENIZERS", "pre_tokenizer_name"]
 
 #: transformers ``model_type`` -> GGUF architecture.
 ARCHES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2"}
@@ -134,19 +137,58 @@ _SPLITS = {
     r"|\s+(?!\S)|\s+": "qwen2",
 }
 
+#: llama.cpp pre-tokenizer names -> the ``tokenizer.json`` pre-tokenizer that splits text the same way
+#: (GPT-2's regex inside ``ByteLevel``; ``smollm``: every digit on its own first, as SmolLM2's
+#: ``tokenizer.json`` does). transformers reads GGUF tokenizers as plain ``ByteLevel``.
+HF_PRE_TOKENIZERS = {
+    "gpt-2": {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True},
+    "smollm": {"type": "Sequence", "pretokenizers": [
+        {"type": "Digits", "individual_digits": True},
+        {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True}]},
+}
 
-def _pre_tokenizer(directory: Path) -> str:
-    """llama.cpp's name for the pre-tokenizer of ``tokenizer.json``: GPT-2's own regex (a ``ByteLevel``
-    step that splits) is ``gpt-2``; Llama 3's and Qwen2's split patterns are named; else ``default``."""
-    path = directory / "tokenizer.json"
-    if not path.is_file():
-        return "gpt-2"  # vocab.json + merges.txt: GPT-2's byte-level BPE
-    pre = json.loads(path.read_text(encoding="utf-8")).get("pre_tokenizer") or {}
-    steps = pre.get("pretokenizers", [pre])
+
+def _steps(pre: dict) -> list[dict]:
+    return list(pre.get("pretokenizers", [pre])) if pre else []
+
+
+def _byte_level_regex(step: dict) -> bool:
+    return step.get("type") == "ByteLevel" and step.get("use_regex", True)
+
+
+def pre_tokenizer_name(pre: dict | None) -> str:
+    """llama.cpp's ``tokenizer.ggml.pre`` name of a ``tokenizer.json`` ``pre_tokenizer`` entry: Llama 3's
+    and Qwen2's split patterns are named; single digits then GPT-2's regex (SmolLM2) is ``smollm``;
+    GPT-2's regex alone (a ``ByteLevel`` step that splits) is ``gpt-2``; anything else ``default``.
+
+    >>> pre_tokenizer_name(HF_PRE_TOKENIZERS["smollm"]), pre_tokenizer_name({"type": "ByteLevel"})
+    ('smollm', 'gpt-2')
+    """
+    steps = _steps(pre or {})
     splits = [st.get("pattern", {}).get("Regex") for st in steps if st.get("type") == "Split"]
     if splits:
         return _SPLITS.get(splits[0], "default")
-    return "gpt-2" if any(st.get("type") == "ByteLevel" and st.get("use_regex", True) for st in steps) else "default"
+    if len(steps) == 2 and steps[0] == {"type": "Digits", "individual_digits": True} and _byte_level_regex(steps[1]):
+        return "smollm"
+    return "gpt-2" if len(steps) == 1 and _byte_level_regex(steps[0]) else "default"
+
+
+def _tokenizer_json(directory: Path) -> dict:
+    path = directory / "tokenizer.json"
+    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+
+
+def _token_types(tok_json: dict, types: list) -> list:
+    """Added tokens typed as llama.cpp's converter types them: special ones CONTROL (parsed as special
+    tokens, never split), the others USER_DEFINED; the rest of ``types`` as given."""
+    import gguf
+
+    out = list(types)
+    for added in tok_json.get("added_tokens", []):
+        i = int(added["id"])
+        if i < len(out):
+            out[i] = gguf.TokenType.CONTROL if added.get("special") else gguf.TokenType.USER_DEFINED
+    return out
 
 
 def write_tokenizer(writer, directory: Path, vocab_size: int) -> str | None:
@@ -155,7 +197,8 @@ def write_tokenizer(writer, directory: Path, vocab_size: int) -> str | None:
     from gguf.vocab import BpeVocab, SpecialVocab
 
     if not (directory / "tokenizer.json").is_file() and not (directory / "vocab.json").is_file():
-        return "no tokenizer files beside the checkpoint: the GGUF file has no tokenizer (llama.cpp needs one)"
+        return ("no tokenizer files beside the checkpoint: the GGUF file has no tokenizer (llama.cpp needs one; "
+                "save the checkpoint with bridge.save(..., tokenizer=tokenizer))")
     try:
         vocab = BpeVocab(directory)
     except (FileNotFoundError, ValueError, KeyError) as e:
@@ -164,13 +207,21 @@ def write_tokenizer(writer, directory: Path, vocab_size: int) -> str | None:
     for text, _, kind in vocab.all_tokens():
         tokens.append(text)
         types.append(kind)
+    tok_json = _tokenizer_json(directory)
+    types = _token_types(tok_json, types)
     if len(tokens) < vocab_size:  # rows of the embedding beyond the tokenizer: padding tokens
         for i in range(len(tokens), vocab_size):
             tokens.append(f"[PAD{i}]")
             types.append(gguf.TokenType.UNUSED)
+    pre = tok_json.get("pre_tokenizer") if tok_json else {"type": "ByteLevel"}  # vocab.json + merges.txt: GPT-2
     writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre(_pre_tokenizer(directory))
+    writer.add_tokenizer_pre(pre_tokenizer_name(pre))
     writer.add_token_list(tokens)
     writer.add_token_types(types)
-    SpecialVocab(directory, load_merges=True, n_vocab=len(tokens)).add_to_gguf(writer, quiet=True)
+    special = SpecialVocab(directory, load_merges=True, n_vocab=len(tokens))
+    special.add_to_gguf(writer, quiet=True)
+    if "bos" not in special.add_special_token:  # said explicitly: llama.cpp's default differs by model
+        writer.add_add_bos_token(False)
+    writer.add_add_space_prefix(any(st.get("add_prefix_space", False) for st in _steps(pre or {})
+                                    if st.get("type") == "ByteLevel"))
     return None

@@ -283,6 +283,28 @@ def test_tokenizer_metadata_reads_back(tmp_path):
     assert res.returncode == 0, res.stderr[-2000:]
     ids, eos, imported = json.loads(res.stdout.strip().splitlines()[-1])
     assert ids == tok(text)["input_ids"] and eos == tok.eos_token_id and imported is False
+    # every tokenizer key is the one SmolLM2's own GGUF file has (pre-tokenizer "smollm", special
+    # tokens typed CONTROL, add_bos_token False, special ids, merges, chat template)
+    from bridge.app import models
+
+    ref = gguf.GGUFReader(str(models.default_model_file())).fields
+    got = gguf.GGUFReader(str(out / report["file"])).fields
+    keys = sorted(k for k in ref if k.startswith("tokenizer."))
+    assert keys == sorted(k for k in got if k.startswith("tokenizer."))
+    assert ref["tokenizer.ggml.pre"].contents() == "smollm"
+    for k in keys:
+        assert got[k].contents() == ref[k].contents(), k
+
+
+def test_gguf_tokenizer_splits_digits_as_smollm2_does():
+    """SmolLM2's file names the ``smollm`` pre-tokenizer (each digit split off before GPT-2's regex):
+    runs of spaces or newlines before a digit stay one token, as SmolLM2's own tokenizer has them."""
+    from bridge.app import models
+
+    tok = models.load_tokenizer(None)
+    pieces = [tok.convert_ids_to_tokens(tok(t, add_special_tokens=False)["input_ids"])
+              for t in ("a  1", "x   2024", "page\n\n3")]
+    assert pieces == [["a", "ĠĠ", "1"], ["x", "ĠĠĠ", "2", "0", "2", "4"], ["page", "ĊĊ", "3"]]
 
 
 def test_cli_export_and_refusal(tmp_path):
