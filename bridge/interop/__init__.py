@@ -13,6 +13,7 @@ from .base import (EXPORTERS, EXTRA_FILES, IMPORTERS, SUPPORT_KINDS, Exporter, I
 # the targets register themselves on import (one module each)
 from . import compressed_tensors as _compressed_tensors  # noqa: E402,F401  (compressed-tensors: vLLM, transformers)
 from . import gguf as _gguf  # noqa: E402,F401  (GGUF: llama.cpp)
+from . import onnx as _onnx  # noqa: E402,F401  (ONNX QDQ model: ONNX Runtime)
 from . import quark as _quark  # noqa: E402,F401  (AMD Quark HF format: transformers + amd-quark, vLLM)
 
 __all__ = ["EXPORTERS", "EXTRA_FILES", "IMPORTERS", "SUPPORT_KINDS", "Exporter", "Importer", "Source", "Support",

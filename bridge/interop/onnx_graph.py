@@ -1,0 +1,237 @@
+"""The ONNX graph of a qtransform checkpoint: the transformers model's forward exported by
+``torch.onnx.export`` (the ``torch.export`` based exporter, opset 21), then rewritten so that every
+quantized weight is integer (or fp8) codes + scale (+ zero point) feeding a ``DequantizeLinear``, and
+every static input quantizer is a ``QuantizeLinear``/``DequantizeLinear`` pair before its layer's
+``MatMul``/``Gemm``.
+
+The float model is built from ``config.json`` and loaded with the checkpoint's tensors (quantized
+ones dequantized: only to trace the forward; their float values are dropped from the graph). The
+exporter runs unoptimized so that the initializers keep the state-dict names (the tree paths); a
+``Linear`` weight then feeds a ``Transpose`` (constant-folded by ONNX Runtime), so each weight's
+``DequantizeLinear`` decodes the tensor exactly as the tree stores it: same axis, same blocks.
+
+The graph computes in float32 (ONNX Runtime's CPU kernels): float16/bfloat16 weights are widened
+(exact), and a quantized weight of a 16-bit model is rounded to its dtype after decoding
+(``Cast`` there and back), as our ``dequantize`` rounds it.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Mapping
+
+import torch
+
+import qtransform as qt
+
+from ..modules.actquant import PREFIX
+from .base import Source
+from .onnx_qdq import Parts, activation_parts, weight_parts
+
+__all__ = ["OPSET", "float_model", "export_float", "quantize_graph"]
+
+#: The ONNX opset the export targets (blocked DequantizeLinear, int4/uint4 element types).
+OPSET = 21
+_HEADS = ("AutoModelForCausalLM", "AutoModelForMaskedLM", "AutoModelForSequenceClassification",
+          "AutoModelForTokenClassification", "AutoModel")
+#: Nodes between a weight initializer and the layer that multiplies it.
+_PASS = ("Transpose", "Reshape", "Cast", "Identity", "Unsqueeze", "Squeeze")
+_COMPUTE = ("MatMul", "Gemm")
+
+
+def _candidates(config: dict):
+    import transformers
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    if config.get("model_type") not in CONFIG_MAPPING:
+        raise ValueError(f"config.json names model_type {config.get('model_type')!r}, not a transformers model "
+                         "this transformers builds (the ONNX export traces the transformers model)")
+    cfg = CONFIG_MAPPING[config["model_type"]].from_dict(config)
+    named = [a for a in config.get("architectures") or [] if isinstance(a, str) and hasattr(transformers, a)]
+    for name in named + list(_HEADS):
+        cls = getattr(transformers, name)
+        yield name, (lambda c=cls, n=name: c(cfg) if n in named else c.from_config(cfg))
+
+
+def float_model(source: Source) -> torch.nn.Module:
+    """The transformers model whose weights ``source`` holds (its ``architectures``, else the first
+    head class that has every tensor of the tree) in float32, loaded with the tree (quantized tensors
+    dequantized); ``ValueError`` when no class fits."""
+    acts = {f"{s.module}.{PREFIX[s.role]}{f}" for s in source.meta.activations for f in qt.QParams.FIELDS}
+    paths = {p for p in source.tree if p not in acts}
+    tried = []
+    for name, build in _candidates(source.config):
+        try:
+            with torch.device("meta"):
+                keys = set(build().state_dict())
+        except (ValueError, KeyError, TypeError, AttributeError, RuntimeError):
+            continue
+        tried.append(name)
+        if paths <= keys:
+            break
+    else:
+        raise ValueError(f"no transformers class of model_type {source.config.get('model_type')!r} has every tensor "
+                         f"of the checkpoint (tried {tried})")
+    torch.manual_seed(0)  # the random initialisation is overwritten; seeded so that exports repeat
+    model = build().to(torch.float32).eval()
+    state = {}
+    for p in paths:
+        leaf = source.tree[p]
+        t = qt.dequantize(leaf) if qt.is_qtensor(leaf) else leaf
+        state[p] = t.to(torch.float32) if t.is_floating_point() else t
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if unexpected:
+        raise ValueError(f"tensors of the checkpoint the {name} model does not have: {sorted(unexpected)[:5]}")
+    model.config.use_cache = False
+    return model
+
+
+def export_float(model: torch.nn.Module):
+    """``(onnx.ModelProto, output names)`` of ``model(input_ids, attention_mask)`` (batch and sequence
+    dynamic), its initializers named by the state dict."""
+    vocab = int(getattr(model.config, "vocab_size", 2) or 2)
+    ids = (torch.arange(16).reshape(2, 8) * 7) % vocab
+    kwargs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    with torch.no_grad():
+        out = model(**kwargs)
+    names = [k for k, v in out.items() if isinstance(v, torch.Tensor)]
+    dims = {0: "batch", 1: "sequence"}
+    program = torch.onnx.export(model, (), kwargs=kwargs, dynamo=True, optimize=False, opset_version=OPSET,
+                                input_names=list(kwargs), output_names=names, verbose=False,
+                                dynamic_shapes={k: dims for k in kwargs})
+    return program.model_proto, names
+
+
+# ---------------------------------------------------------------------------------------------- rewriting
+def _tensor(name: str, onnx_type: str, array):
+    """A TensorProto of ``array`` (numpy, the storage dtype) as ``onnx_type``."""
+    import numpy as np
+    from onnx import TensorProto, helper, numpy_helper
+
+    dt = getattr(TensorProto, onnx_type)
+    if onnx_type in ("INT4", "UINT4"):
+        return helper.make_tensor(name, dt, array.shape, array.reshape(-1).astype(np.int32).tolist())
+    if onnx_type.startswith("FLOAT8") or onnx_type == "BFLOAT16":
+        return helper.make_tensor(name, dt, array.shape, np.array(array, order="C").tobytes(), raw=True)
+    return numpy_helper.from_array(np.array(array, order="C"), name)
+
+
+def _scale_nodes(parts: Parts, stem: str, inits: list, nodes: list) -> str:
+    """Add the scale initializer (and a Cast to float32 for 16-bit scales); the float32 scale's name."""
+    from onnx import TensorProto, helper
+
+    kind = {"float32": "FLOAT", "float16": "FLOAT16", "bfloat16": "BFLOAT16"}[parts.scale_dtype]
+    inits.append(_tensor(f"{stem}_scale", kind, parts.scale))
+    if kind == "FLOAT":
+        return f"{stem}_scale"
+    nodes.append(helper.make_node("Cast", [f"{stem}_scale"], [f"{stem}_scale_f32"], to=TensorProto.FLOAT,
+                                  name=f"{stem}_scale_cast"))
+    return f"{stem}_scale_f32"
+
+
+def _dq_inputs(parts: Parts, stem: str, inits: list, nodes: list) -> tuple[list[str], dict]:
+    scale = _scale_nodes(parts, stem, inits, nodes)
+    names = [f"{stem}_quantized", scale]
+    if parts.zero_point is not None:
+        inits.append(_tensor(f"{stem}_zero_point", parts.onnx_type, parts.zero_point))
+        names.append(f"{stem}_zero_point")
+    attrs = {} if parts.axis is None else {"axis": parts.axis}
+    if parts.block_size is not None:
+        attrs["block_size"] = parts.block_size
+    return names, attrs
+
+
+def _weight_nodes(path: str, q: qt.QTensor) -> tuple[list, list]:
+    """Initializers and nodes producing the float32 tensor ``path`` from ``q``'s codes."""
+    from onnx import TensorProto, helper
+
+    parts = weight_parts(q, path)
+    inits, nodes = [_tensor(f"{path}_quantized", parts.onnx_type, parts.codes)], []
+    inputs, attrs = _dq_inputs(parts, path, inits, nodes)
+    rounded = q.dtype in (torch.float16, torch.bfloat16)
+    out = f"{path}_dequantized" if rounded else path
+    nodes.append(helper.make_node("DequantizeLinear", inputs, [out], name=f"{path}_dequantize", **attrs))
+    if rounded:  # our dequantize rounds the float32 product to the weight's dtype
+        to = TensorProto.FLOAT16 if q.dtype == torch.float16 else TensorProto.BFLOAT16
+        nodes.append(helper.make_node("Cast", [out], [f"{path}_rounded"], to=to, name=f"{path}_round"))
+        nodes.append(helper.make_node("Cast", [f"{path}_rounded"], [path], to=TensorProto.FLOAT, name=f"{path}_widen"))
+    return inits, nodes
+
+
+def _consumer(nodes: list, weight: str, where: str):
+    """The MatMul/Gemm node of ``nodes`` that multiplies the initializer ``weight`` (through Transposes
+    and the like) and the index of its other (activation) input."""
+    users: dict[str, list] = {}
+    for node in nodes:
+        for name in node.input:
+            users.setdefault(name, []).append(node)
+    frontier, seen = [weight], set()
+    while frontier:
+        name = frontier.pop()
+        for node in users.get(name, []):
+            if node.op_type in _COMPUTE and list(node.input).index(name) in (0, 1):
+                return node, 1 - list(node.input).index(name)
+            if node.op_type in _PASS and id(node) not in seen:
+                seen.add(id(node))
+                frontier.extend(node.output)
+    raise ValueError(f"{where}: no MatMul/Gemm multiplying {weight} in the exported graph (the ONNX export "
+                     "quantizes the inputs of linear layers)")
+
+
+def quantize_graph(model, source: Source) -> None:
+    """Rewrite the float ``model`` (an ``onnx.ModelProto`` from :func:`export_float`) in place: quantized
+    weights as ``DequantizeLinear`` of their codes, static input quantizers as Q/DQ pairs. ``ValueError``
+    naming the tree path when the graph has no place for one."""
+    from onnx import NodeProto, helper
+
+    graph = model.graph
+    inits = {t.name: t for t in graph.initializer}
+    new_inits, new_nodes, drop = [], [], set()
+    for path in source.meta.entries:
+        q = source.tree[path]
+        t = inits.get(path)
+        if t is None:
+            raise ValueError(f"{path}: not an initializer of the exported graph (a tied or unused weight cannot "
+                             "be quantized on its own in ONNX)")
+        if tuple(t.dims) != tuple(q.shape):
+            raise ValueError(f"{path}: the graph holds it with shape {tuple(t.dims)}, the checkpoint {tuple(q.shape)}")
+        i, n = _weight_nodes(path, q)
+        new_inits += i
+        new_nodes += n
+        drop.add(path)
+    kept = [t for t in graph.initializer if t.name not in drop]
+    del graph.initializer[:]
+    graph.initializer.extend(kept + new_inits)
+    inputs = [v for v in graph.input if v.name not in drop]
+    del graph.input[:]
+    graph.input.extend(inputs)
+    nodes = new_nodes
+    for old in graph.node:  # copies: the graph's own node list is replaced at the end
+        nodes.append(NodeProto())
+        nodes[-1].CopyFrom(old)
+    for site, spec in source.meta.activations.items():
+        where = f"{site.module}:{site.role}"
+        stem = f"{site.module}.{PREFIX[site.role]}"
+        parts = activation_parts({f: source.tree.get(stem + f) for f in qt.QParams.FIELDS}, spec, where)
+        node, k = _consumer(nodes, f"{site.module}.weight", where)
+        x = node.input[k]
+        q_inits, q_nodes = [], []
+        names, attrs = _dq_inputs(parts, stem.rstrip("_"), q_inits, q_nodes)
+        scale_zp = names[1:]
+        qattrs = dict(attrs, **({"saturate": int(spec.saturate)} if parts.onnx_type.startswith("FLOAT8") else {}))
+        q_nodes.append(helper.make_node("QuantizeLinear", [x, *scale_zp], [names[0]], name=f"{stem}quantize", **qattrs))
+        q_nodes.append(helper.make_node("DequantizeLinear", names, [f"{stem}dequantized"], name=f"{stem}dequantize",
+                                        **attrs))
+        node.input[k] = f"{stem}dequantized"
+        graph.initializer.extend(q_inits)
+        at = next(j for j, n in enumerate(nodes) if n is node)
+        nodes[at:at] = q_nodes
+    del graph.node[:]
+    graph.node.extend(nodes)
+
+
+def hint(source: Source) -> Mapping[str, str]:
+    """``metadata_props`` the export carries: the specs per tree path and activation site (JSON)."""
+    return {"qtransform.weights": json.dumps({p: str(e.spec) for p, e in source.meta.entries.items()}),
+            "qtransform.activations": json.dumps({f"{s.module}:{s.role}": str(spec)
+                                                  for s, spec in source.meta.activations.items()})}
