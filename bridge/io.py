@@ -43,7 +43,7 @@ from .modules.actquant import PREFIX, activation_specs, static_buffers
 from .modules.online import check as check_online, online_rotations
 from .tree import extract, tie_groups, to_module
 
-__all__ = ["save", "load", "TOKENIZER_FILES"]
+__all__ = ["save", "load", "imported_format", "from_source", "TOKENIZER_FILES"]
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "vocab.json", "vocab.txt", "merges.txt", "added_tokens.json", "chat_template.jinja")
@@ -160,12 +160,21 @@ def load(directory, *, like: nn.Module, kernel: str = "auto", verify: bool = Tru
     data is read; then checks every tensor against the checksum written with it (a changed
     byte, tensors swapped by name or offset, an edited header), unless ``verify=False``.
     Checkpoints written before checksums existed (qtransform 0.1, 0.2) load unverified.
+
+    Other tools' checkpoints load too (:func:`imported_format`: Quark's HF format, compressed-tensors,
+    GGUF files): their quantized tensors become QTensors as stored, never re-quantized (an importer
+    refuses, naming the tensor, what no qtransform spec holds exactly); float tensors take ``like``'s dtype.
     """
     if not isinstance(like, nn.Module):
         raise TypeError(f"like must be a torch.nn.Module, got {type(like).__name__}")
     if not isinstance(verify, bool):
         raise TypeError(f"load: verify must be True or False, got {verify!r}")
     root = Path(directory)
+    fmt = imported_format(root)
+    if fmt is not None:
+        from . import interop
+
+        return from_source(like, interop.IMPORTERS[fmt].read(root), kernel=kernel)
     meta = read_metadata(root)
     located, handles = store.open_shards(root)
     ref = extract(like)
@@ -200,6 +209,11 @@ def load(directory, *, like: nn.Module, kernel: str = "auto", verify: bool = Tru
     verify_checksums(root, located, verify=verify)
     act_names = [n for parts in act_parts.values() for n in parts]
     tree = read_tree(root, meta, located, handles, expected, list(ref) + act_names)  # every tensor read once
+    return _build(like, meta, tree, act_parts, kernel, root)
+
+
+def _build(like: nn.Module, meta, tree: dict, act_parts: dict, kernel: str, root) -> nn.Module:
+    """The model of a read tree: static activation quantizers' fields gathered into QParams."""
     acts = {}
     for site, spec in meta.activations.items():
         acts[site] = spec if spec.dynamic else qt.QParams(spec=spec, **{
@@ -210,3 +224,53 @@ def load(directory, *, like: nn.Module, kernel: str = "auto", verify: bool = Tru
         raise CheckpointError(f"{root}: {left[:5]} have no value (not in the checkpoint; build `like` on a real "
                               "device so that non-persistent buffers are initialized)")
     return model
+
+
+def imported_format(path) -> str | None:
+    """The name of the importer (:data:`bridge.interop.IMPORTERS`) that reads ``path`` when it is another
+    tool's checkpoint (Quark, compressed-tensors, a GGUF file); ``None`` for a qtransform checkpoint or
+    anything no importer knows."""
+    root = Path(path)
+    if root.is_dir():
+        try:
+            cfg = json.loads((root / CONFIG).read_text()).get("quantization_config")
+        except (OSError, ValueError, AttributeError):
+            cfg = None
+        if isinstance(cfg, dict) and cfg.get("quant_method") == metadata.QUANT_METHOD:
+            return None
+    elif not root.is_file():
+        return None
+    from . import interop
+
+    return interop.detect_format(root)
+
+
+def from_source(like: nn.Module, source, *, kernel: str = "auto") -> nn.Module:
+    """``like`` rebuilt from an imported checkpoint (:class:`bridge.interop.Source`): its quantized
+    tensors as they are stored (never re-quantized), every tensor checked against ``like`` first."""
+    meta, tree = source.meta, dict(source.tree)
+    ref = extract(like)
+    act_parts = _activation_parts(like, meta)
+    act_names = {n for parts in act_parts.values() for n in parts}
+    unknown = sorted(p for p in tree if p not in ref and p not in act_names)
+    if unknown:
+        raise CheckpointError(f"{source.directory}: tensors {unknown[:5]} are not tensors of {type(like).__name__}")
+    aliases = {**_tied_aliases(like, set(tree)), **meta.aliases}
+    for alias, target in aliases.items():
+        if alias not in tree and target in tree:
+            tree[alias] = tree[target]
+    missing = sorted(p for p in ref if p not in tree)
+    if missing:
+        raise CheckpointError(f"{source.directory}: no value for {missing[:5]} of {type(like).__name__}")
+    for path, leaf in tree.items():
+        want = ref.get(path)
+        if want is not None and tuple(leaf.shape) != tuple(want.shape):
+            raise CheckpointError(f"{source.directory}: tensor {path!r} has shape {list(leaf.shape)}, the model's is "
+                                  f"{list(want.shape)}")
+        if want is not None and not isinstance(leaf, qt.QTensor) and leaf.dtype != want.dtype:
+            tree[path] = leaf.to(want.dtype)
+    try:
+        check_online(like, meta.online)
+    except ValueError as e:
+        raise CheckpointError(f"{source.directory}: {e}") from None
+    return _build(like, meta, tree, act_parts, kernel, source.directory)

@@ -156,8 +156,10 @@ def cmd_quantize(a) -> int:
             inputs.check_seq_len(skeleton, a.seq_len)
         del skeleton
 
-    _say(f"loading {a.model or models.DEFAULT_MODEL} ...")
-    model, tokenizer = inputs.load_model(a.model)
+    imported = None if a.model is None else io.imported_format(models.resolve(a.model).directory)
+    _say(f"loading {a.model or models.DEFAULT_MODEL}"
+         + (f" ({imported} checkpoint, dequantized: the recipe starts from its values)" if imported else "") + " ...")
+    model, tokenizer = inputs.load_model(a.model, dequantize_imported=True)
     if not a.no_eval or a.calib:
         inputs.check_seq_len(model, a.seq_len)
     eval_seqs = None if a.no_eval else inputs.sequences(tokenizer, text, a.corpus, a.seq_len, a.eval_sequences)

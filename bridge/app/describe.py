@@ -15,11 +15,14 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+import qtransform as qt
+
 from ..checkpoint import CONFIG, LAYOUTS, read_metadata, store
 from ..checkpoint.store import read_json
+from ..io import imported_format
 from .report import format_bytes, online_rows, online_summary, steps_label, table
 
-__all__ = ["describe", "tensor_bytes"]
+__all__ = ["describe", "describe_imported", "tensor_bytes"]
 
 
 def tensor_bytes(directory) -> dict[str, int]:
@@ -28,8 +31,12 @@ def tensor_bytes(directory) -> dict[str, int]:
 
 
 def describe(directory) -> str:
-    """A table: per quantized tensor its spec, granularity, shape, bytes, bits/weight and rule."""
+    """A table: per quantized tensor its spec, granularity, shape, bytes, bits/weight and rule.
+    Another tool's checkpoint (Quark, compressed-tensors, GGUF) is described as our importer reads it."""
     root = Path(directory)
+    fmt = imported_format(root)
+    if fmt is not None:
+        return describe_imported(root, fmt)
     meta = read_metadata(root)
     raw = read_json(root / CONFIG, "model config")["quantization_config"]
     sizes = tensor_bytes(root)
@@ -72,3 +79,40 @@ def _activation_summary(activations) -> list[str]:
         key = (site.role, str(spec), "dynamic" if spec.dynamic else "static")
         counts[key] = counts.get(key, 0) + 1
     return [f"{n} {role} {spec} ({kind})" for (role, spec, kind), n in counts.items()]
+
+
+def _nbytes(leaf) -> int:
+    if isinstance(leaf, qt.QTensor):
+        return leaf.codes.numel() * leaf.codes.element_size() + sum(
+            t.numel() * t.element_size() for t in leaf.qparams.tensors().values())
+    return leaf.numel() * leaf.element_size()
+
+
+def describe_imported(directory, fmt: str) -> str:
+    """:func:`describe` of another tool's checkpoint: the specs our importer maps its tensors to (exact:
+    the importer refuses, naming the tensor, what it cannot map)."""
+    from .. import interop
+
+    root = Path(directory)
+    source = interop.IMPORTERS[fmt].read(root)
+    rows = [["tensor", "format", "granularity", "shape", "bytes", "bits/weight"]]
+    q_bytes = q_numel = other = n_other = 0
+    for path, leaf in source.tree.items():
+        if not isinstance(leaf, qt.QTensor):
+            other, n_other = other + _nbytes(leaf), n_other + 1
+            continue
+        nbytes, numel = _nbytes(leaf), math.prod(leaf.shape)
+        q_bytes, q_numel = q_bytes + nbytes, q_numel + numel
+        spec_txt = str(leaf.spec).split(" ")
+        rows.append([path, leaf.spec.format, " ".join(spec_txt[1:]), "x".join(map(str, leaf.shape)),
+                     format_bytes(nbytes), f"{8 * nbytes / numel:.3f}"])
+    meta = source.meta
+    lines = [f"{fmt} checkpoint {root}: {len(rows) - 1} quantized tensor(s), {n_other} other tensor(s) "
+             "(read by qtransform's importer, not re-quantized)", ""]
+    lines += table(rows)
+    lines += ["", f"quantized: {format_bytes(q_bytes)} for {q_numel / 1e6:.2f}M weights "
+                  f"({8 * q_bytes / max(q_numel, 1):.3f} bits/weight); other tensors: {format_bytes(other)}; "
+                  f"total {format_bytes(q_bytes + other)}"]
+    if meta.activations:
+        lines.append("activation quantizers: " + "; ".join(_activation_summary(meta.activations)))
+    return "\n".join(lines)

@@ -115,14 +115,15 @@ def skeleton(model_arg):
         return None
 
 
-def load_model(model_arg):
+def load_model(model_arg, *, dequantize_imported: bool = False):
     """``(model, tokenizer)``; any failure to read the user's files (a truncated or corrupted
-    checkpoint, a damaged GGUF file) is one line naming the model."""
+    checkpoint, a damaged GGUF file) is one line naming the model. A Quark or compressed-tensors
+    checkpoint is read by our importer (dequantized with ``dequantize_imported``)."""
     from . import models
 
     check_model(model_arg)
     try:
-        return models.load(model_arg)
+        return models.load(model_arg, dequantize_imported=dequantize_imported)
     except ImportError as e:  # a missing optional package: the message says what to install
         raise UserError(_first_line(e)) from None
     except Exception as e:  # noqa: BLE001  (whatever transformers or safetensors raise on a bad file)

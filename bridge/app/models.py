@@ -23,6 +23,9 @@ from typing import NamedTuple
 
 import torch
 
+from ..io import imported_format
+from .imported import load_imported
+
 __all__ = ["DEFAULT_MODEL", "DEFAULT_PACKAGE", "ModelSource", "default_model_file", "resolve", "check_gguf", "skeleton",
            "load_model", "load_tokenizer", "load"]
 
@@ -119,14 +122,20 @@ def _kwargs(source: ModelSource) -> dict:
     return kw
 
 
-def load_model(model: str | os.PathLike | None = None, *, dtype: torch.dtype = torch.float32):
+def load_model(model: str | os.PathLike | None = None, *, dtype: torch.dtype = torch.float32,
+               dequantize_imported: bool = False):
     """A causal LM (``AutoModelForCausalLM``) in eval mode, from :func:`resolve` ``(model)``.
 
-    GGUF weights are dequantized to ``dtype`` by transformers.
+    GGUF weights are dequantized to ``dtype`` by transformers. A Quark or compressed-tensors
+    checkpoint is read by our importer (:func:`bridge.app.imported.load_imported`): its quantized
+    weights in our quantized modules, as stored (neither amd-quark nor compressed-tensors is needed);
+    with ``dequantize_imported`` the float model of the same values (what a new recipe starts from).
     """
     from transformers import AutoModelForCausalLM
 
     source = resolve(model)
+    if source.gguf_file is None and imported_format(source.directory) is not None:
+        return load_imported(source.directory, dtype=dtype, dequantize=dequantize_imported)
     _needs_gguf(source)
     m = AutoModelForCausalLM.from_pretrained(str(source.directory), dtype=dtype, **_kwargs(source))
     return m.eval()
@@ -166,6 +175,7 @@ def load_tokenizer(model: str | os.PathLike | None = None):
     return tokenizer
 
 
-def load(model: str | os.PathLike | None = None, *, dtype: torch.dtype = torch.float32):
+def load(model: str | os.PathLike | None = None, *, dtype: torch.dtype = torch.float32,
+         dequantize_imported: bool = False):
     """``(model, tokenizer)``; ``None`` loads the default SmolLM2-135M-Instruct."""
-    return load_model(model, dtype=dtype), load_tokenizer(model)
+    return load_model(model, dtype=dtype, dequantize_imported=dequantize_imported), load_tokenizer(model)

@@ -36,7 +36,9 @@ def test_learned_rotations_keep_the_float_function_and_lower_the_loss(arch):
     """(The output head is scaled x10 so that the tiny model's predictions are peaked: with near-uniform
     ones, as a random model's, quantization barely moves the loss and there is nothing to learn. One
     thread: int4 straight-through training amplifies summation-order noise, which multi-threaded BLAS
-    varies with the machine's load.)"""
+    varies with the machine's load. Even so the trajectory depends on float rounding that earlier tests in the
+    same process can change, so 24 steps: 12 left qwen2 at 0.90 alone and at 0.950 once in a full run; 24
+    reach 0.84, 0.75 and 0.85 for llama, qwen2 and phi3.)"""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -49,7 +51,7 @@ def _learn_and_check(arch):
     model = tiny_with_outliers(arch)
     with torch.no_grad():
         model.lm_head.weight.mul_(10)
-    fit = _fit(model, qt.Step("spinquant", iters=12, lr=0.1))
+    fit = _fit(model, qt.Step("spinquant", iters=24, lr=0.1))
     before, after = _reported(fit)
     assert after < 0.95 * before
     rotated = bridge.to_module(model, qt.apply_fit(bridge.extract(model), fit), online=fit.online)
