@@ -48,7 +48,10 @@ def _candidates(config: dict):
                          "this transformers builds (the ONNX export traces the transformers model)")
     cfg = CONFIG_MAPPING[config["model_type"]].from_dict(config)
     named = [a for a in config.get("architectures") or [] if isinstance(a, str) and hasattr(transformers, a)]
-    for name in named + list(_HEADS):
+    heads = list(_HEADS)
+    if config.get("is_decoder") is False:  # an encoder (BERT) that could be a decoder: its masked LM first
+        heads.insert(0, heads.pop(heads.index("AutoModelForMaskedLM")))
+    for name in named + heads:
         cls = getattr(transformers, name)
         yield name, (lambda c=cls, n=name: c(cfg) if n in named else c.from_config(cfg))
 
@@ -109,8 +112,11 @@ def _tensor(name: str, onnx_type: str, array):
     from onnx import TensorProto, helper, numpy_helper
 
     dt = getattr(TensorProto, onnx_type)
-    if onnx_type in ("INT4", "UINT4"):
-        return helper.make_tensor(name, dt, array.shape, array.reshape(-1).astype(np.int32).tolist())
+    if onnx_type in ("INT4", "UINT4"):  # two to a byte, the first in the low nibble, over the flattened tensor
+        flat = array.reshape(-1).astype(np.uint8) & 15
+        if flat.size % 2:
+            flat = np.concatenate([flat, np.zeros(1, np.uint8)])
+        return helper.make_tensor(name, dt, array.shape, (flat[0::2] | (flat[1::2] << 4)).tobytes(), raw=True)
     if onnx_type.startswith("FLOAT8") or onnx_type == "BFLOAT16":
         return helper.make_tensor(name, dt, array.shape, np.array(array, order="C").tobytes(), raw=True)
     return numpy_helper.from_array(np.array(array, order="C"), name)
@@ -158,6 +164,12 @@ def _weight_nodes(path: str, q: qt.QTensor) -> tuple[list, list]:
     return inits, nodes
 
 
+def _same(a: qt.QTensor, b: qt.QTensor) -> bool:
+    ta, tb = a.qparams.tensors(), b.qparams.tensors()
+    return (a.spec, a.shape, a.dtype) == (b.spec, b.shape, b.dtype) and torch.equal(a.codes, b.codes) and \
+        ta.keys() == tb.keys() and all(torch.equal(ta[k], tb[k]) for k in ta)
+
+
 def _consumer(nodes: list, weight: str, where: str):
     """The MatMul/Gemm node of ``nodes`` that multiplies the initializer ``weight`` (through Transposes
     and the like) and the index of its other (activation) input."""
@@ -190,9 +202,11 @@ def quantize_graph(model, source: Source) -> None:
     for path in source.meta.entries:
         q = source.tree[path]
         t = inits.get(path)
+        if t is None and any(o in inits and _same(source.tree[o], q) for o in source.meta.entries):
+            continue  # tied: the graph holds one copy, under the other path
         if t is None:
-            raise ValueError(f"{path}: not an initializer of the exported graph (a tied or unused weight cannot "
-                             "be quantized on its own in ONNX)")
+            raise ValueError(f"{path}: not an initializer of the exported graph (a tied weight quantized unlike "
+                             "its twin, or one the forward does not use)")
         if tuple(t.dims) != tuple(q.shape):
             raise ValueError(f"{path}: the graph holds it with shape {tuple(t.dims)}, the checkpoint {tuple(q.shape)}")
         i, n = _weight_nodes(path, q)

@@ -93,10 +93,11 @@ def run_onnx(cases: dict, tmp_path) -> dict:
         return {k: f[k] for k in f.files}
 
 
-def quantize_export(arch: str, recipe, tmp_path, *, calib=False):
+def quantize_export(arch, recipe, tmp_path, *, calib=False):
     """``(float model, quantized model, checkpoint dir, export dir)``: a tiny ``arch`` (its config naming its
-    class) quantized with ``recipe`` (a Recipe or a preset name), saved and exported to ONNX."""
-    model = tiny(arch)
+    class; or a model) quantized with ``recipe`` (a Recipe or a preset name), saved and exported to ONNX."""
+    model = tiny(arch) if isinstance(arch, str) else arch
+    arch = arch if isinstance(arch, str) else type(arch).__name__
     recipe = qt.get_preset(recipe).recipe if isinstance(recipe, str) else recipe
     qmodel = bridge.quantize(model, recipe, calibration=batches() if calib else None)
     ckpt, out = tmp_path / f"{arch}-ckpt", tmp_path / f"{arch}-onnx"

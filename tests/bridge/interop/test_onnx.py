@@ -166,6 +166,25 @@ def test_initializers_hold_our_codes_scales_and_zero_points(name, cases):
     assert (case.out / "config.json").is_file()
 
 
+def test_tied_quantized_embeddings_are_one_dequantize(tmp_path):
+    """A quantized input embedding tied to the output projection: the graph holds one copy of the codes,
+    feeding both the Gather and the MatMul."""
+    import transformers
+    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                   num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    model.config.architectures = ["LlamaForCausalLM"]
+    recipe = qt.Recipe(type_rules={"Linear": INT8_CHANNEL, "Embedding": INT8_CHANNEL})
+    model, qmodel, ckpt, out = quantize_export(model, recipe, tmp_path)
+    assert {"model.embed_tokens.weight", "lm_head.weight"} <= set(interop.read_source(ckpt).meta.entries)
+    _, inits, _, _ = _initializers(out)
+    assert sum(n.endswith(("embed_tokens.weight_quantized", "lm_head.weight_quantized")) for n in inits) == 1
+    got = run_onnx({"tied": {"model": out / "model.onnx", "ids": IDS, "options": EXACT}}, tmp_path)
+    ours = outputs(dequant_kernel(qmodel))
+    assert (torch.from_numpy(got["tied"]) - ours).abs().max() <= 1e-4 * ours.abs().max()
+
+
 def test_what_onnx_holds():
     """The table of the module docstring of :mod:`bridge.interop.onnx_qdq`, spec by spec."""
     g32, ch = qt.PerGroup(32), qt.PerChannel(0)
