@@ -32,7 +32,12 @@ INT8_CHANNEL = qt.QuantSpec(format="int8", granularity=qt.PerChannel(0))
 CASES = {
     "llama-int4-g32": ("llama", "int4-g32", False, "model.layers.0.self_attn.q_proj.weight", 1, 32),
     "mistral-uint4-g32-asym": ("mistral", "int4-g32-asym", False, "model.layers.1.mlp.down_proj.weight", 1, 32),
-    "qwen2-int8-channel": ("qwen2", "int8-channel", False, "model.layers.0.self_attn.k_proj.weight", 0, None),
+    # int8 per channel; uint3 groups (codes held as UINT4); int4 groups of 48 (padded) with bfloat16 scales
+    "qwen2-mixed": ("qwen2", qt.Recipe(type_rules={"Linear": INT8_CHANNEL}, exclude=["lm_head*"], rules={
+        "*.mlp.*": qt.QuantSpec(format="uint3", granularity=qt.PerGroup(32), symmetric=False),
+        "*.self_attn.o_proj.weight": qt.QuantSpec(format="int4", granularity=qt.PerGroup(48), pad=True,
+                                                  scale_dtype="bfloat16")}),
+                    False, "model.layers.0.self_attn.k_proj.weight", 0, None),
     "opt-fp8-w8a8": ("opt", "fp8-w8a8", True, "model.decoder.layers.0.fc1.weight", 0, None),  # static fp8 inputs
     # Conv1D weights are stored (in, out): groups of input features run along axis 0
     "gpt2-uint4-g32-asym": ("gpt2", "int4-g32-asym", False, "transformer.h.0.attn.c_attn.weight", 0, 32),
@@ -129,14 +134,15 @@ def _initializers(out):
 
 
 @pytest.mark.parametrize("name", ["llama-int4-g32", "mistral-uint4-g32-asym", "gpt2-uint4-g32-asym", "opt-fp8-w8a8",
-                                  "llama-w8a8-int8"])
+                                  "llama-w8a8-int8", "qwen2-mixed"])
 def test_initializers_hold_our_codes_scales_and_zero_points(name, cases):
     from onnx import TensorProto
     case = cases(name)
     source = interop.read_source(case.ckpt)
     model, inits, nodes, nh = _initializers(case.out)
-    want_type = {"int4": TensorProto.INT4, "uint4": TensorProto.UINT4, "int8": TensorProto.INT8,
-                 "fp8_e4m3": TensorProto.FLOAT8E4M3FN}
+    want_type = {"int4": TensorProto.INT4, "uint4": TensorProto.UINT4, "uint3": TensorProto.UINT4,
+                 "int8": TensorProto.INT8, "fp8_e4m3": TensorProto.FLOAT8E4M3FN}
+    scale_type = {torch.float32: TensorProto.FLOAT, torch.bfloat16: TensorProto.BFLOAT16}
     assert source.meta.entries
     for path, entry in source.meta.entries.items():
         q = source.tree[path]
@@ -147,11 +153,12 @@ def test_initializers_hold_our_codes_scales_and_zero_points(name, cases):
         if entry.spec.format.startswith("fp8"):
             assert same_bits(torch.from_numpy(got.view(np.uint8)).view(torch.float8_e4m3fn), q.codes)
         else:
-            nibbles = 4 if "4" in entry.spec.format else 8
-            mine = qt.unpack(q.codes, 4, q.width, signed=entry.spec.format == "int4") if nibbles == 4 else q.codes
+            bits = entry.spec.fmt.codec.bits
+            mine = qt.unpack(q.codes, bits, q.width, signed=entry.spec.format == "int4") if bits < 8 else q.codes
             assert np.array_equal(got.astype(np.int16), mine.numpy().astype(np.int16)), path
-        scale = nh.to_array(inits[f"{path}_scale"])
-        assert np.array_equal(scale.reshape(-1).view(np.uint32), q.qparams.scale.reshape(-1).numpy().view(np.uint32))
+        scale = inits[f"{path}_scale"]
+        assert scale.data_type == scale_type[q.qparams.scale.dtype]  # bfloat16 scales stay bfloat16 (a Cast follows)
+        assert np.array_equal(nh.to_array(scale).astype(np.float32).reshape(-1), q.qparams.scale.float().reshape(-1).numpy())
         zp = inits.get(f"{path}_zero_point")
         if q.qparams.zero_point is not None:
             assert np.array_equal(nh.to_array(zp).astype(np.int16).reshape(-1), q.qparams.zero_point.reshape(-1).numpy())
