@@ -16,6 +16,8 @@ from typing import Iterable, Mapping
 import torch
 from torch import nn
 
+from .hf_model import transformers_model
+
 __all__ = ["skeleton", "QUANTIZABLE", "is_cached_attention", "matches"]
 
 #: Module types compressed-tensors quantizes (``nn.Linear`` and ``nn.Embedding``).
@@ -24,30 +26,14 @@ _KV_NAMES = ("k_proj", "v_proj", "qkv_proj", "kv_b_proj")
 
 
 def skeleton(config: Mapping) -> tuple[nn.Module | None, str]:
-    """The transformers model ``config`` (a ``config.json`` dict) describes, on the ``meta`` device, or
-    ``None`` and why not. Without ``architectures`` (a model built from a config and never saved by
-    transformers) the causal-LM class of its ``model_type`` stands in, else its base model."""
+    """The transformers model ``config`` (a ``config.json`` dict) describes, on the ``meta`` device
+    (:func:`~bridge.interop.hf_model.transformers_model`), or ``None`` and why not."""
     if not config.get("model_type"):
         return None, "config.json has no model_type (compressed-tensors exports transformers models)"
-    import transformers
-
-    archs = config.get("architectures") or []
     try:
-        cfg = transformers.AutoConfig.for_model(**{k: v for k, v in config.items() if k != "quantization_config"})
-        with torch.device("meta"):
-            if archs:
-                cls = getattr(transformers, archs[0], None)
-                if not isinstance(cls, type):
-                    return None, f"config.json names architecture {archs[0]!r}, which this transformers does not define"
-                return cls(cfg), ""
-            for auto in (transformers.AutoModelForCausalLM, transformers.AutoModel):
-                try:
-                    return auto.from_config(cfg), ""
-                except ValueError:
-                    continue
-    except Exception as e:  # a config this transformers cannot build: say so, do not crash the export
+        return transformers_model(config), ""
+    except Exception as e:  # noqa: BLE001  (a config this transformers cannot build: say so, do not crash the export)
         return None, f"cannot build the model of config.json ({type(e).__name__}: {e})"
-    return None, f"no transformers model class for model_type {config['model_type']!r}"
 
 
 def is_cached_attention(module: nn.Module) -> bool:

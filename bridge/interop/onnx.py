@@ -69,7 +69,8 @@ class OnnxExporter(Exporter):
     def write(self, source: Source, out: Path, *, allow_nearest: bool = False) -> None:
         import onnx
 
-        from .onnx_graph import export_float, float_model, hint, quantize_graph
+        from .hf_model import float_model
+        from .onnx_graph import export_float, hint, quantize_graph
 
         model, _ = export_float(float_model(source))
         quantize_graph(model, source)

@@ -28,70 +28,19 @@ from ..modules.actquant import PREFIX
 from .base import Source
 from .onnx_qdq import Parts, activation_parts, weight_parts
 
-__all__ = ["OPSET", "float_model", "export_float", "quantize_graph"]
+__all__ = ["OPSET", "export_float", "quantize_graph"]
 
 #: The ONNX opset the export targets (blocked DequantizeLinear, int4/uint4 element types).
 OPSET = 21
-_HEADS = ("AutoModelForCausalLM", "AutoModelForMaskedLM", "AutoModelForSequenceClassification",
-          "AutoModelForTokenClassification", "AutoModel")
 #: Nodes between a weight initializer and the layer that multiplies it.
 _PASS = ("Transpose", "Reshape", "Cast", "Identity", "Unsqueeze", "Squeeze")
 _COMPUTE = ("MatMul", "Gemm")
 
 
-def _candidates(config: dict):
-    import transformers
-    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
-
-    if config.get("model_type") not in CONFIG_MAPPING:
-        raise ValueError(f"config.json names model_type {config.get('model_type')!r}, not a transformers model "
-                         "this transformers builds (the ONNX export traces the transformers model)")
-    cfg = CONFIG_MAPPING[config["model_type"]].from_dict(config)
-    named = [a for a in config.get("architectures") or [] if isinstance(a, str) and hasattr(transformers, a)]
-    heads = list(_HEADS)
-    if config.get("is_decoder") is False:  # an encoder (BERT) that could be a decoder: its masked LM first
-        heads.insert(0, heads.pop(heads.index("AutoModelForMaskedLM")))
-    for name in named + heads:
-        cls = getattr(transformers, name)
-        yield name, (lambda c=cls, n=name: c(cfg) if n in named else c.from_config(cfg))
-
-
-def float_model(source: Source) -> torch.nn.Module:
-    """The transformers model whose weights ``source`` holds (its ``architectures``, else the first
-    head class that has every tensor of the tree) in float32, loaded with the tree (quantized tensors
-    dequantized); ``ValueError`` when no class fits."""
-    acts = {f"{s.module}.{PREFIX[s.role]}{f}" for s in source.meta.activations for f in qt.QParams.FIELDS}
-    paths = {p for p in source.tree if p not in acts}
-    tried = []
-    for name, build in _candidates(source.config):
-        try:
-            with torch.device("meta"):
-                keys = set(build().state_dict())
-        except (ValueError, KeyError, TypeError, AttributeError, RuntimeError):
-            continue
-        tried.append(name)
-        if paths <= keys:
-            break
-    else:
-        raise ValueError(f"no transformers class of model_type {source.config.get('model_type')!r} has every tensor "
-                         f"of the checkpoint (tried {tried})")
-    torch.manual_seed(0)  # the random initialisation is overwritten; seeded so that exports repeat
-    model = build().to(torch.float32).eval()
-    state = {}
-    for p in paths:
-        leaf = source.tree[p]
-        t = qt.dequantize(leaf) if qt.is_qtensor(leaf) else leaf
-        state[p] = t.to(torch.float32) if t.is_floating_point() else t
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    if unexpected:
-        raise ValueError(f"tensors of the checkpoint the {name} model does not have: {sorted(unexpected)[:5]}")
-    model.config.use_cache = False
-    return model
-
-
 def export_float(model: torch.nn.Module):
     """``(onnx.ModelProto, output names)`` of ``model(input_ids, attention_mask)`` (batch and sequence
-    dynamic), its initializers named by the state dict."""
+    dynamic), its initializers named by the state dict (the key/value cache is not part of the graph)."""
+    model.config.use_cache = False
     vocab = int(getattr(model.config, "vocab_size", 2) or 2)
     ids = (torch.arange(16).reshape(2, 8) * 7) % vocab
     kwargs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}

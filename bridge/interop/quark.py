@@ -37,6 +37,7 @@ from ..modules.actquant import PREFIX
 from . import quark_config as qc
 from . import quark_import  # noqa: F401  (registers the importer)
 from .base import Exporter, Source, Support, copy_extras, register_exporter, write_config
+from .hf_model import transformers_model
 from .quark_tensors import shape_problem, symmetric_zero, to_quark
 
 __all__ = ["QuarkExporter", "KV_CACHE_GROUP", "FORMAT_VERSION", "skeleton", "layer_config"]
@@ -49,37 +50,13 @@ _KV_PROJ = {"key": "k_proj", "value": "v_proj"}
 _EMPTY = {"input_tensors": None, "output_tensors": None, "weight": None, "bias": None, "target_device": None}
 
 
-_HEADS = ("AutoModelForCausalLM", "AutoModelForMaskedLM", "AutoModelForSeq2SeqLM", "AutoModelForSequenceClassification",
-          "AutoModelForTokenClassification", "AutoModel")
-
-
 @functools.lru_cache(maxsize=8)
 def _skeleton(config_json: str, paths: tuple[str, ...]) -> tuple[dict, str | None, str]:
-    import transformers
-    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
-
-    config = json.loads(config_json)
-    if config.get("model_type") not in CONFIG_MAPPING:
-        raise ValueError(f"config.json names model_type {config.get('model_type')!r}, not a transformers model "
-                         "this transformers builds")
-    cfg = CONFIG_MAPPING[config["model_type"]].from_dict(config)
-    named = [a for a in config.get("architectures") or [] if isinstance(a, str) and hasattr(transformers, a)]
-    for name in named + list(_HEADS):
-        try:
-            with torch.device("meta"):
-                cls = getattr(transformers, name)
-                model = cls(cfg) if name in named else cls.from_config(cfg)
-        except (ValueError, KeyError, TypeError, AttributeError, RuntimeError):
-            continue
-        if set(paths) <= set(model.state_dict(keep_vars=True)):
-            break
-    else:
-        raise ValueError(f"no transformers class of model_type {config['model_type']!r} has the checkpoint's "
-                         f"tensors (tried {named + list(_HEADS)})")
+    model = transformers_model(json.loads(config_json), paths=paths)
     types = {n: type(m) for n, m in model.named_modules()}
     out = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     out_name = next((n for n, m in model.named_modules() if m is out), None) if out is not None else None
-    tied = bool(getattr(cfg, "tie_word_embeddings", False))
+    tied = bool(getattr(model.config, "tie_word_embeddings", False))
     return types, (out_name if tied else None), type(model).__name__
 
 

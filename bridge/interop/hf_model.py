@@ -1,0 +1,95 @@
+"""The transformers model a checkpoint's ``config.json`` describes, for the exporters and importers that
+need its module classes (Quark, compressed-tensors), its float forward (ONNX) or a model to load an
+import into (the ``qtransform`` command).
+
+The class is the config's ``architectures`` entry when this transformers defines it, else the first
+head class (causal LM first; masked LM first for an encoder, ``is_decoder: false``) whose state dict
+holds every given path. Candidates are tried on the ``meta`` device (no memory); only the chosen one is
+built on a real device.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Mapping
+
+import torch
+from torch import nn
+
+import qtransform as qt
+
+from ..modules.actquant import PREFIX
+from ..tree import tie_groups
+from .base import Source
+
+__all__ = ["HEADS", "transformers_model", "model_paths", "float_model"]
+
+#: Head classes tried, in order, when the config names no class this transformers defines.
+HEADS = ("AutoModelForCausalLM", "AutoModelForMaskedLM", "AutoModelForSeq2SeqLM", "AutoModelForSequenceClassification",
+         "AutoModelForTokenClassification", "AutoModel")
+_BUILD_ERRORS = (ValueError, KeyError, TypeError, AttributeError, RuntimeError)
+
+
+def transformers_model(config: Mapping, *, paths: Iterable[str] = (), device: str = "meta",
+                       dtype: torch.dtype = torch.float32) -> nn.Module:
+    """The model of ``config`` (a ``config.json`` dict) that has every tensor in ``paths``, on ``device``
+    (freshly initialized weights in ``dtype`` off ``meta``; the global random state is left as it was),
+    in eval mode. ``ValueError`` when this transformers builds no such model."""
+    import transformers
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    if config.get("model_type") not in CONFIG_MAPPING:
+        raise ValueError(f"config.json names model_type {config.get('model_type')!r}, not a transformers model "
+                         "this transformers builds")
+    cfg = CONFIG_MAPPING[config["model_type"]].from_dict({k: v for k, v in config.items()
+                                                          if k != "quantization_config"})
+    named = [a for a in config.get("architectures") or [] if isinstance(a, str) and hasattr(transformers, a)]
+    heads = list(HEADS)
+    if config.get("is_decoder") is False:  # an encoder (BERT) that could be a decoder: its masked LM first
+        heads.insert(0, heads.pop(heads.index("AutoModelForMaskedLM")))
+    wanted, tried = set(paths), []
+    for name in named + heads:
+        cls = getattr(transformers, name)
+
+        def build(cls=cls, name=name):
+            return cls(cfg) if name in named else cls.from_config(cfg)
+        try:
+            with torch.device("meta"):
+                model = build()
+        except _BUILD_ERRORS:
+            continue
+        tried.append(name)
+        if wanted <= set(model.state_dict(keep_vars=True)):
+            break
+    else:
+        raise ValueError(f"no transformers class of model_type {config['model_type']!r} has every tensor of the "
+                         f"checkpoint (tried {tried})")
+    if device != "meta":
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)  # the initialisation is overwritten; seeded so that builds repeat
+            with torch.device(device):
+                model = build().to(dtype)
+    return model.eval()
+
+
+def model_paths(source: Source) -> list[str]:
+    """The paths of ``source``'s tree that are the model's own tensors (not activation or key/value scales)."""
+    acts = {f"{s.module}.{PREFIX[s.role]}{f}" for s in source.meta.activations for f in qt.QParams.FIELDS}
+    return [p for p in source.tree if p not in acts]
+
+
+def float_model(source: Source, dtype: torch.dtype = torch.float32) -> nn.Module:
+    """The transformers model whose weights ``source`` holds (see :func:`transformers_model`) in ``dtype``,
+    loaded with the tree (quantized tensors dequantized; activation and key/value scales left out).
+    ``ValueError`` naming the tensors the model lacks or the checkpoint does not give."""
+    paths = model_paths(source)
+    model = transformers_model(source.config, paths=paths, device="cpu", dtype=dtype)
+    state = {}
+    for p in paths:
+        leaf = source.tree[p]
+        t = qt.dequantize(leaf) if qt.is_qtensor(leaf) else leaf
+        state[p] = t.to(dtype) if t.is_floating_point() else t
+    missing = set(model.load_state_dict(state, strict=False).missing_keys)
+    missing -= {p for group in tie_groups(model) for p in group if any(q in state for q in group)}
+    if missing:
+        raise ValueError(f"{source.directory}: no value for {sorted(missing)[:5]} of {type(model).__name__}")
+    return model
