@@ -20,7 +20,7 @@ import qtransform as qt
 from ..checkpoint import CONFIG, LAYOUTS, read_metadata, store
 from ..checkpoint.store import read_json
 from ..io import imported_format
-from .report import format_bytes, online_rows, online_summary, steps_label, table
+from .report import format_bytes, online_rows, online_summary, steps_label, table, tree_bytes
 
 __all__ = ["describe", "describe_imported", "tensor_bytes"]
 
@@ -60,15 +60,18 @@ def describe(directory) -> str:
              f"steps: {steps}; recipe: {recipe}; qtransform {raw.get('qtransform_version', '?')}, "
              f"metadata version {meta.version}, layout {meta.layout}", ""]
     lines += table(rows)
-    total = q_bytes + sum(other.values())
-    lines += ["", f"quantized: {format_bytes(q_bytes)} for {q_numel / 1e6:.2f}M weights "
-                  f"({8 * q_bytes / max(q_numel, 1):.3f} bits/weight); other tensors: {format_bytes(sum(other.values()))}; "
-                  f"total {format_bytes(total)}"]
+    lines += ["", _totals(q_bytes, q_numel, sum(other.values()))]
     if meta.activations:
         lines.append("activation quantizers: " + "; ".join(_activation_summary(meta.activations)))
     if meta.online:
         lines.append("online rotations: " + "; ".join(online_summary(online_rows(meta.online))))
     return "\n".join(lines)
+
+
+def _totals(q_bytes: int, q_numel: int, other: int) -> str:
+    return (f"quantized: {format_bytes(q_bytes)} for {q_numel / 1e6:.2f}M weights "
+            f"({8 * q_bytes / max(q_numel, 1):.3f} bits/weight); other tensors: {format_bytes(other)}; "
+            f"total {format_bytes(q_bytes + other)}")
 
 
 def _activation_summary(activations) -> list[str]:
@@ -81,13 +84,6 @@ def _activation_summary(activations) -> list[str]:
     return [f"{n} {role} {spec} ({kind})" for (role, spec, kind), n in counts.items()]
 
 
-def _nbytes(leaf) -> int:
-    if isinstance(leaf, qt.QTensor):
-        return leaf.codes.numel() * leaf.codes.element_size() + sum(
-            t.numel() * t.element_size() for t in leaf.qparams.tensors().values())
-    return leaf.numel() * leaf.element_size()
-
-
 def describe_imported(directory, fmt: str) -> str:
     """:func:`describe` of another tool's checkpoint: the specs our importer maps its tensors to (exact:
     the importer refuses, naming the tensor, what it cannot map)."""
@@ -96,23 +92,21 @@ def describe_imported(directory, fmt: str) -> str:
     root = Path(directory)
     source = interop.IMPORTERS[fmt].read(root)
     rows = [["tensor", "format", "granularity", "shape", "bytes", "bits/weight"]]
-    q_bytes = q_numel = other = n_other = 0
+    floats = {p: t for p, t in source.tree.items() if not isinstance(t, qt.QTensor)}
+    q_bytes = q_numel = 0
     for path, leaf in source.tree.items():
-        if not isinstance(leaf, qt.QTensor):
-            other, n_other = other + _nbytes(leaf), n_other + 1
+        if path in floats:
             continue
-        nbytes, numel = _nbytes(leaf), math.prod(leaf.shape)
+        nbytes, numel = leaf.nbytes(), math.prod(leaf.shape)
         q_bytes, q_numel = q_bytes + nbytes, q_numel + numel
         spec_txt = str(leaf.spec).split(" ")
         rows.append([path, leaf.spec.format, " ".join(spec_txt[1:]), "x".join(map(str, leaf.shape)),
                      format_bytes(nbytes), f"{8 * nbytes / numel:.3f}"])
     meta = source.meta
-    lines = [f"{fmt} checkpoint {root}: {len(rows) - 1} quantized tensor(s), {n_other} other tensor(s) "
+    lines = [f"{fmt} checkpoint {root}: {len(rows) - 1} quantized tensor(s), {len(floats)} other tensor(s) "
              "(read by qtransform's importer, not re-quantized)", ""]
     lines += table(rows)
-    lines += ["", f"quantized: {format_bytes(q_bytes)} for {q_numel / 1e6:.2f}M weights "
-                  f"({8 * q_bytes / max(q_numel, 1):.3f} bits/weight); other tensors: {format_bytes(other)}; "
-                  f"total {format_bytes(q_bytes + other)}"]
+    lines += ["", _totals(q_bytes, q_numel, tree_bytes(floats))]
     if meta.activations:
         lines.append("activation quantizers: " + "; ".join(_activation_summary(meta.activations)))
     return "\n".join(lines)

@@ -209,10 +209,9 @@ def write_tokenizer(writer, directory: Path, vocab_size: int) -> str | None:
         types.append(kind)
     tok_json = _tokenizer_json(directory)
     types = _token_types(tok_json, types)
-    if len(tokens) < vocab_size:  # rows of the embedding beyond the tokenizer: padding tokens
-        for i in range(len(tokens), vocab_size):
-            tokens.append(f"[PAD{i}]")
-            types.append(gguf.TokenType.UNUSED)
+    pad = range(len(tokens), vocab_size)  # rows of the embedding beyond the tokenizer: padding tokens
+    tokens += [f"[PAD{i}]" for i in pad]
+    types += [gguf.TokenType.UNUSED] * len(pad)
     pre = tok_json.get("pre_tokenizer") if tok_json else {"type": "ByteLevel"}  # vocab.json + merges.txt: GPT-2
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre(pre_tokenizer_name(pre))
