@@ -21,6 +21,7 @@ tensor([[ 33, 243]], dtype=torch.uint8)
 from __future__ import annotations
 
 import torch
+from einops import rearrange
 
 __all__ = ["pack", "unpack", "AWQ_ORDER"]
 
@@ -79,7 +80,7 @@ def pack(codes: torch.Tensor, bits: int, *, container: torch.dtype = torch.uint8
         c = codes.to(torch.uint8) & ((1 << bits) - 1)
         if pad:
             c = torch.constant_pad_nd(c, (0, pad))
-        c = c.reshape(*c.shape[:-1], -1, k)
+        c = rearrange(c, "... (units k) -> ... units k", k=k)
         if 8 % bits == 0:  # whole codes per byte
             out = c[..., 0]
             for j in range(1, k):
@@ -88,11 +89,11 @@ def pack(codes: torch.Tensor, bits: int, *, container: torch.dtype = torch.uint8
         # 3, 5, 6, 7 bits: 8 codes fill `bits` bytes, built byte by byte
         out = torch.stack([_or(c[..., i] << s if s >= 0 else c[..., i] >> -s for i, s in _fields(bits, k, j))
                            for j in range(bits)], dim=-1)
-        return out.reshape(*out.shape[:-2], -1)[..., : -(-n * bits // 8)]
+        return rearrange(out, "... units b -> ... (units b)")[..., : -(-n * bits // 8)]
     c = codes.to(torch.int64) & ((1 << bits) - 1)
     if pad:
         c = torch.constant_pad_nd(c, (0, pad))
-    c = c.reshape(*c.shape[:-1], -1, k)
+    c = rearrange(c, "... (units k) -> ... units k", k=k)
     if order == "awq":
         c = c[..., list(AWQ_ORDER)]
     shifts = torch.arange(k, device=c.device, dtype=torch.int64) * bits
@@ -117,7 +118,7 @@ def unpack(packed: torch.Tensor, bits: int, numel: int, *, container: torch.dtyp
     if container == torch.uint8 and 8 % bits == 0 and packed.shape[-1] == units:  # fast path
         mask = (1 << bits) - 1
         c = torch.stack([(packed >> (bits * j)) & mask for j in range(k)], dim=-1)
-        c = c.reshape(*c.shape[:-2], -1)[..., :numel]
+        c = rearrange(c, "... units k -> ... (units k)")[..., :numel]
         if signed:
             return (c.to(torch.int8) << (8 - bits)) >> (8 - bits)  # sign-extend
         return c
@@ -133,10 +134,10 @@ def unpack(packed: torch.Tensor, bits: int, numel: int, *, container: torch.dtyp
                              f"bits need {expect}")
         pad = units * bits - expect  # a unit of 8 codes is `bits` bytes
         b = torch.constant_pad_nd(packed, (0, pad)) if pad else packed
-        b = b.reshape(*b.shape[:-1], units, bits)
+        b = rearrange(b, "... (units b) -> ... units b", b=bits)
         fields = [[(j, s) for j in range(bits) for i2, s in _fields(bits, k, j) if i2 == i] for i in range(k)]
         c = torch.stack([_or(b[..., j] >> s if s >= 0 else b[..., j] << -s for j, s in f) for f in fields], dim=-1)
-        c = c.reshape(*c.shape[:-2], -1)[..., :numel] & ((1 << bits) - 1)
+        c = rearrange(c, "... units k -> ... (units k)")[..., :numel] & ((1 << bits) - 1)
         if signed:
             return (c.to(torch.int8) << (8 - bits)) >> (8 - bits)  # sign-extend
         return c
@@ -144,7 +145,7 @@ def unpack(packed: torch.Tensor, bits: int, numel: int, *, container: torch.dtyp
     c = (word.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)
     if order == "awq":
         c = c[..., [AWQ_ORDER.index(i) for i in range(k)]]
-    c = c.reshape(*c.shape[:-2], -1)[..., :numel]
+    c = rearrange(c, "... units k -> ... (units k)")[..., :numel]
     if signed:
         c = c - ((c >> (bits - 1)) << bits)
         return c.to(torch.int8)
