@@ -8,11 +8,25 @@ QLinear(in_features=256, out_features=64, bias=True, weight=int4 g64 sym [4.500 
 >>> qmodel(torch.randn(2, 256)).shape
 torch.Size([2, 16])
 
-Packages follow the data flow: ``tree`` (module <-> tree), ``calibrate`` (forward passes folding
-statistics), ``pipeline`` (the one pipeline), ``modules`` and ``kernels`` (quantized modules and
-their forward paths), ``checkpoint`` (files, layouts, metadata), ``hf`` (transformers, a leaf)
-and ``app`` (the ``qtransform`` command, corpora, evaluation, reports). Importing ``bridge``
-registers ``quant_method: "qtransform"`` with transformers.
+Packages follow the data flow (docs/layout.md lists them with the core's):
+
+- ``tree``: extract (module -> tree) and to_module (tree -> modules), rebuild hooks.
+- ``arch``: model-family tables (blocks, which norm or linear feeds which linears), resolved by
+  ``plan`` into the plan's smoothing groups and residual layout.
+- ``calibrate``: forward passes with hooks folding site statistics, the block-by-block runner,
+  the model's loss (``ModelCalibrator``).
+- ``pipeline``: ``plan``, ``quantize_params``, ``quantize``: the one pipeline for models.
+- ``modules``: ``QLinear`` & co., activation quantizers, the key/value cache, online rotations.
+- ``kernels``: forward paths chosen by device, shape and capability (packed CPU int4/int8, GPU fp8,
+  the dequantizing reference).
+- ``checkpoint``: files without modules: the atomic, checksummed store, layouts, versioned metadata.
+- ``io``: ``save`` / ``load`` of models.
+- ``hf``: transformers' quantizer and config, dequantize, offloading, peft (a leaf).
+- ``interop``: other ecosystems' formats, one package per target with its exporter and importer:
+  ``quark``, ``compressed_tensors``, ``gguf``, ``onnx``.
+- ``app``: the ``qtransform`` command, offline models, corpora, evaluation, reports.
+
+Importing ``bridge`` registers ``quant_method: "qtransform"`` with transformers.
 """
 
 import contextlib as _contextlib

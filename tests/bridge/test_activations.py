@@ -131,7 +131,7 @@ def test_the_readme_recipe_file_with_activations_parses():
     import tomllib
     from pathlib import Path
 
-    text = (Path(__file__).parents[2] / "README.md").read_text()
+    text = (Path(__file__).parents[2] / "docs" / "command.md").read_text()
     block = re.search(r"```toml\n(.*?)```", text, re.S).group(1)
     recipe = qt.recipe_from_dict(tomllib.loads("\n".join(line[2:] for line in block.splitlines()))).recipe
     assert recipe.input == qt.QuantSpec(format="int8", granularity=qt.PerChannel(0), dynamic=True)
