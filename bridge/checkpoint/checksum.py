@@ -9,8 +9,7 @@ every shard, so an object may name tensors another shard holds; each stored tens
 own entry. Shards without checksums (checkpoints of qtransform 0.1 and 0.2) load unverified.
 
 Verification reads the shards' bytes once, straight from the files in chunks (several tensors
-hashed at a time: file reads and ``hashlib`` release the GIL), before the tensors are loaded;
-SHA-256 runs at about 1.5 GB/s per core on CPUs with SHA instructions.
+hashed at a time: file reads and ``hashlib`` release the GIL), before the tensors are loaded.
 
 >>> import hashlib, torch
 >>> raw = torch.ones(2).numpy().tobytes()

@@ -38,13 +38,11 @@ says, so they match the fake-quantized reference (the int8 one to float rounding
 accumulation is exact). Packed weights are derived on first use and cached per device (never
 saved: their layout depends on the CPU).
 
-Where ``int8_int_mm_cpu`` pays, measured by ``bench/bench_w8a8.py --threads 1`` (AVX2 CPU
-without VNNI, torch 2.13): ``torch._int_mm`` runs about 1 GMAC/s there, so against the dequant
-reference it is 4.4x faster only at 1 token on a 4096x4096 layer (the reference dequantizes
-the whole weight per call) and 2.5x to 25x slower at 16 to 512 tokens on every shape; the
-weight-only ``int8pack_cpu`` (bf16) beats it at every size, so no token threshold would help.
-Hence ``auto`` never chooses it; CPUs with VNNI/AMX, where oneDNN has an int8 GEMM, may make it
-pay (not measured in this project yet: run the bench there before making it a default).
+Why ``auto`` never chooses ``int8_int_mm_cpu``: without int8 dot-product instructions (AVX2
+without VNNI) ``torch._int_mm`` has no fast GEMM, and the weight-only ``int8pack_cpu`` beats it at
+every token count (``bench/bench_w8a8.py``; figures in ``docs/performance.md``), so no token
+threshold would help. CPUs with VNNI/AMX, where oneDNN has an int8 GEMM, may make it pay: run the
+bench there before making it a default.
 
 >>> import torch, qtransform as qt
 >>> from bridge.modules import QLinear

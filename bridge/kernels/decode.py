@@ -3,23 +3,22 @@
 At one token a linear layer is a matrix-vector product: its time is the time to read the weight.
 ``aten._weight_int4pack_mm_for_cpu`` is compute-bound unpacking nibbles on AVX2 (1.5x to 2.5x fp32
 ``F.linear`` there); this path streams 4-bit codes (with software prefetch) through a small C++
-kernel, ``decode_avx2.cpp``, and runs about 4x (the 192x576 layers: per-call overhead) to 8x faster
-than fp32 ``F.linear`` on AVX2, 1 and 2 threads, cold weights as in a real decode step
-(``bench/bench_decode.py``; the measured tables in ``bench/results/decode.md``). Two variants:
+kernel, ``decode_avx2.cpp``, so it reads a quarter of fp32's bytes per token (cold weights, as in a
+real decode step; ``bench/bench_decode.py`` measures it, the tables are in ``bench/results/decode.md``
+and ``docs/performance.md``). Two variants:
 
 * default: activations rounded to int16 per (token, group) (scale ``max|x_g| / 32767``) and
   multiplied with ``vpmaddwd`` into int32 per group; the result differs from ``F.linear`` by at
   most ``2^-16 max|x_g| * sum_k (code_k - qmin) * scale`` per group, about 5e-5 of the output's
   range on random data (the int4pack kernel's bf16 activations: about 5e-3). Groups of a multiple
   of 32 features (groups over 4096 features, per channel, are split in sub-groups);
-* ``exact=True``: fp32 FMA over codes widened to fp32 (fp32 rounding only), about 1.4x slower.
+* ``exact=True``: fp32 FMA over codes widened to fp32 (fp32 rounding only), slower.
   Groups of a multiple of 16 features.
 
 Which CPU gets what (measured; :data:`DECODE_MAX_ROWS_BY_CAPABILITY`): on AVX2 without AVX-512
 this path for up to 32 tokens (it beats the int4pack kernel at every count measured, 1 to 64);
 on AVX-512 CPUs, where ``_weight_int4pack_mm_for_cpu`` has its own AVX-512 kernel, only for 1 and
-2 tokens (1.2x to 1.6x faster than int4pack at 1 token, 1.0x to 1.3x at 2; from 4 tokens
-int4pack is as fast or faster); elsewhere never.
+2 tokens (from 4 tokens int4pack is as fast or faster); elsewhere never.
 
 The kernel is compiled at first use with ``torch.utils.cpp_extension`` (a C++ compiler and ninja;
 cached in torch's extension directory, so later processes only load it) and registered as

@@ -12,7 +12,7 @@ at the float model's GEMM speed plus one dequantization per layer per call.
 
 The threshold is a row count, not a shape: the packed kernel costs ``a * rows * n * k`` and
 this path ``b * n * k + c * rows * n * k``, so the crossover ``b / (a - c)`` rows is the same for
-every shape to first order. ``bench/bench_prefill.py`` measures it (see the README); set
+every shape to first order. ``bench/bench_prefill.py`` measures it (``docs/performance.md``); set
 ``PREFILL_ROWS[name]`` to change it (``None`` disables this path for that kernel).
 
 >>> import torch, qtransform as qt

@@ -14,10 +14,9 @@ Everything inside the parentheses is computed in int32 and is exact (``in_featur
 dequantized activations and weights and its float sums; here only the final int32 -> float
 conversion and the two rescaling products round).
 
-Measured (``bench/bench_w8a8.py``, see :mod:`bridge.kernels.base`): on a CPU without int8
-dot-product instructions (AVX2 without VNNI) ``torch._int_mm`` runs about 1 GMAC/s, slower than
-the weight-only ``int8pack_cpu`` at every size and than the dequant reference from 16 tokens on,
-so ``auto`` never chooses this kernel: ``kernel="int8_int_mm_cpu"`` selects it (anywhere on CPU). CPUs
+On a CPU without int8 dot-product instructions (AVX2 without VNNI) ``torch._int_mm`` is slower
+than the weight-only ``int8pack_cpu`` at every size and than the dequant reference beyond a few
+tokens (``bench/bench_w8a8.py``; see :mod:`bridge.kernels.base`), so ``auto`` never chooses this kernel: ``kernel="int8_int_mm_cpu"`` selects it (anywhere on CPU). CPUs
 with AMX-int8 or AVX512-/AVX-VNNI (:func:`int8_dot_cpu`), where oneDNN has an int8 GEMM, may well
 make it pay; it has not been measured on one, so it stays opt-in until ``bench/bench_w8a8.py``
 shows it there.

@@ -57,7 +57,7 @@ class Codec(abc.ABC):
         emax: ``floor(log2(largest magnitude))``, used by power-of-two scale rules.
         mbits: mantissa bits after the leading one of the largest values, used by the
             ``even`` power-of-two rule (round amax to this width before taking its exponent).
-        bound: the round-trip error bound in words (README, ``qtransform formats``).
+        bound: the round-trip error bound in words (``docs/formats.md``, ``qtransform formats``).
         overflow: what a value beyond the range becomes with ``saturate=False``: ``"inf"``,
             ``"nan"``, or ``None`` for codecs that always saturate (integers, codebooks, FP4/FP6).
     """
