@@ -2,8 +2,8 @@
 
 In each block (``context.block``) one run over the block's calibration inputs records the inputs of
 every linear the plan quantizes and of the modules the smoothing groups feed (the attention for q/k/v,
-the MLP for gate/up: the groups' ``inspect``). Then, for every group of the block (the ``groups`` the
-bridge fills from its architecture tables):
+the MLP for gate/up: the groups' ``inspect``). Then, for every group of the block (the plan's
+``groups``, which the bridge fills from its architecture tables):
 
 1. **scales** (:mod:`.awq_search`): ``s = x̄^α`` (optionally over the weights' magnitude, ``duo_scaling``)
    for ``α`` on a grid of ``grid`` points, scored by the output error of the inspected module with the
@@ -26,8 +26,8 @@ MLP output) is clipped only. The chosen ``α`` is reported per linear (``Fit.inf
 ``"none"`` where no scaling beat the unscaled weights).
 
 Options (defaults): ``grid`` (20), ``duo_scaling`` (False), ``clip`` (True), ``quantizer`` (``"rtn"``),
-``tokens`` (2048), ``rows`` (512), ``groups`` (filled by the bridge; an architecture without a table is an error
-naming it).
+``tokens`` (2048), ``rows`` (512), ``groups`` (replaces the plan's ``Plan.groups``, which ``bridge.plan`` fills
+from its architecture tables; a model without a table and no option is an error naming it).
 
 Measured on SmolLM2-135M, uint4 group 64, 40×512 calibration tokens (bench/bench_awq.py): round to nearest
 ×1.255 perplexity, AWQ ×1.122 in 62 s, AWQ then GPTQ ×1.060 (llm-compressor's GPTQ ×1.112).
@@ -131,9 +131,10 @@ def awq(params, plan, *, context, groups=None, grid: int = 20, duo_scaling: bool
     """The ``awq`` step on one block (``context.block``); see the module docstring."""
     check_options(groups=groups, grid=grid, duo_scaling=duo_scaling, clip=clip, quantizer=quantizer, tokens=tokens,
                   rows=rows)
+    groups = plan.groups if groups is None else groups
     if groups is None:
-        raise ValueError("awq: groups: no smoothing groups given; bridge.quantize fills them from the model's "
-                         "architecture table (bridge.arch), or pass groups=[{'prev': ..., 'linears': [...]}]")
+        raise ValueError("awq: no smoothing groups: the plan has none (Plan.groups; bridge.plan fills them from the "
+                         "model's architecture table, bridge.arch) and no groups option was given")
     block = context.block
     if block is None or block.capture is None or block.call is None:
         raise ValueError("awq runs block by block on calibration data, with a calibrator whose blocks can record "
@@ -200,5 +201,5 @@ def _fit_weights(current: Mapping, plan, weights, rows, source, in_scale, clip: 
     return out
 
 
-register_algorithm("awq", awq, needs=BlockInputs(tokens=_tokens), check_options=check_options,
+register_algorithm("awq", awq, needs=BlockInputs(tokens=_tokens), check_options=check_options, requires=("groups",),
                    description="AWQ: per-channel scales searched on activations, then clipping ranges")

@@ -246,6 +246,7 @@ class Algorithm:
     local: bool = False
     check_options: Callable | None = None
     description: str = ""
+    requires: tuple[str, ...] = ()
 
     def __call__(self, params: Any, recipe, *, types: Mapping[str, str] | None = None, stats: Mapping | None = None,
                  progress: Callable | None = None, **options) -> Fit:
@@ -283,17 +284,23 @@ def _check_algorithm(name: str, algo) -> None:
                         f"{type(algo.needs).__name__}")
 
 
+#: The model facts a :class:`~qtransform.Plan` may carry for the steps, and what each is.
+FACTS = {"groups": "smoothing groups", "layout": "residual-stream layout"}
+
 #: The registry: algorithm name -> :class:`Algorithm`.
 ALGORITHMS = Registry("algorithm", check=_check_algorithm)
 
 
 def register_algorithm(name: str, fn: Callable, *, needs: SiteStats | BlockInputs | None = None, local: bool = False,
-                       check_options: Callable | None = None, description: str = "",
+                       check_options: Callable | None = None, description: str = "", requires: Iterable[str] = (),
                        replace: bool = False) -> Algorithm:
     """Register ``fn`` (see the module docstring) as the step ``name``; returns the :class:`Algorithm`.
 
     ``check_options(*, path=None, **options)``, when given, raises ``ValueError``/``TypeError`` for
-    options ``fn`` does not take; recipes are checked with it before any work starts.
+    options ``fn`` does not take; recipes are checked with it before any work starts. ``requires``
+    names the model facts of the :class:`~qtransform.Plan` the step cannot run without (``"groups"``,
+    ``"layout"``; an option of the same name, given explicitly, stands in): a plan without them is
+    refused before any work.
     """
     if not callable(fn):
         raise TypeError(f"register_algorithm: fn must be callable, got {type(fn).__name__}")
@@ -301,8 +308,12 @@ def register_algorithm(name: str, fn: Callable, *, needs: SiteStats | BlockInput
         raise TypeError(f"register_algorithm: check_options must be callable, got {type(check_options).__name__}")
     if not isinstance(local, bool):
         raise TypeError(f"register_algorithm: local must be a bool, got {local!r}")
+    requires = (requires,) if isinstance(requires, str) else tuple(requires)
+    bad = [r for r in requires if r not in FACTS]
+    if bad:
+        raise ValueError(f"register_algorithm {name}: requires must name plan facts among {list(FACTS)}, got {bad}")
     algo = Algorithm(name=name, fn=fn, needs=needs, local=local, check_options=check_options,
-                     description=description)
+                     description=description, requires=requires)
     return ALGORITHMS.register(name, algo, replace=replace)
 
 

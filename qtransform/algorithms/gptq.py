@@ -4,7 +4,7 @@ In each block (``context.block``), every linear weight the plan quantizes (``Lin
 ``Conv1D`` weights, or 2-D ``*.weight`` tensors when the plan knows no module types) gets the
 Hessian of its input, ``XᵀX / n`` over the block's calibration inputs (the outputs of the blocks
 before it, already quantized), and is solved by GPTQ. Linears that read the same input (the
-``groups`` the bridge fills from its architecture tables: q/k/v, gate/up...) share one Hessian
+plan's ``groups``, which the bridge fills from its architecture tables: q/k/v, gate/up...) share one Hessian
 and one solve. With ``true_sequential=True`` the groups run in order, each one's Hessians
 collected with the groups before it already quantized (q/k/v before o, gate/up before down);
 otherwise one pass over the block's inputs collects them all. Other tensors of the block are
@@ -19,8 +19,8 @@ Options (defaults): ``damp`` (0.01), ``block_size`` (128), ``act_order`` (True),
 qtransform checkpoints do not store: the solver gives it, the step refuses it), ``init``
 (``"clip"``: each group's clipping searched for the smallest error weighted by its inputs' energy;
 ``"minmax"``: the textbook ranges, from ``observer``; ``"hqq"``), ``observer`` (the range observer of
-``init="minmax"``: ``"minmax"``, ``"mse"``...), ``true_sequential`` (False), ``groups`` (filled by
-the bridge).
+``init="minmax"``: ``"minmax"``, ``"mse"``...), ``true_sequential`` (False), ``groups`` (replaces
+the plan's ``Plan.groups``; without either, every linear gets its own Hessian).
 
 Measured on SmolLM2-135M, uint4 group 64, 40×512 calibration tokens (bench/bench_gptq.py): round to
 nearest ×1.255 perplexity, ``init="minmax"`` ×1.122 (true-sequential ×1.116, 1.6× the time),
@@ -157,6 +157,7 @@ def gptq(params, plan, *, context, damp: float = 0.01, block_size: int = 128, ac
         return Fit()
     solver = dict(damp=float(damp), block_size=block_size, act_order=act_order, static_groups=static_groups,
                   init=init, observer=observer)
+    groups = plan.groups if groups is None else groups  # the plan's where the model is known; none is fine
     mine = [g for g in groups or () if all(lin.startswith(block.name + ".") for lin in g["linears"])]
     changed, qparams, info = {}, {}, {}
     for stage in _stages(weights, mine, true_sequential):
@@ -171,6 +172,5 @@ def gptq(params, plan, *, context, damp: float = 0.01, block_size: int = 128, ac
     return Fit(params=changed, qparams=qparams, info=info)
 
 
-gptq.groups_optional = True  # the bridge fills groups where its tables know the architecture; none is fine
 register_algorithm("gptq", gptq, needs=BlockInputs(), check_options=check_options,
                    description="GPTQ: columns quantized in order, errors compensated through the inverse Hessian")

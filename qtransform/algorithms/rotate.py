@@ -1,8 +1,8 @@
 """The ``rotate`` step: QuaRot's rotations (:func:`qtransform.rotate`, :mod:`qtransform.rotation.online`)
 before quantization.
 
-Options: ``layout`` (a :class:`~qtransform.rotation.ResidualLayout` or its dict; the bridge fills it
-from the model's architecture table), ``rotation`` (``"hadamard"``: a randomised Hadamard matrix for
+Options: ``layout`` (a :class:`~qtransform.rotation.ResidualLayout` or its dict, replacing the plan's
+``Plan.layout``, which the bridge fills from the model's architecture table), ``rotation`` (``"hadamard"``: a randomised Hadamard matrix for
 ``R1`` and a Hadamard matrix for ``R2``, falling back to :func:`qtransform.orthogonal` for widths
 without one; ``"random"``: random orthogonal matrices), ``seed``, ``heads`` (also rotate each value
 / output head pair by ``R2``, default true), ``r4`` (an online Hadamard transform of each down
@@ -81,9 +81,10 @@ def rotate_step(params, plan, *, context, layout=None, rotation: str = "hadamard
                 heads: bool = True, r3=None, r4: bool = True) -> Fit:
     """The ``rotate`` step (see the module docstring)."""
     check_options(layout=layout, rotation=rotation, seed=seed, heads=heads, r3=r3, r4=r4)
+    layout = plan.layout if layout is None else layout
     if layout is None:
-        raise ValueError("rotate: layout: no residual layout given; bridge.quantize fills it from the model's "
-                         "architecture table (bridge.arch.residual_layout), or pass layout=ResidualLayout(...)")
+        raise ValueError("rotate: no residual layout: the plan has none (Plan.layout; bridge.plan fills it from the "
+                         "model's architecture table, bridge.arch.residual_layout) and no layout option was given")
     lay = ResidualLayout.from_value(layout, where="rotate: layout")
     emb = params.get(lay.embeddings[0]) if lay.embeddings else None
     if not isinstance(emb, torch.Tensor):
@@ -104,7 +105,7 @@ def rotate_step(params, plan, *, context, layout=None, rotation: str = "hadamard
     return Fit(params=changed, info=info, online=online)
 
 
-register_algorithm("rotate", rotate_step, check_options=check_options,
+register_algorithm("rotate", rotate_step, check_options=check_options, requires=("layout",),
                    description="QuaRot: norms fused, residual stream and heads rotated (randomised Hadamard), "
                                "online Hadamard before the down projections (and on queries/keys); the function "
                                "unchanged")

@@ -24,8 +24,9 @@ by the plan's specs, measured on up to ``tokens`` sampled input rows (:mod:`.sca
 Without an ``activation`` option, the search quantizes a group's input as the recipe does (the
 plan's activation spec of its first linear's input), or int8 per tensor where the recipe has none.
 
-The groups come from the model's architecture: ``bridge.quantize`` fills the ``groups`` option
-from its tables (``bridge.arch``); given explicitly, they are dicts ``{"prev": ..., "linears": [...]}``.
+The groups are a fact of the model: the plan's (``Plan.groups``, which ``bridge.plan`` fills from its
+architecture tables, ``bridge.arch``); a ``groups`` option, dicts ``{"prev": ..., "linears": [...]}``,
+replaces them for this step.
 
 >>> import torch, qtransform as qt
 >>> from qtransform.algorithms.smoothquant import scales
@@ -196,9 +197,10 @@ def smoothquant(params, plan, *, context, alpha: Any = 0.5, groups=None, activat
     """The ``smoothquant`` step on one block (``context.block``); see the module docstring."""
     given = {k: v for k, v in dict(activation=activation, grid=grid, tokens=tokens).items() if v is not None}
     check_options(alpha=alpha, groups=groups, **given)
+    groups = plan.groups if groups is None else groups
     if groups is None:
-        raise ValueError("smoothquant: groups: no smoothing groups given; bridge.quantize fills them from the "
-                         "model's architecture table (bridge.arch), or pass groups=[{'prev': ..., 'linears': [...]}]")
+        raise ValueError("smoothquant: no smoothing groups: the plan has none (Plan.groups; bridge.plan fills them "
+                         "from the model's architecture table, bridge.arch) and no groups option was given")
     block = context.block
     if block is None:
         raise ValueError("smoothquant runs block by block on calibration data (a calibrator's blockwise)")
@@ -234,5 +236,5 @@ def smoothquant(params, plan, *, context, alpha: Any = 0.5, groups=None, activat
     return Fit(params=changed, info=info)
 
 
-register_algorithm("smoothquant", smoothquant, needs=BlockInputs(), check_options=check_options,
+register_algorithm("smoothquant", smoothquant, needs=BlockInputs(), check_options=check_options, requires=("groups",),
                    description="SmoothQuant: activation outliers folded into the weights (alpha fixed or 'auto')")

@@ -21,7 +21,7 @@ best one it saw: the mean calibration loss (over up to four batches spread over 
 rotated tree is measured at the start, every ``iters / 20`` iterations and at the end, and the
 rotations of the lowest are returned: never worse, on the calibration data, than the Hadamard start.
 
-Options: ``layout`` (filled by the bridge), ``iters`` (default 100), ``lr`` (0.1), ``momentum`` (0),
+Options: ``layout`` (replaces the plan's ``Plan.layout``, which the bridge fills), ``iters`` (default 100), ``lr`` (0.1), ``momentum`` (0),
 ``learn`` (``["r1", "r2"]``, or one of them), ``seed``, ``r3``, ``r4`` (as for ``rotate``),
 ``batches`` (calibration batches used, spread over the data; default all, cycled), ``weights``
 (``"rtn"`` or ``"float"``: the weights while learning; default ``"float"`` when a ``gptq`` step
@@ -110,9 +110,10 @@ def spinquant(params, plan, *, context, layout=None, iters: int = 100, lr: float
     """The ``spinquant`` step (see the module docstring)."""
     check_options(layout=layout, iters=iters, lr=lr, momentum=momentum, learn=learn, seed=seed, r3=r3, r4=r4,
                   batches=batches, weights=weights)
+    layout = plan.layout if layout is None else layout
     if layout is None:
-        raise ValueError("spinquant: layout: no residual layout given; bridge.quantize fills it from the model's "
-                         "architecture table (bridge.arch.residual_layout), or pass layout=ResidualLayout(...)")
+        raise ValueError("spinquant: no residual layout: the plan has none (Plan.layout; bridge.plan fills it from the "
+                         "model's architecture table, bridge.arch.residual_layout) and no layout option was given")
     if context.loss is None:
         raise ValueError("spinquant learns on the model's loss over calibration data: run it with a calibrator "
                          "(bridge.quantize(..., calibration=...), `qtransform quantize --calib N`)")
@@ -181,6 +182,6 @@ def spinquant(params, plan, *, context, layout=None, iters: int = 100, lr: float
 
 
 register_algorithm("spinquant", spinquant, needs=ModelLoss(),
-                   check_options=check_options,
+                   check_options=check_options, requires=("layout",),
                    description="SpinQuant: QuaRot's rotations learned on the quantized model's loss (Cayley SGD "
                                "through torch.func.grad), online Hadamard transforms as in rotate")
