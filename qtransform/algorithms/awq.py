@@ -5,7 +5,7 @@ every linear the plan quantizes and of the modules the smoothing groups feed (th
 the MLP for gate/up: the groups' ``inspect``). Then, for every group of the block (the plan's
 ``groups``, which the bridge fills from its architecture tables):
 
-1. **scales** (:mod:`.awq_search`): ``s = x̄^α`` (optionally over the weights' magnitude, ``duo_scaling``)
+1. **scales** (:mod:`.awq_math`): ``s = x̄^α`` (optionally over the weights' magnitude, ``duo_scaling``)
    for ``α`` on a grid of ``grid`` points, scored by the output error of the inspected module with the
    group's linears quantized at ``W · diag(s)``; the best are folded into the tree (the producer's output
    channels ``÷ s``, the linears' input columns ``× s``: :func:`~qtransform.algorithms.smoothing.fold`),
@@ -41,14 +41,15 @@ import torch
 
 from .._checks import where
 from ..spec import Site, module_of
-from .awq_search import QUANTIZERS, search_scales
+from .awq_math import QUANTIZERS, search_scales
 from .base import BlockInputs, Fit, block_tokens, register_algorithm
 from .clip_search import input_gram, search_range
+from .hqq_math import check_spec, optimize as hqq_optimize
 from .gptq import linear_weights
-from .scale_search import sample_stats
+from .smoothquant_math import sample_stats
 from .smoothing import SmoothGroup, as_groups, block_groups, fold, group_shape, to_input
 
-__all__ = ["awq", "check_options", "DEFAULT_TOKENS"]
+__all__ = ["step", "check_options", "DEFAULT_TOKENS"]
 
 #: Calibration tokens the step uses by default (see the module docstring).
 DEFAULT_TOKENS = 2048
@@ -99,7 +100,6 @@ def _specs(plan, group: SmoothGroup) -> dict:
 
 
 def _check_hqq(plan, paths) -> None:
-    from .hqq import check_spec
     for p in paths:
         check_spec(plan.specs[p], path=p)
 
@@ -126,7 +126,7 @@ def _sampled(inputs: list, n: int) -> list:
     return [(args, {**kwargs, where_: x})]
 
 
-def awq(params, plan, *, context, groups=None, grid: int = 20, duo_scaling: bool = False, clip: bool = True,
+def step(params, plan, *, context, groups=None, grid: int = 20, duo_scaling: bool = False, clip: bool = True,
         quantizer: str = "rtn", tokens: int = DEFAULT_TOKENS, rows: int = DEFAULT_ROWS) -> Fit:
     """The ``awq`` step on one block (``context.block``); see the module docstring."""
     check_options(groups=groups, grid=grid, duo_scaling=duo_scaling, clip=clip, quantizer=quantizer, tokens=tokens,
@@ -185,8 +185,7 @@ def _fit_weights(current: Mapping, plan, weights, rows, source, in_scale, clip: 
     """Each quantized linear's parameters: HQQ's, or the clipping search's on its (scaled) inputs (one Gram
     matrix per shared input and spec: q/k/v, gate/up)."""
     if quantizer == "hqq":
-        from .hqq import optimize
-        return {p: optimize(current[p], plan.specs[p], path=p) for p in weights}
+        return {p: hqq_optimize(current[p], plan.specs[p], path=p) for p in weights}
     if not clip:
         return {}
     out, grams = {}, {}
@@ -201,5 +200,8 @@ def _fit_weights(current: Mapping, plan, weights, rows, source, in_scale, clip: 
     return out
 
 
-register_algorithm("awq", awq, needs=BlockInputs(tokens=_tokens), check_options=check_options, requires=("groups",),
+register_algorithm("awq", step, needs=BlockInputs(tokens=_tokens), check_options=check_options, requires=("groups",),
                    description="AWQ: per-channel scales searched on activations, then clipping ranges")
+
+#: The old name of :func:`step` (kept for one version).
+awq = step

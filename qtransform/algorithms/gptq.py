@@ -1,4 +1,4 @@
-"""``gptq``: the GPTQ step, block by block on calibration data (:mod:`.gptq_solver` is the solver).
+"""``gptq``: the GPTQ step, block by block on calibration data (:mod:`.gptq_math` is the solver).
 
 In each block (``context.block``), every linear weight the plan quantizes (``Linear`` and
 ``Conv1D`` weights, or 2-D ``*.weight`` tensors when the plan knows no module types) gets the
@@ -38,10 +38,10 @@ from ..observers import finalize_stats, init_stats
 from ..spec import Site, module_of, transposed_spec
 from ..tensor import QParams
 from .base import BlockInputs, Fit, register_algorithm
-from .gptq_solver import INITS, gptq_many
+from .gptq_math import INITS, gptq_many
 from .rtn import check_range_observer
 
-__all__ = ["gptq", "check_options", "linear_weights"]
+__all__ = ["step", "check_options", "linear_weights"]
 
 _OPTIONS = ("damp", "block_size", "act_order", "static_groups", "init", "observer", "true_sequential", "groups")
 _LINEAR_TYPES = ("Linear", "Conv1D")
@@ -143,7 +143,7 @@ def _transposed_qparams(qp: QParams, stored_spec, path) -> QParams:
     return QParams(scale=t(qp.scale), zero_point=t(qp.zero_point), global_scale=qp.global_scale, spec=stored_spec)
 
 
-def gptq(params, plan, *, context, damp: float = 0.01, block_size: int = 128, act_order: bool = True,
+def step(params, plan, *, context, damp: float = 0.01, block_size: int = 128, act_order: bool = True,
          static_groups: bool = True, init: str = "clip", observer: Any = None, true_sequential: bool = False,
          groups=None) -> Fit:
     """The ``gptq`` step on one block (``context.block``); see the module docstring."""
@@ -172,5 +172,5 @@ def gptq(params, plan, *, context, damp: float = 0.01, block_size: int = 128, ac
     return Fit(params=changed, qparams=qparams, info=info)
 
 
-register_algorithm("gptq", gptq, needs=BlockInputs(), check_options=check_options,
+register_algorithm("gptq", step, needs=BlockInputs(), check_options=check_options,
                    description="GPTQ: columns quantized in order, errors compensated through the inverse Hessian")

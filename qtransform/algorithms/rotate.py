@@ -22,7 +22,7 @@ from ..rotation import rotate as rotate_tree
 from ..spec import Site
 from .base import Fit, register_algorithm
 
-__all__ = ["ROTATIONS", "rotation_matrix", "rotate_step", "check_options", "online_r3_r4", "fuse_online"]
+__all__ = ["ROTATIONS", "rotation_matrix", "step", "check_options", "online_r3_r4", "fuse_online"]
 
 ROTATIONS = ("hadamard", "random")
 
@@ -77,7 +77,7 @@ def fuse_online(tree, online, *, dtype=torch.float64) -> dict:
     return {p: apply_online(tree[p].to(dtype), rot).to(tree[p].dtype) for p, rot in paths.items()}
 
 
-def rotate_step(params, plan, *, context, layout=None, rotation: str = "hadamard", seed: int = 0,
+def step(params, plan, *, context, layout=None, rotation: str = "hadamard", seed: int = 0,
                 heads: bool = True, r3=None, r4: bool = True) -> Fit:
     """The ``rotate`` step (see the module docstring)."""
     check_options(layout=layout, rotation=rotation, seed=seed, heads=heads, r3=r3, r4=r4)
@@ -105,7 +105,10 @@ def rotate_step(params, plan, *, context, layout=None, rotation: str = "hadamard
     return Fit(params=changed, info=info, online=online)
 
 
-register_algorithm("rotate", rotate_step, check_options=check_options, requires=("layout",),
+register_algorithm("rotate", step, check_options=check_options, requires=("layout",),
                    description="QuaRot: norms fused, residual stream and heads rotated (randomised Hadamard), "
                                "online Hadamard before the down projections (and on queries/keys); the function "
                                "unchanged")
+
+#: The old name of :func:`step` (kept for one version).
+rotate_step = step

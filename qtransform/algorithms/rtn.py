@@ -18,7 +18,7 @@ from .._checks import where
 from ..observers import choose_qparams, make_observer
 from .base import Fit, register_algorithm
 
-__all__ = ["rtn", "check_options", "check_range_observer"]
+__all__ = ["step", "check_options", "check_range_observer"]
 
 
 def check_options(*, path: str | None = None, **options) -> None:
@@ -40,12 +40,15 @@ def check_range_observer(value, at: str) -> None:
         raise ValueError(f"{at}: observer {obs.name!r} gives no quantization range (use minmax, percentile or mse)")
 
 
-def rtn(params, plan, *, context, observer=None) -> Fit:
+def step(params, plan, *, context, observer=None) -> Fit:
     """Round-to-nearest parameters for every path the plan quantizes."""
     obs = make_observer(observer)
     return Fit(qparams={path: choose_qparams(params[path], spec, observer=obs, path=path)
                         for path, spec in context.track(plan.specs.items(), desc="rtn")})
 
 
-register_algorithm("rtn", rtn, local=True, check_options=check_options,
+register_algorithm("rtn", step, local=True, check_options=check_options,
                    description="round to nearest (observer: minmax, percentile or mse)")
+
+#: The old name of :func:`step` (kept for one version).
+rtn = step

@@ -42,7 +42,7 @@ from ..tensor import fake_quantize
 from .base import Fit, ModelLoss, register_algorithm
 from .rotate import fuse_online, online_r3_r4, rotation_matrix
 
-__all__ = ["spinquant", "check_options", "LEARNABLE"]
+__all__ = ["step", "check_options", "LEARNABLE"]
 
 LEARNABLE = ("r1", "r2")
 WEIGHTS = ("rtn", "float")
@@ -105,7 +105,7 @@ def _spread(n: int, k: int | None) -> list[int]:
     return sorted({round(j * (n - 1) / max(k - 1, 1)) for j in range(k)})
 
 
-def spinquant(params, plan, *, context, layout=None, iters: int = 100, lr: float = 0.1, momentum: float = 0.0,
+def step(params, plan, *, context, layout=None, iters: int = 100, lr: float = 0.1, momentum: float = 0.0,
               learn=LEARNABLE, seed: int = 0, r3=None, r4: bool = True, batches=None, weights=None) -> Fit:
     """The ``spinquant`` step (see the module docstring)."""
     check_options(layout=layout, iters=iters, lr=lr, momentum=momentum, learn=learn, seed=seed, r3=r3, r4=r4,
@@ -181,7 +181,10 @@ def spinquant(params, plan, *, context, layout=None, iters: int = 100, lr: float
     return Fit(params=changed, info=info, online=online)
 
 
-register_algorithm("spinquant", spinquant, needs=ModelLoss(),
+register_algorithm("spinquant", step, needs=ModelLoss(),
                    check_options=check_options, requires=("layout",),
                    description="SpinQuant: QuaRot's rotations learned on the quantized model's loss (Cayley SGD "
                                "through torch.func.grad), online Hadamard transforms as in rotate")
+
+#: The old name of :func:`step` (kept for one version).
+spinquant = step

@@ -126,3 +126,23 @@ def test_rtn_with_each_range_observer_equals_choose_qparams():
         qt.check_algorithm_options("rtn", {"observer": "kl"})
     with pytest.raises(ValueError, match=r"rtn: unknown option\(s\) \['iters'\]"):
         qt.check_algorithm_options("rtn", {"iters": 3})
+
+
+def test_every_step_module_follows_the_convention():
+    """``<name>.py`` registers ``step`` as ``<name>``; no ``*_math.py`` module imports a step module."""
+    import ast
+    import importlib
+    import pathlib
+
+    import qtransform.algorithms as algorithms
+
+    folder = pathlib.Path(algorithms.__file__).parent
+    builtin = {"rtn", "hqq", "smoothquant", "gptq", "awq", "rotate", "spinquant"}
+    for name in builtin:
+        module = importlib.import_module(f"qtransform.algorithms.{name}")
+        assert qt.get_algorithm(name).fn is module.step, name
+    for path in folder.glob("*_math.py"):
+        tree = ast.parse(path.read_text())
+        imported = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.level == 1
+                    for a in ([ast.alias(n.module)] if n.module else n.names)}
+        assert not imported & builtin, f"{path.name} imports the step module(s) {sorted(imported & builtin)}"

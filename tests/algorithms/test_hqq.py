@@ -304,25 +304,25 @@ def test_inputs_unchanged_and_no_gradient():
 
 
 # ----------------------------------------------------------------------------- trees and the registry
-def test_qparams_tree_plugs_into_quantize_tree():
+def test_fit_tree_plugs_into_quantize_tree():
     params = {"layers.0.q.weight": _weight((32, 128), seed=1), "layers.0.k.weight": _weight((32, 128), seed=2),
               "layers.0.q.bias": torch.randn(32), "head.weight": _weight((16, 128), seed=3)}
     spec = _spec(4, qt.PerGroup(64), scale_dtype="float16")
     recipe = qt.Recipe(default=spec, rules={"head.*": qt.QuantSpec(format="int8", granularity=qt.PerChannel(0))})
     seen = []
-    qps = hqq.qparams_tree(params, recipe, progress=lambda it, **kw: seen.extend(it) or seen)
+    qps = hqq.fit_tree(params, recipe, progress=lambda it, **kw: seen.extend(it) or seen)
     assert sorted(qps) == ["layers.0.k.weight", "layers.0.q.weight"] and len(seen) == 2
     qtree = qt.quantize_tree(params, recipe, qparams=qps)
     for path, qp in qps.items():
         assert torch.equal(qt.dequantize(qtree[path]), qt.dequantize(qt.quantize(params[path], qp)))
-    assert sorted(hqq.qparams_tree(params, recipe, paths=["*.k.*"])) == ["layers.0.k.weight"]
+    assert sorted(hqq.fit_tree(params, recipe, paths=["*.k.*"])) == ["layers.0.k.weight"]
 
 
-def test_qparams_tree_errors_name_the_path():
+def test_fit_tree_errors_name_the_path():
     params = {"a.weight": _weight((8, 64)), "b.weight": _weight((8, 64))}
     params["b.weight"][3, 5] = float("nan")
     with pytest.raises(ValueError, match=r"b\.weight: .*non-finite"):
-        hqq.qparams_tree(params, _spec(4, qt.PerGroup(32)))
+        hqq.fit_tree(params, _spec(4, qt.PerGroup(32)))
 
 
 def test_registered_as_a_local_calibration_free_step():

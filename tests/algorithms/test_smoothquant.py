@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 import qtransform as qt
 from qtransform.algorithms import smoothing, smoothquant
-from qtransform.algorithms.scale_search import layer_errors, sample_stats
+from qtransform.algorithms.smoothquant_math import layer_errors, sample_stats
 from qtransform.algorithms.smoothing import SmoothGroup
 
 W8 = qt.QuantSpec(format="int8", granularity=qt.PerChannel(0))

@@ -11,7 +11,7 @@ import torch
 import qtransform as qt
 from qtransform.algorithms.clip_search import search_range
 from qtransform.algorithms.gptq import check_options
-from qtransform.algorithms.gptq_solver import gptq, gptq_many, inverse_hessian_factor
+from qtransform.algorithms.gptq_math import gptq, gptq_many, inverse_hessian_factor
 
 
 def problem(out=12, width=48, rows=400, seed=0):
