@@ -35,60 +35,54 @@ Measured on SmolLM2-135M, uint4 group 64, 40×512 calibration tokens (bench/benc
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Mapping
 
 import torch
 
-from .._checks import where
 from ..spec import Site, module_of
 from .awq_math import QUANTIZERS, search_scales
 from .base import BlockInputs, Fit, block_tokens, register_algorithm
 from .clip_search import input_gram, search_range
-from .hqq_math import check_spec, optimize as hqq_optimize
 from .gptq import linear_weights
+from .hqq_math import check_spec, optimize as hqq_optimize
+from .options import option, options_checker
 from .smoothquant_math import sample_stats
 from .smoothing import SmoothGroup, as_groups, block_groups, fold, group_shape, to_input
 
-__all__ = ["step", "check_options", "DEFAULT_TOKENS"]
+__all__ = ["step", "Options", "check_options", "DEFAULT_TOKENS"]
 
 #: Calibration tokens the step uses by default (see the module docstring).
 DEFAULT_TOKENS = 2048
 #: Rows on which a token-local module (an MLP, a linear) is scored by default.
 DEFAULT_ROWS = 512
-_OPTIONS = ("grid", "duo_scaling", "clip", "quantizer", "tokens", "rows", "groups")
 _KEPT = 8192  # at most about this many input rows per linear are kept (every k-th) for the statistics
 
 
-def _int(name, v, lo, path):
-    if isinstance(v, bool) or not isinstance(v, int) or v < lo:
-        raise ValueError(f"{where(path)}awq: {name} must be an int >= {lo}, got {v!r}")
-
-
-def check_options(*, path: str | None = None, **options) -> None:
-    """Raise ``ValueError`` naming the option for unknown options or bad values (see the module docstring).
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Options:
+    """``awq``'s options (see the module docstring).
 
     >>> check_options(grid=0)
     Traceback (most recent call last):
     ...
     ValueError: awq: grid must be an int >= 1, got 0
     """
-    unknown = sorted(set(options) - set(_OPTIONS))
-    if unknown:
-        raise ValueError(f"{where(path)}awq: unknown option(s) {unknown}; known: {list(_OPTIONS)}")
-    _int("grid", options.get("grid", 20), 1, path)
-    _int("tokens", options.get("tokens", DEFAULT_TOKENS), 1, path)
-    _int("rows", options.get("rows", DEFAULT_ROWS), 1, path)
-    for name in ("duo_scaling", "clip"):
-        if not isinstance(options.get(name, False), bool):
-            raise ValueError(f"{where(path)}awq: {name} must be True or False, got {options[name]!r}")
-    if options.get("quantizer", "rtn") not in QUANTIZERS:
-        raise ValueError(f"{where(path)}awq: quantizer must be one of {list(QUANTIZERS)}, got "
-                         f"{options.get('quantizer')!r}")
-    if options.get("groups") is not None:
-        try:
-            as_groups(options["groups"])
-        except (TypeError, ValueError) as e:
-            raise ValueError(f"{where(path)}awq: {e}") from None
+
+    grid: int = option(20, ge=1, doc="points of the alpha grid")
+    duo_scaling: bool = option(False, doc="scales over the weights' magnitude too")
+    clip: bool = option(True, doc="search clipping ranges after the scales")
+    quantizer: str = option("rtn", choices=QUANTIZERS, doc="how candidates' weights are quantized")
+    tokens: int = option(DEFAULT_TOKENS, ge=1, doc="calibration tokens used")
+    rows: int = option(DEFAULT_ROWS, ge=1, doc="rows a token-local module is scored on")
+    groups: list | None = option(None, doc="smoothing groups replacing the plan's (Plan.groups)")
+
+    def __post_init__(self):
+        if self.groups is not None:
+            as_groups(self.groups)
+
+
+check_options = options_checker("awq", Options)
 
 
 def _tokens(**options):
@@ -200,7 +194,7 @@ def _fit_weights(current: Mapping, plan, weights, rows, source, in_scale, clip: 
     return out
 
 
-register_algorithm("awq", step, needs=BlockInputs(tokens=_tokens), check_options=check_options, requires=("groups",),
+register_algorithm("awq", step, needs=BlockInputs(tokens=_tokens), options=Options, requires=("groups",),
                    description="AWQ: per-channel scales searched on activations, then clipping ranges")
 
 #: The old name of :func:`step` (kept for one version).

@@ -74,24 +74,16 @@ from .._checks import check_finite
 from ..spec import as_plan
 from ..tensor import QParams
 from ._select import select
+from .options import options_checker
 from .base import Fit, register_algorithm
 from .hqq_math import Options, _optimize, _options, check_spec, optimize, optimize_stack, supports
 
 __all__ = ["optimize", "optimize_stack", "fit_tree", "qparams_tree", "check_spec", "check_options", "supports",
            "Options", "step"]
 
-def check_options(*, path: str | None = None, **options) -> None:
-    """Raise ``ValueError``/``TypeError`` naming the option unless ``options`` are valid
-    :func:`optimize` options (e.g. from a recipe file).
-
-    >>> from qtransform.algorithms import hqq
-    >>> hqq.check_options(error_norm=4, refine_scale=False)
-    >>> hqq.check_options(iter=5)
-    Traceback (most recent call last):
-    ...
-    ValueError: hqq: unknown option(s) ['iter']; known: ['lp_norm', 'beta', 'kappa', 'iters', 'early_stop', 'tol', 'refine_scale', 'error_norm', 'chunk_size']
-    """
-    _options(path, **options)
+#: ``check_options(*, path=None, **options) -> Options``: ``ValueError``/``TypeError`` naming the option unless
+#: ``options`` are valid :func:`optimize` options (e.g. from a recipe file).
+check_options = options_checker("hqq", Options)
 
 
 def fit_tree(params: Any, recipe, *, types: Mapping[str, str] | None = None,
@@ -143,5 +135,5 @@ def step(params, plan, *, context, **options) -> Fit:
     return Fit(qparams=_fit(params, plan, _options(None, **options), progress=context.progress))
 
 
-register_algorithm("hqq", step, local=True, check_options=check_options,
+register_algorithm("hqq", step, local=True, options=Options,
                    description="half-quadratic optimization of scale and zero point (calibration-free)")

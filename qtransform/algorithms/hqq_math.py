@@ -13,8 +13,8 @@ torch.Size([2, 1])
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from typing import NamedTuple
 
 import torch
 
@@ -24,24 +24,26 @@ from ..granularity import PerBlock
 from ..observers import compute_qparams, init_stats, observe
 from ..spec import QuantSpec
 from ..tensor import QParams, blocks
+from .options import check_options, option
 
 __all__ = ["Options", "solve", "optimize", "optimize_stack", "check_spec", "supports"]
 
 _CHUNK = 1 << 20  # elements per chunk: a few working buffers stay in cache
 
 
-class Options(NamedTuple):
-    """Solver options (see :func:`optimize`)."""
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Options:
+    """HQQ's options (see :func:`optimize`), checked by :func:`~qtransform.algorithms.options.check_options`."""
 
-    lp_norm: float = 0.7
-    beta: float = 10.0
-    kappa: float = 1.01
-    iters: int = 20
-    early_stop: bool = True
-    tol: float = 0.0
-    refine_scale: bool = True
-    error_norm: float = 2.0
-    chunk_size: int = _CHUNK
+    lp_norm: float = option(0.7, gt=0, le=1, doc="p of the l_p error the proximal step targets")
+    beta: float = option(10.0, gt=0, doc="initial proximal weight")
+    kappa: float = option(1.01, ge=1, doc="beta's growth per iteration")
+    iters: int = option(20, ge=0, doc="maximum number of updates")
+    early_stop: bool = option(True, doc="stop a group at its first iterate without improvement")
+    tol: float = option(0.0, ge=0, lt=1, doc="relative improvement a group needs to keep iterating")
+    refine_scale: bool = option(True, doc="solve for scale and zero point, not the zero point only")
+    error_norm: float = option(2.0, ge=1, inf=True, doc="p of the per-group error ranking the iterates")
+    chunk_size: int = option(_CHUNK, ge=1, doc="elements per chunk of groups (speed only)")
 
 
 def _round_to(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -178,34 +180,7 @@ def solve(w, s, z, lo, hi, spec, o: Options):
 
 
 def _options(path, **kw) -> Options:
-    w = where(path)
-    unknown = sorted(set(kw) - set(Options._fields))
-    if unknown:
-        raise ValueError(f"{w}hqq: unknown option(s) {unknown}; known: {list(Options._fields)}")
-    o = Options(**kw)
-    for name in ("lp_norm", "beta", "kappa", "tol", "error_norm"):
-        v = getattr(o, name)
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or math.isnan(v) or (
-                math.isinf(v) and name != "error_norm"):
-            raise TypeError(f"{w}hqq: {name} must be a finite number, got {v!r}")
-    if not 0.0 < o.lp_norm <= 1.0:
-        raise ValueError(f"{w}hqq: lp_norm must be in (0, 1], got {o.lp_norm}")
-    if o.beta <= 0.0:
-        raise ValueError(f"{w}hqq: beta must be > 0, got {o.beta}")
-    if o.kappa < 1.0:
-        raise ValueError(f"{w}hqq: kappa must be >= 1, got {o.kappa}")
-    if o.error_norm < 1.0:
-        raise ValueError(f"{w}hqq: error_norm must be >= 1, got {o.error_norm}")
-    if not 0.0 <= o.tol < 1.0:
-        raise ValueError(f"{w}hqq: tol must be in [0, 1), got {o.tol}")
-    for name in ("iters", "chunk_size"):
-        v = getattr(o, name)
-        if isinstance(v, bool) or not isinstance(v, int) or v < (0 if name == "iters" else 1):
-            raise ValueError(f"{w}hqq: {name} must be an int >= {0 if name == 'iters' else 1}, got {v!r}")
-    for name in ("early_stop", "refine_scale"):
-        if not isinstance(getattr(o, name), bool):
-            raise TypeError(f"{w}hqq: {name} must be a bool, got {getattr(o, name)!r}")
-    return o
+    return check_options(Options, kw, step="hqq", path=path)
 
 
 def supports(spec: QuantSpec) -> bool:

@@ -36,52 +36,49 @@ replaces them for this step.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
-from .._checks import where
 from ..observers import finalize_stats, init_stats
 from ..spec import Site
 from .base import BlockInputs, Fit, block_tokens, register_algorithm
+from .options import option, options_checker
 from .smoothing import as_groups, block_groups, fold
-from .smoothquant_math import (EPS, Choice, _check_alpha, _check_int, _group_scales, check_activation, sample_stats,
-                               scales, search, smooth)
+from .smoothquant_math import EPS, Choice, _group_scales, check_activation, sample_stats, scales, search, smooth
 
-__all__ = ["EPS", "scales", "smooth", "search", "Choice", "check_options", "step"]
+__all__ = ["EPS", "scales", "smooth", "search", "Choice", "Options", "check_options", "step"]
 
-_OPTIONS = ("alpha", "groups", "activation", "grid", "tokens")
-_SEARCH_ONLY = ("activation", "grid", "tokens")
-
-
-def check_options(*, path: str | None = None, **options) -> None:
-    """``alpha`` (float in [0, 1], default 0.5, or ``"auto"``), ``groups`` (list of group dicts; filled by
-    the bridge when absent), and with ``alpha="auto"``: ``activation`` (QuantSpec dict), ``grid`` (int >= 2,
-    default 11), ``tokens`` (sampled rows per group and block, int >= 1, default 1024).
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Options:
+    """``smoothquant``'s options.
 
     >>> check_options(alpha=1.5)
     Traceback (most recent call last):
     ...
     ValueError: smoothquant: alpha must be a number in [0, 1] or "auto", got 1.5
     """
-    unknown = sorted(set(options) - set(_OPTIONS))
-    if unknown:
-        raise ValueError(f"{where(path)}smoothquant: unknown option(s) {unknown}; known: {list(_OPTIONS)}")
-    alpha = options.get("alpha", 0.5)
-    _check_alpha(alpha, path)
-    extra = [k for k in _SEARCH_ONLY if k in options]
-    if alpha != "auto" and extra:
-        raise ValueError(f"{where(path)}smoothquant: {extra} apply to alpha='auto' (the search), not alpha={alpha!r}")
-    if options.get("groups") is not None:
-        try:
-            as_groups(options["groups"])
-        except (TypeError, ValueError) as e:
-            raise ValueError(f"{where(path)}smoothquant: {e}") from None
-    if "activation" in options:
-        check_activation(options["activation"], where_=f"{where(path)}smoothquant: activation")
-    if "grid" in options:
-        _check_int("grid", options["grid"], 2, path)
-    if "tokens" in options:
-        _check_int("tokens", options["tokens"], 1, path)
+
+    alpha: float | str = option(0.5, expect='a number in [0, 1] or "auto"', doc='migration strength in [0, 1], or "auto" (searched per group)')
+    groups: list | None = option(None, doc="smoothing groups replacing the plan's (Plan.groups)")
+    activation: Any = option(None, doc='alpha="auto": the activation spec (a QuantSpec dict) the search uses')
+    grid: int | None = option(None, ge=2, doc='alpha="auto": points of the alpha grid (default 11)')
+    tokens: int | None = option(None, ge=1, doc='alpha="auto": sampled rows per group and block (default 1024)')
+
+    def __post_init__(self):
+        a = self.alpha
+        if a != "auto" and (isinstance(a, str) or not 0 <= a <= 1):  # NaN fails
+            raise ValueError(f'alpha must be a number in [0, 1] or "auto", got {a!r}')
+        extra = [k for k in ("activation", "grid", "tokens") if getattr(self, k) is not None]
+        if a != "auto" and extra:
+            raise ValueError(f"{extra} apply to alpha='auto' (the search), not alpha={a!r}")
+        if self.groups is not None:
+            as_groups(self.groups)
+        if self.activation is not None:
+            check_activation(self.activation, where_="activation")
+
+
+check_options = options_checker("smoothquant", Options)
 
 
 def step(params, plan, *, context, alpha: Any = 0.5, groups=None, activation=None, grid: int | None = None,
@@ -128,7 +125,7 @@ def step(params, plan, *, context, alpha: Any = 0.5, groups=None, activation=Non
     return Fit(params=changed, info=info)
 
 
-register_algorithm("smoothquant", step, needs=BlockInputs(), check_options=check_options, requires=("groups",),
+register_algorithm("smoothquant", step, needs=BlockInputs(), options=Options, requires=("groups",),
                    description="SmoothQuant: activation outliers folded into the weights (alpha fixed or 'auto')")
 
 #: The old name of :func:`step` (kept for one version).

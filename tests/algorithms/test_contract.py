@@ -146,3 +146,12 @@ def test_every_step_module_follows_the_convention():
         imported = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.level == 1
                     for a in ([ast.alias(n.module)] if n.module else n.names)}
         assert not imported & builtin, f"{path.name} imports the step module(s) {sorted(imported & builtin)}"
+
+
+def test_block_tokens_come_from_the_caller_else_from_the_first_tensor():
+    from qtransform.algorithms.base import block_tokens
+
+    inputs = (((torch.zeros(2, 3, 4),), {}), ((), {"mask": torch.zeros(1, 5, 4), "x": torch.zeros(7, 4)}))
+    block = qt.Block(name="b", paths=(), inputs=inputs, run=lambda t: [], site_stats=lambda t, s: {})
+    assert qt.batch_tokens(*inputs[0]) == 6 and block_tokens(block) == 6 + 5  # no keyword is special in the core
+    assert block_tokens(block._replace(tokens=13)) == 13  # the caller knows which input holds the hidden states
