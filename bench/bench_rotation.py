@@ -31,11 +31,10 @@ SPINQUANT = qt.Step("spinquant", iters=40)
 def rotated_unquantized(model, _):
     """SmolLM2 rotated by the rotate step (R1, R2, online R3 and R4), nothing quantized."""
     import bridge
-    from bridge.arch import with_layout
 
     recipe = qt.Recipe(type_rules={"Linear": W4}, exclude=["lm_head*"], steps=[qt.Step("rotate", r3=True)])
     params = bridge.extract(model)
-    fit = qt.run_steps(params, with_layout(model, bridge.plan(model, recipe)))
+    fit = qt.run_steps(params, bridge.plan(model, recipe))
     return bridge.to_module(model, qt.apply_fit(params, fit), online=fit.online)
 
 

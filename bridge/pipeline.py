@@ -22,7 +22,7 @@ from torch import nn
 
 import qtransform as qt
 
-from .arch import with_groups, with_layout
+from .arch import model_groups, model_layout, residual_layout, smoothing_groups
 from .calibrate import ModelCalibrator
 from .tree import extract, model_plan, to_module, weight_paths
 
@@ -40,6 +40,11 @@ def plan(model: nn.Module, recipe) -> qt.Plan:
     explicit rule selects is an error naming it. Every selected spec is checked against its
     tensor's shape here, before any work: a group that does not divide its axis (without
     ``pad=True``) is a ``ValueError`` naming the path and the rule.
+
+    The plan carries the model's facts from :mod:`bridge.arch` once: ``groups`` (the smoothing groups) and
+    ``layout`` (the residual layout), each ``None`` where no architecture table fits the model (a plan
+    given keeps its own where it has them). The recipe is left as given: checkpoints record only the
+    user's choices.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -62,7 +67,27 @@ def plan(model: nn.Module, recipe) -> qt.Plan:
         if m.spec is not None:
             _check_grid(path, m, tuple(tree[path].shape))
         matches[path] = m
-    return qt.Plan(resolved.recipe, matches, attention=resolved.attention)
+    groups = resolved.groups if resolved.groups is not None else model_groups(model)
+    layout = resolved.layout if resolved.layout is not None else model_layout(model)
+    return qt.Plan(resolved.recipe, matches, attention=resolved.attention, groups=groups, layout=layout)
+
+
+_FACTS = {"groups": smoothing_groups, "layout": residual_layout}
+
+
+def check_facts(model: nn.Module, p: qt.Plan) -> None:
+    """``ValueError`` naming the step and the model when a step needs a model fact (``Plan.groups``,
+    ``Plan.layout``) that the architecture tables do not give for ``model`` (and no option stands in)."""
+    for i, step in enumerate(p.steps):
+        for fact in qt.get_algorithm(step.name).requires:
+            if getattr(p, fact, None) is None and step.options.get(fact) is None and fact in _FACTS:
+                try:
+                    _FACTS[fact](model)
+                    why = "the plan has none"
+                except ValueError as e:
+                    why = str(e)
+                raise ValueError(f"recipe.steps[{i}] ({step.name}): needs the {fact} of {type(model).__name__}, which "
+                                 f"bridge.arch cannot give: {why}")
 
 
 def _check_grid(path: str, m: qt.Match, shape: tuple[int, ...]) -> None:
@@ -145,11 +170,10 @@ def quantize_params(model: nn.Module, recipe, *, calibration: Iterable | None = 
         raise ValueError(f"the recipe's static activation specs ({static[:2]}{' ...' if len(static) > 2 else ''}) need "
                          "calibration data: pass calibration=batches (`qtransform quantize --calib N`), or use "
                          "dynamic=True activation specs")
-    p = with_layout(model, p)  # steps that rotate the residual stream get the model's layout
+    qt.check_steps(p.steps, calibrated=calibration is not None)  # a step needing data is named first
+    check_facts(model, p)
     observer = dict(act_observer) if isinstance(act_observer, Mapping) else {"name": act_observer}
     calibrator = None if calibration is None else ModelCalibrator(model, calibration, progress=progress)
-    if calibrator is not None:  # steps taking smoothing groups (smoothquant) get the model's, from bridge.arch
-        p = with_groups(model, p)
     params = extract(model)
     qtree, fit = qt.quantize_tree(params, p, qparams=qparams, calibrator=calibrator, progress=progress,
                                   generator=generator, with_info=True)

@@ -188,7 +188,7 @@ def test_from_hqq_config_checks_its_arguments():
 ])
 def test_trees_hold_tensors_only(params, match):
     for call in (lambda: qt.quantize_tree(params, SPEC), lambda: qt.run_steps(params, qt.Recipe(default=SPEC)),
-                 lambda: qt.get_algorithm("rtn")(params, SPEC), lambda: hqq.qparams_tree(params, SPEC)):
+                 lambda: qt.get_algorithm("rtn")(params, SPEC), lambda: hqq.fit_tree(params, SPEC)):
         with pytest.raises(TypeError, match=match):
             call()
 

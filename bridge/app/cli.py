@@ -293,6 +293,9 @@ def cmd_recipes(a) -> int:
     for name, p in qt.presets().items():
         rows.append([name, steps_label(p.steps), str(p.spec), p.description])
     _say("\n".join(table(rows)))
+    steps = [["step", "options (name: type = default)"]] + [  # from each algorithm's options dataclass
+        [n, ", ".join(f"{o}: {t} = {d!r}" for o, t, d in a.option_fields())] for n, a in sorted(qt.ALGORITHMS.items())]
+    _say("\n" + "\n".join(table(steps)))
     _say("\nA recipe file (JSON or TOML) has keys steps, default, rules, type_rules, exclude, min_ndim, or an "
          "HQQ-style nbits/group_size/dynamic_config; specs are QuantSpec dicts or preset names; steps are "
          "algorithm names or tables {name = ..., <option> = ...}.")

@@ -1,10 +1,10 @@
-"""A model's smoothing groups from the architecture tables, and handing them to the steps that take them.
+"""A model's smoothing groups from the architecture tables: one of the model facts ``bridge.plan`` puts on the plan.
 
 :func:`find_arch` recognises the family by ``config.model_type``, else by structure (the blocks and
 every module a table names, with norm classes that fold); :func:`smoothing_groups` resolves the
 table for every block into the plain dicts that ``qtransform.algorithms.smoothing`` reads;
-:func:`with_groups` gives them to each step of a plan whose algorithm takes a ``groups`` option and
-was given none (``smoothquant``; AWQ the same way), which is how :func:`bridge.quantize` runs them.
+:func:`bridge.plan` puts them on the plan (``Plan.groups``, ``None`` for a model without a table: see
+:func:`model_groups`), where ``smoothquant``, ``awq`` and ``gptq`` read them.
 
 >>> import transformers as tf
 >>> m = tf.LlamaForCausalLM(tf.LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
@@ -17,8 +17,6 @@ was given none (``smoothquant``; AWQ the same way), which is how :func:`bridge.q
 
 from __future__ import annotations
 
-import dataclasses
-import inspect
 from typing import Iterable
 
 from torch import nn
@@ -28,7 +26,7 @@ import qtransform as qt
 from ..tree import stored_transposed
 from .tables import ARCHS, FOLDABLE_NORMS, Arch, GroupTemplate
 
-__all__ = ["find_arch", "smoothing_groups", "with_groups", "takes_groups", "takes_option", "wanting", "fill_option"]
+__all__ = ["find_arch", "smoothing_groups", "model_groups"]
 
 KINDS = ("norm", "linear")
 
@@ -140,7 +138,7 @@ def _resolve(model: nn.Module, block: str, t: GroupTemplate) -> dict:
 
 def smoothing_groups(model: nn.Module, *, kinds: Iterable[str] = KINDS) -> list[dict]:
     """``model``'s smoothing groups, block by block in table order, as plain dicts
-    (``{"prev", "linears", "rows"?, "head_dim"?, "transposed"?}``: the ``groups`` option of ``smoothquant``).
+    (``{"prev", "linears", "rows"?, "head_dim"?, "transposed"?}``: ``Plan.groups``).
 
     ``kinds``: ``"norm"`` (a norm feeds the linears) and/or ``"linear"`` (a linear's output: v -> o,
     up -> down, fc1 -> fc2). ``ValueError`` for an unsupported architecture (see :func:`find_arch`).
@@ -163,43 +161,10 @@ def smoothing_groups(model: nn.Module, *, kinds: Iterable[str] = KINDS) -> list[
     return out
 
 
-def takes_option(step: qt.Step, name: str) -> bool:
-    """Whether ``step``'s algorithm takes the option ``name``."""
+def model_groups(model: nn.Module) -> list[dict] | None:
+    """``model``'s smoothing groups (:func:`smoothing_groups`), or ``None`` when no architecture table
+    fits it (the steps that need them say so, naming the model; the others run without)."""
     try:
-        return name in inspect.signature(qt.get_algorithm(step.name).fn).parameters
-    except (TypeError, ValueError):
-        return False
-
-
-def takes_groups(step: qt.Step) -> bool:
-    """Whether ``step``'s algorithm takes a ``groups`` option."""
-    return takes_option(step, "groups")
-
-
-def wanting(plan: qt.Plan, name: str) -> list[qt.Step]:
-    """The steps of ``plan`` that take the option ``name`` and were given none."""
-    return [s for s in plan.steps if takes_option(s, name) and s.options.get(name) is None]
-
-
-def fill_option(plan: qt.Plan, name: str, value) -> qt.Plan:
-    """``plan`` with ``name=value`` given to every step of :func:`wanting`."""
-    filled = tuple(qt.Step(s.name, **{**s.options, name: value}) if takes_option(s, name) and s.options.get(name) is None
-                   else s for s in plan.steps)
-    return qt.Plan(dataclasses.replace(plan.recipe, steps=filled), dict(plan.items()), attention=plan.attention)
-
-
-def with_groups(model: nn.Module, plan: qt.Plan) -> qt.Plan:
-    """``plan`` with ``groups=smoothing_groups(model)`` given to every step that takes the option and
-    has none (the plan itself when no step does: other recipes never look the architecture up). For an
-    architecture without a table, steps whose function says ``groups_optional`` (``gptq``) run without;
-    others get the ``ValueError`` naming the model."""
-    steps = wanting(plan, "groups")
-    if not steps:
-        return plan
-    try:
-        groups = smoothing_groups(model)
-    except ValueError:  # no table for this architecture: fine for steps that use groups only when known
-        if all(getattr(qt.get_algorithm(s.name).fn, "groups_optional", False) for s in steps):
-            return plan
-        raise
-    return fill_option(plan, "groups", groups)
+        return smoothing_groups(model)
+    except ValueError:
+        return None

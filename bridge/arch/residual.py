@@ -25,9 +25,9 @@ from qtransform.rotation import HeadPair, NormReaders, QueryKey, ResidualLayout
 
 from ..modules import kvcache
 
-from .groups import fill_option, find_arch, smoothing_groups, wanting
+from .groups import find_arch, smoothing_groups
 
-__all__ = ["ROTATABLE", "residual_layout", "with_layout"]
+__all__ = ["ROTATABLE", "residual_layout", "model_layout"]
 
 #: Families whose blocks are pre-norm with RMSNorm (weight only): their stream can be rotated.
 ROTATABLE = ("llama", "mistral", "qwen2", "phi3")
@@ -56,20 +56,26 @@ def residual_layout(model: nn.Module) -> ResidualLayout:
         else:  # up -> down: the MLP's output writes the stream
             writers += [f"{l}.weight" for l in g["linears"]]
             down += [f"{l}.weight" for l in g["linears"]]
-    head = model.get_output_embeddings()
+    head = model.get_output_embeddings() if callable(getattr(model, "get_output_embeddings", None)) else None
     final = modules.get(arch.blocks.rpartition(".")[0] + ".norm")
     if head is None or final is None:
         raise ValueError(f"rotations: {type(model).__name__} has no output head after a final "
                          f"{arch.blocks.rpartition('.')[0]}.norm (a causal LM of the {arch.name} family has both)")
     norms.append(NormReaders(f"{path[id(final)]}.weight", (f"{path[id(head)]}.weight",)))
-    embeddings = (f"{path[id(model.get_input_embeddings())]}.weight",)
+    inputs = model.get_input_embeddings() if callable(getattr(model, "get_input_embeddings", None)) else None
+    if id(inputs) not in path:
+        raise ValueError(f"rotations: {type(model).__name__} names no input embeddings (get_input_embeddings)")
+    embeddings = (f"{path[id(inputs)]}.weight",)
     attention = tuple(QueryKey(p, modules[p].head_dim) for p in kvcache.attention_modules(model)
                       if isinstance(getattr(modules[p], "head_dim", None), int))
     return ResidualLayout(embeddings=embeddings, norms=tuple(norms), writers=tuple(writers), heads=tuple(heads),
                           down=tuple(down), attention=attention)
 
 
-def with_layout(model: nn.Module, plan: qt.Plan) -> qt.Plan:
-    """``plan`` with ``layout=residual_layout(model)`` (as a dict) given to every step that takes the
-    option and has none (``rotate``); the plan itself when no step does."""
-    return fill_option(plan, "layout", residual_layout(model).to_dict()) if wanting(plan, "layout") else plan
+def model_layout(model: nn.Module) -> ResidualLayout | None:
+    """``model``'s residual layout (:func:`residual_layout`), or ``None`` when its stream cannot be rotated or
+    no architecture table fits it (``rotate`` and ``spinquant`` then refuse, naming the model)."""
+    try:
+        return residual_layout(model)
+    except ValueError:
+        return None

@@ -22,7 +22,7 @@ import qtransform as qt
 
 from .sites import first_tensor, fold_sites, run_batch
 
-__all__ = ["find_blocks", "capture_inputs", "blockwise"]
+__all__ = ["find_blocks", "capture_inputs", "blockwise", "batch_tokens"]
 
 
 def find_blocks(model: nn.Module, blocks: str | None = None) -> tuple[str, ...]:
@@ -86,7 +86,7 @@ def spread(inputs: list, tokens: int | None) -> list:
         return inputs
     if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1:
         raise ValueError(f"blockwise: tokens must be an int >= 1 or None, got {tokens!r}")
-    sizes = [qt.batch_tokens(a, k) for a, k in inputs]
+    sizes = [batch_tokens(a, k) for a, k in inputs]
     if sum(sizes) <= tokens:
         return inputs
     k = min(len(inputs), max(1, math.ceil(tokens * len(sizes) / sum(sizes))))  # batches of the mean size
@@ -94,13 +94,27 @@ def spread(inputs: list, tokens: int | None) -> list:
     return [inputs[i] for i in picks]
 
 
+def _hidden_key(kwargs: Mapping) -> str | None:
+    """The keyword holding a block's hidden states when none comes positionally: transformers' ``hidden_states``,
+    else the first tensor keyword."""
+    if isinstance(kwargs.get("hidden_states"), torch.Tensor):
+        return "hidden_states"
+    return next((k for k, v in kwargs.items() if isinstance(v, torch.Tensor)), None)
+
+
+def batch_tokens(args, kwargs: Mapping) -> int:
+    """Tokens in one batch of a block's inputs: rows (all dimensions but the last) of its hidden states, the
+    first positional tensor, else the ``hidden_states`` keyword, else the first tensor keyword."""
+    h = args[0] if args and isinstance(args[0], torch.Tensor) else kwargs.get(_hidden_key(kwargs))
+    return 0 if not isinstance(h, torch.Tensor) or h.dim() == 0 else h.numel() // max(h.shape[-1], 1)
+
+
 def _with_first(args, kwargs, h, block: str):
     """The block's next inputs: its output ``h`` in place of the hidden states (the first positional
     input, else the ``hidden_states`` keyword, else the first tensor keyword)."""
     if args and h is not None:
         return (h, *args[1:]), kwargs
-    key = "hidden_states" if isinstance(kwargs.get("hidden_states"), torch.Tensor) else next(
-        (k for k, v in kwargs.items() if isinstance(v, torch.Tensor)), None)
+    key = _hidden_key(kwargs)
     if key is None or h is None:
         raise ValueError(f"block-by-block calibration: block {block!r} takes no tensor input or gives no tensor "
                          "output to pass on to the next block")
@@ -182,7 +196,7 @@ def blockwise(model: nn.Module, params: Mapping, plan: qt.Plan, batches, fit_blo
                                                   args, kwargs)
 
         block = qt.Block(name=name, paths=paths, inputs=tuple(inputs), run=run, site_stats=site_stats,
-                         capture=capture, call=call)
+                         capture=capture, call=call, tokens=sum(batch_tokens(a, k) for a, k in inputs))
         fit = fit_block(block, current)
         current.update(fit.params)
         total = total.then(fit)

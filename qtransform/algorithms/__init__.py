@@ -2,16 +2,35 @@
 
 ``ALGORITHMS`` names them for recipes, recipe files, the command line and quantize-on-load
 (:mod:`.base` has the contract). Built-ins: ``rtn`` (round to nearest with a chosen observer),
-``hqq`` (half-quadratic optimization, calibration-free) and ``smoothquant`` (activation outliers
-folded into the weights, block by block on calibration data; :mod:`.smoothing` has the groups),
-``gptq``, ``awq`` (activation-aware scales and clipping), ``rotate`` (QuaRot's rotations) and
-``spinquant`` (rotations learned on the quantized model's loss).
+``hqq`` (half-quadratic optimization, calibration-free), ``smoothquant`` (activation outliers
+folded into the weights, block by block on calibration data), ``gptq``, ``awq`` (activation-aware
+scales and clipping), ``rotate`` (QuaRot's rotations) and ``spinquant`` (rotations learned on the
+quantized model's loss).
+
+The convention, one for every algorithm:
+
+* ``<name>.py`` is the registered step ``<name>``: its module docstring explains the method and
+  its options, its entry point is the function ``step`` (``fn(params, plan, *, context, **options)
+  -> Fit``), registered at the bottom of the module with ``register_algorithm("<name>", step, ...)``;
+* ``<name>_math.py`` beside it holds the step's tensor-level math (pure functions over tensors and
+  specs: ``gptq_math``, ``awq_math``, ``smoothquant_math``, ``hqq_math``); a math module never imports
+  a step module (math imports math: ``gptq_math`` and ``awq_math`` use ``hqq_math``);
+* math that several steps share has a plain name: :mod:`.smoothing` (smoothing groups and their folds:
+  ``smoothquant``, ``awq``), :mod:`.clip_search` (clipping ranges: ``awq``, ``gptq``); the rotations'
+  math (Hadamard matrices, the residual-stream rotation of a tree, online rotations) is its own package,
+  :mod:`qtransform.rotation`, read by ``rotate`` and ``spinquant``; ``rtn`` needs none beyond
+  :mod:`qtransform.observers`.
+
+``gptq_solver`` and ``awq_search`` are the old names of ``gptq_math`` and ``awq_math``, re-exported for
+one version.
 """
 
 from .base import (ALGORITHMS, Algorithm, Block, BlockInputs, Context, Fit, ModelLoss, SiteStats, apply_fit, batch_tokens,
                    check_algorithm_options, get_algorithm, register_algorithm)
-from . import rtn, hqq, smoothing, smoothquant, gptq_solver, gptq, awq_search, awq, rotate, spinquant
+from . import (rtn, hqq_math, hqq, smoothing, smoothquant_math, smoothquant, gptq_math, gptq, awq_math, awq, rotate,
+               spinquant, gptq_solver, awq_search)
 
-__all__ = ["ALGORITHMS", "Algorithm", "Block", "BlockInputs", "ModelLoss", "batch_tokens", "Context", "Fit", "SiteStats", "apply_fit", "check_algorithm_options",
-           "get_algorithm", "register_algorithm", "rtn", "hqq", "smoothing", "smoothquant", "gptq_solver", "gptq",
-           "awq_search", "awq", "rotate", "spinquant"]
+__all__ = ["ALGORITHMS", "Algorithm", "Block", "BlockInputs", "ModelLoss", "batch_tokens", "Context", "Fit", "SiteStats",
+           "apply_fit", "check_algorithm_options", "get_algorithm", "register_algorithm", "rtn", "hqq_math", "hqq",
+           "smoothing", "smoothquant_math", "smoothquant", "gptq_math", "gptq", "awq_math", "awq", "rotate",
+           "spinquant", "gptq_solver", "awq_search"]

@@ -2,10 +2,10 @@
 
 In each block (``context.block``) one run over the block's calibration inputs records the inputs of
 every linear the plan quantizes and of the modules the smoothing groups feed (the attention for q/k/v,
-the MLP for gate/up: the groups' ``inspect``). Then, for every group of the block (the ``groups`` the
-bridge fills from its architecture tables):
+the MLP for gate/up: the groups' ``inspect``). Then, for every group of the block (the plan's
+``groups``, which the bridge fills from its architecture tables):
 
-1. **scales** (:mod:`.awq_search`): ``s = x̄^α`` (optionally over the weights' magnitude, ``duo_scaling``)
+1. **scales** (:mod:`.awq_math`): ``s = x̄^α`` (optionally over the weights' magnitude, ``duo_scaling``)
    for ``α`` on a grid of ``grid`` points, scored by the output error of the inspected module with the
    group's linears quantized at ``W · diag(s)``; the best are folded into the tree (the producer's output
    channels ``÷ s``, the linears' input columns ``× s``: :func:`~qtransform.algorithms.smoothing.fold`),
@@ -26,8 +26,8 @@ MLP output) is clipped only. The chosen ``α`` is reported per linear (``Fit.inf
 ``"none"`` where no scaling beat the unscaled weights).
 
 Options (defaults): ``grid`` (20), ``duo_scaling`` (False), ``clip`` (True), ``quantizer`` (``"rtn"``),
-``tokens`` (2048), ``rows`` (512), ``groups`` (filled by the bridge; an architecture without a table is an error
-naming it).
+``tokens`` (2048), ``rows`` (512), ``groups`` (replaces the plan's ``Plan.groups``, which ``bridge.plan`` fills
+from its architecture tables; a model without a table and no option is an error naming it).
 
 Measured on SmolLM2-135M, uint4 group 64, 40×512 calibration tokens (bench/bench_awq.py): round to nearest
 ×1.255 perplexity, AWQ ×1.122 in 62 s, AWQ then GPTQ ×1.060 (llm-compressor's GPTQ ×1.112).
@@ -35,59 +35,54 @@ Measured on SmolLM2-135M, uint4 group 64, 40×512 calibration tokens (bench/benc
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Mapping
 
 import torch
 
-from .._checks import where
 from ..spec import Site, module_of
-from .awq_search import QUANTIZERS, search_scales
+from .awq_math import QUANTIZERS, search_scales
 from .base import BlockInputs, Fit, block_tokens, register_algorithm
 from .clip_search import input_gram, search_range
 from .gptq import linear_weights
-from .scale_search import sample_stats
+from .hqq_math import check_spec, optimize as hqq_optimize
+from .options import option, options_checker
+from .smoothquant_math import sample_stats
 from .smoothing import SmoothGroup, as_groups, block_groups, fold, group_shape, to_input
 
-__all__ = ["awq", "check_options", "DEFAULT_TOKENS"]
+__all__ = ["step", "Options", "check_options", "DEFAULT_TOKENS"]
 
 #: Calibration tokens the step uses by default (see the module docstring).
 DEFAULT_TOKENS = 2048
 #: Rows on which a token-local module (an MLP, a linear) is scored by default.
 DEFAULT_ROWS = 512
-_OPTIONS = ("grid", "duo_scaling", "clip", "quantizer", "tokens", "rows", "groups")
 _KEPT = 8192  # at most about this many input rows per linear are kept (every k-th) for the statistics
 
 
-def _int(name, v, lo, path):
-    if isinstance(v, bool) or not isinstance(v, int) or v < lo:
-        raise ValueError(f"{where(path)}awq: {name} must be an int >= {lo}, got {v!r}")
-
-
-def check_options(*, path: str | None = None, **options) -> None:
-    """Raise ``ValueError`` naming the option for unknown options or bad values (see the module docstring).
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Options:
+    """``awq``'s options (see the module docstring).
 
     >>> check_options(grid=0)
     Traceback (most recent call last):
     ...
     ValueError: awq: grid must be an int >= 1, got 0
     """
-    unknown = sorted(set(options) - set(_OPTIONS))
-    if unknown:
-        raise ValueError(f"{where(path)}awq: unknown option(s) {unknown}; known: {list(_OPTIONS)}")
-    _int("grid", options.get("grid", 20), 1, path)
-    _int("tokens", options.get("tokens", DEFAULT_TOKENS), 1, path)
-    _int("rows", options.get("rows", DEFAULT_ROWS), 1, path)
-    for name in ("duo_scaling", "clip"):
-        if not isinstance(options.get(name, False), bool):
-            raise ValueError(f"{where(path)}awq: {name} must be True or False, got {options[name]!r}")
-    if options.get("quantizer", "rtn") not in QUANTIZERS:
-        raise ValueError(f"{where(path)}awq: quantizer must be one of {list(QUANTIZERS)}, got "
-                         f"{options.get('quantizer')!r}")
-    if options.get("groups") is not None:
-        try:
-            as_groups(options["groups"])
-        except (TypeError, ValueError) as e:
-            raise ValueError(f"{where(path)}awq: {e}") from None
+
+    grid: int = option(20, ge=1, doc="points of the alpha grid")
+    duo_scaling: bool = option(False, doc="scales over the weights' magnitude too")
+    clip: bool = option(True, doc="search clipping ranges after the scales")
+    quantizer: str = option("rtn", choices=QUANTIZERS, doc="how candidates' weights are quantized")
+    tokens: int = option(DEFAULT_TOKENS, ge=1, doc="calibration tokens used")
+    rows: int = option(DEFAULT_ROWS, ge=1, doc="rows a token-local module is scored on")
+    groups: list | None = option(None, doc="smoothing groups replacing the plan's (Plan.groups)")
+
+    def __post_init__(self):
+        if self.groups is not None:
+            as_groups(self.groups)
+
+
+check_options = options_checker("awq", Options)
 
 
 def _tokens(**options):
@@ -99,7 +94,6 @@ def _specs(plan, group: SmoothGroup) -> dict:
 
 
 def _check_hqq(plan, paths) -> None:
-    from .hqq import check_spec
     for p in paths:
         check_spec(plan.specs[p], path=p)
 
@@ -126,14 +120,15 @@ def _sampled(inputs: list, n: int) -> list:
     return [(args, {**kwargs, where_: x})]
 
 
-def awq(params, plan, *, context, groups=None, grid: int = 20, duo_scaling: bool = False, clip: bool = True,
+def step(params, plan, *, context, groups=None, grid: int = 20, duo_scaling: bool = False, clip: bool = True,
         quantizer: str = "rtn", tokens: int = DEFAULT_TOKENS, rows: int = DEFAULT_ROWS) -> Fit:
     """The ``awq`` step on one block (``context.block``); see the module docstring."""
     check_options(groups=groups, grid=grid, duo_scaling=duo_scaling, clip=clip, quantizer=quantizer, tokens=tokens,
                   rows=rows)
+    groups = plan.groups if groups is None else groups
     if groups is None:
-        raise ValueError("awq: groups: no smoothing groups given; bridge.quantize fills them from the model's "
-                         "architecture table (bridge.arch), or pass groups=[{'prev': ..., 'linears': [...]}]")
+        raise ValueError("awq: no smoothing groups: the plan has none (Plan.groups; bridge.plan fills them from the "
+                         "model's architecture table, bridge.arch) and no groups option was given")
     block = context.block
     if block is None or block.capture is None or block.call is None:
         raise ValueError("awq runs block by block on calibration data, with a calibrator whose blocks can record "
@@ -184,8 +179,7 @@ def _fit_weights(current: Mapping, plan, weights, rows, source, in_scale, clip: 
     """Each quantized linear's parameters: HQQ's, or the clipping search's on its (scaled) inputs (one Gram
     matrix per shared input and spec: q/k/v, gate/up)."""
     if quantizer == "hqq":
-        from .hqq import optimize
-        return {p: optimize(current[p], plan.specs[p], path=p) for p in weights}
+        return {p: hqq_optimize(current[p], plan.specs[p], path=p) for p in weights}
     if not clip:
         return {}
     out, grams = {}, {}
@@ -200,5 +194,8 @@ def _fit_weights(current: Mapping, plan, weights, rows, source, in_scale, clip: 
     return out
 
 
-register_algorithm("awq", awq, needs=BlockInputs(tokens=_tokens), check_options=check_options,
+register_algorithm("awq", step, needs=BlockInputs(tokens=_tokens), options=Options, requires=("groups",),
                    description="AWQ: per-channel scales searched on activations, then clipping ranges")
+
+#: The old name of :func:`step` (kept for one version).
+awq = step

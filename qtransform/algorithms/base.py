@@ -23,7 +23,10 @@ inputs of one block at a time (:class:`BlockInputs`: GPTQ, AWQ's search): the ca
 calls the algorithm once per block (``context.block``, a :class:`Block`), each block's inputs
 being the outputs of the blocks before it as already fitted and quantized.
 ``local=True`` says each path's result depends on that tensor alone, so the step can run
-one tensor at a time while a checkpoint loads.
+one tensor at a time while a checkpoint loads. ``requires`` names the model facts of the plan it
+cannot run without (``Plan.groups``, ``Plan.layout``). Its options are a frozen keyword-only
+dataclass (``options=``), which one checker (:mod:`.options`) validates for every algorithm alike:
+names, types and ranges, the message naming the path and the step.
 
 >>> import torch, qtransform as qt
 >>> def shrink(params, plan, *, context, factor=0.5):
@@ -50,6 +53,8 @@ from ..registry import Registry
 from ..rotation import OnlineRotation
 from ..spec import Site, as_plan
 from ..tensor import QParams
+from .options import check_options as _check_options
+from .options import option_fields
 
 __all__ = ["Fit", "Context", "SiteStats", "BlockInputs", "ModelLoss", "Block", "batch_tokens", "block_tokens", "Algorithm", "ALGORITHMS", "register_algorithm", "get_algorithm",
            "check_algorithm_options", "apply_fit"]
@@ -187,6 +192,9 @@ class Block(NamedTuple):
         call: ``call(module, params, args, kwargs) -> output``: the module at path ``module`` (inside the
             block, or the block itself) on ``args``/``kwargs``, its tensors taken from ``params``
             (missing paths keep the current tree's): a pure function of ``params``.
+        tokens: the calibration tokens in ``inputs`` over all batches, counted by the caller who captured
+            them and knows which input holds the hidden states (``None``: :func:`block_tokens` counts the
+            rows of each batch's first tensor).
     """
 
     name: str
@@ -196,19 +204,28 @@ class Block(NamedTuple):
     site_stats: Callable[[Mapping[str, torch.Tensor], Mapping], Mapping]
     capture: Callable[..., tuple] | None = None
     call: Callable[..., Any] | None = None
+    tokens: int | None = None
 
 
 def batch_tokens(args: Sequence, kwargs: Mapping) -> int:
-    """Tokens in one batch of a block's inputs: rows (all dimensions but the last) of its hidden states, the
-    first positional tensor, else the ``hidden_states`` keyword, else the first tensor keyword."""
-    h = args[0] if args and isinstance(args[0], torch.Tensor) else kwargs.get("hidden_states")
-    if not isinstance(h, torch.Tensor):
-        h = next((v for v in kwargs.values() if isinstance(v, torch.Tensor)), None)
+    """Tokens in one batch of a block's inputs, as far as the inputs alone tell: the rows (all dimensions
+    but the last) of the first positional tensor, else of the first tensor keyword. (Which input holds the
+    hidden states is the caller's knowledge: the bridge counts them itself and fills ``Block.tokens``.)
+
+    >>> import torch, qtransform as qt
+    >>> qt.batch_tokens((torch.zeros(2, 8, 16),), {})
+    16
+    """
+    h = args[0] if args and isinstance(args[0], torch.Tensor) else next(
+        (v for v in kwargs.values() if isinstance(v, torch.Tensor)), None)
     return 0 if h is None or h.dim() == 0 else h.numel() // max(h.shape[-1], 1)
 
 
 def block_tokens(block: Block) -> int:
-    """Tokens in a block's calibration inputs over all batches (:func:`batch_tokens`)."""
+    """Tokens in a block's calibration inputs over all batches: ``block.tokens`` where the caller counted
+    them, else :func:`batch_tokens` summed over the batches."""
+    if block.tokens is not None:
+        return block.tokens
     return sum(batch_tokens(args, kwargs) for args, kwargs in block.inputs)
 
 
@@ -246,6 +263,8 @@ class Algorithm:
     local: bool = False
     check_options: Callable | None = None
     description: str = ""
+    requires: tuple[str, ...] = ()
+    options: type | None = None
 
     def __call__(self, params: Any, recipe, *, types: Mapping[str, str] | None = None, stats: Mapping | None = None,
                  progress: Callable | None = None, **options) -> Fit:
@@ -265,14 +284,22 @@ class Algorithm:
             raise TypeError(f"algorithm {self.name!r} returned {type(fit).__name__}, not a qtransform.Fit")
         return fit
 
-    def check(self, options: Mapping[str, Any], *, path: str | None = None) -> None:
-        """Raise ``ValueError``/``TypeError`` naming the option when ``options`` do not fit (its
-        ``check_options``; without one, options are checked when it runs)."""
+    def check(self, options: Mapping[str, Any], *, path: str | None = None):
+        """Raise ``ValueError``/``TypeError`` naming the option when ``options`` do not fit: its ``options``
+        dataclass (:func:`qtransform.algorithms.options.check_options`: names, types, ranges; returns the
+        built options) or its ``check_options`` (without either, options are checked when it runs)."""
         if not isinstance(options, Mapping) or not all(isinstance(k, str) for k in options):
-            raise TypeError(f"{path + ': ' if path else ''}algorithm options must map option names to values, "
+            raise TypeError(f"{path + ': ' if path else ''}{self.name}: options must map option names to values, "
                             f"got {options!r}")
+        if self.options is not None:
+            return _check_options(self.options, options, step=self.name, path=path)
         if self.check_options is not None:
             self.check_options(path=path, **options)
+        return None
+
+    def option_fields(self) -> list[tuple[str, str, Any]]:
+        """``[(name, type, default)]`` of its options (empty without an ``options`` dataclass)."""
+        return option_fields(self.options) if self.options is not None else []
 
 
 def _check_algorithm(name: str, algo) -> None:
@@ -283,26 +310,42 @@ def _check_algorithm(name: str, algo) -> None:
                         f"{type(algo.needs).__name__}")
 
 
+#: The model facts a :class:`~qtransform.Plan` may carry for the steps, and what each is.
+FACTS = {"groups": "smoothing groups", "layout": "residual-stream layout"}
+
 #: The registry: algorithm name -> :class:`Algorithm`.
 ALGORITHMS = Registry("algorithm", check=_check_algorithm)
 
 
 def register_algorithm(name: str, fn: Callable, *, needs: SiteStats | BlockInputs | None = None, local: bool = False,
-                       check_options: Callable | None = None, description: str = "",
-                       replace: bool = False) -> Algorithm:
+                       check_options: Callable | None = None, description: str = "", requires: Iterable[str] = (),
+                       options: type | None = None, replace: bool = False) -> Algorithm:
     """Register ``fn`` (see the module docstring) as the step ``name``; returns the :class:`Algorithm`.
 
-    ``check_options(*, path=None, **options)``, when given, raises ``ValueError``/``TypeError`` for
-    options ``fn`` does not take; recipes are checked with it before any work starts.
+    ``options``: the frozen keyword-only dataclass of ``fn``'s options (fields typed, ranges in
+    :func:`~qtransform.algorithms.options.option` metadata); recipes are checked with it before any
+    work starts, the same way for every algorithm. ``check_options(*, path=None, **options)``, for
+    algorithms without one, raises ``ValueError``/``TypeError`` for options ``fn`` does not take. ``requires``
+    names the model facts of the :class:`~qtransform.Plan` the step cannot run without (``"groups"``,
+    ``"layout"``; an option of the same name, given explicitly, stands in): a plan without them is
+    refused before any work.
     """
     if not callable(fn):
         raise TypeError(f"register_algorithm: fn must be callable, got {type(fn).__name__}")
     if check_options is not None and not callable(check_options):
         raise TypeError(f"register_algorithm: check_options must be callable, got {type(check_options).__name__}")
+    if options is not None and (not isinstance(options, type) or not dataclasses.is_dataclass(options)):
+        raise TypeError(f"register_algorithm: options must be a dataclass type, got {options!r}")
+    if options is not None and check_options is not None:
+        raise TypeError("register_algorithm: give options (a dataclass) or check_options, not both")
     if not isinstance(local, bool):
         raise TypeError(f"register_algorithm: local must be a bool, got {local!r}")
+    requires = (requires,) if isinstance(requires, str) else tuple(requires)
+    bad = [r for r in requires if r not in FACTS]
+    if bad:
+        raise ValueError(f"register_algorithm {name}: requires must name plan facts among {list(FACTS)}, got {bad}")
     algo = Algorithm(name=name, fn=fn, needs=needs, local=local, check_options=check_options,
-                     description=description)
+                     description=description, requires=requires, options=options)
     return ALGORITHMS.register(name, algo, replace=replace)
 
 

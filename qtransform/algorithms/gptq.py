@@ -1,10 +1,10 @@
-"""``gptq``: the GPTQ step, block by block on calibration data (:mod:`.gptq_solver` is the solver).
+"""``gptq``: the GPTQ step, block by block on calibration data (:mod:`.gptq_math` is the solver).
 
 In each block (``context.block``), every linear weight the plan quantizes (``Linear`` and
 ``Conv1D`` weights, or 2-D ``*.weight`` tensors when the plan knows no module types) gets the
 Hessian of its input, ``XᵀX / n`` over the block's calibration inputs (the outputs of the blocks
 before it, already quantized), and is solved by GPTQ. Linears that read the same input (the
-``groups`` the bridge fills from its architecture tables: q/k/v, gate/up...) share one Hessian
+plan's ``groups``, which the bridge fills from its architecture tables: q/k/v, gate/up...) share one Hessian
 and one solve. With ``true_sequential=True`` the groups run in order, each one's Hessians
 collected with the groups before it already quantized (q/k/v before o, gate/up before down);
 otherwise one pass over the block's inputs collects them all. Other tensors of the block are
@@ -19,8 +19,8 @@ Options (defaults): ``damp`` (0.01), ``block_size`` (128), ``act_order`` (True),
 qtransform checkpoints do not store: the solver gives it, the step refuses it), ``init``
 (``"clip"``: each group's clipping searched for the smallest error weighted by its inputs' energy;
 ``"minmax"``: the textbook ranges, from ``observer``; ``"hqq"``), ``observer`` (the range observer of
-``init="minmax"``: ``"minmax"``, ``"mse"``...), ``true_sequential`` (False), ``groups`` (filled by
-the bridge).
+``init="minmax"``: ``"minmax"``, ``"mse"``...), ``true_sequential`` (False), ``groups`` (replaces
+the plan's ``Plan.groups``; without either, every linear gets its own Hessian).
 
 Measured on SmolLM2-135M, uint4 group 64, 40×512 calibration tokens (bench/bench_gptq.py): round to
 nearest ×1.255 perplexity, ``init="minmax"`` ×1.122 (true-sequential ×1.116, 1.6× the time),
@@ -29,65 +29,58 @@ nearest ×1.255 perplexity, ``init="minmax"`` ×1.122 (true-sequential ×1.116, 
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Mapping
 
 import torch
 
-from .._checks import where
 from ..observers import finalize_stats, init_stats
 from ..spec import Site, module_of, transposed_spec
 from ..tensor import QParams
 from .base import BlockInputs, Fit, register_algorithm
-from .gptq_solver import INITS, gptq_many
+from .gptq_math import INITS, gptq_many
+from .options import option, options_checker
 from .rtn import check_range_observer
 
-__all__ = ["gptq", "check_options", "linear_weights"]
+__all__ = ["step", "Options", "check_options", "linear_weights"]
 
-_OPTIONS = ("damp", "block_size", "act_order", "static_groups", "init", "observer", "true_sequential", "groups")
 _LINEAR_TYPES = ("Linear", "Conv1D")
 
 
-def _bool(name, v, path):
-    if not isinstance(v, bool):
-        raise ValueError(f"{where(path)}gptq: {name} must be True or False, got {v!r}")
-
-
-def check_options(*, path: str | None = None, **options) -> None:
-    """Raise ``ValueError`` naming the option for unknown options or bad values (see the module docstring).
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Options:
+    """``gptq``'s options (see the module docstring).
 
     >>> check_options(damp=-1)
     Traceback (most recent call last):
     ...
     ValueError: gptq: damp must be a number >= 0, got -1
     """
-    unknown = sorted(set(options) - set(_OPTIONS))
-    if unknown:
-        raise ValueError(f"{where(path)}gptq: unknown option(s) {unknown}; known: {list(_OPTIONS)}")
-    damp = options.get("damp", 0.01)
-    if isinstance(damp, bool) or not isinstance(damp, (int, float)) or not damp >= 0 or damp == float("inf"):
-        raise ValueError(f"{where(path)}gptq: damp must be a number >= 0, got {damp!r}")
-    bs = options.get("block_size", 128)
-    if isinstance(bs, bool) or not isinstance(bs, int) or bs < 1:
-        raise ValueError(f"{where(path)}gptq: block_size must be an int >= 1, got {bs!r}")
-    for name in ("act_order", "static_groups", "true_sequential"):
-        if name in options:
-            _bool(name, options[name], path)
-    if options.get("act_order", True) and options.get("static_groups", True) is False:
-        raise ValueError(f"{where(path)}gptq: act_order=True with static_groups=False puts input columns in groups by "
-                         "a permutation (g_idx), which qtransform's checkpoints do not store; use static_groups=True "
-                         "(the default) or act_order=False")
-    if options.get("init", "clip") not in INITS:
-        raise ValueError(f"{where(path)}gptq: init must be one of {list(INITS)}, got {options.get('init')!r}")
-    if options.get("observer") is not None:
-        if options.get("init", "clip") != "minmax":
-            raise ValueError(f"{where(path)}gptq: observer applies to init='minmax', not "
-                             f"init={options.get('init', 'clip')!r} (pass init='minmax')")
-        check_range_observer(options["observer"], f"{where(path)}gptq")
-    groups = options.get("groups")
-    if groups is not None and (not isinstance(groups, (list, tuple)) or not all(
-            isinstance(g, Mapping) and isinstance(g.get("linears"), (list, tuple)) for g in groups)):
-        raise ValueError(f"{where(path)}gptq: groups must be a list of {{'prev': ..., 'linears': [...]}} dicts, "
-                         f"got {groups!r:.80}")
+
+    damp: float = option(0.01, ge=0, doc="damping, a fraction of the Hessian's mean diagonal")
+    block_size: int = option(128, ge=1, doc="columns per lazy-batch block")
+    act_order: bool = option(True, doc="columns by decreasing Hessian diagonal")
+    static_groups: bool = option(True, doc="group parameters fixed before the column loop")
+    init: str = option("clip", choices=INITS, doc="how group parameters are chosen")
+    observer: Any = option(None, doc="init='minmax': the range observer")
+    true_sequential: bool = option(False, doc="groups solved in order, Hessians collected anew")
+    groups: list | None = option(None, doc="smoothing groups replacing the plan's (Plan.groups)")
+
+    def __post_init__(self):
+        if self.act_order and not self.static_groups:
+            raise ValueError("act_order=True with static_groups=False puts input columns in groups by a permutation "
+                             "(g_idx), which qtransform's checkpoints do not store; use static_groups=True (the "
+                             "default) or act_order=False")
+        if self.observer is not None:
+            if self.init != "minmax":
+                raise ValueError(f"observer applies to init='minmax', not init={self.init!r} (pass init='minmax')")
+            check_range_observer(self.observer)
+        if self.groups is not None and not all(
+                isinstance(g, Mapping) and isinstance(g.get("linears"), (list, tuple)) for g in self.groups):
+            raise ValueError(f"groups must be a list of {{'prev': ..., 'linears': [...]}} dicts, got {self.groups!r:.80}")
+
+
+check_options = options_checker("gptq", Options)
 
 
 def linear_weights(params: Mapping[str, torch.Tensor], plan, paths) -> list[str]:
@@ -143,7 +136,7 @@ def _transposed_qparams(qp: QParams, stored_spec, path) -> QParams:
     return QParams(scale=t(qp.scale), zero_point=t(qp.zero_point), global_scale=qp.global_scale, spec=stored_spec)
 
 
-def gptq(params, plan, *, context, damp: float = 0.01, block_size: int = 128, act_order: bool = True,
+def step(params, plan, *, context, damp: float = 0.01, block_size: int = 128, act_order: bool = True,
          static_groups: bool = True, init: str = "clip", observer: Any = None, true_sequential: bool = False,
          groups=None) -> Fit:
     """The ``gptq`` step on one block (``context.block``); see the module docstring."""
@@ -157,6 +150,7 @@ def gptq(params, plan, *, context, damp: float = 0.01, block_size: int = 128, ac
         return Fit()
     solver = dict(damp=float(damp), block_size=block_size, act_order=act_order, static_groups=static_groups,
                   init=init, observer=observer)
+    groups = plan.groups if groups is None else groups  # the plan's where the model is known; none is fine
     mine = [g for g in groups or () if all(lin.startswith(block.name + ".") for lin in g["linears"])]
     changed, qparams, info = {}, {}, {}
     for stage in _stages(weights, mine, true_sequential):
@@ -171,6 +165,5 @@ def gptq(params, plan, *, context, damp: float = 0.01, block_size: int = 128, ac
     return Fit(params=changed, qparams=qparams, info=info)
 
 
-gptq.groups_optional = True  # the bridge fills groups where its tables know the architecture; none is fine
-register_algorithm("gptq", gptq, needs=BlockInputs(), check_options=check_options,
+register_algorithm("gptq", step, needs=BlockInputs(), options=Options,
                    description="GPTQ: columns quantized in order, errors compensated through the inverse Hessian")

@@ -1,8 +1,8 @@
 """The ``rotate`` step: QuaRot's rotations (:func:`qtransform.rotate`, :mod:`qtransform.rotation.online`)
 before quantization.
 
-Options: ``layout`` (a :class:`~qtransform.rotation.ResidualLayout` or its dict; the bridge fills it
-from the model's architecture table), ``rotation`` (``"hadamard"``: a randomised Hadamard matrix for
+Options: ``layout`` (a :class:`~qtransform.rotation.ResidualLayout` or its dict, replacing the plan's
+``Plan.layout``, which the bridge fills from the model's architecture table), ``rotation`` (``"hadamard"``: a randomised Hadamard matrix for
 ``R1`` and a Hadamard matrix for ``R2``, falling back to :func:`qtransform.orthogonal` for widths
 without one; ``"random"``: random orthogonal matrices), ``seed``, ``heads`` (also rotate each value
 / output head pair by ``R2``, default true), ``r4`` (an online Hadamard transform of each down
@@ -15,14 +15,18 @@ computed in float64; the function is unchanged up to the weights' rounding.
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Any
+
 import torch
 
 from ..rotation import ResidualLayout, apply_online, has_hadamard, online_hadamard, orthogonal, random_orthogonal
 from ..rotation import rotate as rotate_tree
 from ..spec import Site
 from .base import Fit, register_algorithm
+from .options import option, options_checker
 
-__all__ = ["ROTATIONS", "rotation_matrix", "rotate_step", "check_options", "online_r3_r4", "fuse_online"]
+__all__ = ["ROTATIONS", "rotation_matrix", "step", "Options", "check_options", "online_r3_r4", "fuse_online"]
 
 ROTATIONS = ("hadamard", "random")
 
@@ -34,24 +38,23 @@ def rotation_matrix(n: int, rotation: str, seed: int) -> torch.Tensor:
     return orthogonal(n, seed, dtype=torch.float64)
 
 
-def _flag(name: str, value, *, none: bool = False) -> None:
-    if not isinstance(value, bool) and not (none and value is None):
-        raise TypeError(f"rotate: {name} must be true or false{' or null' if none else ''}, got {value!r}")
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Options:
+    """``rotate``'s options (see the module docstring)."""
+
+    layout: Any = option(None, doc="a ResidualLayout or its dict, replacing the plan's (Plan.layout)")
+    rotation: str = option("hadamard", choices=ROTATIONS, doc="hadamard or random orthogonal matrices")
+    seed: int = option(0, doc="seed of the randomised matrices")
+    heads: bool = option(True, doc="also rotate each value/output head pair (R2)")
+    r3: bool | None = option(None, doc="online Hadamard on queries and keys (default: when the keys are quantized)")
+    r4: bool = option(True, doc="online Hadamard before each down projection")
+
+    def __post_init__(self):
+        if self.layout is not None:
+            ResidualLayout.from_value(self.layout, where="layout")
 
 
-def check_options(*, path=None, layout=None, rotation="hadamard", seed=0, heads=True, r3=None, r4=True,
-                  **unknown) -> None:
-    if unknown:
-        raise ValueError(f"rotate: unknown option(s) {sorted(unknown)}; options: layout, rotation, seed, heads, r3, r4")
-    if rotation not in ROTATIONS:
-        raise ValueError(f"rotate: rotation must be one of {list(ROTATIONS)}, got {rotation!r}")
-    if not isinstance(seed, int) or isinstance(seed, bool):
-        raise TypeError(f"rotate: seed must be an int, got {seed!r}")
-    _flag("heads", heads)
-    _flag("r3", r3, none=True)
-    _flag("r4", r4)
-    if layout is not None:
-        ResidualLayout.from_value(layout, where="rotate: layout")
+check_options = options_checker("rotate", Options)
 
 
 def online_r3_r4(params, plan, lay: ResidualLayout, *, r3, r4: bool) -> dict:
@@ -77,13 +80,14 @@ def fuse_online(tree, online, *, dtype=torch.float64) -> dict:
     return {p: apply_online(tree[p].to(dtype), rot).to(tree[p].dtype) for p, rot in paths.items()}
 
 
-def rotate_step(params, plan, *, context, layout=None, rotation: str = "hadamard", seed: int = 0,
+def step(params, plan, *, context, layout=None, rotation: str = "hadamard", seed: int = 0,
                 heads: bool = True, r3=None, r4: bool = True) -> Fit:
     """The ``rotate`` step (see the module docstring)."""
     check_options(layout=layout, rotation=rotation, seed=seed, heads=heads, r3=r3, r4=r4)
+    layout = plan.layout if layout is None else layout
     if layout is None:
-        raise ValueError("rotate: layout: no residual layout given; bridge.quantize fills it from the model's "
-                         "architecture table (bridge.arch.residual_layout), or pass layout=ResidualLayout(...)")
+        raise ValueError("rotate: no residual layout: the plan has none (Plan.layout; bridge.plan fills it from the "
+                         "model's architecture table, bridge.arch.residual_layout) and no layout option was given")
     lay = ResidualLayout.from_value(layout, where="rotate: layout")
     emb = params.get(lay.embeddings[0]) if lay.embeddings else None
     if not isinstance(emb, torch.Tensor):
@@ -104,7 +108,10 @@ def rotate_step(params, plan, *, context, layout=None, rotation: str = "hadamard
     return Fit(params=changed, info=info, online=online)
 
 
-register_algorithm("rotate", rotate_step, check_options=check_options,
+register_algorithm("rotate", step, options=Options, requires=("layout",),
                    description="QuaRot: norms fused, residual stream and heads rotated (randomised Hadamard), "
                                "online Hadamard before the down projections (and on queries/keys); the function "
                                "unchanged")
+
+#: The old name of :func:`step` (kept for one version).
+rotate_step = step

@@ -14,38 +14,52 @@ True
 
 from __future__ import annotations
 
-from .._checks import where
+import dataclasses
+from typing import Any
+
 from ..observers import choose_qparams, make_observer
 from .base import Fit, register_algorithm
+from .options import option, options_checker
 
-__all__ = ["rtn", "check_options", "check_range_observer"]
-
-
-def check_options(*, path: str | None = None, **options) -> None:
-    """``observer``: a name (``"mse"``), a dict ``{"name": ..., **options}`` or an observer instance."""
-    unknown = sorted(set(options) - {"observer"})
-    if unknown:
-        raise ValueError(f"{where(path)}rtn: unknown option(s) {unknown}; known: ['observer']")
-    if "observer" in options:
-        check_range_observer(options["observer"], f"{where(path)}rtn")
+__all__ = ["step", "Options", "check_options", "check_range_observer"]
 
 
-def check_range_observer(value, at: str) -> None:
-    """``ValueError`` (prefixed ``at``) unless ``value`` makes an observer that gives a quantization range."""
+def check_range_observer(value, at: str | None = None) -> None:
+    """``ValueError`` (prefixed ``at: `` when given) unless ``value`` makes an observer that gives a
+    quantization range."""
+    pre = f"{at}: " if at else ""
     try:
         obs = make_observer(value)
     except (TypeError, ValueError) as e:
-        raise ValueError(f"{at}: observer: {e}") from None
+        raise ValueError(f"{pre}observer: {e}") from None
     if not obs.gives_range:
-        raise ValueError(f"{at}: observer {obs.name!r} gives no quantization range (use minmax, percentile or mse)")
+        raise ValueError(f"{pre}observer {obs.name!r} gives no quantization range (use minmax, percentile or mse)")
 
 
-def rtn(params, plan, *, context, observer=None) -> Fit:
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Options:
+    """``rtn``'s options: ``observer``, a name (``"mse"``), a dict ``{"name": ..., **options}`` or an
+    observer instance (default ``"minmax"``)."""
+
+    observer: Any = option(None, doc="the range observer: minmax, percentile, mse or {name: ..., ...}")
+
+    def __post_init__(self):
+        if self.observer is not None:
+            check_range_observer(self.observer)
+
+
+check_options = options_checker("rtn", Options)
+
+
+def step(params, plan, *, context, observer=None) -> Fit:
     """Round-to-nearest parameters for every path the plan quantizes."""
     obs = make_observer(observer)
     return Fit(qparams={path: choose_qparams(params[path], spec, observer=obs, path=path)
                         for path, spec in context.track(plan.specs.items(), desc="rtn")})
 
 
-register_algorithm("rtn", rtn, local=True, check_options=check_options,
+register_algorithm("rtn", step, local=True, options=Options,
                    description="round to nearest (observer: minmax, percentile or mse)")
+
+#: The old name of :func:`step` (kept for one version).
+rtn = step

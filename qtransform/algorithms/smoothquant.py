@@ -20,12 +20,13 @@ groups are smoothed in order, each seeing the tensors as the groups before it le
 ``alpha="auto"`` (AMD Quark's auto-SmoothQuant) chooses, per group, α on the grid
 ``linspace(0, 1, grid)`` or no smoothing at all, whichever gives the smallest error of the group's
 outputs with activations quantized by ``activation`` (default int8 per tensor, static) and weights
-by the plan's specs, measured on up to ``tokens`` sampled input rows (:mod:`.scale_search`).
+by the plan's specs, measured on up to ``tokens`` sampled input rows (:mod:`.smoothquant_math`).
 Without an ``activation`` option, the search quantizes a group's input as the recipe does (the
 plan's activation spec of its first linear's input), or int8 per tensor where the recipe has none.
 
-The groups come from the model's architecture: ``bridge.quantize`` fills the ``groups`` option
-from its tables (``bridge.arch``); given explicitly, they are dicts ``{"prev": ..., "linears": [...]}``.
+The groups are a fact of the model: the plan's (``Plan.groups``, which ``bridge.plan`` fills from its
+architecture tables, ``bridge.arch``); a ``groups`` option, dicts ``{"prev": ..., "linears": [...]}``,
+replaces them for this step.
 
 >>> import torch, qtransform as qt
 >>> from qtransform.algorithms.smoothquant import scales
@@ -35,170 +36,60 @@ from its tables (``bridge.arch``); given explicitly, they are dicts ``{"prev": .
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from typing import Any, Mapping, NamedTuple, Sequence
+from typing import Any
 
-import torch
-
-from .._checks import where
 from ..observers import finalize_stats, init_stats
-from ..spec import QuantSpec, Site
+from ..spec import Site
 from .base import BlockInputs, Fit, block_tokens, register_algorithm
-from .scale_search import Rows, check_activation, layer_errors, sample_stats
-from .smoothing import SmoothGroup, as_groups, block_groups, fold, group_shape, to_prev, weight_absmax
+from .options import option, options_checker
+from .smoothing import as_groups, block_groups, fold
+from .smoothquant_math import EPS, Choice, _group_scales, check_activation, sample_stats, scales, search, smooth
 
-__all__ = ["EPS", "scales", "smooth", "search", "Choice", "check_options", "smoothquant"]
+__all__ = ["EPS", "scales", "smooth", "search", "Choice", "Options", "check_options", "step"]
 
-#: Floor of the activation and weight maxima in :func:`scales`.
-EPS = 1e-5
-_OPTIONS = ("alpha", "groups", "activation", "grid", "tokens")
-_SEARCH_ONLY = ("activation", "grid", "tokens")
-
-
-def scales(act_absmax: torch.Tensor, weight_absmax: torch.Tensor, alpha, *, eps: float = EPS) -> torch.Tensor:
-    """SmoothQuant's scales ``max(a, eps)^α / max(w, eps)^(1−α)``, divided by their geometric mean.
-
-    ``act_absmax`` and ``weight_absmax`` have shape ``(C,)``; ``alpha`` is a float in ``[0, 1]`` or a
-    tensor of them broadcasting against ``(..., C)`` (e.g. ``(A, 1)`` for a grid: result ``(A, C)``).
-    Computed in float32 (or float64 for float64 inputs) in the log domain.
-    """
-    dt = torch.promote_types(torch.promote_types(act_absmax.dtype, weight_absmax.dtype), torch.float32)
-    alpha = torch.as_tensor(alpha, dtype=dt, device=act_absmax.device)
-    log_s = (alpha * act_absmax.to(dt).clamp(min=eps).log()
-             - (1 - alpha) * weight_absmax.to(dt).clamp(min=eps).log())
-    return (log_s - log_s.mean(-1, keepdim=True)).exp()
-
-
-def _group_scales(params, group: SmoothGroup, act_absmax: torch.Tensor, alpha) -> torch.Tensor:
-    shape = group_shape(params, group)
-    if tuple(act_absmax.shape) != (shape.channels,):
-        raise ValueError(f"smoothing group of {group.prev!r}: activation maxima of shape "
-                         f"{tuple(act_absmax.shape)}, its linears read {shape.channels} channels")
-    return scales(to_prev(act_absmax.float(), group, shape), to_prev(weight_absmax(params, group), group, shape),
-                  alpha)
-
-
-def smooth(params: Mapping[str, torch.Tensor], groups: Sequence, act_absmax: Sequence[torch.Tensor], *,
-           alpha: float = 0.5) -> dict[str, torch.Tensor]:
-    """Smooth ``groups`` of the flat tree ``params`` with a fixed ``alpha`` (pure; ``params`` unchanged).
-
-    Args:
-        params: ``{path: tensor}``.
-        groups: :class:`~qtransform.algorithms.smoothing.SmoothGroup` or their dicts, smoothed in order
-            (a group sees the tensors as the groups before it left them).
-        act_absmax: per group, ``max |x|`` per input channel of its linears (``(C,)``), e.g.
-            ``finalize_stats(channel statistics).absmax``.
-        alpha: migration strength in ``[0, 1]``.
-
-    Returns:
-        ``{path: tensor}``: every tensor the groups changed.
-
-    >>> import torch
-    >>> params = {"ln.weight": torch.ones(2), "ln.bias": torch.ones(2), "fc.weight": torch.ones(3, 2)}
-    >>> new = smooth(params, [{"prev": "ln", "linears": ["fc"]}], [torch.tensor([16.0, 1.0])], alpha=1.0)
-    >>> new["ln.weight"].tolist(), new["ln.bias"].tolist(), new["fc.weight"][0].tolist()
-    ([0.25, 4.0], [0.25, 4.0], [4.0, 0.25])
-    """
-    _check_alpha(alpha, None, auto=False)
-    groups = as_groups(groups)
-    if len(act_absmax) != len(groups):
-        raise ValueError(f"smooth: {len(groups)} groups but {len(act_absmax)} activation maxima")
-    current, changed = dict(params), {}
-    for g, a in zip(groups, act_absmax):
-        new = fold(current, g, _group_scales(current, g, a, float(alpha)))
-        current.update(new)
-        changed.update(new)
-    return changed
-
-
-class Choice(NamedTuple):
-    """What :func:`search` chose: ``alpha`` (``None``: no smoothing), its ``scales`` (``None`` too),
-    the candidates' ``alphas`` and ``errors`` (no smoothing first, then the grid)."""
-
-    alpha: float | None
-    scales: torch.Tensor | None
-    alphas: tuple[float | None, ...]
-    errors: torch.Tensor
-
-
-def search(sample: Rows, params: Mapping[str, torch.Tensor], group, *, activation=None,
-           weight_specs: Mapping[str, QuantSpec | None] | None = None, grid: int = 11) -> Choice:
-    """α for one group minimising its quantized output error on ``sample`` (auto-SmoothQuant).
-
-    The candidates are no smoothing and the scales of every α in ``linspace(0, 1, grid)`` (the
-    activation maxima being the range of all rows, ``sample.lo``/``sample.hi``); the first with the
-    smallest :func:`~qtransform.algorithms.scale_search.layer_errors` wins, so the choice never does
-    worse on the sample than leaving the group alone. ``activation``: the activation spec (default
-    int8 per tensor, static); ``weight_specs``: ``{linear path: spec}`` (default: weights not quantized).
-    """
-    group = SmoothGroup.from_value(group)
-    activation = check_activation(QuantSpec(format="int8") if activation is None else activation)
-    _check_int("grid", grid, 2, None)
-    alphas = torch.linspace(0, 1, grid, dtype=torch.float64)
-    act = torch.maximum(sample.lo.abs(), sample.hi.abs())
-    cand = _group_scales(params, group, act, alphas[:, None])
-    cand = torch.cat([torch.ones_like(cand[:1]), cand])
-    errors = layer_errors(sample, params, group, cand, activation=activation, weight_specs=weight_specs or {})
-    best = int(torch.argmin(errors))
-    grid_alphas = tuple(round(float(a), 12) for a in alphas)
-    return Choice(None if best == 0 else grid_alphas[best - 1], None if best == 0 else cand[best].float(),
-                  (None, *grid_alphas), errors)
-
-
-def _check_int(name, v, lo, path) -> None:
-    if isinstance(v, bool) or not isinstance(v, int) or v < lo:
-        raise ValueError(f"{where(path)}smoothquant: {name} must be an int >= {lo}, got {v!r}")
-
-
-def _check_alpha(alpha, path, *, auto: bool = True) -> None:
-    if isinstance(alpha, str):
-        ok = auto and alpha == "auto"
-    else:
-        ok = isinstance(alpha, (int, float)) and not isinstance(alpha, bool) and 0 <= alpha <= 1  # NaN fails
-    if not ok:
-        also = ' or "auto"' if auto else ""
-        raise ValueError(f"{where(path)}smoothquant: alpha must be a number in [0, 1]{also}, got {alpha!r}")
-
-
-def check_options(*, path: str | None = None, **options) -> None:
-    """``alpha`` (float in [0, 1], default 0.5, or ``"auto"``), ``groups`` (list of group dicts; filled by
-    the bridge when absent), and with ``alpha="auto"``: ``activation`` (QuantSpec dict), ``grid`` (int >= 2,
-    default 11), ``tokens`` (sampled rows per group and block, int >= 1, default 1024).
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Options:
+    """``smoothquant``'s options.
 
     >>> check_options(alpha=1.5)
     Traceback (most recent call last):
     ...
     ValueError: smoothquant: alpha must be a number in [0, 1] or "auto", got 1.5
     """
-    unknown = sorted(set(options) - set(_OPTIONS))
-    if unknown:
-        raise ValueError(f"{where(path)}smoothquant: unknown option(s) {unknown}; known: {list(_OPTIONS)}")
-    alpha = options.get("alpha", 0.5)
-    _check_alpha(alpha, path)
-    extra = [k for k in _SEARCH_ONLY if k in options]
-    if alpha != "auto" and extra:
-        raise ValueError(f"{where(path)}smoothquant: {extra} apply to alpha='auto' (the search), not alpha={alpha!r}")
-    if options.get("groups") is not None:
-        try:
-            as_groups(options["groups"])
-        except (TypeError, ValueError) as e:
-            raise ValueError(f"{where(path)}smoothquant: {e}") from None
-    if "activation" in options:
-        check_activation(options["activation"], where_=f"{where(path)}smoothquant: activation")
-    if "grid" in options:
-        _check_int("grid", options["grid"], 2, path)
-    if "tokens" in options:
-        _check_int("tokens", options["tokens"], 1, path)
+
+    alpha: float | str = option(0.5, expect='a number in [0, 1] or "auto"', doc='migration strength in [0, 1], or "auto" (searched per group)')
+    groups: list | None = option(None, doc="smoothing groups replacing the plan's (Plan.groups)")
+    activation: Any = option(None, doc='alpha="auto": the activation spec (a QuantSpec dict) the search uses')
+    grid: int | None = option(None, ge=2, doc='alpha="auto": points of the alpha grid (default 11)')
+    tokens: int | None = option(None, ge=1, doc='alpha="auto": sampled rows per group and block (default 1024)')
+
+    def __post_init__(self):
+        a = self.alpha
+        if a != "auto" and (isinstance(a, str) or not 0 <= a <= 1):  # NaN fails
+            raise ValueError(f'alpha must be a number in [0, 1] or "auto", got {a!r}')
+        extra = [k for k in ("activation", "grid", "tokens") if getattr(self, k) is not None]
+        if a != "auto" and extra:
+            raise ValueError(f"{extra} apply to alpha='auto' (the search), not alpha={a!r}")
+        if self.groups is not None:
+            as_groups(self.groups)
+        if self.activation is not None:
+            check_activation(self.activation, where_="activation")
 
 
-def smoothquant(params, plan, *, context, alpha: Any = 0.5, groups=None, activation=None, grid: int | None = None,
+check_options = options_checker("smoothquant", Options)
+
+
+def step(params, plan, *, context, alpha: Any = 0.5, groups=None, activation=None, grid: int | None = None,
                 tokens: int | None = None) -> Fit:
     """The ``smoothquant`` step on one block (``context.block``); see the module docstring."""
     given = {k: v for k, v in dict(activation=activation, grid=grid, tokens=tokens).items() if v is not None}
     check_options(alpha=alpha, groups=groups, **given)
+    groups = plan.groups if groups is None else groups
     if groups is None:
-        raise ValueError("smoothquant: groups: no smoothing groups given; bridge.quantize fills them from the "
-                         "model's architecture table (bridge.arch), or pass groups=[{'prev': ..., 'linears': [...]}]")
+        raise ValueError("smoothquant: no smoothing groups: the plan has none (Plan.groups; bridge.plan fills them "
+                         "from the model's architecture table, bridge.arch) and no groups option was given")
     block = context.block
     if block is None:
         raise ValueError("smoothquant runs block by block on calibration data (a calibrator's blockwise)")
@@ -234,5 +125,8 @@ def smoothquant(params, plan, *, context, alpha: Any = 0.5, groups=None, activat
     return Fit(params=changed, info=info)
 
 
-register_algorithm("smoothquant", smoothquant, needs=BlockInputs(), check_options=check_options,
+register_algorithm("smoothquant", step, needs=BlockInputs(), options=Options, requires=("groups",),
                    description="SmoothQuant: activation outliers folded into the weights (alpha fixed or 'auto')")
+
+#: The old name of :func:`step` (kept for one version).
+smoothquant = step

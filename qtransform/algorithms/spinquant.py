@@ -21,7 +21,7 @@ best one it saw: the mean calibration loss (over up to four batches spread over 
 rotated tree is measured at the start, every ``iters / 20`` iterations and at the end, and the
 rotations of the lowest are returned: never worse, on the calibration data, than the Hadamard start.
 
-Options: ``layout`` (filled by the bridge), ``iters`` (default 100), ``lr`` (0.1), ``momentum`` (0),
+Options: ``layout`` (replaces the plan's ``Plan.layout``, which the bridge fills), ``iters`` (default 100), ``lr`` (0.1), ``momentum`` (0),
 ``learn`` (``["r1", "r2"]``, or one of them), ``seed``, ``r3``, ``r4`` (as for ``rotate``),
 ``batches`` (calibration batches used, spread over the data; default all, cycled), ``weights``
 (``"rtn"`` or ``"float"``: the weights while learning; default ``"float"`` when a ``gptq`` step
@@ -32,6 +32,9 @@ to quantize the learned, rotated weights.
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Any
+
 import torch
 
 from ..rotation import ResidualLayout, fuse_norms
@@ -40,9 +43,10 @@ from ..rotation.stiefel import cayley_sgd_step
 from ..observers import choose_qparams
 from ..tensor import fake_quantize
 from .base import Fit, ModelLoss, register_algorithm
+from .options import option, options_checker
 from .rotate import fuse_online, online_r3_r4, rotation_matrix
 
-__all__ = ["spinquant", "check_options", "LEARNABLE"]
+__all__ = ["step", "Options", "check_options", "LEARNABLE"]
 
 LEARNABLE = ("r1", "r2")
 WEIGHTS = ("rtn", "float")
@@ -50,29 +54,29 @@ SELECT = 4  # calibration batches the kept iterate is chosen on (spread over the
 CHECKS = 20  # iterates compared, besides the end (the start is the first)
 
 
-def check_options(*, path=None, layout=None, iters=100, lr=0.1, momentum=0.0, learn=LEARNABLE, seed=0, r3=None,
-                  r4=True, batches=None, weights=None, **unknown) -> None:
-    if unknown:
-        raise ValueError(f"spinquant: unknown option(s) {sorted(unknown)}; options: layout, iters, lr, momentum, "
-                         "learn, seed, r3, r4, batches, weights")
-    if weights is not None and weights not in WEIGHTS:
-        raise ValueError(f"spinquant: weights must be one of {list(WEIGHTS)} or null, got {weights!r}")
-    if isinstance(iters, bool) or not isinstance(iters, int) or iters < 0:
-        raise ValueError(f"spinquant: iters must be an int >= 0, got {iters!r}")
-    if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not lr > 0:
-        raise ValueError(f"spinquant: lr must be a number > 0, got {lr!r}")
-    if isinstance(momentum, bool) or not isinstance(momentum, (int, float)) or not 0 <= momentum < 1:
-        raise ValueError(f"spinquant: momentum must be in [0, 1), got {momentum!r}")
-    if isinstance(learn, str) or not isinstance(learn, (list, tuple)) or not learn or not set(learn) <= set(LEARNABLE):
-        raise ValueError(f"spinquant: learn must be a non-empty list of {list(LEARNABLE)}, got {learn!r}")
-    if isinstance(seed, bool) or not isinstance(seed, int):
-        raise TypeError(f"spinquant: seed must be an int, got {seed!r}")
-    if r3 is not None and not isinstance(r3, bool) or not isinstance(r4, bool):
-        raise TypeError(f"spinquant: r3 must be true, false or null and r4 true or false, got {r3!r}, {r4!r}")
-    if batches is not None and (isinstance(batches, bool) or not isinstance(batches, int) or batches < 1):
-        raise ValueError(f"spinquant: batches must be an int >= 1 or null, got {batches!r}")
-    if layout is not None:
-        ResidualLayout.from_value(layout, where="spinquant: layout")
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Options:
+    """``spinquant``'s options (see the module docstring)."""
+
+    layout: Any = option(None, doc="a ResidualLayout or its dict, replacing the plan's (Plan.layout)")
+    iters: int = option(100, ge=0, doc="Cayley SGD iterations")
+    lr: float = option(0.1, gt=0, doc="learning rate, decaying linearly to zero")
+    momentum: float = option(0.0, ge=0, lt=1, doc="momentum of the Cayley SGD")
+    learn: list = option(LEARNABLE, doc="the rotations learned: r1 and/or r2")
+    seed: int = option(0, doc="seed of the Hadamard start")
+    r3: bool | None = option(None, doc="as for rotate")
+    r4: bool = option(True, doc="as for rotate")
+    batches: int | None = option(None, ge=1, doc="calibration batches used (default all)")
+    weights: str | None = option(None, choices=WEIGHTS, doc="the weights while learning: rtn or float")
+
+    def __post_init__(self):
+        if not self.learn or not all(isinstance(k, str) for k in self.learn) or not set(self.learn) <= set(LEARNABLE):
+            raise ValueError(f"learn must be a non-empty list of {list(LEARNABLE)}, got {self.learn!r}")
+        if self.layout is not None:
+            ResidualLayout.from_value(self.layout, where="layout")
+
+
+check_options = options_checker("spinquant", Options)
 
 
 def _fake_quantized(tree: dict, specs) -> dict:
@@ -105,14 +109,15 @@ def _spread(n: int, k: int | None) -> list[int]:
     return sorted({round(j * (n - 1) / max(k - 1, 1)) for j in range(k)})
 
 
-def spinquant(params, plan, *, context, layout=None, iters: int = 100, lr: float = 0.1, momentum: float = 0.0,
+def step(params, plan, *, context, layout=None, iters: int = 100, lr: float = 0.1, momentum: float = 0.0,
               learn=LEARNABLE, seed: int = 0, r3=None, r4: bool = True, batches=None, weights=None) -> Fit:
     """The ``spinquant`` step (see the module docstring)."""
     check_options(layout=layout, iters=iters, lr=lr, momentum=momentum, learn=learn, seed=seed, r3=r3, r4=r4,
                   batches=batches, weights=weights)
+    layout = plan.layout if layout is None else layout
     if layout is None:
-        raise ValueError("spinquant: layout: no residual layout given; bridge.quantize fills it from the model's "
-                         "architecture table (bridge.arch.residual_layout), or pass layout=ResidualLayout(...)")
+        raise ValueError("spinquant: no residual layout: the plan has none (Plan.layout; bridge.plan fills it from the "
+                         "model's architecture table, bridge.arch.residual_layout) and no layout option was given")
     if context.loss is None:
         raise ValueError("spinquant learns on the model's loss over calibration data: run it with a calibrator "
                          "(bridge.quantize(..., calibration=...), `qtransform quantize --calib N`)")
@@ -180,7 +185,10 @@ def spinquant(params, plan, *, context, layout=None, iters: int = 100, lr: float
     return Fit(params=changed, info=info, online=online)
 
 
-register_algorithm("spinquant", spinquant, needs=ModelLoss(),
-                   check_options=check_options,
+register_algorithm("spinquant", step, needs=ModelLoss(),
+                   options=Options, requires=("layout",),
                    description="SpinQuant: QuaRot's rotations learned on the quantized model's loss (Cayley SGD "
                                "through torch.func.grad), online Hadamard transforms as in rotate")
+
+#: The old name of :func:`step` (kept for one version).
+spinquant = step

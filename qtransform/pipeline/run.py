@@ -34,12 +34,13 @@ import torch
 
 from .. import _tree
 from ..algorithms import ALGORITHMS, Block, BlockInputs, Context, Fit, ModelLoss, SiteStats
+from ..algorithms.base import FACTS
 from ..observers import Observer, init_stats
 from ..rotation.online import ROLES as ONLINE_ROLES
 from ..spec import Plan, Site, Step, as_plan
 from ..tensor import QParams
 
-__all__ = ["Calibrator", "run_steps", "check_steps"]
+__all__ = ["Calibrator", "run_steps", "check_steps", "check_facts"]
 
 
 class Calibrator(Protocol):
@@ -99,6 +100,17 @@ def check_steps(steps: Sequence[Step], *, calibrated: bool | None = None, on_loa
             raise ValueError(f"{at}: {step.name!r} {what} calibration data; "
                              "pass calibration batches (bridge.quantize(model, recipe, calibration=...), "
                              "`qtransform quantize --calib N`) or a calibrator")
+
+
+def check_facts(plan: Plan, *, where: str = "recipe.steps") -> None:
+    """``ValueError`` naming the first step whose algorithm ``requires`` a model fact (``Plan.groups``,
+    ``Plan.layout``) that ``plan`` does not have and the step's options do not give."""
+    for i, step in enumerate(plan.steps):
+        for fact in ALGORITHMS[step.name].requires:
+            if getattr(plan, fact, None) is None and step.options.get(fact) is None:
+                raise ValueError(f"{where}[{i}] ({step.name}): needs the model's {FACTS[fact]} (Plan.{fact}), which "
+                                 f"this plan does not have: bridge.plan fills it from the model's architecture "
+                                 f"table (bridge.arch); for a tree alone, pass Recipe.plan(tree, {fact}=...)")
 
 
 def _sites(algo, step: Step, plan: Plan, at: str) -> dict:
@@ -194,6 +206,7 @@ def run_steps(params: Any, recipe, *, types: Mapping[str, str] | None = None, ca
     plan = as_plan(recipe, params, types=types)
     check_steps(plan.steps, calibrated=calibrator is not None)
     _check_calibrator(plan.steps, calibrator)
+    check_facts(plan)
     flat = dict(_tree.flatten_with_paths(params)[0])
     total = Fit()
     for i, step in enumerate(plan.steps):

@@ -6,7 +6,7 @@ from .constructions import HadamardPlan, hadamard, hadamard_plan, hadamard_trans
 from .online import ROLES as ONLINE_ROLES, OnlineRotation, apply_online, check_online, online_hadamard
 from .orthogonal import (orthogonal, orthogonal_construction, random_hadamard, random_orthogonal,
                          random_signs)
-from .rotate import HeadPair, NormReaders, QueryKey, ResidualLayout, fuse_norms, rotate
+from .residual import HeadPair, NormReaders, QueryKey, ResidualLayout, fuse_norms, rotate
 
 __all__ = ["HadamardPlan", "hadamard", "hadamard_plan", "hadamard_transform", "has_hadamard", "ONLINE_ROLES", "OnlineRotation",
            "apply_online", "check_online", "online_hadamard", "orthogonal", "orthogonal_construction",

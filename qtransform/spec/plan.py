@@ -60,15 +60,47 @@ def module_of(path: str) -> str:
 class Plan(Mapping):
     """``{path: Match}`` for every tensor leaf of a tree, with the recipe that made it.
 
-    Build one with :meth:`qtransform.Recipe.plan`. Read-only. ``attention`` lists the module paths
-    of the attention layers (their key/value cache sites; the caller, who knows the model, names them).
+    Build one with :meth:`qtransform.Recipe.plan`. Read-only. The model's facts, which the caller who
+    knows the model gives (``bridge.plan`` from its architecture tables), not the user's choices:
+
+    * ``attention``: the module paths of the attention layers (their key/value cache sites);
+    * ``groups``: the smoothing groups, plain dicts ``{"prev": ..., "linears": [...], ...}``
+      (:mod:`qtransform.algorithms.smoothing`), read by ``smoothquant``, ``awq`` and ``gptq``; ``None``:
+      unknown;
+    * ``layout``: the residual-stream layout (a :class:`qtransform.rotation.ResidualLayout` or its dict),
+      read by ``rotate`` and ``spinquant``; ``None``: unknown.
+
+    A step that needs a fact the plan does not have refuses to run, naming itself (see
+    :func:`qtransform.check_steps`); the recipe, and so checkpoints, keep only what the user chose.
     """
 
-    def __init__(self, recipe, matches: Mapping[str, Match], *, attention: Iterable[str] = ()):
+    def __init__(self, recipe, matches: Mapping[str, Match], *, attention: Iterable[str] = (),
+                 groups: Iterable[Mapping] | None = None, layout=None):
         self.recipe = recipe
         self._matches = dict(matches)
         self.attention = _paths(attention)
+        self.groups = _groups(groups)
+        if isinstance(layout, (str, bytes)) or not (layout is None or isinstance(layout, Mapping)
+                                                    or hasattr(layout, "to_dict")):
+            raise TypeError(f"Plan: layout must be a ResidualLayout, its dict or None, got {type(layout).__name__}")
+        self.layout = layout
         self._specs = {p: m.spec for p, m in self._matches.items() if m.spec is not None}
+
+    def replace(self, **changes) -> "Plan":
+        """A copy with some of ``recipe``, ``matches``, ``attention``, ``groups``, ``layout`` replaced.
+
+        >>> import torch, qtransform as qt
+        >>> p = qt.Recipe(default=qt.QuantSpec(format="int8")).plan({"fc.weight": torch.ones(2, 2)})
+        >>> p.replace(groups=[{"prev": "ln", "linears": ["fc"]}]).groups, p.groups
+        (({'prev': 'ln', 'linears': ['fc']},), None)
+        """
+        unknown = sorted(set(changes) - {"recipe", "matches", "attention", "groups", "layout"})
+        if unknown:
+            raise TypeError(f"Plan.replace: unknown field(s) {unknown}")
+        now = dict(recipe=self.recipe, matches=self._matches, attention=self.attention, groups=self.groups,
+                   layout=self.layout)
+        now.update(changes)
+        return Plan(now.pop("recipe"), now.pop("matches"), **now)
 
     @property
     def steps(self) -> tuple:
@@ -122,7 +154,7 @@ class Plan(Mapping):
         missing = [p for p in paths if p not in self._matches]
         if missing:
             raise ValueError(f"Plan.restrict: path(s) not in the plan: {missing[:5]}")
-        return Plan(self.recipe, {p: self._matches[p] for p in paths}, attention=self.attention)
+        return self.replace(matches={p: self._matches[p] for p in paths})
 
     def __getitem__(self, path: str) -> Match:
         return self._matches[path]
@@ -135,6 +167,18 @@ class Plan(Mapping):
 
     def __repr__(self) -> str:
         return f"Plan({len(self._specs)} of {len(self._matches)} tensors quantized, steps={list(self.steps)})"
+
+
+def _groups(groups) -> tuple[dict, ...] | None:
+    if groups is None:
+        return None
+    if isinstance(groups, (str, Mapping)) or not isinstance(groups, Iterable):
+        raise TypeError(f"Plan: groups must be a list of smoothing group dicts or None, got {type(groups).__name__}")
+    out = tuple(groups)
+    bad = [g for g in out if not isinstance(g, Mapping)]
+    if bad:
+        raise TypeError(f"Plan: each smoothing group must be a dict {{'prev': ..., 'linears': [...]}}, got {bad[0]!r:.80}")
+    return tuple(dict(g) for g in out)
 
 
 def _paths(attention) -> tuple[str, ...]:

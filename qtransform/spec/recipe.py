@@ -198,11 +198,13 @@ class Recipe:
         spec = {"input": self.input, "output": self.output}.get(role, self.kv_cache)
         return Match(spec, ("kv_cache" if role in KV_ROLES else role) if spec is not None else "no rule")
 
-    def plan(self, tree: Any, *, types: Mapping[str, str] | None = None, attention=()) -> Plan:
+    def plan(self, tree: Any, *, types: Mapping[str, str] | None = None, attention=(), groups=None,
+             layout=None) -> Plan:
         """Resolve every tensor leaf of ``tree`` once: a :class:`Plan` (``{path: Match}`` in tree order).
 
         ``types`` maps paths to module type names, for ``type_rules``; ``attention`` lists the module
-        paths of the attention layers (for ``kv_cache``). Every leaf of ``tree`` must be a tensor
+        paths of the attention layers (for ``kv_cache``), ``groups`` the smoothing groups and ``layout``
+        the residual layout (the model's facts some steps read: :class:`Plan`). Every leaf of ``tree`` must be a tensor
         (``TypeError`` names the first that is not).
         """
         types = _check_types(types)
@@ -213,7 +215,7 @@ class Recipe:
                 kind = types.get(path)
                 m = self.resolve(path, module_type=kind, ndim=leaf.dim(), floating=leaf.is_floating_point())
                 matches[path] = m._replace(module_type=kind)
-        return Plan(self, matches, attention=attention)
+        return Plan(self, matches, attention=attention, groups=groups, layout=layout)
 
     def unmatched(self, paths) -> list[str]:
         """Rule and exclude globs that match none of ``paths`` (likely typos; ``:key``/``:value`` globs

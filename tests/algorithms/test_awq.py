@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import qtransform as qt
-from qtransform.algorithms.awq_search import (candidate_scales, input_mean, scaled_weights, search_scales,
+from qtransform.algorithms.awq_math import (candidate_scales, input_mean, scaled_weights, search_scales,
                                               weight_mean)
 from qtransform.algorithms.clip_search import input_gram, search_range
 from qtransform.algorithms.smoothing import SmoothGroup, group_shape

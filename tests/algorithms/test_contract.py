@@ -126,3 +126,32 @@ def test_rtn_with_each_range_observer_equals_choose_qparams():
         qt.check_algorithm_options("rtn", {"observer": "kl"})
     with pytest.raises(ValueError, match=r"rtn: unknown option\(s\) \['iters'\]"):
         qt.check_algorithm_options("rtn", {"iters": 3})
+
+
+def test_every_step_module_follows_the_convention():
+    """``<name>.py`` registers ``step`` as ``<name>``; no ``*_math.py`` module imports a step module."""
+    import ast
+    import importlib
+    import pathlib
+
+    import qtransform.algorithms as algorithms
+
+    folder = pathlib.Path(algorithms.__file__).parent
+    builtin = {"rtn", "hqq", "smoothquant", "gptq", "awq", "rotate", "spinquant"}
+    for name in builtin:
+        module = importlib.import_module(f"qtransform.algorithms.{name}")
+        assert qt.get_algorithm(name).fn is module.step, name
+    for path in folder.glob("*_math.py"):
+        tree = ast.parse(path.read_text())
+        imported = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.level == 1
+                    for a in ([ast.alias(n.module)] if n.module else n.names)}
+        assert not imported & builtin, f"{path.name} imports the step module(s) {sorted(imported & builtin)}"
+
+
+def test_block_tokens_come_from_the_caller_else_from_the_first_tensor():
+    from qtransform.algorithms.base import block_tokens
+
+    inputs = (((torch.zeros(2, 3, 4),), {}), ((), {"mask": torch.zeros(1, 5, 4), "x": torch.zeros(7, 4)}))
+    block = qt.Block(name="b", paths=(), inputs=inputs, run=lambda t: [], site_stats=lambda t, s: {})
+    assert qt.batch_tokens(*inputs[0]) == 6 and block_tokens(block) == 6 + 5  # no keyword is special in the core
+    assert block_tokens(block._replace(tokens=13)) == 13  # the caller knows which input holds the hidden states

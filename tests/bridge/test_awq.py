@@ -10,7 +10,7 @@ import torch
 
 import bridge
 import qtransform as qt
-from bridge.arch import smoothing_groups, with_groups
+from bridge.arch import smoothing_groups
 from bridge.calibrate import ModelCalibrator
 from bridge.calibrate.blocks import find_blocks
 from bridge.calibrate.sites import first_tensor, run_batch
@@ -52,7 +52,7 @@ def _recipe(spec=U4, *steps):
 
 
 def _fit(m, recipe, batches=None):
-    p = with_groups(m, plan(m, recipe))
+    p = plan(m, recipe)  # the plan carries the model's smoothing groups
     return qt.run_steps(bridge.extract(m), p, calibrator=ModelCalibrator(m, batches or _batches())), p
 
 
@@ -143,6 +143,19 @@ def test_awq_then_gptq_runs_both_and_beats_round_to_nearest():
     assert err["awq-gptq"] < err["rtn"]
 
 
+def test_the_saved_recipe_is_the_one_the_user_passed(tmp_path):
+    """The model's smoothing groups travel on the plan, not in the steps' options: the recipe that bridge.save
+    records after AWQ then GPTQ from Python is the recipe the user passed."""
+    m = tiny_with_outliers("llama")
+    recipe = qt.Recipe(type_rules={"Linear": U4}, exclude=["lm_head*"], steps=["awq", "gptq"])
+    qm = bridge.quantize(m, recipe, calibration=_batches(n=2))
+    bridge.save(qm, tmp_path / "q")
+    saved = bridge.read_metadata(tmp_path / "q").recipe
+    assert saved == recipe and saved.to_dict() == recipe.to_dict()
+    assert saved.steps == (qt.Step("awq"), qt.Step("gptq"))
+    assert '"prev"' not in (tmp_path / "q" / "config.json").read_text()  # no smoothing group recorded
+
+
 def test_the_token_budget_keeps_whole_batches_spread_over_the_data():
     from bridge.calibrate.blocks import spread
 
@@ -162,9 +175,10 @@ def test_the_step_sees_only_the_tokens_it_asked_for():
 
     def counting(params, plan_, *, context, groups=None, **options):
         seen.append(sum(a[0].shape[0] * a[0].shape[1] if a else 0 for a, _ in context.block.inputs))
+        assert context.block.tokens == seen[-1]  # counted by the bridge, which knows the hidden states
         return original.fn(params, plan_, context=context, groups=groups, **options)
 
-    qt.register_algorithm("awq_counting", counting, needs=original.needs, check_options=original.check_options)
+    qt.register_algorithm("awq_counting", counting, needs=original.needs, options=original.options)
     try:
         _fit(m, _recipe(U4, qt.Step("awq_counting", tokens=64)), _batches(n=6))  # 6 batches of 32 tokens
     finally:

@@ -115,7 +115,7 @@ def test_rotate_options_and_models_are_checked():
         bridge.quantize(model, _w4a8([qt.Step("rotate", angle=3), "rtn"]))
     with pytest.raises(ValueError, match="normalises with LayerNorm"):
         bridge.quantize(tiny_causal_lm("opt"), _w4a8(["rotate", "rtn"]))
-    with pytest.raises(ValueError, match="rotate: layout: no residual layout given"):
+    with pytest.raises(ValueError, match=r"steps\[0\] \(rotate\): needs the model's residual-stream layout \(Plan.layout\)"):
         qt.quantize_tree(bridge.extract(model), _w4a8(["rotate", "rtn"]))
     layout = residual_layout(model)
     assert qt.rotation.ResidualLayout.from_value(layout.to_dict()) == layout

@@ -9,7 +9,6 @@ from bridge_util import tiny_with_outliers
 
 import bridge
 import qtransform as qt
-from bridge.arch import with_layout
 from bridge.calibrate import ModelCalibrator
 from bridge.calibrate.loss import CalibrationLoss
 
@@ -27,7 +26,7 @@ def _recipe(*steps, input=A4):
 
 
 def _fit(model, *steps, cal=None):
-    p = with_layout(model, bridge.plan(model, _recipe(*steps)))
+    p = bridge.plan(model, _recipe(*steps))  # the plan carries the model's residual layout
     return qt.run_steps(bridge.extract(model), p, calibrator=ModelCalibrator(model, cal or _cal()))
 
 

@@ -110,7 +110,6 @@ def test_awq_folds_keep_the_default_models_logits(smollm2):
     """AWQ on the first two decoder layers of SmolLM2 (grouped-query attention: 9 heads, 3 key/value heads):
     the folded float model gives the original logits to float precision, and some scales were chosen."""
     import bridge
-    from bridge.arch import with_groups
     from bridge.calibrate import ModelCalibrator
     from bridge.calibrate.sites import run_batch
     from bridge.pipeline import plan
@@ -120,7 +119,7 @@ def test_awq_folds_keep_the_default_models_logits(smollm2):
     recipe = qt.Recipe(rules={"model.layers.[01].*proj.weight": spec}, steps=[qt.Step("awq", grid=4, tokens=256)])
     seqs = corpus.token_sequences(corpus.load_text("builtin", part="calibration"), tok, seq_len=128, max_sequences=4)
     params = bridge.extract(model)
-    fit = qt.run_steps(params, with_groups(model, plan(model, recipe)),
+    fit = qt.run_steps(params, plan(model, recipe),
                        calibrator=ModelCalibrator(model, list(seqs.split(2))))
     assert {".".join(p.split(".")[:3]) for p in fit.params} <= {"model.layers.0", "model.layers.1"}
     assert any(v["awq_alpha"] != "none" for v in fit.info.values()) and len(fit.qparams) == 14
@@ -156,13 +155,12 @@ def test_online_rotations_keep_the_default_models_logits(smollm2):
     one of order 64 on queries and keys): installed on a rebuilt SmolLM2, the original logits; without
     them, not."""
     import bridge
-    from bridge.arch import with_layout
 
     model, tok = smollm2
     recipe = qt.Recipe(type_rules={"Linear": qt.QuantSpec(format="int8")}, exclude=["lm_head*"],
                        steps=[qt.Step("rotate", r3=True)])
     params = bridge.extract(model)
-    fit = qt.run_steps(params, with_layout(model, bridge.plan(model, recipe)))
+    fit = qt.run_steps(params, bridge.plan(model, recipe))
     assert {(s.role, r.size) for s, r in fit.online.items()} == {("input", 1536), ("key", 64)}
     ids = corpus.token_sequences(corpus.load_text("builtin", part="eval"), tok, seq_len=64, max_sequences=2)
     with torch.no_grad():

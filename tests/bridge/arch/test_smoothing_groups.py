@@ -7,7 +7,7 @@ import torch
 import transformers as tf
 
 import qtransform as qt
-from bridge.arch import find_arch, smoothing_groups, with_groups
+from bridge.arch import find_arch, smoothing_groups
 from bridge.pipeline import plan
 from bridge_util import tiny_causal_lm
 
@@ -105,15 +105,18 @@ def test_an_unsupported_architecture_names_what_is_missing():
         smoothing_groups(_model("llama"), kinds=["attention"])
 
 
-def test_with_groups_fills_only_the_steps_that_take_groups_and_have_none():
+def test_the_plan_carries_the_model_facts_and_the_recipe_stays_as_given():
     m = _model("llama")
     spec = qt.QuantSpec(format="int8", granularity=qt.PerChannel(0))
-    p = plan(m, qt.Recipe(type_rules={"Linear": spec}, exclude=["lm_head*"], steps=["rtn"]))
-    assert with_groups(m, p) is p  # nothing to fill: the architecture is not even looked up
     mine = [{"prev": "model.layers.0.input_layernorm", "linears": ["model.layers.0.self_attn.q_proj"]}]
-    p = plan(m, qt.Recipe(type_rules={"Linear": spec}, exclude=["lm_head*"],
-                          steps=[qt.Step("smoothquant", alpha=0.7), "rtn", qt.Step("smoothquant", groups=mine)]))
-    filled = with_groups(m, p)
-    assert filled.steps[0] == qt.Step("smoothquant", alpha=0.7, groups=smoothing_groups(m))
-    assert filled.steps[1:] == p.steps[1:]  # rtn takes no groups; explicit groups are kept
-    assert dict(filled.items()) == dict(p.items()) and filled.recipe.type_rules == p.recipe.type_rules
+    recipe = qt.Recipe(type_rules={"Linear": spec}, exclude=["lm_head*"],
+                       steps=[qt.Step("smoothquant", alpha=0.7), "rtn", qt.Step("smoothquant", groups=mine)])
+    p = plan(m, recipe)
+    assert p.groups == tuple(smoothing_groups(m)) and p.layout is not None
+    assert p.recipe == recipe  # no option filled in: the recipe holds only the user's choices
+    sub = p.restrict(["model.layers.0.self_attn.q_proj.weight"])
+    assert sub.groups == p.groups and sub.layout is p.layout and sub.attention == p.attention
+    assert plan(m, p).groups == p.groups  # a plan given keeps its facts
+    seq = torch.nn.Sequential(torch.nn.Linear(8, 8))
+    q = plan(seq, qt.Recipe(default=spec, steps=["rtn"]))  # no table fits: no facts, no error
+    assert q.groups is None and q.layout is None

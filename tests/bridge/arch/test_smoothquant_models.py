@@ -9,7 +9,7 @@ import torch
 
 import bridge
 import qtransform as qt
-from bridge.arch import smoothing_groups, with_groups
+from bridge.arch import smoothing_groups
 from bridge.calibrate import ModelCalibrator
 from bridge.pipeline import plan
 from bridge_util import tiny_causal_lm, tiny_with_outliers
@@ -35,7 +35,7 @@ def _recipe(**step):
 
 
 def _smoothed(m, recipe):
-    fit = qt.run_steps(bridge.extract(m), with_groups(m, plan(m, recipe)), calibrator=ModelCalibrator(m, _batches()))
+    fit = qt.run_steps(bridge.extract(m), plan(m, recipe), calibrator=ModelCalibrator(m, _batches()))
     out = copy.deepcopy(m)
     out.load_state_dict({**out.state_dict(), **fit.params})
     return fit, out
@@ -88,13 +88,14 @@ def test_missing_calibration_groups_or_architecture_are_named():
     m = _outliers("llama")
     with pytest.raises(ValueError, match=r"'smoothquant' runs block by block on calibration data"):
         bridge.quantize(m, qt.Recipe(type_rules={"Linear": W8}, steps=["smoothquant"]))
-    p = plan(m, qt.Recipe(type_rules={"Linear": W8}, steps=["smoothquant"]))
-    with pytest.raises(ValueError, match=r"smoothquant: groups: no smoothing groups given"):
+    p = plan(m, qt.Recipe(type_rules={"Linear": W8}, steps=["smoothquant"])).replace(groups=None)
+    with pytest.raises(ValueError, match=r"steps\[0\] \(smoothquant\): needs the model's smoothing groups \(Plan.groups\)"):
         qt.run_steps(bridge.extract(m), p, calibrator=ModelCalibrator(m, _batches()))
     across = [{"prev": "model.layers.0.input_layernorm", "linears": ["model.layers.1.self_attn.q_proj"]}]
     p = plan(m, qt.Recipe(type_rules={"Linear": W8}, steps=[qt.Step("smoothquant", groups=across)]))
     with pytest.raises(ValueError, match=r"input_layernorm.*is not inside one block of model.layers"):
         qt.run_steps(bridge.extract(m), p, calibrator=ModelCalibrator(m, _batches()))
     bert = tiny_causal_lm("bert")
-    with pytest.raises(ValueError, match=r"no architecture table fits BertForMaskedLM"):
+    with pytest.raises(ValueError, match=r"steps\[0\] \(smoothquant\): needs the groups of BertForMaskedLM.*"
+                                         r"no architecture table fits BertForMaskedLM"):
         bridge.quantize(bert, qt.Recipe(type_rules={"Linear": W8}, steps=["smoothquant"]), calibration=_batches())

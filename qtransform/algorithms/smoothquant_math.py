@@ -1,4 +1,6 @@
-"""Choosing smoothing scales on calibration data: the quantized layer output error of candidates.
+"""SmoothQuant's tensor math: the scales (:func:`scales`, :func:`smooth`) and, for ``alpha="auto"``,
+choosing them on calibration data (:func:`search`) by the quantized layer output error of candidates.
+:mod:`.smoothquant` registers the step.
 
 For a :class:`~qtransform.algorithms.smoothing.SmoothGroup` with input rows ``X`` (``(N, C)``, what
 enters its linears) and candidate scales ``S`` (``(A, prev)``, one row per candidate), the error of
@@ -31,7 +33,7 @@ True
 from __future__ import annotations
 
 import dataclasses
-from typing import Mapping, NamedTuple
+from typing import Mapping, NamedTuple, Sequence
 
 import torch
 
@@ -41,9 +43,13 @@ from ..granularity import PerChannel, PerTensor
 from ..observers import Observer, choose_qparams
 from ..spec import QuantSpec
 from ..tensor import fake_quantize
-from .smoothing import SmoothGroup, group_shape, logical_weight, to_input
+from .smoothing import SmoothGroup, as_groups, fold, group_shape, logical_weight, to_input, to_prev, weight_absmax
 
-__all__ = ["RowSample", "RowSampleStats", "Rows", "sample_stats", "check_activation", "layer_errors"]
+__all__ = ["RowSample", "RowSampleStats", "Rows", "sample_stats", "check_activation", "layer_errors", "EPS", "scales",
+           "smooth", "search", "Choice"]
+
+#: Floor of the activation and weight maxima in :func:`scales`.
+EPS = 1e-5
 
 
 @pytree_dataclass(static=("spec", "observer"))
@@ -168,3 +174,108 @@ def layer_errors(sample: Rows, params: Mapping[str, torch.Tensor], group: Smooth
             err = err + (xq @ wq.T - refs[lin]).double().pow(2).sum()
         errors.append(err)
     return torch.stack(errors)
+
+
+def scales(act_absmax: torch.Tensor, weight_absmax: torch.Tensor, alpha, *, eps: float = EPS) -> torch.Tensor:
+    """SmoothQuant's scales ``max(a, eps)^α / max(w, eps)^(1−α)``, divided by their geometric mean.
+
+    ``act_absmax`` and ``weight_absmax`` have shape ``(C,)``; ``alpha`` is a float in ``[0, 1]`` or a
+    tensor of them broadcasting against ``(..., C)`` (e.g. ``(A, 1)`` for a grid: result ``(A, C)``).
+    Computed in float32 (or float64 for float64 inputs) in the log domain.
+    """
+    dt = torch.promote_types(torch.promote_types(act_absmax.dtype, weight_absmax.dtype), torch.float32)
+    alpha = torch.as_tensor(alpha, dtype=dt, device=act_absmax.device)
+    log_s = (alpha * act_absmax.to(dt).clamp(min=eps).log()
+             - (1 - alpha) * weight_absmax.to(dt).clamp(min=eps).log())
+    return (log_s - log_s.mean(-1, keepdim=True)).exp()
+
+
+def _group_scales(params, group: SmoothGroup, act_absmax: torch.Tensor, alpha) -> torch.Tensor:
+    shape = group_shape(params, group)
+    if tuple(act_absmax.shape) != (shape.channels,):
+        raise ValueError(f"smoothing group of {group.prev!r}: activation maxima of shape "
+                         f"{tuple(act_absmax.shape)}, its linears read {shape.channels} channels")
+    return scales(to_prev(act_absmax.float(), group, shape), to_prev(weight_absmax(params, group), group, shape),
+                  alpha)
+
+
+def smooth(params: Mapping[str, torch.Tensor], groups: Sequence, act_absmax: Sequence[torch.Tensor], *,
+           alpha: float = 0.5) -> dict[str, torch.Tensor]:
+    """Smooth ``groups`` of the flat tree ``params`` with a fixed ``alpha`` (pure; ``params`` unchanged).
+
+    Args:
+        params: ``{path: tensor}``.
+        groups: :class:`~qtransform.algorithms.smoothing.SmoothGroup` or their dicts, smoothed in order
+            (a group sees the tensors as the groups before it left them).
+        act_absmax: per group, ``max |x|`` per input channel of its linears (``(C,)``), e.g.
+            ``finalize_stats(channel statistics).absmax``.
+        alpha: migration strength in ``[0, 1]``.
+
+    Returns:
+        ``{path: tensor}``: every tensor the groups changed.
+
+    >>> import torch
+    >>> params = {"ln.weight": torch.ones(2), "ln.bias": torch.ones(2), "fc.weight": torch.ones(3, 2)}
+    >>> new = smooth(params, [{"prev": "ln", "linears": ["fc"]}], [torch.tensor([16.0, 1.0])], alpha=1.0)
+    >>> new["ln.weight"].tolist(), new["ln.bias"].tolist(), new["fc.weight"][0].tolist()
+    ([0.25, 4.0], [0.25, 4.0], [4.0, 0.25])
+    """
+    _check_alpha(alpha, None, auto=False)
+    groups = as_groups(groups)
+    if len(act_absmax) != len(groups):
+        raise ValueError(f"smooth: {len(groups)} groups but {len(act_absmax)} activation maxima")
+    current, changed = dict(params), {}
+    for g, a in zip(groups, act_absmax):
+        new = fold(current, g, _group_scales(current, g, a, float(alpha)))
+        current.update(new)
+        changed.update(new)
+    return changed
+
+
+class Choice(NamedTuple):
+    """What :func:`search` chose: ``alpha`` (``None``: no smoothing), its ``scales`` (``None`` too),
+    the candidates' ``alphas`` and ``errors`` (no smoothing first, then the grid)."""
+
+    alpha: float | None
+    scales: torch.Tensor | None
+    alphas: tuple[float | None, ...]
+    errors: torch.Tensor
+
+
+def search(sample: Rows, params: Mapping[str, torch.Tensor], group, *, activation=None,
+           weight_specs: Mapping[str, QuantSpec | None] | None = None, grid: int = 11) -> Choice:
+    """α for one group minimising its quantized output error on ``sample`` (auto-SmoothQuant).
+
+    The candidates are no smoothing and the scales of every α in ``linspace(0, 1, grid)`` (the
+    activation maxima being the range of all rows, ``sample.lo``/``sample.hi``); the first with the
+    smallest :func:`layer_errors` wins, so the choice never does
+    worse on the sample than leaving the group alone. ``activation``: the activation spec (default
+    int8 per tensor, static); ``weight_specs``: ``{linear path: spec}`` (default: weights not quantized).
+    """
+    group = SmoothGroup.from_value(group)
+    activation = check_activation(QuantSpec(format="int8") if activation is None else activation)
+    _check_int("grid", grid, 2, None)
+    alphas = torch.linspace(0, 1, grid, dtype=torch.float64)
+    act = torch.maximum(sample.lo.abs(), sample.hi.abs())
+    cand = _group_scales(params, group, act, alphas[:, None])
+    cand = torch.cat([torch.ones_like(cand[:1]), cand])
+    errors = layer_errors(sample, params, group, cand, activation=activation, weight_specs=weight_specs or {})
+    best = int(torch.argmin(errors))
+    grid_alphas = tuple(round(float(a), 12) for a in alphas)
+    return Choice(None if best == 0 else grid_alphas[best - 1], None if best == 0 else cand[best].float(),
+                  (None, *grid_alphas), errors)
+
+
+def _check_int(name, v, lo, path) -> None:
+    if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+        raise ValueError(f"{where(path)}smoothquant: {name} must be an int >= {lo}, got {v!r}")
+
+
+def _check_alpha(alpha, path, *, auto: bool = True) -> None:
+    if isinstance(alpha, str):
+        ok = auto and alpha == "auto"
+    else:
+        ok = isinstance(alpha, (int, float)) and not isinstance(alpha, bool) and 0 <= alpha <= 1  # NaN fails
+    if not ok:
+        also = ' or "auto"' if auto else ""
+        raise ValueError(f"{where(path)}smoothquant: alpha must be a number in [0, 1]{also}, got {alpha!r}")

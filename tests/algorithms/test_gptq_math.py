@@ -11,7 +11,7 @@ import torch
 import qtransform as qt
 from qtransform.algorithms.clip_search import search_range
 from qtransform.algorithms.gptq import check_options
-from qtransform.algorithms.gptq_solver import gptq, gptq_many, inverse_hessian_factor
+from qtransform.algorithms.gptq_math import gptq, gptq_many, inverse_hessian_factor
 
 
 def problem(out=12, width=48, rows=400, seed=0):
@@ -232,9 +232,9 @@ def test_bad_arguments(kwargs, match):
 @pytest.mark.parametrize("options,match", [
     ({"damp": -1}, "damp"), ({"block_size": 0}, "block_size"), ({"colour": 1}, "unknown"),
     ({"static_groups": False}, "g_idx"), ({"observer": "hessian", "init": "minmax"}, "no quantization range"),
-    ({"observer": "mse"}, "init='minmax'"), ({"true_sequential": "yes"}, "true_sequential")])
+    ({"observer": "mse"}, "init='minmax'"), ({"true_sequential": "yes"}, "true_sequential must be true or false")])
 def test_step_options(options, match):
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises((ValueError, TypeError), match=match):
         check_options(**options)
     check_options(act_order=False, static_groups=False, init="hqq", damp=0.1, block_size=64)
     with warnings.catch_warnings():
