@@ -17,9 +17,9 @@ unreadable corpus, a damaged checkpoint...) print one line on stderr and exit wi
 (2 for bad arguments). Whatever can be checked without the weights (the recipe against the
 shapes of ``config.json``, where the outputs go, the numbers) is checked before the model
 loads. Nothing is written half-way: the checkpoint, ``report.json`` and the plot are
-assembled in the library's atomic directory (:func:`bridge.checkpoint.store.atomic_directory`)
-that is renamed at the end, ``--json`` files are written under a temporary name. When the reader of stdout goes away (``| head``) the command stops
-quietly with status 141.
+assembled in the library's atomic directory (:func:`bridge.checkpoint.store.atomic_directory`),
+renamed at the end; ``--json`` files are written under a temporary name. When the reader of
+stdout goes away (``| head``) the command stops quietly with status 141.
 """
 
 from __future__ import annotations
