@@ -112,7 +112,7 @@ def check_calibration(recipe, *, calibrated: bool) -> None:
     >>> check_calibration(qt.Recipe(input=qt.QuantSpec(format="int8")), calibrated=False)
     Traceback (most recent call last):
     ...
-    ValueError: the recipe's static activation specs (['input']) need calibration data (static scales are calibrated from it): pass calibration=batches to bridge.quantize or --calib N to `qtransform quantize`, or use dynamic=True activation specs
+    ValueError: the recipe's static activation specs (['input']) need calibration data ... --calib N ...
     """
     if calibrated:
         return

@@ -8,5 +8,5 @@ from .logical import TYPE_FALLBACK, model_plan, stored_transposed, transposed_sp
 from .quantized import Quantized
 from .rebuild import REBUILD_HOOKS, meta_skeleton, replace_module, submodule, to_module
 
-__all__ = ["extract", "module_types", "weight_paths", "tie_groups", "Quantized", "to_module", "submodule", "replace_module",
-           "meta_skeleton", "REBUILD_HOOKS", "model_plan", "transposed_spec", "stored_transposed", "TYPE_FALLBACK"]
+__all__ = ["extract", "module_types", "weight_paths", "tie_groups", "Quantized", "to_module", "submodule",
+           "replace_module", "meta_skeleton", "REBUILD_HOOKS", "model_plan", "transposed_spec", "stored_transposed", "TYPE_FALLBACK"]

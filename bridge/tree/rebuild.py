@@ -3,13 +3,13 @@
 ``to_module(model, qtree)`` returns a model with the structure of ``model`` and the values
 of ``qtree`` (a tree, or the pipeline's :class:`~bridge.tree.Quantized` result with its plan,
 activation quantizers and online rotations: the one way from a quantized result to a model, for
-:func:`bridge.quantize` and the ``qtransform`` command alike): every :class:`~qtransform.QTensor` leaf at ``"<module>.weight"`` turns its
-module (Linear, Conv2d, ConvTranspose2d, Embedding, EmbeddingBag, transformers Conv1D)
-into the quantized module; other leaves are assigned as they are. With ``inplace=False``
-(the default) the original model is untouched: the copy is built as a skeleton on the
-``meta`` device and filled from the tree, so no weight is copied (unquantized tensors
-are shared with the tree, i.e. with the original model when the tree came from
-:func:`bridge.extract`). Paths missing from the tree keep the original's tensors.
+:func:`bridge.quantize` and the ``qtransform`` command alike): every
+:class:`~qtransform.QTensor` leaf at ``"<module>.weight"`` turns its module (Linear, Conv2d,
+ConvTranspose2d, Embedding, EmbeddingBag, transformers Conv1D) into the quantized module; other
+leaves are assigned as they are. With ``inplace=False`` (the default) the original model is
+untouched: the copy is built as a skeleton on the ``meta`` device and filled from the tree, so no
+weight is copied (unquantized tensors are shared with the tree, i.e. with the original model when
+the tree came from :func:`bridge.extract`). Paths missing from the tree keep the original's tensors.
 
 Functions registered in :data:`REBUILD_HOOKS` run on every rebuilt model (the transformers
 integration records the model's quantization config there, for ``save_pretrained``).

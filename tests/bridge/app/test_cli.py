@@ -10,7 +10,6 @@ import torch
 
 import qtransform as qt
 
-pytestmark = pytest.mark.filterwarnings("ignore")
 
 
 def run(*args, cwd=None):

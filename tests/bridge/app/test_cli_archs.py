@@ -20,7 +20,6 @@ import tiny_lm
 from bridge.app.cli import main
 from bridge_util import tiny_causal_lm
 
-pytestmark = pytest.mark.filterwarnings("ignore")
 
 ARCHS = ("llama", "mistral", "qwen2", "opt", "gpt2", "bert")
 PRESETS = tuple(qt.presets())

@@ -21,7 +21,6 @@ from bridge.app import models
 from bridge.app.cli import main
 from bridge_util import tiny_causal_lm
 
-pytestmark = pytest.mark.filterwarnings("ignore")
 
 
 @pytest.fixture(scope="module")
