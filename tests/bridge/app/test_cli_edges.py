@@ -21,6 +21,9 @@ from bridge.app import models
 from bridge.app.cli import main
 from bridge_util import tiny_causal_lm
 
+# Third-party warnings only, by category and module (ours, from bridge.* and qtransform.*, stay visible):
+# TorchScript's deprecation, raised when transformers is first imported (`-W default -rw` shows no other).
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning:torch.jit._script")
 
 
 @pytest.fixture(scope="module")
