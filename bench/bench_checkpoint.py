@@ -23,7 +23,7 @@ from common import markdown, timeit, write
 
 def main() -> None:
     from transformers import AutoModelForCausalLM
-    model = models.load_model().eval()
+    model = models.load_causal_lm().eval()
     recipe = qt.Recipe(default=qt.QuantSpec(format="int4", granularity=qt.PerGroup(64), symmetric=False),
                        exclude=["lm_head*"])
     qmodel = bridge.quantize(model, recipe)

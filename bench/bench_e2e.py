@@ -1,7 +1,7 @@
 """End-to-end CPU speed: prefill and decode tokens/s of whole models, ours beside fp32, bf16 and torchao.
 
 Models: ``smollm2`` (SmolLM2-135M-Instruct, the built-in default model, loaded offline by
-``bridge.app.models.load_model``) and ``llama1b`` (TinyLlama-1.1B's shape: hidden 2048, MLP 5632,
+``bridge.app.models.load_causal_lm``) and ``llama1b`` (TinyLlama-1.1B's shape: hidden 2048, MLP 5632,
 22 layers, 32 heads, 4 key/value heads, vocabulary 32000; built from a ``LlamaConfig`` with random
 N(0, 0.02) weights, seed 0: speed does not depend on the values).
 
@@ -97,7 +97,7 @@ def build_model(name: str, quick: bool):
     if name == "smollm2":
         from bridge.app import models
 
-        return models.load_model()  # fp32, eval mode, offline
+        return models.load_causal_lm()  # fp32, eval mode, offline
     if name != "llama1b":
         raise ValueError(f"--models: unknown model {name!r}; choose from {', '.join(MODELS)}")
     from transformers import LlamaConfig, LlamaForCausalLM

@@ -120,7 +120,7 @@ def setup(a) -> tuple:
     perplexity, and the files a peer reads: ``(calib.pt, eval.pt, model directory)`` (the model written only
     with ``a.peer_python``)."""
     torch.set_num_threads(a.threads)
-    model, tok = models.load()
+    model, tok = models.load_with_tokenizer()
     model.eval()
     ev = corpus.token_sequences(corpus.load_text("builtin", part="eval"), tok, seq_len=a.seq_len, max_sequences=a.eval)
     cal = corpus.token_sequences(corpus.load_text("builtin", part="calibration"), tok, seq_len=a.seq_len,

@@ -99,7 +99,7 @@ def main(argv=None):
                          "hqq runs faster on one thread than on two, so that is the fair setting)")
     args = ap.parse_args(argv)
 
-    model, tok = models.load()
+    model, tok = models.load_with_tokenizer()
     weights = linear_weights(model)
     numel = sum(w.numel() for w in weights.values())
     print(f"{len(weights)} linear weights, {numel / 1e6:.1f}M parameters", flush=True)

@@ -35,7 +35,7 @@ def rotated_unquantized(model, _):
     recipe = qt.Recipe(type_rules={"Linear": W4}, exclude=["lm_head*"], steps=[qt.Step("rotate", r3=True)])
     params = bridge.extract(model)
     fit = qt.run_steps(params, bridge.plan(model, recipe))
-    return bridge.to_module(model, qt.apply_fit(params, fit), online=fit.online)
+    return bridge.to_module(model, bridge.Quantized(params, qt.apply_fit(params, fit), online=fit.online))
 
 
 def schemes() -> dict:

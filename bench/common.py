@@ -76,7 +76,7 @@ def quality_runs(schemes: dict, a):
     import bridge
     from bridge.app import corpus, evaluate, models
 
-    model, tok = models.load()
+    model, tok = models.load_with_tokenizer()
     model.eval()
     ev = corpus.token_sequences(corpus.load_text("builtin", part="eval"), tok, seq_len=a.seq_len, max_sequences=a.eval)
     cal = list(corpus.token_sequences(corpus.load_text("builtin", part="calibration"), tok, seq_len=a.seq_len,

@@ -29,6 +29,7 @@ import os
 import shutil
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Callable
 
 from torch import nn
 
@@ -41,9 +42,9 @@ from .checkpoint.tree_io import (CONFIG, check_aliases, quantized_parts, read_me
                                  verify_checksums)
 from .modules.actquant import PREFIX, activation_specs, static_buffers
 from .modules.online import check as check_online, online_rotations
-from .tree import extract, tie_groups, to_module
+from .tree import Quantized, extract, tie_groups, to_module
 
-__all__ = ["save", "load", "imported_format", "from_source", "TOKENIZER_FILES"]
+__all__ = ["save", "checkpoint_writer", "load", "imported_format", "from_source", "TOKENIZER_FILES"]
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "vocab.json", "vocab.txt", "merges.txt", "added_tokens.json", "chat_template.jinja")
@@ -70,16 +71,20 @@ def _write_extras(model, tmp: Path, qconfig: dict, tokenizer) -> None:
 
 def save(model_or_qtree, directory, *, max_shard_size="2GB", overwrite: bool = False, recipe=None,
          recipe_name: str | None = None, rules: dict | None = None, tokenizer=None) -> None:
-    """Write a quantized model (or quantized tree) to ``directory`` as a qtransform checkpoint.
+    """Write a quantized model (or quantized tree, or the pipeline's result) to ``directory`` as a
+    qtransform checkpoint.
 
     Args:
         model_or_qtree: a model with quantized modules (from :func:`bridge.quantize` or
-            :func:`bridge.to_module`) or a tree ``{path: Tensor | QTensor}``.
+            :func:`bridge.to_module`), a tree ``{path: Tensor | QTensor}``, or a
+            :class:`~bridge.tree.Quantized` result of :func:`bridge.quantize_params` (its tree with its
+            recipe, rules, dynamic activation specs and online rotations; static activation scales
+            live in modules: save the model of the result, ``bridge.to_module(model, result)``).
         directory: target directory; must not exist or be empty unless ``overwrite``.
         max_shard_size: bytes per shard (``"2GB"``, ``"500MiB"`` or an int).
         overwrite: replace an existing non-empty directory.
         recipe: the :class:`~qtransform.Recipe` used, recorded in the metadata (a transformers model
-            quantized by :func:`bridge.quantize` records its own).
+            quantized by :func:`bridge.quantize`, and a ``Quantized`` result, record their own).
         recipe_name: the preset or recipe file it came from, for people.
         rules: ``{path: rule}``, the recipe rule that chose each quantized tensor's spec.
         tokenizer: a tokenizer to save alongside (``save_pretrained``).
@@ -87,6 +92,33 @@ def save(model_or_qtree, directory, *, max_shard_size="2GB", overwrite: bool = F
     store.parse_size(max_shard_size)  # bad arguments fail before anything is written
     if not isinstance(overwrite, bool):
         raise TypeError(f"save: overwrite must be True or False, got {overwrite!r}")
+    write = checkpoint_writer(model_or_qtree, max_shard_size=max_shard_size, recipe=recipe, recipe_name=recipe_name,
+                              rules=rules, tokenizer=tokenizer)
+    with store.atomic_directory(directory, overwrite=overwrite) as tmp:
+        write(tmp)
+
+
+def checkpoint_writer(model_or_qtree, *, max_shard_size="2GB", recipe=None, recipe_name: str | None = None,
+                      rules: dict | None = None, tokenizer=None) -> Callable[[Path], None]:
+    """Everything :func:`save` checks, checked now; returns ``write(directory)``, which writes the
+    checkpoint's files into an existing empty ``directory``: the temporary directory of a
+    :func:`bridge.checkpoint.store.atomic_directory` that the caller fills with more (the
+    ``qtransform`` command adds its report) before it appears whole. Arguments as :func:`save`'s.
+    """
+    store.parse_size(max_shard_size)  # bad arguments fail before anything is written
+    result = model_or_qtree if isinstance(model_or_qtree, Quantized) else None
+    if result is not None:
+        static = [str(s) for s, q in result.activations.items() if not (isinstance(q, qt.QuantSpec) and q.dynamic)]
+        if static:
+            raise ValueError(f"save: the static activation quantizers of a Quantized result ({static[:3]}) are "
+                             "buffers of their modules: save its model, bridge.save(bridge.to_module(model, result), "
+                             "directory)")
+        if result.plan is not None:
+            recipe = result.plan.recipe if recipe is None else recipe
+            if rules is None:
+                rules = {p: result.plan[p].rule for p, v in result.qtree.items()
+                         if isinstance(v, qt.QTensor) and p in result.plan}
+        model_or_qtree = result.qtree
     if rules is not None and not isinstance(rules, Mapping):
         raise TypeError(f"save: rules must be a dict of tensor path -> rule, got {type(rules).__name__}")
     if tokenizer is not None and not callable(getattr(tokenizer, "save_pretrained", None)):
@@ -97,6 +129,10 @@ def save(model_or_qtree, directory, *, max_shard_size="2GB", overwrite: bool = F
         raise TypeError(f"save: model_or_qtree must be a module or a tree of tensors and QTensors, got "
                         f"{type(model_or_qtree).__name__}")
     tree = extract(model) if model is not None else qt.flatten_tree(model_or_qtree)
+    if model is not None:
+        activations, online = activation_specs(model), online_rotations(model)
+    else:  # a tree: what a Quantized result carries with it
+        activations, online = (dict(result.activations) or None, dict(result.online) or None) if result else (None, None)
     layout = LAYOUTS["native"]
     groups, aliases = tensor_groups(tree, layout)
     quantized = {p: q for p, q in tree.items() if isinstance(q, qt.QTensor)}
@@ -106,18 +142,21 @@ def save(model_or_qtree, directory, *, max_shard_size="2GB", overwrite: bool = F
                               recipe_name=recipe_name or getattr(cfg, "recipe_name", None),
                               rules=rules if rules is not None else getattr(cfg, "rules", None), aliases=aliases,
                               skip_modules=getattr(cfg, "skip_modules", None),
-                              activations=activation_specs(model) if model is not None else None,
-                              online=online_rotations(model) if model is not None else None)
+                              activations=activations, online=online)
     try:  # what is written must read back: checked before anything is written
         metadata.decode(qconfig, where="bridge.save")
     except metadata.CheckpointError as e:
         raise ValueError(f"{e} (check the recipe_name= and rules= arguments)") from None
-    with store.atomic_directory(directory, overwrite=overwrite) as tmp:
-        store.write_shards(tmp, groups, max_shard_size=max_shard_size,
+
+    def write(directory: Path) -> None:
+        directory = Path(directory)
+        store.write_shards(directory, groups, max_shard_size=max_shard_size,
                            file_metadata={"format": "pt", "quant_method": metadata.QUANT_METHOD,
                                           "version": str(metadata.VERSION)},
                            index_metadata={"quant_method": metadata.QUANT_METHOD})
-        _write_extras(model, tmp, qconfig, tokenizer)
+        _write_extras(model, directory, qconfig, tokenizer)
+
+    return write
 
 
 def _tied_aliases(like: nn.Module, stored: set) -> dict[str, str]:
@@ -218,7 +257,7 @@ def _build(like: nn.Module, meta, tree: dict, act_parts: dict, kernel: str, root
     for site, spec in meta.activations.items():
         acts[site] = spec if spec.dynamic else qt.QParams(spec=spec, **{
             n.rpartition(".")[2].removeprefix(PREFIX[site.role]): tree.pop(n) for n in act_parts.get(site, {})})
-    model = to_module(like, tree, kernel=kernel, activations=acts, online=meta.online)
+    model = to_module(like, Quantized({}, tree, activations=acts, online=meta.online), kernel=kernel)
     left = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
     if left:
         raise CheckpointError(f"{root}: {left[:5]} have no value (not in the checkpoint; build `like` on a real "

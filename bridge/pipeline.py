@@ -4,7 +4,7 @@ One pipeline serves :func:`quantize`, the command line and the benchmarks; quant
 the same steps one tensor at a time (:mod:`bridge.hf`). Each arrow is a function:
 :func:`bridge.extract`, :func:`plan`, :func:`qtransform.quantize_tree` (which runs the recipe's
 steps, with a :class:`~bridge.calibrate.ModelCalibrator` for the steps that need data), and
-:func:`bridge.to_module`.
+:func:`bridge.to_module`, which turns the pipeline's result (:class:`Quantized`) into a model.
 
 >>> import torch, qtransform as qt
 >>> model = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.ReLU(), torch.nn.Linear(32, 16))
@@ -16,7 +16,7 @@ steps, with a :class:`~bridge.calibrate.ModelCalibrator` for the steps that need
 from __future__ import annotations
 
 from collections import Counter
-from typing import Any, Callable, Iterable, Mapping, NamedTuple
+from typing import Callable, Iterable, Mapping
 
 from torch import nn
 
@@ -24,9 +24,9 @@ import qtransform as qt
 
 from .arch import model_groups, model_layout, residual_layout, smoothing_groups
 from .calibrate import ModelCalibrator
-from .tree import extract, model_plan, to_module, weight_paths
+from .tree import Quantized, extract, model_plan, to_module, weight_paths
 
-__all__ = ["plan", "nothing_selected", "Quantized", "quantize_params", "quantize"]
+__all__ = ["plan", "nothing_selected", "check_calibration", "Quantized", "quantize_params", "quantize"]
 
 
 def plan(model: nn.Module, recipe) -> qt.Plan:
@@ -127,19 +127,31 @@ def nothing_selected(model: nn.Module, p: qt.Plan) -> str:
         ", ..." if len(decided) > 3 else "") + ")"
 
 
-class Quantized(NamedTuple):
-    """What the pipeline made of a model: the tree before (``params``, the model's own tensors), the
-    quantized tree after the steps (``qtree``), the ``plan``, and the activation quantizers
-    (``{Site: dynamic QuantSpec | calibrated QParams}``), what the steps reported (``info``:
-    ``{path: {name: value}}``, e.g. GPTQ's layer losses), and the online rotations the quantized tree
-    expects at run time (``online``: ``{Site: OnlineRotation}``, the ``rotate`` step's ``R3``/``R4``)."""
+def check_calibration(recipe, *, calibrated: bool) -> None:
+    """``ValueError`` when ``recipe`` quantizes activations with static scales (calibrated from data) and
+    no calibration data is given. ``recipe``: a :class:`~qtransform.Plan` (its activation sites), or a
+    recipe alone (its activation specs: checked before any model is loaded, as the command does).
 
-    params: dict
-    qtree: dict
-    plan: qt.Plan
-    activations: dict = {}
-    info: dict = {}
-    online: dict = {}
+    >>> import qtransform as qt
+    >>> check_calibration(qt.Recipe(input=qt.QuantSpec(format="int8", dynamic=True)), calibrated=False)
+    >>> check_calibration(qt.Recipe(input=qt.QuantSpec(format="int8")), calibrated=False)
+    Traceback (most recent call last):
+    ...
+    ValueError: the recipe's static activation specs (['input']) need calibration data ... --calib N ...
+    """
+    if calibrated:
+        return
+    if isinstance(recipe, qt.Plan):
+        static = [f"{s.module} ({s.role})" for s, spec in recipe.activations.items() if not spec.dynamic]
+    else:
+        r = qt.as_recipe(recipe)
+        named = [("input", r.input), ("output", r.output), ("kv_cache", getattr(r, "kv_cache", None)),
+                 *((f"act_rules[{glob}]", spec) for glob, spec in r.act_rules)]
+        static = [name for name, spec in named if spec is not None and not spec.dynamic]
+    if static:
+        raise ValueError(f"the recipe's static activation specs ({static[:2]}{' ...' if len(static) > 2 else ''}) need "
+                         "calibration data (static scales are calibrated from it): pass calibration=batches to "
+                         "bridge.quantize or --calib N to `qtransform quantize`, or use dynamic=True activation specs")
 
 
 def quantize_params(model: nn.Module, recipe, *, calibration: Iterable | None = None,
@@ -159,22 +171,18 @@ def quantize_params(model: nn.Module, recipe, *, calibration: Iterable | None = 
             with the weights quantized.
     """
     p = plan(model, recipe)
-    meta = next((path for path, t in extract(model).items() if getattr(t, "is_meta", False)), None)
+    params = extract(model)
+    meta = next((path for path, t in params.items() if getattr(t, "is_meta", False)), None)
     if meta is not None:
         raise ValueError(f"{meta}: the model's tensors are on the meta device (no values to quantize); load its "
                          "weights first, or quantize while loading (from_pretrained with a QTransformConfig)")
     if not p.specs:
         raise ValueError(nothing_selected(model, p))
-    static = [f"{s.module} ({s.role})" for s, spec in p.activations.items() if not spec.dynamic]
-    if static and calibration is None:  # before any step runs
-        raise ValueError(f"the recipe's static activation specs ({static[:2]}{' ...' if len(static) > 2 else ''}) need "
-                         "calibration data: pass calibration=batches (`qtransform quantize --calib N`), or use "
-                         "dynamic=True activation specs")
+    check_calibration(p, calibrated=calibration is not None)  # before any step runs
     qt.check_steps(p.steps, calibrated=calibration is not None)  # a step needing data is named first
     check_facts(model, p)
     observer = dict(act_observer) if isinstance(act_observer, Mapping) else {"name": act_observer}
     calibrator = None if calibration is None else ModelCalibrator(model, calibration, progress=progress)
-    params = extract(model)
     qtree, fit = qt.quantize_tree(params, p, qparams=qparams, calibrator=calibrator, progress=progress,
                                   generator=generator, with_info=True)
     acts = {}
@@ -188,7 +196,8 @@ def quantize_params(model: nn.Module, recipe, *, calibration: Iterable | None = 
 def quantize(model: nn.Module, recipe, *, inplace: bool = False, kernel: str = "auto",
              calibration: Iterable | None = None, qparams: Mapping | None = None, progress: Callable | None = None,
              generator=None, act_observer=None) -> nn.Module:
-    """``extract -> plan -> steps -> quantize_tree -> to_module`` in one call (see :func:`quantize_params`).
+    """``extract -> plan -> steps -> quantize_tree -> to_module`` in one call (:func:`quantize_params`, then
+    :func:`bridge.to_module` of its result, as the ``qtransform`` command does).
 
     Returns a new model, or ``model`` itself with ``inplace=True``. The new model is not a deep
     copy: the tensors it does not quantize (norms, biases, embeddings the recipe leaves alone...)
@@ -198,6 +207,4 @@ def quantize(model: nn.Module, recipe, *, inplace: bool = False, kernel: str = "
     """
     r = quantize_params(model, recipe, calibration=calibration, qparams=qparams, progress=progress,
                         generator=generator, act_observer=act_observer)
-    changed: dict[str, Any] = {p: v for p, v in r.qtree.items() if v is not r.params.get(p)}
-    return to_module(model, changed, inplace=inplace, kernel=kernel, plan=r.plan, activations=r.activations,
-                     online=r.online)
+    return to_module(model, r, inplace=inplace, kernel=kernel)

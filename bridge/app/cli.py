@@ -6,6 +6,9 @@
     qtransform formats | recipes | inspect DIR
     qtransform export CHECKPOINT --to quark|compressed-tensors|gguf|onnx --out DIR   (bridge.app.export)
 
+This module parses the command line and dispatches; each subcommand that does more than print a
+listing has its module (``quantize``: :mod:`bridge.app.quantize`, ``export``: :mod:`bridge.app.export`).
+
 ``--plugin FILE.py|MODULE`` (any command, repeatable) imports Python code first: formats,
 observers, algorithms or presets it registers are then usable by name (in recipe files too).
 
@@ -14,25 +17,24 @@ unreadable corpus, a damaged checkpoint...) print one line on stderr and exit wi
 (2 for bad arguments). Whatever can be checked without the weights (the recipe against the
 shapes of ``config.json``, where the outputs go, the numbers) is checked before the model
 loads. Nothing is written half-way: the checkpoint, ``report.json`` and the plot are
-assembled in a temporary directory that is renamed at the end, ``--json`` files are written
-under a temporary name. When the reader of stdout goes away (``| head``) the command stops
-quietly with status 141.
+assembled in the library's atomic directory (:func:`bridge.checkpoint.store.atomic_directory`),
+renamed at the end; ``--json`` files are written under a temporary name. When the reader of
+stdout goes away (``| head``) the command stops quietly with status 141.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
-import shutil
 import sys
-import time
 import warnings
 from pathlib import Path
 
 from . import export, inputs, outputs
 from .inputs import UserError
+from .outputs import say as _say
+from .quantize import cmd_quantize
 
 __all__ = ["main"]
 
@@ -60,177 +62,6 @@ def _at_least(low: int):
     return parse
 
 
-def _say(msg: str = "") -> None:
-    print(msg, flush=True)
-
-
-def _warn(msg: str) -> None:
-    print(f"qtransform: warning: {msg}", file=sys.stderr, flush=True)
-
-
-# ------------------------------------------------------------------ quantize
-def _progress():
-    """A ``progress(iterable, desc=..., total=...)`` wrapper with a tqdm bar on stderr."""
-    from tqdm.auto import tqdm
-
-    return lambda it, desc="", total=None: tqdm(it, total=total, desc=desc, file=sys.stderr, leave=False,
-                                                dynamic_ncols=True)
-
-
-def _plan(model, recipe, label: str):
-    """The recipe resolved for ``model`` (a skeleton on the meta device works too): a rule hitting
-    a tensor it cannot quantize, a grid its shape does not fit, or no tensor selected is an error."""
-    from .. import pipeline
-
-    try:
-        plan = pipeline.plan(model, recipe)
-    except (TypeError, ValueError) as e:
-        raise UserError(f"recipe {label}: {e}") from None
-    if not plan.specs:
-        raise UserError(f"recipe {label}: {pipeline.nothing_selected(model, plan)}")
-    return plan
-
-
-def _publish(tmp: Path, out: Path) -> None:
-    """Rename the finished ``tmp`` to ``out`` (an old ``out`` moves aside first, comes back if the
-    rename fails, and is deleted last)."""
-    old = tmp.with_name(tmp.name + "-old")
-    if out.exists():
-        os.replace(out, old)
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        os.replace(tmp, out)
-    except OSError:
-        if old.exists():
-            os.replace(old, out)
-        raise
-    shutil.rmtree(old, ignore_errors=True)
-
-
-def cmd_quantize(a) -> int:
-    import dataclasses
-
-    import torch
-
-    import qtransform as qt
-    from .. import io, pipeline
-    from ..tree import extract, to_module
-    from . import evaluate, models, report
-
-    t0 = time.perf_counter()
-    # everything that can be checked without the weights, before minutes of loading and evaluating
-    preset = inputs.load_recipe(a.recipe)
-    recipe, label = preset.recipe, preset.name
-    if a.algorithm and recipe.steps != (qt.Step(a.algorithm),):  # the recipe's steps give way to one step
-        recipe = dataclasses.replace(recipe, steps=(qt.Step(a.algorithm),))
-    try:
-        qt.check_steps(recipe.steps, calibrated=bool(a.calib))
-    except (TypeError, ValueError) as e:
-        raise UserError(str(e)) from None
-    stem = Path(label).stem
-    if a.kv_cache:
-        try:
-            recipe = dataclasses.replace(recipe, kv_cache=qt.QuantSpec(format=a.kv_cache))
-        except (TypeError, ValueError) as e:
-            raise UserError(f"--kv-cache {a.kv_cache}: {e}") from None
-        stem, label = f"{stem}-kv-{a.kv_cache}", f"{label} + kv_cache {a.kv_cache}"
-    static = [s for s in [recipe.input, recipe.output, recipe.kv_cache, *(v for _, v in recipe.act_rules)]
-              if s is not None and not s.dynamic]
-    if static and not a.calib:
-        raise UserError(f"recipe {label} quantizes activations with static scales ({static[0]}), which are calibrated "
-                        "from data: pass --calib N")
-    model_name = Path(a.model).stem if a.model else models.DEFAULT_MODEL
-    out = Path(a.out or f"out/{model_name}-{stem}")
-    outputs.check_out_dir(out, overwrite=a.overwrite)
-    if a.json:
-        outputs.check_file_target(Path(a.json), option="--json")
-    if a.plot and importlib.util.find_spec("matplotlib") is None:
-        raise UserError("--plot needs matplotlib: pip install matplotlib")
-    inputs.check_model(a.model)
-    text = None if a.no_eval else inputs.corpus_text(a.corpus)
-    calib_text = inputs.corpus_text(a.corpus, part="calibration") if a.calib else None
-    skeleton = inputs.skeleton(a.model)
-    if skeleton is not None:  # shapes and selection from config.json alone
-        _plan(skeleton, recipe, label)
-        if not a.no_eval or a.calib:
-            inputs.check_seq_len(skeleton, a.seq_len)
-        del skeleton
-
-    imported = None if a.model is None else io.imported_format(models.resolve(a.model).directory)
-    _say(f"loading {a.model or models.DEFAULT_MODEL}"
-         + (f" ({imported} checkpoint, dequantized: the recipe starts from its values)" if imported else "") + " ...")
-    model, tokenizer = inputs.load_model(a.model, dequantize_imported=True)
-    if not a.no_eval or a.calib:
-        inputs.check_seq_len(model, a.seq_len)
-    eval_seqs = None if a.no_eval else inputs.sequences(tokenizer, text, a.corpus, a.seq_len, a.eval_sequences)
-    calibration = inputs.calibration(a, tokenizer, calib_text)
-    plan = _plan(model, recipe, label)
-    export.check_plan(a, plan, out)
-    unmatched = recipe.unmatched(plan)
-    for glob in unmatched:
-        _warn(f"recipe pattern {glob!r} matches no tensor of the model")
-
-    ppl_before = None
-    if eval_seqs is not None:
-        _say(f"perplexity of the original on {eval_seqs.numel()} tokens ...")
-        ppl_before = evaluate.perplexity(model, eval_seqs, progress=True).perplexity
-
-    _say(f"quantizing with {label} ({report.steps_label(recipe.steps)}) ...")
-    tq = time.perf_counter()
-    try:
-        with torch.no_grad():
-            result = pipeline.quantize_params(model, plan, calibration=calibration, progress=_progress())
-    except (TypeError, ValueError) as e:  # a step refusing the recipe's specs or options
-        raise UserError(f"recipe {label}: {e}") from None
-    seconds_q = time.perf_counter() - tq
-    size_before = report.tree_bytes(result.params)
-    rows = report.layer_rows(result.params, result.qtree, plan)
-    changed = {p: v for p, v in result.qtree.items() if v is not result.params.get(p)}
-    qmodel = to_module(model, changed, inplace=True, plan=plan, activations=result.activations,
-                       online=result.online)
-    act_rows = report.activation_rows(result.activations)
-    online_rows = report.online_rows(result.online)
-    step_info = result.info
-    del result
-
-    ppl_after = None
-    if eval_seqs is not None:
-        _say("perplexity of the quantized model ...")
-        ppl_after = evaluate.perplexity(qmodel, eval_seqs, progress=True).perplexity
-
-    rep = report.Report(model=a.model or models.DEFAULT_MODEL, recipe=label,
-                        steps=[s.to_dict() for s in recipe.steps], layers=rows,
-                        size_before=size_before, size_after=report.tree_bytes(extract(qmodel)), seconds_quantize=seconds_q,
-                        ppl_before=ppl_before, ppl_after=ppl_after,
-                        eval_tokens=0 if eval_seqs is None else int(eval_seqs.numel()),
-                        calib_tokens=0 if calibration is None else sum(int(b.numel()) for b in calibration),
-                        out=str(out), unmatched=unmatched, activations=act_rows, step_info=step_info,
-                        online=online_rows)
-    # assembled beside the nearest existing parent of --out and renamed: no half checkpoint, no
-    # parent directories left behind by a failure
-    base = next(p for p in out.absolute().parents if p.is_dir())
-    tmp = base / f".{out.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
-        io.save(qmodel, tmp, recipe=recipe, recipe_name=label, tokenizer=tokenizer,
-                rules={p: plan[p].rule for p in plan.specs})
-        rep.seconds_total = time.perf_counter() - t0
-        (tmp / "report.json").write_text(json.dumps(rep.to_dict(), indent=2) + "\n")
-        if a.plot:
-            rep.plot(tmp / "report.png")
-        _publish(tmp, out)
-    except OSError as e:
-        raise UserError(f"cannot write {out}: {e.strerror or e}") from None
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    if a.json:
-        outputs.write_text(Path(a.json), json.dumps(rep.to_dict(), indent=2) + "\n", option="--json")
-    exported = export.export_after_quantize(a, out)
-    _say()
-    _say(rep.render() + (f"\nexported ({a.to}): {exported}" if exported else ""))
-    return 0
-
-
 # ------------------------------------------------------------------ eval
 def cmd_eval(a) -> int:
     from . import evaluate
@@ -238,14 +69,13 @@ def cmd_eval(a) -> int:
     targets = [("model", a.model)] + ([("baseline", a.baseline)] if a.baseline else [])
     if a.json:
         outputs.check_file_target(Path(a.json), option="--json")
-    for _, path in targets:
-        inputs.check_model(None if path == "default" else path)
+    sources = [inputs.model_source(None if path == "default" else path) for _, path in targets]
     results = []
     seqs = None
     text = inputs.corpus_text(a.corpus)
-    for role, path in targets:
+    for (role, path), source in zip(targets, sources):
         _say(f"loading {role} {path} ...")
-        model, tokenizer = inputs.load_model(None if path == "default" else path)
+        model, tokenizer = inputs.model_and_tokenizer(None if path == "default" else path, source=source)
         if seqs is None:
             seqs = inputs.sequences(tokenizer, text, a.corpus, a.seq_len, a.eval_sequences)
         inputs.check_seq_len(model, a.seq_len)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import os
+import warnings
 from pathlib import Path
 
 import torch
@@ -56,6 +57,13 @@ def _module_docs(name: str) -> list[str]:
     """Docstrings of module ``name``: the module, then its own classes (and their methods) and
     functions, in name order; objects imported from elsewhere are skipped."""
     mod = importlib.import_module(name)
+    with warnings.catch_warnings():  # reading a deprecated alias's docstring (typing.io) warns: not ours to fix
+        warnings.simplefilter("ignore", DeprecationWarning)
+        found = _object_docs(mod)
+    return [inspect.cleandoc(d) for d in found if isinstance(d, str) and len(d.strip()) >= 40]
+
+
+def _object_docs(mod) -> list:
     found = [mod.__doc__]
     for attr, obj in sorted(vars(mod).items()):
         if attr.startswith("_") or getattr(obj, "__module__", None) != mod.__name__:
@@ -66,7 +74,7 @@ def _module_docs(name: str) -> list[str]:
                       if not k.startswith("_") and (inspect.isfunction(m) or isinstance(m, property))]
         elif inspect.isfunction(obj):
             found.append(obj.__doc__)
-    return [inspect.cleandoc(d) for d in found if isinstance(d, str) and len(d.strip()) >= 40]
+    return found
 
 
 def _unique(docs: list[str], exclude: frozenset = frozenset()) -> list[str]:

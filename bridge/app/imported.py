@@ -19,12 +19,15 @@ __all__ = ["load_imported"]
 
 
 def load_imported(path, *, dtype: torch.dtype = torch.float32, kernel: str = "auto",
-                  dequantize: bool = False) -> nn.Module:
+                  dequantize: bool = False, importer: str | None = None) -> nn.Module:
     """The model of another tool's checkpoint at ``path`` (a directory, or a ``.gguf`` file) with our
     quantized modules holding its tensors as stored; with ``dequantize`` the float model of the same
     values instead (its activation quantizers dropped): the source of a new recipe. ``ValueError``
-    when no importer reads ``path`` or the importer cannot map a tensor (named)."""
-    fmt = imported_format(path)
+    when no importer reads ``path`` or the importer cannot map a tensor (named). ``importer``: the
+    format when the caller knows it already (:func:`bridge.io.imported_format` of ``path``)."""
+    fmt = imported_format(path) if importer is None else importer
+    if fmt not in interop.IMPORTERS and fmt is not None:
+        raise ValueError(f"load_imported: importer must be one of {sorted(interop.IMPORTERS)}, got {fmt!r}")
     if fmt is None:
         raise ValueError(f"load_imported: {path} is not a checkpoint of a format qtransform imports "
                          f"({', '.join(sorted(interop.IMPORTERS))})")

@@ -8,8 +8,8 @@ import os
 import sys
 from pathlib import Path
 
-__all__ = ["UserError", "load_plugins", "load_recipe", "check_model", "skeleton", "load_model", "check_seq_len",
-           "corpus_text", "sequences", "calibration"]
+__all__ = ["UserError", "load_plugins", "load_recipe", "model_source", "skeleton", "model_and_tokenizer",
+           "check_seq_len", "corpus_text", "sequences", "calibration"]
 
 
 class UserError(Exception):
@@ -93,42 +93,46 @@ def _first_line(e: BaseException) -> str:
     return text.splitlines()[0] if text else type(e).__name__
 
 
-def check_model(model_arg) -> None:
-    """``--model`` names something loadable: a transformers directory or a GGUF file (checked by its
-    magic bytes), or the default model's package is installed. Reads no weights."""
+def model_source(model_arg):
+    """Where ``--model`` lives and in which format (:func:`bridge.app.models.resolve`, once per
+    command): a transformers directory or a GGUF file (checked by its magic bytes), or the default
+    model's package is installed. Reads no weights."""
     from . import models
 
     try:
-        models.check_gguf(models.resolve(model_arg))
+        source = models.resolve(model_arg)
+        models.check_gguf(source)
     except (OSError, ValueError, TypeError) as e:
         raise UserError(_first_line(e)) from None
+    return source
 
 
-def skeleton(model_arg):
+def skeleton(source):
     """The model on the ``meta`` device from its config (``None`` for GGUF files, or when the config
     cannot be built that way: loading then reports the problem)."""
     from . import models
 
     try:
-        return models.skeleton(model_arg)
-    except Exception:  # noqa: BLE001  (an optional early check; load_model names any real problem)
+        return models.skeleton(source)
+    except Exception:  # noqa: BLE001  (an optional early check; model_and_tokenizer names any real problem)
         return None
 
 
-def load_model(model_arg, *, dequantize_imported: bool = False):
-    """``(model, tokenizer)``; any failure to read the user's files (a truncated or corrupted
-    checkpoint, a damaged GGUF file) is one line naming the model. A Quark or compressed-tensors
-    checkpoint is read by our importer (dequantized with ``dequantize_imported``)."""
+def model_and_tokenizer(model_arg, *, source=None, dequantize_imported: bool = False):
+    """``(model, tokenizer)`` of ``--model`` (from its ``source`` when :func:`model_source` gave it
+    already); any failure to read the user's files (a truncated or corrupted checkpoint, a damaged
+    GGUF file) is one line naming the model. A Quark or compressed-tensors checkpoint is read by
+    our importer (dequantized with ``dequantize_imported``)."""
     from . import models
 
-    check_model(model_arg)
+    source = model_source(model_arg) if source is None else source
     try:
-        return models.load(model_arg, dequantize_imported=dequantize_imported)
+        return models.load_with_tokenizer(source, dequantize_imported=dequantize_imported)
     except ImportError as e:  # a missing optional package: the message says what to install
         raise UserError(_first_line(e)) from None
     except Exception as e:  # noqa: BLE001  (whatever transformers or safetensors raise on a bad file)
         name = models.DEFAULT_MODEL if model_arg is None else model_arg
-        if models.resolve(model_arg).gguf_file is not None:  # transformers words these as "not a valid JSON file"
+        if source.gguf_file is not None:  # transformers words these as "not a valid JSON file"
             root = _root_cause(e)
             raise UserError(f"cannot load model {name}: not a readable GGUF file "
                             f"({type(root).__name__}: {_first_line(root)})") from None

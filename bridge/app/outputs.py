@@ -1,6 +1,7 @@
 """Where the ``qtransform`` command writes: every target is checked before any work starts (a
 model can take minutes to load and evaluate), and files are written under a temporary name and
 renamed, so a failure never leaves half a file. Every failure is a one-line :class:`UserError`.
+What the command says goes to stdout (:func:`say`), its warnings to stderr (:func:`warn`).
 
 >>> import tempfile, pathlib
 >>> d = pathlib.Path(tempfile.mkdtemp())
@@ -15,12 +16,23 @@ bridge.app.inputs.UserError: --out .../a-file/ckpt: .../a-file is a file, not a 
 from __future__ import annotations
 
 import os
+import sys
 import tempfile
 from pathlib import Path
 
 from .inputs import UserError
 
-__all__ = ["check_out_dir", "check_file_target", "write_text"]
+__all__ = ["check_out_dir", "check_file_target", "write_text", "say", "warn"]
+
+
+def say(msg: str = "") -> None:
+    """A line on stdout, flushed (progress and results)."""
+    print(msg, flush=True)
+
+
+def warn(msg: str) -> None:
+    """A ``qtransform: warning: ...`` line on stderr."""
+    print(f"qtransform: warning: {msg}", file=sys.stderr, flush=True)
 
 
 def _existing_ancestor(path: Path) -> Path:

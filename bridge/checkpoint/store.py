@@ -8,7 +8,10 @@ directory and files get the usual permissions (``0777``/``0666`` less the umask)
 killed leaves its temporary directory ``.NAME.tmp-HOST-PID-XXXXXXXX`` behind; the next save to
 the same target removes it when it is stale: written on this host by a process that no longer
 runs, or (another host, or a name without a process id) untouched for :data:`STALE_AFTER_S`
-seconds. A live save's directory is never removed.
+seconds. A live save's directory is never removed. A failure leaves nothing behind: not the
+temporary directory, not the parent directories created for the target, and an existing target
+that was to be replaced is put back. Whoever writes a directory of files (:func:`bridge.save`,
+the exporters, the ``qtransform`` command with its report) writes it here.
 :func:`write_shards` groups tensors into shards of at most ``max_shard_size`` bytes (a quantized
 tensor's parts stay together) and copies each shard to the CPU only while it is written, so a
 model on a GPU is never copied whole. Shards are written by :func:`write_safetensors`:
@@ -121,29 +124,61 @@ def remove_stale(target) -> list[Path]:
     return removed
 
 
+def _make_parents(directory: Path) -> list[Path]:
+    """``mkdir -p directory``; returns the directories it created, outermost first."""
+    missing = [p for p in (directory, *directory.parents) if not p.exists()][::-1]
+    directory.mkdir(parents=True, exist_ok=True)
+    return missing
+
+
+def _publish(tmp: Path, target: Path) -> None:
+    """Rename ``tmp`` to ``target``; an existing ``target`` moves aside first, comes back if the rename
+    fails, and is deleted last."""
+    if not target.exists():
+        os.rename(tmp, target)
+        return
+    trash = _new_dir(target.parent, target, "old")
+    os.rename(target, trash / "old")
+    try:
+        os.rename(tmp, target)
+    except BaseException:
+        os.rename(trash / "old", target)
+        os.rmdir(trash)
+        raise
+    shutil.rmtree(trash, ignore_errors=True)
+
+
 @contextlib.contextmanager
 def atomic_directory(directory, *, overwrite: bool = False):
-    """Yield a temporary directory that becomes ``directory`` when the block ends without error."""
+    """Yield a temporary directory that becomes ``directory`` when the block ends without error
+    (see the module docstring)."""
     target = Path(directory)
     if target.exists() and not target.is_dir():
         raise FileExistsError(f"{target} exists and is not a directory; a checkpoint never replaces a file")
     if target.exists() and any(target.iterdir()) and not overwrite:
         raise FileExistsError(f"{target} exists and is not an empty directory; pass overwrite=True to replace it")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    remove_stale(target)
-    tmp = _new_dir(target.parent, target, "tmp")
+    created = _make_parents(target.parent)
+    try:
+        remove_stale(target)
+        tmp = _new_dir(target.parent, target, "tmp")
+    except BaseException:
+        _remove_empty(created)
+        raise
     try:
         yield tmp
-        if target.exists():
-            trash = _new_dir(target.parent, target, "old")
-            os.rename(target, trash / "old")
-            os.rename(tmp, target)
-            shutil.rmtree(trash, ignore_errors=True)
-        else:
-            os.rename(tmp, target)
+        _publish(tmp, target)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
+        _remove_empty(created)
         raise
+
+
+def _remove_empty(created: list[Path]) -> None:
+    for path in reversed(created):
+        try:
+            os.rmdir(path)
+        except OSError:  # not empty (someone else wrote there meanwhile): left alone
+            return
 
 
 def _nbytes(group: Mapping[str, torch.Tensor]) -> int:

@@ -10,7 +10,7 @@ every tensor (:mod:`bridge.checkpoint.checksum`; ``QTransformConfig(verify=False
 ``from_pretrained`` skips that). Everything raises :class:`~bridge.checkpoint.metadata.CheckpointError`
 naming the file and tensor.
 
-:func:`install` adds two guards to transformers' loader: a checkpoint whose shards say they were
+:func:`patch_transformers_loader` adds two guards to transformers' loader: a checkpoint whose shards say they were
 written by qtransform cannot be loaded without its quantization config (``quantization_config``
 deleted or set to null in ``config.json`` would load codes as float weights), and the float8
 *fnuz* dtypes get their safetensors names so fp8 fnuz checkpoints load like every other format.
@@ -31,7 +31,7 @@ from ..checkpoint.metadata import CheckpointError
 from ..checkpoint.store import FLOAT_DTYPES, ST_DTYPES
 from ..modules.actquant import PREFIX
 
-__all__ = ["check_checkpoint", "written_by_qtransform", "install"]
+__all__ = ["check_checkpoint", "written_by_qtransform", "patch_transformers_loader"]
 
 _FNUZ = {"F8_E4M3FNUZ": torch.float8_e4m3fnuz, "F8_E5M2FNUZ": torch.float8_e5m2fnuz}
 
@@ -143,7 +143,7 @@ def _guarded(get_dtype):
     return _get_dtype
 
 
-def install(config_class) -> None:
+def patch_transformers_loader(config_class) -> None:
     """Add the guards to transformers' loader (idempotent; see the module docstring)."""
     # each guard only where this transformers has the hook (tests/bridge/checkpoint show a missing one)
     names = getattr(modeling_utils, "str_to_torch_dtype", None)

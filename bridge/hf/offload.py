@@ -14,7 +14,7 @@ load and run a qtransform checkpoint as it does a float model:
    which keeps buffers on the execution device, then found them on ``meta``: *"weight is on the
    meta device"*. The same list sized the modules for ``device_map="auto"`` (quantized weights
    counted once per shape, so "auto" kept on a device more than ``max_memory`` allows).
-2. :func:`install`: accelerate offloads parameters only unless ``offload_buffers=True``, so a
+2. :func:`patch_accelerate_dispatch`: accelerate offloads parameters only unless ``offload_buffers=True``, so a
    quantized module mapped to ``"cpu"``/``"disk"`` would keep its whole weight in memory. For a
    qtransform checkpoint the dispatch offloads buffers too (transformers does the same for
    fbgemm fp8, whose scales are buffers): the quantized tensors are read from the checkpoint's
@@ -43,7 +43,7 @@ from transformers import modeling_utils
 from ..checkpoint import metadata
 from ..modules import QModule
 
-__all__ = ["distinct_buffers", "install", "offloaded_names", "offloads_buffers"]
+__all__ = ["distinct_buffers", "patch_accelerate_dispatch", "offloaded_names", "offloads_buffers"]
 
 
 def distinct_buffers(model: nn.Module) -> None:
@@ -133,7 +133,7 @@ def _wrapped(dispatch):
     return accelerate_dispatch
 
 
-def install() -> None:
+def patch_accelerate_dispatch() -> None:
     """Route transformers' dispatch of qtransform models through :func:`offloads_buffers` (idempotent;
     only where this transformers dispatches with ``offload_buffers``)."""
     dispatch = getattr(modeling_utils, "accelerate_dispatch", None)

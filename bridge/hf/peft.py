@@ -1,7 +1,7 @@
 """peft LoRA on :class:`~bridge.QLinear` (QLoRA through qtransform's quantized modules).
 
 Importing :mod:`bridge` imports this module when peft is installed (peft is an optional extra; without
-it nothing here is imported), and :func:`install` teaches peft's LoRA dispatch the ``QLinear`` type, so
+it nothing here is imported), and :func:`patch_peft` teaches peft's LoRA dispatch the ``QLinear`` type, so
 ``get_peft_model(AutoModelForCausalLM.from_pretrained(quantized_dir), LoraConfig(target_modules=[...]))``
 wraps each targeted ``QLinear`` in a :class:`QLoraLinear` with no registration by the user:
 
@@ -51,7 +51,7 @@ import qtransform as qt
 
 from ..modules import QLinear
 
-__all__ = ["QLoraLinear", "dispatch_qlinear", "install", "PEFT_TESTED"]
+__all__ = ["QLoraLinear", "dispatch_qlinear", "patch_peft", "PEFT_TESTED"]
 
 #: The peft version this integration is tested with (older ones may lack the LoRA layer API it uses).
 PEFT_TESTED = "0.21"
@@ -196,7 +196,7 @@ def dispatch_qlinear(target: nn.Module, adapter_name: str, config, parameter_nam
     return QLoraLinear(target, adapter_name, config=config, **kwargs)
 
 
-def install() -> bool:
+def patch_peft() -> bool:
     """Put :func:`dispatch_qlinear` ahead of peft's LoRA dispatchers (idempotent; done on ``import bridge``).
 
     Returns:
@@ -222,4 +222,4 @@ def install() -> bool:
     return True
 
 
-install()
+patch_peft()

@@ -103,10 +103,10 @@ class QTransformHfQuantizer(HfQuantizer):
                                       "quantized module")
             module.set_activation(site.role, spec if spec.dynamic else abstract_qparams(module, site.role, spec))
         try:
-            online.install(model, cfg.online)
+            online.install_online_rotations(model, cfg.online)
         except (TypeError, ValueError) as e:
             raise CheckpointError(f"config.json: {e}") from None
-        kvcache.install(model)
+        kvcache.route_attention(model)
         offload.distinct_buffers(model)  # the cached abstract tensors, one per module (see bridge.hf.offload)
         _untie(model, set(cfg.entries))
         if self.pre_quantized:  # the files against the skeleton, before transformers reads any data
@@ -200,8 +200,8 @@ def register() -> None:
     """Register the config and quantizer with transformers (idempotent; done on ``import bridge``)."""
     hf_auto.AUTO_QUANTIZATION_CONFIG_MAPPING[metadata.QUANT_METHOD] = QTransformConfig
     hf_auto.AUTO_QUANTIZER_MAPPING[metadata.QUANT_METHOD] = QTransformHfQuantizer
-    checks.install(QTransformConfig)
-    offload.install()
+    checks.patch_transformers_loader(QTransformConfig)
+    offload.patch_accelerate_dispatch()
     if "transformers" not in REBUILD_HOOKS:
         REBUILD_HOOKS.register("transformers", attach_config)
 

@@ -3,7 +3,7 @@
 transformers' attention modules compute the keys and values (after rotary embeddings), store
 them in the cache and hand the cached ones to an *attention function* chosen by name
 (``config._attn_implementation``: ``"sdpa"``, ``"eager"``, ``"flash_attention_2"``...) with the
-module itself as the first argument. :func:`install` switches a model's attention modules to
+module itself as the first argument. :func:`route_attention` switches a model's attention modules to
 ``"qtransform|<name>"``: the same function, registered under that name with the same attention
 mask, which first fake-quantizes the keys and values of a module that has a ``"key"``/``"value"``
 quantizer (static per tensor, :func:`bridge.modules.actquant.attach`; buffers ``k_scale``,
@@ -33,9 +33,9 @@ from qtransform.rotation import apply_online
 
 from . import actquant
 
-__all__ = ["PREFIX_NAME", "attention_modules", "install", "observing", "quantized_attention"]
+__all__ = ["PREFIX_NAME", "attention_modules", "route_attention", "observing", "quantized_attention"]
 
-#: Prefix of the attention implementation names :func:`install` registers.
+#: Prefix of the attention implementation names :func:`route_attention` registers.
 PREFIX_NAME = "qtransform|"
 
 
@@ -113,7 +113,7 @@ def quantized_attention(model: nn.Module) -> list[str]:
                                      or "key" in getattr(m, "_qt_online", {}))]
 
 
-def install(model: nn.Module, paths=None) -> None:
+def route_attention(model: nn.Module, paths=None) -> None:
     """Route the attention modules at ``paths`` (default: those with a key/value quantizer) through the
     quantizing attention function (idempotent). Their config's ``_attn_implementation`` becomes
     ``"qtransform|<the one it was>"``."""
@@ -138,7 +138,7 @@ def observing(model: nn.Module, callbacks: Mapping[str, Callable]):
     before = [c._attn_implementation for c in configs]
     modules = {p: model.get_submodule(p) for p in callbacks}
     try:
-        install(model, callbacks)
+        route_attention(model, callbacks)
         for p, fn in callbacks.items():
             modules[p]._qt_kv_observe = fn
         yield

@@ -1,6 +1,6 @@
 """Online rotations at run time (:mod:`qtransform.rotation.online`): QuaRot's ``R4`` and ``R3``.
 
-:func:`install` gives modules the rotations a rotated tree expects, ``{Site: OnlineRotation}``:
+:func:`install_online_rotations` gives modules the rotations a rotated tree expects, ``{Site: OnlineRotation}``:
 
 * ``Site(linear, "input")``: a forward pre-hook rotates the module's input (``x H``) before the
   module runs, so before its input quantizer; its weight already holds ``W H``. Any module with a
@@ -21,7 +21,7 @@ duration of a block (calibration of the steps after a ``rotate`` step).
 >>> y = lin(x)
 >>> with torch.no_grad():
 ...     _ = lin.weight.copy_(apply_online(lin.weight, rot))
->>> install(lin, {qt.Site("", "input"): rot})
+>>> install_online_rotations(lin, {qt.Site("", "input"): rot})
 >>> torch.allclose(lin(x), y, atol=1e-6), online_rotations(lin)
 (True, {Site(module='', role='input'): OnlineRotation(size=8, kind='hadamard')})
 """
@@ -39,7 +39,7 @@ from qtransform.rotation import ONLINE_ROLES as ROLES, OnlineRotation, apply_onl
 
 from . import kvcache
 
-__all__ = ["install", "remove", "installed", "online_rotations", "check"]
+__all__ = ["install_online_rotations", "remove", "installed", "online_rotations", "check"]
 
 
 def _rotate_input(module: nn.Module, args, kwargs):
@@ -93,7 +93,7 @@ def check(model: nn.Module, online: Mapping) -> dict:
     return dict(online)
 
 
-def install(model: nn.Module, online: Mapping) -> None:
+def install_online_rotations(model: nn.Module, online: Mapping) -> None:
     """Apply the rotations ``{Site: OnlineRotation}`` at run time (see the module docstring); checked
     first (:func:`check`), nothing installed unless all are valid. Idempotent per site."""
     online = check(model, online)
@@ -104,11 +104,11 @@ def install(model: nn.Module, online: Mapping) -> None:
             module.register_forward_pre_hook(_rotate_input, with_kwargs=True, prepend=True)
     keyed = [s.module for s in online if s.role == "key"]
     if keyed:
-        kvcache.install(model, keyed)
+        kvcache.route_attention(model, keyed)
 
 
 def remove(model: nn.Module, sites) -> None:
-    """Undo :func:`install` at ``sites`` (attention implementations are left routed: without a rotation
+    """Undo :func:`install_online_rotations` at ``sites`` (attention implementations are left routed: without a rotation
     or quantizer the routed function is the original)."""
     for site in sites:
         module = model.get_submodule(site.module)
@@ -132,7 +132,7 @@ def installed(model: nn.Module, online: Mapping | None):
         raise ValueError(f"online rotations at {before[:3]} are already installed on the model")
     configs = {id(c): (c, c._attn_implementation) for c in (model.get_submodule(s.module).config for s in online
                                                                if s.role == "key")}
-    install(model, online)
+    install_online_rotations(model, online)
     try:
         yield model
     finally:

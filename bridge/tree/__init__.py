@@ -1,10 +1,12 @@
 """Module <-> tree: ``extract`` (module -> parameter tree, module types) and ``to_module`` (quantized
-tree -> modules), with the surgery helpers they share; ``model_plan`` resolves a recipe for a model
-with its module types, linear layers in their logical (out, in) layout (GPT-2's ``Conv1D``)."""
+tree, or the pipeline's :class:`Quantized` result -> modules), with the surgery helpers they share;
+``model_plan`` resolves a recipe for a model with its module types, linear layers in their logical
+(out, in) layout (GPT-2's ``Conv1D``)."""
 
 from .extract import extract, module_types, tie_groups, weight_paths
 from .logical import TYPE_FALLBACK, model_plan, stored_transposed, transposed_spec
+from .quantized import Quantized
 from .rebuild import REBUILD_HOOKS, meta_skeleton, replace_module, submodule, to_module
 
-__all__ = ["extract", "module_types", "weight_paths", "tie_groups", "to_module", "submodule", "replace_module",
-           "meta_skeleton", "REBUILD_HOOKS", "model_plan", "transposed_spec", "stored_transposed", "TYPE_FALLBACK"]
+__all__ = ["extract", "module_types", "weight_paths", "tie_groups", "Quantized", "to_module", "submodule",
+           "replace_module", "meta_skeleton", "REBUILD_HOOKS", "model_plan", "transposed_spec", "stored_transposed", "TYPE_FALLBACK"]

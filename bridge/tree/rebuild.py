@@ -1,13 +1,15 @@
 """Quantized tree -> module: ``to_module``.
 
 ``to_module(model, qtree)`` returns a model with the structure of ``model`` and the values
-of ``qtree``: every :class:`~qtransform.QTensor` leaf at ``"<module>.weight"`` turns its
-module (Linear, Conv2d, ConvTranspose2d, Embedding, EmbeddingBag, transformers Conv1D)
-into the quantized module; other leaves are assigned as they are. With ``inplace=False``
-(the default) the original model is untouched: the copy is built as a skeleton on the
-``meta`` device and filled from the tree, so no weight is copied (unquantized tensors
-are shared with the tree, i.e. with the original model when the tree came from
-:func:`bridge.extract`). Paths missing from the tree keep the original's tensors.
+of ``qtree`` (a tree, or the pipeline's :class:`~bridge.tree.Quantized` result with its plan,
+activation quantizers and online rotations: the one way from a quantized result to a model, for
+:func:`bridge.quantize` and the ``qtransform`` command alike): every
+:class:`~qtransform.QTensor` leaf at ``"<module>.weight"`` turns its module (Linear, Conv2d,
+ConvTranspose2d, Embedding, EmbeddingBag, transformers Conv1D) into the quantized module; other
+leaves are assigned as they are. With ``inplace=False`` (the default) the original model is
+untouched: the copy is built as a skeleton on the ``meta`` device and filled from the tree, so no
+weight is copied (unquantized tensors are shared with the tree, i.e. with the original model when
+the tree came from :func:`bridge.extract`). Paths missing from the tree keep the original's tensors.
 
 Functions registered in :data:`REBUILD_HOOKS` run on every rebuilt model (the transformers
 integration records the model's quantization config there, for ``save_pretrained``).
@@ -24,6 +26,7 @@ integration records the model's quantization config there, for ``save_pretrained
 from __future__ import annotations
 
 import copy
+import warnings
 from typing import Any, Mapping
 
 import torch
@@ -34,6 +37,7 @@ from qtransform import QTensor
 
 from ..modules import QModule, actquant, kvcache, quantized_class
 from ..modules import online as online_mod
+from .quantized import Quantized
 
 __all__ = ["to_module", "submodule", "replace_module", "meta_skeleton", "REBUILD_HOOKS"]
 
@@ -182,20 +186,33 @@ def to_module(model: nn.Module, qtree: Any, *, inplace: bool = False, kernel: st
 
     Args:
         model: the float (or already partly quantized) model giving the structure.
-        qtree: ``{path: Tensor | QTensor}`` (e.g. ``qt.quantize_tree(bridge.extract(model), recipe)``).
+        qtree: a :class:`~bridge.tree.Quantized` result (:func:`bridge.quantize_params`; its changed
+            tensors, with its plan, activation quantizers and online rotations), or a tree
+            ``{path: Tensor | QTensor}`` (e.g. ``qt.quantize_tree(bridge.extract(model), recipe)``).
         inplace: modify ``model`` itself instead of returning a new model.
         kernel: kernel request for every new quantized module (``"auto"`` or e.g. ``"dequant"``).
-        plan: the plan that made ``qtree``, handed to the rebuild hooks (recipe, rules).
-        activations: ``{Site: dynamic QuantSpec | static QParams}`` attached to the quantized modules
-            (:func:`qtransform.activation_quantizers`).
-        online: ``{Site: OnlineRotation}``: rotations the tree's weights expect at run time (the
-            ``rotate`` step's, ``Fit.online``), installed by :func:`bridge.modules.online.install`.
+        plan, activations, online: deprecated (kept for one version): the parts of a
+            :class:`~bridge.tree.Quantized` given one by one with a plain tree. ``plan`` goes to the
+            rebuild hooks (recipe, rules); ``activations`` (``{Site: dynamic QuantSpec | static QParams}``,
+            :func:`qtransform.activation_quantizers`) are attached to the quantized modules; ``online``
+            (``{Site: OnlineRotation}``, the ``rotate`` step's ``Fit.online``) are installed by
+            :func:`bridge.modules.online.install_online_rotations`.
 
     Returns:
         The quantized model (``model`` itself when ``inplace``).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    given = [name for name, v in (("plan", plan), ("activations", activations), ("online", online)) if v is not None]
+    if isinstance(qtree, Quantized):
+        if given:
+            raise TypeError(f"to_module: {', '.join(given)} come with the Quantized result; pass them only with a "
+                            "plain tree")
+        qtree, plan, activations, online = qtree.changed(), qtree.plan, qtree.activations, qtree.online
+    elif given:
+        warnings.warn(f"to_module(model, tree, {'=..., '.join(given)}=...) is deprecated and goes in the next "
+                      "version: pass the pipeline's result, to_module(model, bridge.Quantized(params, qtree, plan, "
+                      "activations, online=online))", DeprecationWarning, stacklevel=2)
     leaves = qt.flatten_tree(qtree)
     known = set(model.state_dict())
     unknown = sorted(p for p in leaves if p not in known)
@@ -220,8 +237,8 @@ def to_module(model: nn.Module, qtree: Any, *, inplace: bool = False, kernel: st
             actquant.attach(target.get_submodule(site.module), site.role, quant)
         else:
             target.get_submodule(site.module).set_activation(site.role, quant)
-    online_mod.install(target, online or {})
-    kvcache.install(target)
+    online_mod.install_online_rotations(target, online or {})
+    kvcache.route_attention(target)
     for hook in REBUILD_HOOKS.values():
         hook(target, quantized, plan)
     for path in quantized:  # kernels chosen and packed now, not inside a first (compiled) forward

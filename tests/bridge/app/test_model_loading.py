@@ -26,13 +26,13 @@ def saved(tmp_path, monkeypatch):
 
 def test_load_transformers_directory(saved):
     path, original = saved
-    model, tok = models.load(path)
+    model, tok = models.load_with_tokenizer(path)
     assert not model.training and model.dtype == torch.float32
     ids = tok("the value of the function", return_tensors="pt")["input_ids"]
     assert ids.shape[1] == 5
     with torch.no_grad():
         torch.testing.assert_close(model(input_ids=ids).logits, original(input_ids=ids).logits)
-    assert models.load_model(str(path), dtype=torch.bfloat16).dtype == torch.bfloat16
+    assert models.load_causal_lm(str(path), dtype=torch.bfloat16).dtype == torch.bfloat16
 
 
 def test_resolve(tmp_path):
@@ -68,7 +68,7 @@ def test_gguf_needs_the_gguf_package(tmp_path, monkeypatch):
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "gguf" else real(name, *a))
     with pytest.raises(ImportError, match="pip install gguf"):
-        models.load_model(tmp_path / "m.gguf")
+        models.load_causal_lm(tmp_path / "m.gguf")
 
 
 def test_default_model_is_located_without_importing_the_package():

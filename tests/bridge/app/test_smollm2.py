@@ -25,7 +25,7 @@ def smollm2():
     mp = pytest.MonkeyPatch()
     mp.setenv("HF_HUB_OFFLINE", "1")
     try:
-        yield models.load()
+        yield models.load_with_tokenizer()
     finally:
         mp.undo()
 
@@ -165,7 +165,7 @@ def test_online_rotations_keep_the_default_models_logits(smollm2):
     ids = corpus.token_sequences(corpus.load_text("builtin", part="eval"), tok, seq_len=64, max_sequences=2)
     with torch.no_grad():
         want = model(ids).logits
-        got = bridge.to_module(model, qt.apply_fit(params, fit), online=fit.online)(ids).logits
+        got = bridge.to_module(model, bridge.Quantized(params, qt.apply_fit(params, fit), online=fit.online))(ids).logits
         without = bridge.to_module(model, qt.apply_fit(params, fit))(ids).logits
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * float(want.abs().max()))
     assert (without - want).abs().max() > 0.1 * want.abs().max()

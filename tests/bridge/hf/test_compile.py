@@ -101,9 +101,9 @@ def test_prepare_before_compiling_after_a_move(tmp_path):
 @pytest.mark.long  # ~2.5 min: make test-long
 def test_fullgraph_on_the_default_model():
     """SmolLM2-135M with int4 g64 (the packed kernel on every layer) compiles in one graph."""
-    from bridge.app.models import load_model
+    from bridge.app.models import load_causal_lm
 
-    model = load_model()
+    model = load_causal_lm()
     recipe = qt.Recipe(default=qt.QuantSpec(format="int4", granularity=qt.PerGroup(64)),
                        rules={"*embed_tokens.weight": qt.QuantSpec(format="int8", granularity=qt.PerChannel(0))},
                        exclude=["lm_head*"])

@@ -159,7 +159,7 @@ def test_online_rotations_fold_into_linear_and_conv1d_weights():
     rot = qt.OnlineRotation(12)
     B = qt.rotation.apply_online(torch.eye(12), rot)
     assert not torch.allclose(B, B.T)
-    online.install(q, {qt.Site(str(i), "input"): rot for i in range(3)})
+    online.install_online_rotations(q, {qt.Site(str(i), "input"): rot for i in range(3)})
     x = torch.randn(5, 24)
     with torch.no_grad():
         ref = q(x)

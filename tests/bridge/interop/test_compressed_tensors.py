@@ -300,9 +300,9 @@ def test_cli_quantize_to_and_export(tmp_path):
 def test_smollm2_int4_and_fp8_exports_load_in_transformers_without_bridge(tmp_path):
     """The default model (float32): int4 g64 weights, and fp8 weights with dynamic per-token fp8 inputs; one
     clean process loads both (about two minutes on two cores)."""
-    from bridge.app.models import load_model
+    from bridge.app.models import load_causal_lm
 
-    model, runs = load_model(), []
+    model, runs = load_causal_lm(), []
     for name in ("int4-g64", "fp8-dynamic"):
         q = bridge.quantize(model, _recipe(name), kernel="dequant")
         bridge.save(q, tmp_path / f"{name}-ckpt")

@@ -155,4 +155,4 @@ def test_quantize_and_eval_from_a_quark_export(tiny_llama_dir, tmp_path):
     assert res.returncode == 0, res.stderr
     ppl = [r["perplexity"] for r in json.loads((tmp_path / "eval.json").read_text())["results"]]
     assert ppl[0] == ppl[1]  # the imported model is our checkpoint, value for value and kernel for kernel
-    assert models.load_model(quark_dir).model.layers[0].mlp.down_proj.__class__ is bridge.QLinear
+    assert models.load_causal_lm(quark_dir).model.layers[0].mlp.down_proj.__class__ is bridge.QLinear

@@ -89,7 +89,7 @@ def smollm2():
     """``(float model, tokenizer, ids)``: the default model and ``TOKENS`` ids of the built-in corpus."""
     from bridge.app import corpus, models
 
-    model, tok = models.load()
+    model, tok = models.load_with_tokenizer()
     ids = corpus.token_sequences(corpus.load_text("builtin"), tok, seq_len=TOKENS, max_sequences=1)[0]
     return model, tok, ids
 

@@ -117,7 +117,7 @@ def test_fp8_kv_cache_of_a_rotary_model(loaded):
 def test_smollm2_int4_and_fp8_exports_load_in_transformers_without_bridge(tmp_path):
     from bridge.app import models
 
-    model = models.load_model()
+    model = models.load_causal_lm()
     ids = torch.randint(0, model.config.vocab_size, (1, 24), generator=torch.Generator().manual_seed(0))
     todo, ours = {}, {}
     for recipe in ("int4-g64", "fp8"):

@@ -1,0 +1,175 @@
+"""``qtransform quantize``: a model and a recipe in, a checkpoint with its report out, on the library's
+pipeline.
+
+The run checks first whatever it can without the weights: the recipe (``--algorithm`` and
+``--kv-cache`` applied), its steps and the calibration data they and its static activation specs
+need (:func:`bridge.pipeline.check_calibration`, the library's own rule), where the outputs go,
+and the recipe against the shapes of ``config.json``. Then the model is resolved (where it lives
+and in which format) and loaded once, planned (:func:`bridge.plan`), quantized by
+:func:`bridge.quantize_params` and rebuilt by :func:`bridge.to_module` of that result: the very
+functions :func:`bridge.quantize` runs, so the command and the library make the same model.
+
+The checkpoint, ``report.json`` and the plot are written inside one
+:func:`bridge.checkpoint.store.atomic_directory`: nothing half-written appears under ``--out``,
+and a killed run leaves a temporary directory that the next save to the same place removes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import sys
+import time
+from pathlib import Path
+
+from . import export, inputs, outputs
+from .inputs import UserError
+from .outputs import say, warn
+
+__all__ = ["cmd_quantize", "recipe_of"]
+
+
+def _progress():
+    """A ``progress(iterable, desc=..., total=...)`` wrapper with a tqdm bar on stderr."""
+    from tqdm.auto import tqdm
+
+    return lambda it, desc="", total=None: tqdm(it, total=total, desc=desc, file=sys.stderr, leave=False,
+                                                dynamic_ncols=True)
+
+
+def _plan(model, recipe, label: str):
+    """The recipe resolved for ``model`` (a skeleton on the meta device works too): a rule hitting
+    a tensor it cannot quantize, a grid its shape does not fit, or no tensor selected is an error."""
+    from .. import pipeline
+
+    try:
+        plan = pipeline.plan(model, recipe)
+    except (TypeError, ValueError) as e:
+        raise UserError(f"recipe {label}: {e}") from None
+    if not plan.specs:
+        raise UserError(f"recipe {label}: {pipeline.nothing_selected(model, plan)}")
+    return plan
+
+
+def recipe_of(a):
+    """``(recipe, label, stem)`` of ``--recipe`` with ``--algorithm`` and ``--kv-cache`` applied, its
+    steps and static activation specs checked against ``--calib`` (nothing loaded yet)."""
+    import qtransform as qt
+    from .. import pipeline
+
+    preset = inputs.load_recipe(a.recipe)
+    recipe, label = preset.recipe, preset.name
+    if a.algorithm and recipe.steps != (qt.Step(a.algorithm),):  # the recipe's steps give way to one step
+        recipe = dataclasses.replace(recipe, steps=(qt.Step(a.algorithm),))
+    try:
+        qt.check_steps(recipe.steps, calibrated=bool(a.calib))
+    except (TypeError, ValueError) as e:
+        raise UserError(str(e)) from None
+    stem = Path(label).stem
+    if a.kv_cache:
+        try:
+            recipe = dataclasses.replace(recipe, kv_cache=qt.QuantSpec(format=a.kv_cache))
+        except (TypeError, ValueError) as e:
+            raise UserError(f"--kv-cache {a.kv_cache}: {e}") from None
+        stem, label = f"{stem}-kv-{a.kv_cache}", f"{label} + kv_cache {a.kv_cache}"
+    try:
+        pipeline.check_calibration(recipe, calibrated=bool(a.calib))
+    except ValueError as e:
+        raise UserError(f"recipe {label}: {e}") from None
+    return recipe, label, stem
+
+
+def cmd_quantize(a) -> int:
+    import torch
+
+    from .. import io, pipeline
+    from ..checkpoint import store
+    from ..tree import extract, to_module
+    from . import evaluate, models, report
+
+    t0 = time.perf_counter()
+    # everything that can be checked without the weights, before minutes of loading and evaluating
+    recipe, label, stem = recipe_of(a)
+    model_name = Path(a.model).stem if a.model else models.DEFAULT_MODEL
+    out = Path(a.out or f"out/{model_name}-{stem}")
+    outputs.check_out_dir(out, overwrite=a.overwrite)
+    if a.json:
+        outputs.check_file_target(Path(a.json), option="--json")
+    if a.plot and importlib.util.find_spec("matplotlib") is None:
+        raise UserError("--plot needs matplotlib: pip install matplotlib")
+    source = inputs.model_source(a.model)  # where the model lives and in which format: resolved once
+    text = None if a.no_eval else inputs.corpus_text(a.corpus)
+    calib_text = inputs.corpus_text(a.corpus, part="calibration") if a.calib else None
+    skeleton = inputs.skeleton(source)
+    if skeleton is not None:  # shapes and selection from config.json alone
+        _plan(skeleton, recipe, label)
+        if not a.no_eval or a.calib:
+            inputs.check_seq_len(skeleton, a.seq_len)
+        del skeleton
+
+    imported = None if a.model is None else source.imported
+    say(f"loading {a.model or models.DEFAULT_MODEL}"
+        + (f" ({imported} checkpoint, dequantized: the recipe starts from its values)" if imported else "") + " ...")
+    model, tokenizer = inputs.model_and_tokenizer(a.model, source=source, dequantize_imported=True)
+    if not a.no_eval or a.calib:
+        inputs.check_seq_len(model, a.seq_len)
+    eval_seqs = None if a.no_eval else inputs.sequences(tokenizer, text, a.corpus, a.seq_len, a.eval_sequences)
+    calibration = inputs.calibration(a, tokenizer, calib_text)
+    plan = _plan(model, recipe, label)
+    export.check_plan(a, plan, out)
+    unmatched = recipe.unmatched(plan)
+    for glob in unmatched:
+        warn(f"recipe pattern {glob!r} matches no tensor of the model")
+
+    ppl_before = None
+    if eval_seqs is not None:
+        say(f"perplexity of the original on {eval_seqs.numel()} tokens ...")
+        ppl_before = evaluate.perplexity(model, eval_seqs, progress=True).perplexity
+
+    say(f"quantizing with {label} ({report.steps_label(recipe.steps)}) ...")
+    tq = time.perf_counter()
+    try:
+        with torch.no_grad():
+            result = pipeline.quantize_params(model, plan, calibration=calibration, progress=_progress())
+    except (TypeError, ValueError) as e:  # a step refusing the recipe's specs or options
+        raise UserError(f"recipe {label}: {e}") from None
+    seconds_q = time.perf_counter() - tq
+    size_before = report.tree_bytes(result.params)
+    rows = report.layer_rows(result.params, result.qtree, plan)
+    qmodel = to_module(model, result, inplace=True)  # as bridge.quantize does
+    act_rows = report.activation_rows(result.activations)
+    online_rows = report.online_rows(result.online)
+    step_info = result.info
+    del result
+
+    ppl_after = None
+    if eval_seqs is not None:
+        say("perplexity of the quantized model ...")
+        ppl_after = evaluate.perplexity(qmodel, eval_seqs, progress=True).perplexity
+
+    rep = report.Report(model=a.model or models.DEFAULT_MODEL, recipe=label,
+                        steps=[s.to_dict() for s in recipe.steps], layers=rows,
+                        size_before=size_before, size_after=report.tree_bytes(extract(qmodel)), seconds_quantize=seconds_q,
+                        ppl_before=ppl_before, ppl_after=ppl_after,
+                        eval_tokens=0 if eval_seqs is None else int(eval_seqs.numel()),
+                        calib_tokens=0 if calibration is None else sum(int(b.numel()) for b in calibration),
+                        out=str(out), unmatched=unmatched, activations=act_rows, step_info=step_info,
+                        online=online_rows)
+    write = io.checkpoint_writer(qmodel, recipe=recipe, recipe_name=label, tokenizer=tokenizer,
+                                 rules={p: plan[p].rule for p in plan.specs})
+    try:  # checkpoint, report and plot in one temporary directory, renamed to --out when all are written
+        with store.atomic_directory(out, overwrite=a.overwrite) as tmp:
+            write(tmp)
+            rep.seconds_total = time.perf_counter() - t0
+            (tmp / "report.json").write_text(json.dumps(rep.to_dict(), indent=2) + "\n")
+            if a.plot:
+                rep.plot(tmp / "report.png")
+    except OSError as e:
+        raise UserError(f"cannot write {out}: {e.strerror or e}") from None
+    if a.json:
+        outputs.write_text(Path(a.json), json.dumps(rep.to_dict(), indent=2) + "\n", option="--json")
+    exported = export.export_after_quantize(a, out)
+    say()
+    say(rep.render() + (f"\nexported ({a.to}): {exported}" if exported else ""))
+    return 0
