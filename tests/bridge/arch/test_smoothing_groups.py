@@ -11,8 +11,6 @@ from bridge.arch import find_arch, smoothing_groups
 from bridge.pipeline import plan
 from bridge_util import tiny_causal_lm
 
-pytestmark = pytest.mark.filterwarnings("ignore")
-
 
 def _model(arch):
     torch.manual_seed(0)

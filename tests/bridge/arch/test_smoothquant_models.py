@@ -14,8 +14,6 @@ from bridge.calibrate import ModelCalibrator
 from bridge.pipeline import plan
 from bridge_util import tiny_causal_lm, tiny_with_outliers
 
-pytestmark = pytest.mark.filterwarnings("ignore")
-
 W8 = qt.QuantSpec(format="int8", granularity=qt.PerChannel(0))
 A8 = qt.QuantSpec(format="int8")
 ARCHS = ("llama", "mistral", "qwen2", "opt", "gpt2", "phi3")

@@ -112,7 +112,7 @@ def test_gptq_after_rotate_sees_rotated_down_inputs():
 def test_r3_rotates_the_keys_the_cache_quantizer_sees():
     """With an fp8 key cache, ``rotate`` adds R3: k_scale is max|k H| / 448 over the calibration data, k the
     float model's keys after RoPE (recorded by an attention function of the test), not max|k| / 448."""
-    from test_kvcache import _amax_of_keys_and_values, _TestAttention
+    from modules.test_kvcache import _amax_of_keys_and_values, _TestAttention
 
     model = tiny_with_outliers("llama")
     batches = _cal()

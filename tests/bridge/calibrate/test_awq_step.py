@@ -17,8 +17,6 @@ from bridge.calibrate.sites import first_tensor, run_batch
 from bridge.pipeline import plan
 from bridge_util import tiny_causal_lm, tiny_with_outliers
 
-pytestmark = pytest.mark.filterwarnings("ignore")
-
 ARCHS = ("llama", "mistral", "qwen2", "opt", "gpt2", "phi3")
 U4 = qt.QuantSpec(format="uint4", granularity=qt.PerGroup(16), symmetric=False)
 FAMILIES = {  # every weight format family: integers (int and float zero point, symmetric), NF4, fp4, MX, NVFP4

@@ -17,8 +17,6 @@ import tiny_lm
 from bridge.app.cli import main
 from bridge_util import tiny_causal_lm
 
-pytestmark = pytest.mark.filterwarnings("ignore")
-
 gptq_step = importlib.import_module("qtransform.algorithms.gptq")  # the module (the package re-exports a name)
 IDS = torch.tensor([[1, 5, 9, 2, 17, 3, 30, 4, 11, 7]])
 BLOCKS = {"llama": "model.layers.", "mistral": "model.layers.", "qwen2": "model.layers.",
