@@ -15,7 +15,7 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from . import _tree
+from . import _pytree
 from .algorithms import Fit, apply_fit
 from .observers import choose_qparams, compute_qparams, init_stats, merge_stats, observe
 from .pipeline import Calibrator, run_steps
@@ -38,7 +38,7 @@ def flatten_tree(tree: Any) -> dict[str, Any]:
     >>> sorted(qt.flatten_tree({"a": {"w": torch.ones(1)}, "b": [torch.ones(1)]}))
     ['a.w', 'b.0']
     """
-    return dict(_tree.flatten_with_paths(tree, is_leaf=is_qtensor)[0])
+    return dict(_pytree.flatten_with_paths(tree, is_leaf=is_qtensor)[0])
 
 
 def quantize_tree(params: Any, recipe: Recipe | Any, *, qparams: Mapping[str, QParams] | None = None,
@@ -101,7 +101,7 @@ def quantize_tree(params: Any, recipe: Recipe | Any, *, qparams: Mapping[str, QP
 
     if not isinstance(with_info, bool):
         raise TypeError(f"quantize_tree: with_info must be True or False, got {with_info!r}")
-    out = _tree.map_with_path(one, apply_fit(params, fit))
+    out = _pytree.map_with_path(one, apply_fit(params, fit))
     return (out, fit) if with_info else out
 
 
@@ -109,7 +109,7 @@ def dequantize_tree(qtree: Any, *, dtype: torch.dtype | None = None) -> Any:
     """Replace every :class:`QTensor` leaf by its dequantized tensor (in ``dtype``, a floating dtype, if given)."""
     if dtype is not None:
         check_out_dtype(dtype, name="dequantize_tree: dtype")
-    return _tree.tree_map(lambda x: dequantize(x, dtype=dtype) if is_qtensor(x) else x, qtree,
+    return _pytree.tree_map(lambda x: dequantize(x, dtype=dtype) if is_qtensor(x) else x, qtree,
                           is_leaf=is_qtensor)
 
 

@@ -47,8 +47,8 @@ from typing import Any, Callable, Iterable, Mapping, NamedTuple, Sequence
 
 import torch
 
-from .. import _tree
-from .._tree import pytree_dataclass
+from .. import _pytree
+from .._pytree import pytree_dataclass
 from ..registry import Registry
 from ..rotation import OnlineRotation
 from ..spec import Site, as_plan
@@ -138,7 +138,7 @@ def apply_fit(params: Any, fit: Fit) -> Any:
         seen.add(path)
         return new
 
-    out = _tree.map_with_path(one, params)
+    out = _pytree.map_with_path(one, params)
     unknown = sorted(set(fit.params) - seen)
     if unknown:
         raise ValueError(f"apply_fit: a step returned tensors for paths not in the tree: {unknown[:5]}")
@@ -278,7 +278,7 @@ class Algorithm:
         if self.needs is not None and stats is None:
             raise ValueError(f"algorithm {self.name!r} needs statistics of activation sites: pass stats=")
         plan = as_plan(recipe, params, types=types)
-        flat = dict(_tree.flatten_with_paths(params)[0])
+        flat = dict(_pytree.flatten_with_paths(params)[0])
         fit = self.fn(flat, plan, context=Context(stats=stats, progress=progress), **options)
         if not isinstance(fit, Fit):
             raise TypeError(f"algorithm {self.name!r} returned {type(fit).__name__}, not a qtransform.Fit")

@@ -69,7 +69,7 @@ from typing import Any, Callable, Iterable, Mapping
 
 import torch
 
-from .. import _tree
+from .. import _pytree
 from .._checks import check_finite
 from ..spec import as_plan
 from ..tensor import QParams
@@ -114,7 +114,7 @@ def fit_tree(params: Any, recipe, *, types: Mapping[str, str] | None = None,
     """
     o = _options(None, **options)
     plan = as_plan(recipe, params, types=types)
-    return _fit(dict(_tree.flatten_with_paths(params)[0]), plan, o, paths=paths, progress=progress)
+    return _fit(dict(_pytree.flatten_with_paths(params)[0]), plan, o, paths=paths, progress=progress)
 
 
 #: The old name of :func:`fit_tree` (kept for one version; ``qtransform.qparams_tree`` is another function).

@@ -38,7 +38,7 @@ from typing import Mapping, NamedTuple, Sequence
 import torch
 
 from .._checks import check_finite, where
-from .._tree import pytree_dataclass
+from .._pytree import pytree_dataclass
 from ..granularity import PerChannel, PerTensor
 from ..observers import Observer, choose_qparams
 from ..spec import QuantSpec

@@ -38,7 +38,7 @@ from typing import Any, ClassVar, Mapping
 
 import torch
 
-from .. import _tree
+from .. import _pytree
 from .._checks import check_float_tensor, where
 from ..registry import Registry
 from ..spec import QuantSpec
@@ -141,7 +141,7 @@ def make_observer(observer=None, **options) -> Observer:
 
 def is_empty(stats) -> bool:
     """No batch observed yet (every tensor field is ``None``)."""
-    return not _tree.tree_leaves(stats)
+    return not _pytree.tree_leaves(stats)
 
 
 def _check_stats(stats, what: str, path) -> None:

@@ -20,7 +20,7 @@ from typing import NamedTuple
 import torch
 
 from .._checks import check_finite, where
-from .._tree import pytree_dataclass
+from .._pytree import pytree_dataclass
 from ..spec import QuantSpec
 from .base import Observer, register_observer
 

@@ -18,7 +18,7 @@ import math
 import torch
 
 from .._checks import check_finite
-from .._tree import pytree_dataclass
+from .._pytree import pytree_dataclass
 from ..spec import QuantSpec
 from ..tensor import blocks
 from .base import Observer

@@ -14,7 +14,7 @@ import dataclasses
 import torch
 
 from .._checks import check_finite, under_transform, where
-from .._tree import pytree_dataclass
+from .._pytree import pytree_dataclass
 from ..spec import QuantSpec
 from ..tensor import blocks
 from .base import Observer, register_observer

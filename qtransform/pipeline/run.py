@@ -32,7 +32,7 @@ from typing import Any, Callable, Mapping, Protocol, Sequence
 
 import torch
 
-from .. import _tree
+from .. import _pytree
 from ..algorithms import ALGORITHMS, Block, BlockInputs, Context, Fit, ModelLoss, SiteStats
 from ..algorithms.base import FACTS
 from ..observers import Observer, init_stats
@@ -207,7 +207,7 @@ def run_steps(params: Any, recipe, *, types: Mapping[str, str] | None = None, ca
     check_steps(plan.steps, calibrated=calibrator is not None)
     _check_calibrator(plan.steps, calibrator)
     check_facts(plan)
-    flat = dict(_tree.flatten_with_paths(params)[0])
+    flat = dict(_pytree.flatten_with_paths(params)[0])
     total = Fit()
     for i, step in enumerate(plan.steps):
         at = f"recipe.steps[{i}] ({step.name})"

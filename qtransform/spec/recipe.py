@@ -35,7 +35,7 @@ from typing import Any, Mapping
 
 import torch
 
-from .. import _tree
+from .. import _pytree
 from ..granularity import PerChannel, PerTensor
 from .plan import KV_ROLES, ROLES, SITE_ROLES, Match, Plan
 from .quantspec import QuantSpec
@@ -79,7 +79,7 @@ def check_tree(tree: Any, *, name: str = "params") -> list[tuple[str, torch.Tens
     a tensor (a numpy array, a number, a string, ``None``...): such leaves would pass through unquantized."""
     if tree is None:
         raise TypeError(f"{name} must be a tree of tensors (a dict, list or tuple of torch.Tensor), got None")
-    pairs = _tree.flatten_with_paths(tree)[0]
+    pairs = _pytree.flatten_with_paths(tree)[0]
     for path, leaf in pairs:
         if not isinstance(leaf, torch.Tensor):
             numpy = type(leaf).__module__.startswith("numpy")

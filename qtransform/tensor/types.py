@@ -12,8 +12,8 @@ import dataclasses
 
 import torch
 
-from .. import _tree
-from .._tree import pytree_dataclass
+from .. import _pytree
+from .._pytree import pytree_dataclass
 from ..spec import QuantSpec
 from .checks import check_qtensor
 
@@ -129,7 +129,7 @@ class QTensor:
 
     def nbytes(self) -> int:
         """Bytes actually held by codes and quantization parameters."""
-        return sum(t.numel() * t.element_size() for t in _tree.tree_leaves(self))
+        return sum(t.numel() * t.element_size() for t in _pytree.tree_leaves(self))
 
     def bits_per_element(self) -> float:
         """Storage bits per logical element, scales and zero points included."""
