@@ -83,7 +83,7 @@ def weight_mean(params: Mapping[str, torch.Tensor], group: SmoothGroup, specs: M
         spec = specs.get(lin)
         a = w.abs()
         if spec is not None:
-            p = blocks.plan(w.shape, spec, path=f"{lin}.weight")
+            p = blocks.tiling(w.shape, spec, path=f"{lin}.weight")
             amax = blocks.view(a, p).amax(dim=blocks.reduce_dims(p), keepdim=True)
             a = blocks.unview(blocks.view(a, p) / amax.clamp(min=1e-12), p)
         a = logical_weight(a, group.transposed)

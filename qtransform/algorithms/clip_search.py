@@ -35,7 +35,7 @@ def input_gram(rows: torch.Tensor, spec: QuantSpec, shape, *, in_axis: int = 1, 
     """``(G, c, c)``: ``XᵀX / n`` of the input ``rows`` ``(n, in)`` on each of the ``G`` column blocks of width
     ``c`` that ``spec`` quantizes together in a weight of ``shape`` whose input axis is ``in_axis`` (``c``: the
     group size, or all inputs for per-channel and per-tensor specs). Padded columns get zeros."""
-    p = blocks.plan(tuple(shape), spec, path=path)
+    p = blocks.tiling(tuple(shape), spec, path=path)
     c, padded = p.block[in_axis], p.padded[in_axis]
     x = rows.detach().to(torch.float32)
     if x.dim() != 2 or x.shape[1] != shape[in_axis]:
@@ -70,7 +70,7 @@ def search_range(w: torch.Tensor, spec: QuantSpec, col_weight: torch.Tensor | No
     x = w.detach().to(torch.float32)
     stats = observe(init_stats(spec), x, path=path)
     lo, hi = stats.min.to(torch.float32), stats.max.to(torch.float32)
-    p = blocks.plan(x.shape, spec, path=path)
+    p = blocks.tiling(x.shape, spec, path=path)
     if gram is not None and (in_axis not in (0, 1) or gram.dim() != 3 or gram.shape[1:] != (
             p.block[in_axis], p.block[in_axis]) or gram.shape[0] * p.block[in_axis] != p.padded[in_axis]):
         raise ValueError(f"{where(path)}clip search: a Gram of shape {tuple(gram.shape)} does not fit the column "

@@ -114,7 +114,7 @@ def inverse_hessian_factor(H: torch.Tensor, *, damp: float = 0.01, max_retries: 
 def _group_width(spec: QuantSpec, shape, path) -> int:
     """Input columns per parameter group of a logical ``(out, in)`` weight (``in``: one group)."""
     try:
-        return int(blocks.plan(shape, spec, path=path).block[-1])
+        return int(blocks.tiling(shape, spec, path=path).block[-1])
     except ValueError as e:
         raise ValueError(f"{where(path)}gptq: {e}") from None
 
@@ -128,7 +128,7 @@ def _per_group_only(spec: QuantSpec) -> bool:
 
 def _element(qp: QParams, shape) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Float32 scale and zero point per element of a tensor of ``shape`` (transposed: ``(in, out)``)."""
-    p = blocks.plan(shape, qp.spec, sub_block=True)
+    p = blocks.tiling(shape, qp.spec, sub_block=True)
     s, z = qp.effective()
     if z is not None and qp.spec.zero_point_domain == "offset":  # code * s + m == (code - (-m / s)) * s
         z = -z / s

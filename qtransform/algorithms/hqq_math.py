@@ -221,11 +221,11 @@ def check_spec(spec: QuantSpec, *, path: str | None = None) -> None:
         raise ValueError(f"{w}hqq: spec {spec} is not an HQQ spec: {why}")
 
 
-def _pieces(plan: blocks.BlockPlan):
+def _pieces(tiles: blocks.Tiling):
     """Per axis, the ``(elements, grid cells, block length)`` ranges whose blocks tile exactly: all
     of an axis the block divides; else its whole blocks and the short last block (padding left out)."""
     out = []
-    for n, b, g in zip(plan.shape, plan.block, plan.grid):
+    for n, b, g in zip(tiles.shape, tiles.block, tiles.grid):
         if n % b == 0:
             out.append(((slice(0, n), slice(0, g), b),))
         else:
@@ -235,35 +235,35 @@ def _pieces(plan: blocks.BlockPlan):
     return out
 
 
-def _solve_pieces(wf: torch.Tensor, grids, plan: blocks.BlockPlan, spec: QuantSpec, o: Options, axis: int = 0,
+def _solve_pieces(wf: torch.Tensor, grids, tiles: blocks.Tiling, spec: QuantSpec, o: Options, axis: int = 0,
                   ranges=()):
-    """HQQ on the blocks of ``wf`` (float32, ``plan.shape``) with their grid-shaped ``(s0, z0, lo, hi)``.
+    """HQQ on the blocks of ``wf`` (float32, ``tiles.shape``) with their grid-shaped ``(s0, z0, lo, hi)``.
 
     A padded grid is solved piece by piece (whole blocks; the short last blocks on their real
     elements only), so padding never enters a block's error; the pieces are joined with ``cat``
     (no in-place writes: works under ``vmap``)."""
-    if axis == len(plan.shape):
+    if axis == len(tiles.shape):
         elems = tuple(r[0] for r in ranges)
         cells = tuple(r[1] for r in ranges)
         part = wf[elems]
         block = tuple(r[2] for r in ranges)
-        sub = blocks.BlockPlan(tuple(part.shape), block, tuple(part.shape),
+        sub = blocks.Tiling(tuple(part.shape), block, tuple(part.shape),
                                tuple(n // b for n, b in zip(part.shape, block)))
         flat = blocks.flat(blocks.view(part, sub), sub)
         s, z = solve(flat.reshape(-1, flat.shape[-1]), *(t[cells].reshape(-1, 1) for t in grids), spec, o)
         return s.reshape(sub.grid), z.reshape(sub.grid)
-    parts = [_solve_pieces(wf, grids, plan, spec, o, axis + 1, ranges + (r,)) for r in _pieces(plan)[axis]]
+    parts = [_solve_pieces(wf, grids, tiles, spec, o, axis + 1, ranges + (r,)) for r in _pieces(tiles)[axis]]
     if len(parts) == 1:
         return parts[0]
     return torch.cat([p[0] for p in parts], dim=axis), torch.cat([p[1] for p in parts], dim=axis)
 
 
 def _optimize(w: torch.Tensor, spec: QuantSpec, o: Options, path: str | None) -> QParams:
-    plan = blocks.plan(w.shape, spec, path=path)
+    tiles = blocks.tiling(w.shape, spec, path=path)
     stats = observe(init_stats(spec), w, path=path)  # padding repeats the last element: real ranges
     init = compute_qparams(stats, spec, path=path)  # iterate 0: round-to-nearest (choose_qparams)
     s0, z0 = init.effective()
-    s, z = _solve_pieces(w.detach().to(torch.float32), (s0, z0, stats.min, stats.max), plan, spec, o)
+    s, z = _solve_pieces(w.detach().to(torch.float32), (s0, z0, stats.min, stats.max), tiles, spec, o)
     dtype = SCALE_DTYPES[spec.scale_dtype][0]
     return QParams(scale=s.to(dtype), zero_point=z.to(dtype), spec=spec)
 

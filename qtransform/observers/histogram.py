@@ -138,7 +138,7 @@ class HistogramObserver(Observer):
 
     def batch(self, stats, x, *, path=None):
         check_finite(x, path=path)
-        p = blocks.plan(x.shape, stats.spec, sub_block=True, path=path)
+        p = blocks.tiling(x.shape, stats.spec, sub_block=True, path=path)
         xf = blocks.flat(blocks.view(x.detach().to(torch.float32), p), p)
         n_blocks = xf[..., 0].numel()
         h = build(xf.reshape(n_blocks, -1), bins_for(self.bins, n_blocks))

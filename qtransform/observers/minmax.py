@@ -53,7 +53,7 @@ class MinMax(Observer):
         return MinMaxStats(spec=spec, observer=self)
 
     def batch(self, stats, x, *, path=None):
-        p = blocks.plan(x.shape, stats.spec, sub_block=True, path=path)
+        p = blocks.tiling(x.shape, stats.spec, sub_block=True, path=path)
         xb = blocks.view(x.detach().to(torch.float32), p)
         dims = blocks.reduce_dims(p)
         bmin, bmax = xb.amin(dims), xb.amax(dims)

@@ -8,7 +8,7 @@ orthogonal. Orders other than 1 and 2 are multiples of 4. The constructions here
 * **Paley II**: order ``2 (q + 1)`` for a prime power ``q ≡ 1 (mod 4)`` (36, 52, 148...);
 * **Kronecker products** ``H_a ⊗ H_b`` of those.
 
-:func:`hadamard_plan` writes ``n = 2^k · m`` with the largest power of two for which the core ``m``
+:func:`hadamard_construction` writes ``n = 2^k · m`` with the largest power of two for which the core ``m``
 has a construction (one Paley matrix or a product of two), so that :func:`hadamard_transform`
 costs ``O(n (k + m))``: SmolLM2's 576 = 16·36 (Paley II, q = 17), 1536 = 128·12 (Paley I,
 q = 11), Qwen2-7B's 18944 = 128·148 (Paley II, q = 73). Orders no construction here reaches
@@ -19,8 +19,8 @@ covered orders; :func:`qtransform.rotation.orthogonal` gives a fast orthogonal f
 >>> H = hadamard(12)
 >>> bool(torch.allclose(H @ H.T, torch.eye(12), atol=1e-6))
 True
->>> hadamard_plan(18944)
-HadamardPlan(n=18944, power=128, core=(148,), construction='2^7 x Paley II (q=73)')
+>>> hadamard_construction(18944)
+HadamardConstruction(n=18944, power=128, core=(148,), construction='2^7 x Paley II (q=73)')
 """
 
 from __future__ import annotations
@@ -31,10 +31,10 @@ from typing import NamedTuple
 
 import torch
 
-__all__ = ["HadamardPlan", "hadamard", "hadamard_plan", "has_hadamard", "hadamard_transform"]
+__all__ = ["HadamardConstruction", "HadamardPlan", "hadamard", "hadamard_construction", "hadamard_plan", "has_hadamard", "hadamard_transform"]
 
 
-class HadamardPlan(NamedTuple):
+class HadamardConstruction(NamedTuple):
     """``n = power · prod(core)``: a Sylvester factor and the Paley matrices of the core."""
 
     n: int
@@ -86,14 +86,14 @@ def _core(m: int) -> tuple[int, ...] | None:
     return None
 
 
-def _find(n: int) -> HadamardPlan | None:
+def _find(n: int) -> HadamardConstruction | None:
     power = 1 << ((n & -n).bit_length() - 1)  # the largest power of two dividing n
     while power >= 1:
         core = _core(n // power)
         if core is not None:
             parts = [f"2^{power.bit_length() - 1}"] if power > 1 else []
             parts += [_label(c) for c in core]
-            return HadamardPlan(n, power, core, " x ".join(parts) or "1")
+            return HadamardConstruction(n, power, core, " x ".join(parts) or "1")
         power //= 2
     return None
 
@@ -103,15 +103,20 @@ def _check_order(n) -> None:
         raise ValueError(f"hadamard: n must be a positive int, got {n!r}")
 
 
-def hadamard_plan(n: int) -> HadamardPlan:
+def hadamard_construction(n: int) -> HadamardConstruction:
     """How :func:`hadamard` builds order ``n`` (``ValueError`` when no construction here reaches it)."""
     _check_order(n)
-    plan = _find(n)
-    if plan is None:
+    found = _find(n)
+    if found is None:
         raise ValueError(f"hadamard: no construction here reaches order {n} (Sylvester 2^k, Paley I/II and their "
                          f"Kronecker products; nearest covered orders {_nearest(n)}); use "
                          "qtransform.rotation.orthogonal(n) for a fast orthogonal matrix of any order")
-    return plan
+    return found
+
+
+#: The old names of :class:`HadamardConstruction` and :func:`hadamard_construction` (kept for one version).
+HadamardPlan = HadamardConstruction
+hadamard_plan = hadamard_construction
 
 
 def has_hadamard(n: int) -> bool:
@@ -228,9 +233,9 @@ def _core_matrix(core: tuple[int, ...]) -> torch.Tensor:
 
 
 def hadamard(n: int, *, dtype: torch.dtype = torch.float32, device=None, normalized: bool = True) -> torch.Tensor:
-    """The Hadamard matrix of order ``n`` that :func:`hadamard_plan` describes: ``H_{2^k} ⊗ H_core``,
+    """The Hadamard matrix of order ``n`` that :func:`hadamard_construction` describes: ``H_{2^k} ⊗ H_core``,
     divided by ``sqrt(n)`` (orthogonal) unless ``normalized=False`` (entries ±1)."""
-    plan = hadamard_plan(n)
+    plan = hadamard_construction(n)
     H = torch.kron(_sylvester(plan.power), _core_matrix(plan.core)).to(dtype=dtype, device=device)
     return H / math.sqrt(n) if normalized else H
 
@@ -244,7 +249,7 @@ def hadamard_transform(x: torch.Tensor, *, normalized: bool = True) -> torch.Ten
     if not x.is_floating_point():
         raise TypeError(f"hadamard_transform: x must be floating point, got {x.dtype}")
     n = x.shape[-1]
-    plan = hadamard_plan(n)
+    plan = hadamard_construction(n)
     lead, m = x.shape[:-1], n // plan.power
     y = x.reshape(*lead, plan.power, m)
     if m > 1:  # (A ⊗ B) on row vectors: Aᵀ X B with X the (power, m) view; A (Sylvester) is symmetric

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from .constructions import hadamard, hadamard_plan, has_hadamard
+from .constructions import hadamard, hadamard_construction, has_hadamard
 
 __all__ = ["random_signs", "random_hadamard", "orthogonal", "orthogonal_construction", "random_orthogonal"]
 
@@ -59,9 +59,9 @@ def _split(n: int) -> tuple[int, int]:
 def orthogonal_construction(n: int) -> str:
     """What :func:`orthogonal` builds for order ``n``."""
     if has_hadamard(n):
-        return f"randomised Hadamard ({hadamard_plan(n).construction})"
+        return f"randomised Hadamard ({hadamard_construction(n).construction})"
     a, b = _split(n)
-    return f"Hadamard {a} ({hadamard_plan(a).construction}) x random orthogonal {b}"
+    return f"Hadamard {a} ({hadamard_construction(a).construction}) x random orthogonal {b}"
 
 
 def orthogonal(n: int, seed=0, *, dtype=torch.float32) -> torch.Tensor:

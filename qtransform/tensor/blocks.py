@@ -8,6 +8,9 @@ broadcasts back over the blocks. No Python loop over groups, channels or blocks.
 A block size that does not divide its axis is an error unless the spec pads; padding
 repeats the last element of the axis (so minima, maxima and amax of the last block are
 unchanged) and is cropped away again.
+
+The views are written for any rank (the tiling of a 1-D, 2-D or 4-D weight is the same code);
+an einops pattern names a fixed rank, so it would have to be built as a string per call here.
 """
 
 from __future__ import annotations
@@ -20,10 +23,10 @@ from .._checks import where
 from ..granularity import PerGroup
 from ..spec import QuantSpec
 
-__all__ = ["BlockPlan", "plan", "view", "unview", "expand", "flat", "reduce_dims"]
+__all__ = ["Tiling", "tiling", "view", "unview", "expand", "flat", "reduce_dims"]
 
 
-class BlockPlan(NamedTuple):
+class Tiling(NamedTuple):
     shape: tuple[int, ...]
     block: tuple[int, ...]
     padded: tuple[int, ...]
@@ -39,8 +42,8 @@ def _describe(spec: QuantSpec) -> str:
     return f"group size {g.size}" if isinstance(g, PerGroup) else f"block size {spec.granularity}"
 
 
-def plan(shape, spec: QuantSpec, *, sub_block: bool = False, path: str | None = None) -> BlockPlan:
-    """Block plan of ``spec`` for a tensor of ``shape``.
+def tiling(shape, spec: QuantSpec, *, sub_block: bool = False, path: str | None = None) -> Tiling:
+    """How ``spec`` tiles a tensor of ``shape`` into blocks (block size, padded shape, grid).
 
     With ``sub_block=True`` the granularity axis uses the format's micro-exponent sub-block
     (MX4/MX6/MX9 pairs) instead of its block.
@@ -62,7 +65,7 @@ def plan(shape, spec: QuantSpec, *, sub_block: bool = False, path: str | None = 
     if sub_block and sub:  # sub-blocks inside whole (padded) outer blocks
         block[spec.granularity.axis % len(shape)] = sub
     grid = tuple(p // b for p, b in zip(padded, block))
-    return BlockPlan(shape, tuple(block), tuple(padded), grid)
+    return Tiling(shape, tuple(block), tuple(padded), grid)
 
 
 def _pad(x: torch.Tensor, shape: tuple[int, ...], padded: tuple[int, ...]) -> torch.Tensor:
@@ -73,7 +76,7 @@ def _pad(x: torch.Tensor, shape: tuple[int, ...], padded: tuple[int, ...]) -> to
     return x
 
 
-def view(x: torch.Tensor, p: BlockPlan) -> torch.Tensor:
+def view(x: torch.Tensor, p: Tiling) -> torch.Tensor:
     """``x`` (shape ``p.shape``) as ``(g0, b0, g1, b1, ...)``, padded when needed."""
     if p.needs_pad:
         x = _pad(x, p.shape, p.padded)
@@ -81,7 +84,7 @@ def view(x: torch.Tensor, p: BlockPlan) -> torch.Tensor:
     return x.reshape(inter)
 
 
-def unview(xb: torch.Tensor, p: BlockPlan) -> torch.Tensor:
+def unview(xb: torch.Tensor, p: Tiling) -> torch.Tensor:
     """Inverse of :func:`view`: back to ``p.shape`` (padding cropped)."""
     x = xb.reshape(p.padded)
     if p.needs_pad:
@@ -89,17 +92,17 @@ def unview(xb: torch.Tensor, p: BlockPlan) -> torch.Tensor:
     return x
 
 
-def expand(t: torch.Tensor, p: BlockPlan) -> torch.Tensor:
+def expand(t: torch.Tensor, p: Tiling) -> torch.Tensor:
     """A grid-shaped tensor viewed as ``(g0, 1, g1, 1, ...)`` to broadcast over blocks."""
     return t.reshape([d for g in p.grid for d in (g, 1)])
 
 
-def reduce_dims(p: BlockPlan) -> tuple[int, ...]:
+def reduce_dims(p: Tiling) -> tuple[int, ...]:
     """The within-block axes of a blocked view."""
     return tuple(range(1, 2 * len(p.shape), 2))
 
 
-def flat(xb: torch.Tensor, p: BlockPlan) -> torch.Tensor:
+def flat(xb: torch.Tensor, p: Tiling) -> torch.Tensor:
     """A blocked view rearranged to ``grid + (block_numel,)``."""
     n = len(p.shape)
     order = list(range(0, 2 * n, 2)) + list(range(1, 2 * n, 2))

@@ -54,7 +54,7 @@ def check_qtensor(codes, qparams, width, dtype) -> None:
                          f"must hold {what}")
     shape = (*codes.shape[:-1], width)
     try:
-        grid = blocks.plan(shape, spec).grid  # stored per block (MX4/6/9 decode per sub-block)
+        grid = blocks.tiling(shape, spec).grid  # stored per block (MX4/6/9 decode per sub-block)
     except ValueError as e:
         raise ValueError(f"QTensor: codes of logical shape {shape}: {e}") from None
     for name in ("scale", "zero_point"):

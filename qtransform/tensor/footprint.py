@@ -30,7 +30,7 @@ __all__ = ["bits_per_element"]
 
 def _param_bytes(spec: QuantSpec, shape: tuple[int, ...], *, per_tensor: bool) -> int:
     """Bytes of the QParams ``spec`` makes for a tensor of ``shape`` (computed on an empty range)."""
-    grid = blocks.plan(shape, spec, sub_block=True).grid
+    grid = blocks.tiling(shape, spec, sub_block=True).grid
     zeros = torch.zeros(grid, dtype=torch.float32, device="cpu")  # real data, even under a meta default device
     qp = QParams.from_range(zeros, zeros, spec)
     return sum(t.numel() * t.element_size() for name, t in qp.tensors().items()

@@ -54,7 +54,7 @@ def _blocked(x: torch.Tensor, qparams: QParams, path):
         raise TypeError(f"{where(path)}qparams must be a QParams, got {type(qparams).__name__}")
     check_float_tensor(x, path=path)
     spec = qparams.spec
-    p = blocks.plan(x.shape, spec, sub_block=True, path=path)
+    p = blocks.tiling(x.shape, spec, sub_block=True, path=path)
     s, z = qparams.effective()
     if tuple(s.shape) != p.grid:
         raise ValueError(f"{where(path)}qparams scale grid {tuple(s.shape)} does not match x of shape "
@@ -192,7 +192,7 @@ def dequantize(q: QTensor, *, dtype: torch.dtype | None = None) -> torch.Tensor:
         check_out_dtype(dtype, name="dequantize: dtype")
     spec = q.spec
     codes = unpacked_codes(q)
-    p = blocks.plan(codes.shape, spec, sub_block=True)
+    p = blocks.tiling(codes.shape, spec, sub_block=True)
     s, z = q.qparams.effective()
     decoded = spec.fmt.codec.decode(codes)  # elementwise: decode before padding (float8 cannot be gathered)
     vals = blocks.view(decoded, p)

@@ -63,7 +63,7 @@ def _closed_form_bound(x, qp):
     (integer-coded formats), times the scale; beyond the range, the distance to it."""
     spec = qp.spec
     codec = spec.fmt.codec
-    p = blocks.plan(x.shape, spec, sub_block=True)
+    p = blocks.tiling(x.shape, spec, sub_block=True)
     s, _ = qp.effective()
     s = blocks.unview(blocks.expand(s, p).expand(blocks.view(x, p).shape).contiguous(), p)
     lo, hi = codec.qrange(symmetric=True, restricted=False)

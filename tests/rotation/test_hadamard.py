@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import qtransform as qt
-from qtransform.rotation import (hadamard, hadamard_plan, hadamard_transform, has_hadamard, orthogonal,
+from qtransform.rotation import (hadamard, hadamard_construction, hadamard_transform, has_hadamard, orthogonal,
                                  orthogonal_construction, random_hadamard)
 
 #: hidden and intermediate widths of real models (SmolLM2, Qwen2 0.5B-72B, Llama 2/3, Mistral, Phi-3...)
@@ -50,7 +50,7 @@ def test_every_covered_order_up_to_4096_is_a_hadamard_matrix():
 def test_real_model_widths(n):
     """Every width above has a construction (Quark's K·2^m list lacks 18944 = 148·128): rows sampled
     through the fast transform are orthonormal, and the transform preserves norms."""
-    assert has_hadamard(n), hadamard_plan(n)
+    assert has_hadamard(n), hadamard_construction(n)
     g = torch.Generator().manual_seed(n)
     rows = torch.randperm(n, generator=g)[:16]
     R = hadamard_transform(torch.eye(n, dtype=torch.float64)[rows])
@@ -76,11 +76,11 @@ def test_the_transform_under_vmap_and_grad():
 
 
 def test_paley_constructions_are_named():
-    assert hadamard_plan(576).construction == "2^4 x Paley II (q=17)"
-    assert hadamard_plan(1536).construction == "2^7 x Paley I (q=11)"
-    assert hadamard_plan(14336).construction == "2^9 x Paley I (q=27)"  # GF(27): a prime power field
-    assert hadamard_plan(52).construction == "Paley II (q=25)"  # GF(25)
-    assert hadamard_plan(8192).construction == "2^13"
+    assert hadamard_construction(576).construction == "2^4 x Paley II (q=17)"
+    assert hadamard_construction(1536).construction == "2^7 x Paley I (q=11)"
+    assert hadamard_construction(14336).construction == "2^9 x Paley I (q=27)"  # GF(27): a prime power field
+    assert hadamard_construction(52).construction == "Paley II (q=25)"  # GF(25)
+    assert hadamard_construction(8192).construction == "2^13"
 
 
 @pytest.mark.parametrize("n", [92, 116, 156, 172, 188])
