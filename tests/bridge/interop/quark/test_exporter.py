@@ -6,7 +6,7 @@ from typing import NamedTuple
 
 import pytest
 import torch
-from interop.quark_helpers import IDS, logits, quantize_save, quark_logits
+from interop.quark.helpers import IDS, logits, quantize_save, quark_logits
 
 import bridge
 import qtransform as qt

@@ -13,13 +13,13 @@ import sys
 import pytest
 import torch
 from bridge_util import same_bits, tiny_causal_lm
-from interop.ct_helpers import FP8, batches as _batches, needs_calibration, recipe as _recipe, tiny as _tiny
+from interop.compressed_tensors.helpers import FP8, batches as _batches, needs_calibration, recipe as _recipe, tiny as _tiny
 from safetensors.torch import load_file
 
 import bridge
 import qtransform as qt
 from bridge import interop
-from bridge.interop.ct_args import judge
+from bridge.interop.compressed_tensors.config import judge
 from bridge.modules import actquant
 
 pytestmark = pytest.mark.filterwarnings("ignore")

@@ -29,7 +29,7 @@ import torch
 
 import bridge
 from bridge import interop
-from bridge.interop import gguf_quants
+from bridge.interop.gguf import tensors as gguf_tensors
 from bridge.interop.gguf import GGUFImporter
 
 pytestmark = [pytest.mark.filterwarnings("ignore"),
@@ -43,11 +43,11 @@ TOKENS = 480  # evaluated token ids (a few hundred: the whole run stays within m
 N_CTX = 512
 #: GGUF type -> (our spec, export target). The K-quant specs are what GGUF's Q4_K / Q6_K blocks hold.
 CASES = {
-    "Q8_0": (gguf_quants.IMPORT_SPECS["Q8_0"], "gguf"),
-    "Q4_0": (gguf_quants.IMPORT_SPECS["Q4_0"], "gguf"),
-    "Q4_1": (gguf_quants.IMPORT_SPECS["Q4_1"], "gguf"),
-    "Q4_K": (gguf_quants.IMPORT_SPECS["Q4_K"], "gguf-k"),
-    "Q6_K": (gguf_quants.IMPORT_SPECS["Q6_K"], "gguf-k"),
+    "Q8_0": (gguf_tensors.IMPORT_SPECS["Q8_0"], "gguf"),
+    "Q4_0": (gguf_tensors.IMPORT_SPECS["Q4_0"], "gguf"),
+    "Q4_1": (gguf_tensors.IMPORT_SPECS["Q4_1"], "gguf"),
+    "Q4_K": (gguf_tensors.IMPORT_SPECS["Q4_K"], "gguf-k"),
+    "Q6_K": (gguf_tensors.IMPORT_SPECS["Q6_K"], "gguf-k"),
 }
 #: Text whose token ids llama.cpp and our tokenizer must agree on: digits (SmolLM2 splits each one),
 #: superscripts, code, non-Latin scripts, runs of spaces and newlines, special tokens.
