@@ -20,7 +20,6 @@ from bridge.app import models
 from bridge.app.imported import load_imported
 from bridge.interop.gguf import tensors as gguf_tensors
 
-pytestmark = pytest.mark.filterwarnings("ignore")
 
 IDS = torch.randint(0, 128, (2, 10), generator=torch.Generator().manual_seed(1))
 Q4_1 = gguf_tensors.IMPORT_SPECS["Q4_1"]

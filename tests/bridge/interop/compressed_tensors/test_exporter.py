@@ -3,7 +3,7 @@ quantized by our presets, exported, then loaded in a fresh interpreter that neve
 (transformers' compressed-tensors quantizer, CPU): same logits as our quantized model, and the weights that
 compressed-tensors' own compressors decompress are our dequantized weights, bit for bit where the format is
 exact; the export and the command refuse what the format cannot hold, by tree path (the importer:
-``test_compressed_tensors_import.py``)."""
+``test_importer.py``)."""
 
 import json
 import os
@@ -22,7 +22,6 @@ from bridge import interop
 from bridge.interop.compressed_tensors.config import judge
 from bridge.modules import actquant
 
-pytestmark = pytest.mark.filterwarnings("ignore")
 
 TO = "compressed-tensors"
 IDS = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(1))

@@ -15,7 +15,6 @@ import bridge
 import qtransform as qt
 from bridge import interop
 
-pytestmark = pytest.mark.filterwarnings("ignore")
 
 TO = "compressed-tensors"
 

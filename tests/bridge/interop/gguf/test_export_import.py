@@ -20,7 +20,6 @@ from bridge_util import tiny_causal_lm
 gguf = pytest.importorskip("gguf")
 from gguf.quants import dequantize as gguf_dequantize  # noqa: E402
 
-pytestmark = pytest.mark.filterwarnings("ignore")
 
 Q4_1 = gguf_tensors.IMPORT_SPECS["Q4_1"]
 Q8_0 = gguf_tensors.IMPORT_SPECS["Q8_0"]

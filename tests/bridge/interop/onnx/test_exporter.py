@@ -24,7 +24,11 @@ import qtransform as qt
 from bridge import interop
 from bridge.interop.onnx import tensors as onnx_tensors
 
-pytestmark = pytest.mark.filterwarnings("ignore")
+# torch.onnx.export's own warnings (third-party; ours stay visible): dynamic axes that share a shape constraint,
+# and torch.export's pytree deprecation raised through copyreg
+pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning:torch.onnx"),
+              pytest.mark.filterwarnings(r"ignore:`isinstance\(treespec, LeafSpec\)` is deprecated:FutureWarning")]
+
 
 INT8_CHANNEL = qt.QuantSpec(format="int8", granularity=qt.PerChannel(0))
 # name: (architecture, preset or recipe, needs calibration, a weight path, its DequantizeLinear axis, block)
@@ -157,7 +161,7 @@ def test_initializers_hold_our_codes_scales_and_zero_points(name, cases):
         assert codes.data_type == want_type[entry.spec.format] and tuple(codes.dims) == tuple(q.shape)
         got = nh.to_array(codes)
         if entry.spec.format.startswith("fp8"):
-            assert same_bits(torch.from_numpy(got.view(np.uint8)).view(torch.float8_e4m3fn), q.codes)
+            assert same_bits(torch.from_numpy(got.view(np.uint8).copy()).view(torch.float8_e4m3fn), q.codes)
         else:
             bits = entry.spec.fmt.codec.bits
             mine = qt.unpack(q.codes, bits, q.width, signed=entry.spec.format == "int4") if bits < 8 else q.codes

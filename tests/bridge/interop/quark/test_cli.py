@@ -2,11 +2,8 @@
 
 import json
 
-import pytest
 import torch
 from interop.quark.helpers import run_cli, same_bits, stored
-
-pytestmark = pytest.mark.filterwarnings("ignore")
 
 
 # ---------------------------------------------------------------------------------------------- the command

@@ -13,8 +13,6 @@ import qtransform as qt
 from bridge import interop
 from bridge.modules import actquant
 
-pytestmark = pytest.mark.filterwarnings("ignore")
-
 
 # name: (architecture, preset or spec, needs calibration, transformers class)
 CASES = {

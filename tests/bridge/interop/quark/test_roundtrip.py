@@ -15,8 +15,6 @@ import qtransform as qt
 from bridge import interop
 from bridge.interop.quark import QuarkImporter
 
-pytestmark = pytest.mark.filterwarnings("ignore")
-
 
 # ---------------------------------------------------------------------------------------------- round trip
 ROUND_TRIP = {
