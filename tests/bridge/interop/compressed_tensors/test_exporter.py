@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -84,7 +85,7 @@ def _load_clean(dirs, tmp_path):
     res = subprocess.run([sys.executable, "-c", _CLEAN, json.dumps(jobs)], capture_output=True, text=True,
                          cwd=tmp_path, env=env, timeout=600)
     assert res.returncode == 0 and "clean" in res.stdout, res.stderr[-3000:]
-    return [(load_file(j["out"]), json.loads(open(j["out"] + ".json").read())) for j in jobs["dirs"]]
+    return [(load_file(j["out"]), json.loads(Path(j["out"] + ".json").read_text())) for j in jobs["dirs"]]
 
 
 # What transformers 5.24 with compressed-tensors 0.20 cannot run compressed (it then loads them with
