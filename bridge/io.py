@@ -38,16 +38,13 @@ import qtransform as qt
 from .checkpoint import metadata, store
 from .checkpoint.layout import LAYOUTS
 from .checkpoint.metadata import CheckpointError
-from .checkpoint.tree_io import (CONFIG, check_aliases, quantized_parts, read_metadata, read_tree, tensor_groups,
-                                 verify_checksums)
+from .checkpoint.tree_io import (CONFIG, TOKENIZER_FILES, check_aliases, quantized_parts, read_metadata, read_tree,
+                                 tensor_groups, verify_checksums)
 from .modules.actquant import PREFIX, activation_specs, static_buffers
 from .modules.online import check as check_online, online_rotations
 from .tree import Quantized, extract, tie_groups, to_module
 
 __all__ = ["save", "checkpoint_writer", "load", "imported_format", "from_source", "TOKENIZER_FILES"]
-
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
-                   "vocab.json", "vocab.txt", "merges.txt", "added_tokens.json", "chat_template.jinja")
 
 
 def _write_extras(model, tmp: Path, qconfig: dict, tokenizer) -> None:

@@ -158,7 +158,7 @@ def _gguf_pre_tokenizer(tokenizer, path: Path):
     from gguf import GGUFReader
     from tokenizers import Tokenizer
 
-    from ..interop.gguf_arch import HF_PRE_TOKENIZERS
+    from ..interop.gguf.arch import HF_PRE_TOKENIZERS
 
     field = GGUFReader(str(path)).fields.get("tokenizer.ggml.pre")
     want = HF_PRE_TOKENIZERS.get(field.contents()) if field is not None else None
@@ -174,7 +174,7 @@ def _gguf_pre_tokenizer(tokenizer, path: Path):
 
 def load_tokenizer(model: str | os.PathLike | ModelSource | None = None):
     """The tokenizer of :func:`resolve` ``(model)`` (from the GGUF file itself for GGUF models, with
-    the file's pre-tokenizer: see :data:`bridge.interop.gguf_arch.HF_PRE_TOKENIZERS`)."""
+    the file's pre-tokenizer: see :data:`bridge.interop.gguf.arch.HF_PRE_TOKENIZERS`)."""
     from transformers import AutoTokenizer
 
     source = resolve(model)

@@ -23,10 +23,14 @@ from . import checksum, metadata, store
 from .layout import LAYOUTS
 from .metadata import CheckpointError, Metadata
 
-__all__ = ["CONFIG", "tensor_groups", "read_metadata", "quantized_parts", "check_aliases", "verify_checksums",
-           "read_tree", "load_tree"]
+__all__ = ["CONFIG", "TOKENIZER_FILES", "tensor_groups", "read_metadata", "quantized_parts", "check_aliases",
+           "verify_checksums", "read_tree", "load_tree"]
 
 CONFIG = "config.json"
+#: A tokenizer's files, as transformers saves them beside a checkpoint (chat template included): what
+#: :func:`bridge.save` copies from the model's directory and the exporters copy beside their output.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                   "vocab.json", "vocab.txt", "merges.txt", "added_tokens.json", "chat_template.jinja")
 
 
 def tensor_groups(tree: dict, layout) -> tuple[list[dict[str, torch.Tensor]], dict[str, str]]:

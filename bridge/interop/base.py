@@ -1,7 +1,7 @@
 """Exports of qtransform checkpoints to other ecosystems' formats: the interface every target implements.
 
 A target (``quark``, ``compressed-tensors``, ``gguf``, ``onnx``...) is an :class:`Exporter` in its own
-module of this package, registered in :data:`EXPORTERS` under its name. It says, per quantized
+package of :mod:`bridge.interop` (its importer beside it), registered in :data:`EXPORTERS` under its name. It says, per quantized
 tensor, whether its format can hold the spec (:meth:`Exporter.support`: ``"exact"``, ``"nearest"``
 with the reason, or ``"no"``) and writes a :class:`Source` (a qtransform checkpoint read without a
 model: its metadata, tree and ``config.json``) into a directory (:meth:`Exporter.write`).
@@ -11,10 +11,6 @@ it reads the checkpoint (checksums verified), asks the target about every quanti
 activation quantizer first and refuses with one ``ValueError`` listing the tree paths it cannot
 express (nothing is written then), and writes the export into a temporary directory renamed into
 place at the end (:func:`bridge.checkpoint.store.atomic_directory`): never half a directory.
-
->>> import qtransform as qt
->>> sorted(EXPORTERS) == sorted(EXPORTERS.keys())
-True
 """
 
 from __future__ import annotations
@@ -29,7 +25,7 @@ import qtransform as qt
 
 from ..checkpoint import store
 from ..checkpoint.metadata import Metadata
-from ..checkpoint.tree_io import CONFIG, load_tree, read_metadata
+from ..checkpoint.tree_io import CONFIG, TOKENIZER_FILES, load_tree, read_metadata
 
 __all__ = ["Source", "Support", "Exporter", "EXPORTERS", "register_exporter", "Importer", "IMPORTERS",
            "register_importer", "detect_format", "read_source", "export",
@@ -40,9 +36,9 @@ __all__ = ["Source", "Support", "Exporter", "EXPORTERS", "register_exporter", "I
 SUPPORT_KINDS = ("exact", "nearest", "no")
 
 #: Files a transformers checkpoint carries beside its weights, copied into exports that keep
-#: the transformers directory shape (tokenizer, generation settings, chat template).
-EXTRA_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-               "tokenizer.model", "vocab.json", "vocab.txt", "merges.txt", "added_tokens.json", "chat_template.jinja")
+#: the transformers directory shape: generation settings and the tokenizer's files
+#: (:data:`bridge.checkpoint.tree_io.TOKENIZER_FILES`, chat template included).
+EXTRA_FILES = ("generation_config.json", *TOKENIZER_FILES)
 
 
 class Source(NamedTuple):

@@ -11,19 +11,18 @@ import sys
 import pytest
 import torch
 from bridge_util import same_bits
-from interop.ct_helpers import batches, recipe, tiny
+from interop.compressed_tensors.helpers import batches, recipe, tiny
 
 import bridge
 import qtransform as qt
 from bridge import interop
 from bridge.app import models
 from bridge.app.imported import load_imported
-from bridge.interop import gguf_quants
+from bridge.interop.gguf import tensors as gguf_tensors
 
-pytestmark = pytest.mark.filterwarnings("ignore")
 
 IDS = torch.randint(0, 128, (2, 10), generator=torch.Generator().manual_seed(1))
-Q4_1 = gguf_quants.IMPORT_SPECS["Q4_1"]
+Q4_1 = gguf_tensors.IMPORT_SPECS["Q4_1"]
 # (target, architecture, recipe name or spec): every family each target's exporter takes
 CASES = ([("quark", a, "int4-g32-asym") for a in ("llama", "opt", "phi3")] + [("quark", "qwen2", "fp8-static-kv")]
          + [("compressed-tensors", a, "int4-g32") for a in ("mistral", "qwen2")]

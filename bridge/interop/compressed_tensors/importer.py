@@ -2,8 +2,8 @@
 
 :class:`CompressedTensorsImporter` finds each quantized layer's scheme (``config_groups`` targets
 and ``ignore``: names, ``re:`` regexes, class names, the last resolved on the model built on the
-``meta`` device), reads its args back into our spec (:func:`.ct_args.spec_of`) and its tensors
-into a QTensor (:func:`.ct_tensors.from_ct`): codes and scales bit for bit. Activation quantizers
+``meta`` device), reads its args back into our spec (:func:`.config.spec_of`) and its tensors
+into a QTensor (:func:`.tensors.from_ct`): codes and scales bit for bit. Activation quantizers
 become our activation sites (``input_scale`` -> the ``input`` site), ``kv_cache_scheme`` the
 ``key``/``value`` sites of every attention layer with ``k_scale``/``v_scale``.
 
@@ -25,13 +25,13 @@ import torch
 
 import qtransform as qt
 
-from ..checkpoint import metadata, store
-from ..checkpoint.metadata import CheckpointError, Entry, Metadata
-from ..checkpoint.tree_io import CONFIG
-from . import ct_args
-from .base import Importer, Source
-from .ct_model import matches, skeleton
-from .ct_tensors import from_ct, reciprocal
+from ...checkpoint import metadata, store
+from ...checkpoint.metadata import CheckpointError, Entry, Metadata
+from ...checkpoint.tree_io import CONFIG
+from . import config as ct_config
+from ..base import Importer, Source
+from .model import matches, skeleton
+from .tensors import from_ct, reciprocal
 
 __all__ = ["CompressedTensorsImporter", "HINT_KEY", "GLOBAL_SCALES_KEY"]
 
@@ -187,12 +187,12 @@ class CompressedTensorsImporter(Importer):
             if size <= 0 or not torch.equal(g.long(), torch.arange(g.numel()) // size):
                 raise ValueError(f"{where}: an act-order permutation (weight_g_idx), which qtransform checkpoints "
                                  "cannot hold (quantize with static groups instead)")
-        spec, kind = ct_args.spec_of(args, fmt, parts["weight_scale"].dtype, where=where)
+        spec, kind = ct_config.spec_of(args, fmt, parts["weight_scale"].dtype, where=where)
         shape = _logical_shape(parts, kind, where)
         if hinted is not None:  # the spec our metadata recorded, when it stores the same bits
             hs, hdtype = hinted
             try:
-                m = ct_args.weight_mapping(hs)
+                m = ct_config.weight_mapping(hs)
                 if (m.kind == kind or {m.kind, kind} == {"pack", "int"}) and _same_args(m.args, args):
                     return from_ct(parts, kind, hs, shape, hdtype, args=args, where=where)
             except ValueError:
@@ -207,12 +207,12 @@ class CompressedTensorsImporter(Importer):
             raise CheckpointError(f"{where}: static quantizer without {prefix}scale")
         scale = read(names["scale"]) if "scale" in names else None
         try:
-            spec = ct_args.activation_spec_of(args, None if scale is None else scale.dtype, where=where)
+            spec = ct_config.activation_spec_of(args, None if scale is None else scale.dtype, where=where)
         except ValueError as e:
             raise CheckpointError(str(e)) from None
         hs = hinted.get(f"{site.module}:{site.role}")
-        if hs is not None and ct_args.judge(hs, site.role).kind == "exact" and \
-                _same_args(ct_args.activation_args(hs, site.role), args) and hs.scale_dtype == spec.scale_dtype:
+        if hs is not None and ct_config.judge(hs, site.role).kind == "exact" and \
+                _same_args(ct_config.activation_args(hs, site.role), args) and hs.scale_dtype == spec.scale_dtype:
             spec = hs
         out = {}
         if not spec.dynamic:

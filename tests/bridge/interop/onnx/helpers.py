@@ -7,8 +7,8 @@ import sys
 
 import numpy as np
 import torch
-from interop.ct_helpers import batches, tiny
-from interop.quark_helpers import ENV
+from interop.compressed_tensors.helpers import batches, tiny
+from interop.quark.helpers import ENV
 
 import bridge
 import qtransform as qt

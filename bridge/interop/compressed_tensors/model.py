@@ -16,7 +16,7 @@ from typing import Iterable, Mapping
 import torch
 from torch import nn
 
-from .hf_model import transformers_model
+from ..hf_model import transformers_model
 
 __all__ = ["skeleton", "QUANTIZABLE", "is_cached_attention", "matches"]
 

@@ -1,22 +1,12 @@
 """``qtransform quantize --to quark`` and ``qtransform export --to quark``, and their refusals."""
 
 import json
-import subprocess
-import sys
 
-import pytest
 import torch
-from interop.quark_helpers import ENV, same_bits, stored
-
-pytestmark = pytest.mark.filterwarnings("ignore")
+from interop.quark.helpers import run_cli, same_bits, stored
 
 
 # ---------------------------------------------------------------------------------------------- the command
-def run_cli(*args, cwd=None):
-    return subprocess.run([sys.executable, "-m", "bridge.app.cli", *args], capture_output=True, text=True, cwd=cwd,
-                          env=ENV, timeout=600)
-
-
 def test_cli_quantize_to_quark_and_export(tiny_llama_dir, tmp_path):
     out = tmp_path / "ckpt"
     res = run_cli("quantize", "--model", str(tiny_llama_dir), "--recipe", "int4-g32-asym", "--no-eval", "--out", str(out),

@@ -28,8 +28,10 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["ARCHES", "arch_of", "arch_problems", "write_arch", "tensor_name_map", "qk_rows", "write_tokenizer",
-           "hf_names", "HF_PRE_TOKENIZERS", "pre_tokenizer_name"]
+import qtransform as qt
+
+__all__ = ["ARCHES", "arch_of", "arch_problems", "write_arch", "tensor_name_map", "qk_rows", "reorder_rows",
+           "write_tokenizer", "hf_names", "HF_PRE_TOKENIZERS", "pre_tokenizer_name"]
 
 #: transformers ``model_type`` -> GGUF architecture.
 ARCHES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2"}
@@ -127,6 +129,20 @@ def qk_rows(path: str, config: dict, rows: int, *, inverse: bool = False) -> tor
         raise ValueError(f"{path}: {rows} rows do not split into {heads} heads of pairs")
     index = torch.arange(rows).reshape(heads, 2, rows // heads // 2).transpose(1, 2).reshape(rows)
     return torch.argsort(index) if inverse else index
+
+
+def reorder_rows(leaf, index: torch.Tensor | None):
+    """``leaf`` (a tensor or a :class:`~qtransform.QTensor`) with its rows taken in ``index`` order
+    (:func:`qk_rows`); a QTensor's codes, scales and zero points of groups along the rows move with them."""
+    if index is None:
+        return leaf
+    if not isinstance(leaf, qt.QTensor):
+        return leaf.index_select(0, index)
+    qp = leaf.qparams
+    fields = {k: (v.index_select(0, index) if v.dim() and v.shape[0] == leaf.shape[0] else v)
+              for k, v in qp.tensors().items()}
+    return qt.QTensor(codes=leaf.codes.index_select(0, index), qparams=qt.QParams(spec=qp.spec, **fields),
+                      width=leaf.width, dtype=leaf.dtype)
 
 
 #: Pre-tokenizer split patterns of byte-level BPE tokenizers -> llama.cpp's ``tokenizer.ggml.pre`` names.

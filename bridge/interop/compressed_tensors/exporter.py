@@ -3,8 +3,8 @@
 The export is a transformers checkpoint directory: ``config.json`` with a ``quantization_config``
 of ``quant_method: "compressed-tensors"`` (``config_groups`` of layers sharing one scheme,
 ``ignore``, ``kv_cache_scheme``, ``format``, ``quantization_status: "compressed"``), safetensors
-shards with compressed-tensors' tensor names and packing (:mod:`.ct_tensors`), and the tokenizer
-and generation files. What maps to what (:mod:`.ct_args`):
+shards with compressed-tensors' tensor names and packing (:mod:`.tensors`), and the tokenizer
+and generation files. What maps to what (:mod:`.config`):
 
 * integer weights (``int1``..``int8``, ``uint1``..``uint8``; per tensor, per output channel, groups
   along the input features, 2-D blocks; symmetric or with an integer zero point) are
@@ -18,14 +18,14 @@ and generation files. What maps to what (:mod:`.ct_args`):
 
 All of these are exact: the codes and scales are ours, bit for bit. Float zero points (HQQ), fp8
 e5m2 and the other element types compressed-tensors lacks are ``"nearest"``: with
-``allow_nearest`` the weight is dequantized and re-quantized to :func:`.ct_args.nearest` (its
+``allow_nearest`` the weight is dequantized and re-quantized to :func:`.config.nearest` (its
 extra error is measured in the README). compressed-tensors holds float scales in the model's
 dtype (``config.json``'s ``dtype``): scales wider than it (float32 scales of a bfloat16 model) are
 refused, or rounded to it with ``allow_nearest``. GPTQ's act-order needs no ``g_idx``: our GPTQ fixes its
 groups before the column loop (``static_groups``), so checkpoints carry no permutation.
 
 Our own metadata (specs, recipe, tied paths) rides along in the shards' safetensors metadata
-(``qtransform_config``), ignored by other readers, so that :class:`.ct_import.CompressedTensorsImporter`
+(``qtransform_config``), ignored by other readers, so that :class:`.importer.CompressedTensorsImporter`
 gives back the very tree that was exported.
 """
 
@@ -40,16 +40,16 @@ from torch import nn
 
 import qtransform as qt
 
-from ..checkpoint import metadata, store
-from ..checkpoint.metadata import Entry
-from ..modules.actquant import PREFIX
-from . import ct_args
-from .base import Exporter, Source, Support, copy_extras, register_exporter, register_importer, write_config
-from .ct_import import GLOBAL_SCALES_KEY, HINT_KEY, CompressedTensorsImporter
-from .ct_model import QUANTIZABLE, is_cached_attention, skeleton
-from .ct_tensors import to_ct
+from ...checkpoint import metadata, store
+from ...checkpoint.metadata import Entry
+from ...modules.actquant import PREFIX
+from . import config as ct_config
+from ..base import Exporter, Source, Support, copy_extras, write_config
+from .importer import GLOBAL_SCALES_KEY, HINT_KEY
+from .model import QUANTIZABLE, is_cached_attention, skeleton
+from .tensors import to_ct
 
-__all__ = ["CompressedTensorsExporter", "CompressedTensorsImporter"]
+__all__ = ["CompressedTensorsExporter"]
 
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -58,7 +58,7 @@ class _Layer(NamedTuple):
     """One quantized module of the export."""
 
     weight: qt.QTensor | None      # the (possibly re-quantized) weight, None for activation-only layers
-    mapping: ct_args.Mapping | None
+    mapping: ct_config.Mapping | None
     inputs: dict | None            # QuantizationArgs of its input / output quantizers
     outputs: dict | None
 
@@ -102,11 +102,11 @@ def _plan(source: Source, allow_nearest: bool) -> _Plan:
             problems.append(f"{path}: {kind} weight; compressed-tensors quantizes the weights of nn.Linear and "
                             "nn.Embedding only (transformers' Conv1D of GPT-2 included)")
             continue
-        s = ct_args.judge(entry.spec, "weight")
+        s = ct_config.judge(entry.spec, "weight")
         if s.kind == "no" or (s.kind == "nearest" and not allow_nearest):
             continue  # reported by Exporter.problems
-        spec = ct_args.nearest(entry.spec)
-        mapping = ct_args.weight_mapping(spec)
+        spec = ct_config.nearest(entry.spec)
+        mapping = ct_config.weight_mapping(spec)
         cols = entry.shape[-1]
         size = mapping.args.get("group_size")
         if size and cols % size:
@@ -131,10 +131,10 @@ def _plan(source: Source, allow_nearest: bool) -> _Plan:
         specs[path] = spec
     acts, kv_specs = {}, {}
     for site, spec in source.meta.activations.items():
-        s = ct_args.judge(spec, site.role)
+        s = ct_config.judge(spec, site.role)
         if s.kind == "no" or (s.kind == "nearest" and not allow_nearest):
             continue
-        spec = ct_args.nearest(spec)
+        spec = ct_config.nearest(spec)
         module = modules.get(site.module)
         if site.role in qt.spec.KV_ROLES:
             if module is None or not is_cached_attention(module):
@@ -145,7 +145,7 @@ def _plan(source: Source, allow_nearest: bool) -> _Plan:
             problems.append(f"{site.module}:{site.role}: compressed-tensors quantizes activations of nn.Linear only")
         else:
             old = layers.get(site.module, _Layer(None, None, None, None))
-            args = ct_args.activation_args(spec, site.role)
+            args = ct_config.activation_args(spec, site.role)
             layers[site.module] = old._replace(**{"inputs" if site.role == "input" else "outputs": args})
         acts[site] = spec
     kv = None
@@ -158,7 +158,7 @@ def _plan(source: Source, allow_nearest: bool) -> _Plan:
                             f"values of every attention layer ({len(attn)} here); this checkpoint quantizes "
                             f"{len(kv_specs)} key/value sites with {len(set(kv_specs.values()))} spec(s)")
         else:
-            kv = ct_args.activation_args(next(iter(kv_specs.values())), "key")
+            kv = ct_config.activation_args(next(iter(kv_specs.values())), "key")
     linears = sorted(n for n, m in modules.items() if isinstance(m, nn.Linear))
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     head_name = next((n for n, m in modules.items() if head is not None and m is head), None)
@@ -168,7 +168,7 @@ def _plan(source: Source, allow_nearest: bool) -> _Plan:
 
 def _kind(layer: _Layer) -> str:
     """How the layer's weight is stored: integer weights of ``int-quantized`` layers unpacked in int8."""
-    fmt = ct_args.compression_format(layer.mapping, layer.inputs)
+    fmt = ct_config.compression_format(layer.mapping, layer.inputs)
     return "int" if fmt == "int-quantized" else layer.mapping.kind
 
 
@@ -177,7 +177,7 @@ def _groups(plan: _Plan) -> tuple[dict, list[str], str]:
     by_scheme: dict[str, list[str]] = {}
     schemes = {}
     for name, layer in plan.layers.items():
-        fmt = "dense" if layer.mapping is None else ct_args.compression_format(layer.mapping, layer.inputs)
+        fmt = "dense" if layer.mapping is None else ct_config.compression_format(layer.mapping, layer.inputs)
         scheme = {"weights": None if layer.mapping is None else layer.mapping.args,
                   "input_activations": layer.inputs, "output_activations": layer.outputs, "format": fmt}
         key = json.dumps(scheme, sort_keys=True)
@@ -261,7 +261,7 @@ class CompressedTensorsExporter(Exporter):
                   "MXFP4/6/8, NVFP4"
 
     def support(self, spec: qt.QuantSpec, role: str = "weight") -> Support:
-        return ct_args.judge(spec, role)
+        return ct_config.judge(spec, role)
 
     def _plan(self, source: Source, allow_nearest: bool) -> _Plan:
         """:func:`_plan`, kept for the source it was made for (``export`` asks :meth:`problems`, then writes)."""
@@ -304,7 +304,3 @@ class CompressedTensorsExporter(Exporter):
             config["architectures"] = [plan.arch]
         write_config(out, {**config, "quantization_config": qc})
         copy_extras(source, out)
-
-
-register_exporter(CompressedTensorsExporter())
-register_importer(CompressedTensorsImporter())

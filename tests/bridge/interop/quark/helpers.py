@@ -12,7 +12,7 @@ from bridge_util import same_bits, tiny_causal_lm
 import bridge
 import qtransform as qt
 from bridge import interop
-from bridge.interop.quark_import import QuarkImporter
+from bridge.interop.quark import QuarkImporter
 from qtransform.pipeline import linear_recipe
 
 IDS = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(1))
@@ -108,3 +108,9 @@ def round_trip(ckpt, out):
 def stored(directory) -> dict:
     from safetensors.torch import load_file
     return load_file(str(directory / "model.safetensors"))
+
+
+def run_cli(*args, cwd=None):
+    """The ``qtransform`` command in a subprocess (offline, quiet)."""
+    return subprocess.run([sys.executable, "-m", "bridge.app.cli", *args], capture_output=True, text=True, cwd=cwd,
+                          env=ENV, timeout=600)

@@ -6,7 +6,7 @@ Each linear layer's Quark config is resolved as Quark's loader does: the first
 cache output, if ``kv_cache_quant_config`` names it, still counts). A layer is quantized where its
 config has a weight spec and the checkpoint holds ``<layer>.weight_scale``; its weight becomes a
 :class:`~qtransform.QTensor` holding the very codes, scales and zero points
-(:func:`~bridge.interop.quark_tensors.from_quark`). Static activation scales become
+(:func:`~bridge.interop.quark.tensors.from_quark`). Static activation scales become
 ``<layer>.input_scale`` / ``output_scale`` (and zero points); the outputs of the
 ``export.kv_cache_group`` projections ``k_proj`` / ``v_proj`` become the attention module's
 ``k_scale`` / ``v_scale``. Everything else (biases, norms, embeddings, unquantized layers) is copied.
@@ -28,12 +28,12 @@ import torch
 
 import qtransform as qt
 
-from ..checkpoint import metadata, store
-from ..checkpoint.layout import dtype_from_name, dtype_name
-from ..checkpoint.tree_io import CONFIG
-from . import quark_config as qc
-from .base import Importer, Source, register_importer
-from .quark_tensors import from_quark, symmetric_zero
+from ...checkpoint import metadata, store
+from ...checkpoint.layout import dtype_from_name, dtype_name
+from ...checkpoint.tree_io import CONFIG
+from . import config as qc
+from ..base import Importer, Source
+from .tensors import from_quark, symmetric_zero
 
 __all__ = ["QuarkImporter", "resolve_layer"]
 
@@ -221,6 +221,3 @@ class QuarkImporter(Importer):
             entries=entries, recipe=hint.recipe if hint else None, recipe_name=hint.recipe_name if hint else None,
             version=metadata.VERSION_ACTIVATIONS if acts else metadata.VERSION, activations=acts)
         return Source(root, meta, tree, {k: v for k, v in config.items() if k != "quantization_config"})
-
-
-register_importer(QuarkImporter(), replace=True)  # see bridge.interop.quark

@@ -10,7 +10,7 @@ when they pass ONNX's 2 GB protobuf limit), ``config.json`` (the model's config,
 Each quantized weight is stored as its codes (int4/uint4/int8/uint8, fp8) with its scale (and zero
 point) feeding a ``DequantizeLinear`` (per tensor, per channel ``axis``, or per group ``block_size``),
 and each static input quantizer is a ``QuantizeLinear``/``DequantizeLinear`` pair on its layer's input
-(:mod:`.onnx_graph`; what ONNX holds: :mod:`.onnx_qdq`). The codes and scales are ours bit for bit, so
+(:mod:`.graph`; what ONNX holds: :mod:`.tensors`). The codes and scales are ours bit for bit, so
 ONNX Runtime decodes the very weights our model computes with; what it cannot hold exactly (float
 zero points, NF4, MX, NVFP4, 2-D blocks, dynamic activations, output and key/value-cache quantizers)
 is refused by tree path before anything is written. Online rotations are refused by the base class.
@@ -25,8 +25,8 @@ from pathlib import Path
 
 import qtransform as qt
 
-from .base import Exporter, Source, Support, copy_extras, register_exporter, write_config
-from . import onnx_qdq
+from ..base import Exporter, Source, Support, copy_extras, write_config
+from . import tensors as onnx_tensors
 
 __all__ = ["OnnxExporter", "MODEL_FILE", "DATA_FILE", "PROTOBUF_LIMIT"]
 
@@ -44,7 +44,7 @@ class OnnxExporter(Exporter):
                    "group, static int8/fp8 input quantizers")
 
     def support(self, spec: qt.QuantSpec, role: str = "weight") -> Support:
-        return onnx_qdq.judge(spec, role)
+        return onnx_tensors.judge(spec, role)
 
     def problems(self, source: Source, *, allow_nearest: bool = False) -> list[str]:
         out = super().problems(source, allow_nearest=allow_nearest)
@@ -53,7 +53,7 @@ class OnnxExporter(Exporter):
                           "model's forward)"]
         weights = {p.rpartition(".")[0] for p in source.tree if p.endswith(".weight")}
         for path, entry in source.meta.entries.items():
-            if entry.spec.fmt.family == "int" and onnx_qdq.judge(entry.spec).kind == "exact":
+            if entry.spec.fmt.family == "int" and onnx_tensors.judge(entry.spec).kind == "exact":
                 q = source.tree.get(path)
                 zp = None if q is None else q.qparams.zero_point
                 if zp is not None and not zp.is_floating_point():
@@ -69,8 +69,8 @@ class OnnxExporter(Exporter):
     def write(self, source: Source, out: Path, *, allow_nearest: bool = False) -> None:
         import onnx
 
-        from .hf_model import float_model
-        from .onnx_graph import export_float, hint, quantize_graph
+        from ..hf_model import float_model
+        from .graph import export_float, hint, quantize_graph
 
         model, _ = export_float(float_model(source))
         quantize_graph(model, source)
@@ -82,6 +82,3 @@ class OnnxExporter(Exporter):
                         location=DATA_FILE, size_threshold=1024)
         write_config(out, source.config)
         copy_extras(source, out)
-
-
-register_exporter(OnnxExporter(), replace=True)

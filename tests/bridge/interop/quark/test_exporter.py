@@ -6,14 +6,12 @@ from typing import NamedTuple
 
 import pytest
 import torch
-from interop.quark_helpers import IDS, logits, quantize_save, quark_logits
+from interop.quark.helpers import IDS, logits, quantize_save, quark_logits
 
 import bridge
 import qtransform as qt
 from bridge import interop
 from bridge.modules import actquant
-
-pytestmark = pytest.mark.filterwarnings("ignore")
 
 
 # name: (architecture, preset or spec, needs calibration, transformers class)

@@ -8,14 +8,12 @@ import sys
 import pytest
 import torch
 from bridge_util import tiny_causal_lm
-from interop.quark_helpers import ENV, quantize_save, round_trip, same_bits, spec, stored
+from interop.quark.helpers import ENV, quantize_save, round_trip, same_bits, spec, stored
 
 import bridge
 import qtransform as qt
 from bridge import interop
-from bridge.interop.quark_import import QuarkImporter
-
-pytestmark = pytest.mark.filterwarnings("ignore")
+from bridge.interop.quark import QuarkImporter
 
 
 # ---------------------------------------------------------------------------------------------- round trip

@@ -9,7 +9,7 @@ are signed (``[-2^(b-1), 2^(b-1) - 1]``, zero points too), so our unsigned forma
 offset of ``2^(b-1)``; its only 8-bit float is e4m3fn; zero points are integers.
 
 Each :class:`Mapping` says how one spec is stored: the ``args``, the storage ``kind``
-(:mod:`.ct_tensors` converts the tensors) and the ``format`` (compressor) name.
+(:mod:`.tensors` converts the tensors) and the ``format`` (compressor) name.
 :func:`judge` answers :meth:`~bridge.interop.Exporter.support`; :func:`nearest` is the spec a
 ``"nearest"`` export re-quantizes to; :func:`spec_of` reads args back into our spec.
 
@@ -29,7 +29,7 @@ import torch
 
 import qtransform as qt
 
-from .base import Support
+from ..base import Support
 
 __all__ = ["Mapping", "weight_mapping", "activation_args", "judge", "nearest", "compression_format", "spec_of",
            "activation_spec_of", "SCALE_DTYPES", "MX_KINDS"]

@@ -8,14 +8,13 @@ import json
 import pytest
 import torch
 from bridge_util import same_bits
-from interop.ct_helpers import batches as _batches, needs_calibration, recipe as _recipe, tiny as _tiny
+from interop.compressed_tensors.helpers import batches as _batches, needs_calibration, recipe as _recipe, tiny as _tiny
 from safetensors.torch import load_file
 
 import bridge
 import qtransform as qt
 from bridge import interop
 
-pytestmark = pytest.mark.filterwarnings("ignore")
 
 TO = "compressed-tensors"
 

@@ -1,6 +1,6 @@
 """Our quantized tensors as compressed-tensors stores them, and back, bit for bit.
 
-One layer's tensors, by storage kind (:data:`bridge.interop.ct_args.Mapping.kind`); names are
+One layer's tensors, by storage kind (:data:`bridge.interop.compressed_tensors.config.Mapping.kind`); names are
 local to the module (``weight_packed``...), shapes are compressed-tensors' (``(1,)`` per tensor,
 ``(rows, 1)`` per channel, ``(rows, groups)`` per group):
 
@@ -26,7 +26,7 @@ point shifted the same way.
 >>> import torch, qtransform as qt
 >>> w = torch.randn(4, 64)
 >>> q = qt.quantize(w, qt.choose_qparams(w, qt.QuantSpec(format="uint4", granularity=qt.PerGroup(32), symmetric=False)))
->>> from bridge.interop.ct_args import weight_mapping
+>>> from bridge.interop.compressed_tensors.config import weight_mapping
 >>> m = weight_mapping(q.spec)
 >>> parts = to_ct(q, m.kind, args=m.args, where="fc.weight")
 >>> sorted((k, tuple(v.shape), str(v.dtype)) for k, v in parts.items())  # doctest: +NORMALIZE_WHITESPACE
@@ -45,7 +45,7 @@ import torch
 
 import qtransform as qt
 
-from ..checkpoint.layout import abstract_qtensor, check_like
+from ...checkpoint.layout import abstract_qtensor, check_like
 
 __all__ = ["to_ct", "from_ct", "pack_int32", "unpack_int32", "reciprocal", "ct_scale_shape"]
 

@@ -40,7 +40,7 @@ import torch
 
 import qtransform as qt
 
-from ..checkpoint.layout import abstract_qtensor
+from ...checkpoint.layout import abstract_qtensor
 
 __all__ = ["to_quark", "from_quark", "shape_problem", "symmetric_zero"]
 
@@ -89,7 +89,7 @@ def _scale_out(s: torch.Tensor, g) -> torch.Tensor:
 
 def to_quark(q: qt.QTensor, path: str) -> dict[str, torch.Tensor]:
     """``{"weight", "weight_scale"[, "weight_zero_point"]}`` of the 2-D weight ``q`` in Quark's layout
-    (the caller has checked the spec with :func:`~bridge.interop.quark_config.judge` and the shape with
+    (the caller has checked the spec with :func:`~bridge.interop.quark.config.judge` and the shape with
     :func:`shape_problem`)."""
     spec, g = q.spec, q.spec.granularity
     why = shape_problem(spec, q.shape)

@@ -13,18 +13,17 @@ import torch
 import bridge
 import qtransform as qt
 from bridge import interop
-from bridge.interop import gguf_quants
+from bridge.interop.gguf import tensors as gguf_tensors
 from bridge.interop.gguf import GGUFExporter, GGUFImporter, nearest_type
 from bridge_util import tiny_causal_lm
 
 gguf = pytest.importorskip("gguf")
 from gguf.quants import dequantize as gguf_dequantize  # noqa: E402
 
-pytestmark = pytest.mark.filterwarnings("ignore")
 
-Q4_1 = gguf_quants.IMPORT_SPECS["Q4_1"]
-Q8_0 = gguf_quants.IMPORT_SPECS["Q8_0"]
-Q4_0 = gguf_quants.IMPORT_SPECS["Q4_0"]
+Q4_1 = gguf_tensors.IMPORT_SPECS["Q4_1"]
+Q8_0 = gguf_tensors.IMPORT_SPECS["Q8_0"]
+Q4_0 = gguf_tensors.IMPORT_SPECS["Q4_0"]
 IDS = torch.tensor([[1, 5, 9, 17, 33, 65, 100, 127]])
 
 
@@ -60,7 +59,7 @@ def test_k_quant_variant():
     assert ex.name == "gguf-k" and ex.k_quants
     assert "Q4_K" in ex.support(NEAREST).note and "Q6_K" in ex.support(qt.QuantSpec(format="int6")).note
     assert ex.support(Q4_1).kind == "exact"
-    from bridge.interop.gguf import _tensor
+    from bridge.interop.gguf.exporter import _tensor
     w = torch.randn(8, 512, generator=torch.Generator().manual_seed(5))
     q = qt.quantize(w, qt.choose_qparams(w, NEAREST))
     data, qtype, info = _tensor("m.weight", q, {}, allow_nearest=True, k_quants=True)
@@ -90,7 +89,7 @@ def test_nearest_type_by_bits_and_rows():
 # --------------------------------------------------------------------------- block bytes, both ways
 def _random_blocks(qtype: str, rows: int, blocks: int, seed: int) -> np.ndarray:
     """Random GGUF blocks with finite fp16 scales (every other bit pattern is a valid block)."""
-    size, nbytes = gguf_quants.BLOCKS[qtype]
+    size, nbytes = gguf_tensors.BLOCKS[qtype]
     rng = np.random.default_rng(seed)
     raw = rng.integers(0, 256, size=(rows, blocks, nbytes), dtype=np.uint8)
     fp16 = {"Q8_0": [0], "Q4_0": [0], "Q4_1": [0, 2], "Q4_K": [0, 2], "Q6_K": [208], "MXFP4": []}[qtype]
@@ -112,24 +111,24 @@ def _assert_same(ours: np.ndarray, ref: np.ndarray, qtype: str) -> None:
 
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1", "MXFP4", "Q4_K", "Q6_K"])
 def test_decode_gives_the_gguf_package_bits(qtype):
-    size, _ = gguf_quants.BLOCKS[qtype]
+    size, _ = gguf_tensors.BLOCKS[qtype]
     raw = _random_blocks(qtype, 6, 2, seed=len(qtype))
-    q = gguf_quants.decode(raw, qtype, (6, 2 * size))
-    assert q.spec == gguf_quants.IMPORT_SPECS[qtype]
+    q = gguf_tensors.decode(raw, qtype, (6, 2 * size))
+    assert q.spec == gguf_tensors.IMPORT_SPECS[qtype]
     ref = gguf_dequantize(raw, gguf.GGMLQuantizationType[qtype]).astype(np.float32)
     _assert_same(qt.dequantize(q).numpy(), ref, qtype)
-    if qtype in gguf_quants.EXACT_TYPES:  # and back to the same bytes
-        assert np.array_equal(gguf_quants.encode(q, qtype), raw)
+    if qtype in gguf_tensors.EXACT_TYPES:  # and back to the same bytes
+        assert np.array_equal(gguf_tensors.encode(q, qtype), raw)
 
 
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1", "MXFP4"])
 def test_gguf_quantizers_output_decodes_exactly(qtype):
     w = np.random.default_rng(1).standard_normal((8, 128)).astype(np.float32)
     raw = gguf.quants.quantize(w, gguf.GGMLQuantizationType[qtype])
-    q = gguf_quants.decode(raw, qtype, (8, 128))
+    q = gguf_tensors.decode(raw, qtype, (8, 128))
     ref = gguf_dequantize(raw, gguf.GGMLQuantizationType[qtype])
     _assert_same(qt.dequantize(q).numpy(), ref, qtype)
-    assert np.array_equal(gguf_quants.encode(q, qtype), raw)
+    assert np.array_equal(gguf_tensors.encode(q, qtype), raw)
 
 
 @pytest.mark.parametrize("spec, qtype", [(Q4_1, "Q4_1"), (Q8_0, "Q8_0"), (Q4_0, "Q4_0"),
@@ -137,7 +136,7 @@ def test_gguf_quantizers_output_decodes_exactly(qtype):
 def test_our_quantization_encodes_to_the_same_values(spec, qtype):
     w = torch.randn(16, 96, generator=torch.Generator().manual_seed(2)) * 0.05 + 0.01
     q = qt.quantize(w, qt.choose_qparams(w, spec))
-    raw = gguf_quants.encode(q, qtype)
+    raw = gguf_tensors.encode(q, qtype)
     ref = gguf_dequantize(raw, gguf.GGMLQuantizationType[qtype])
     _assert_same(qt.dequantize(q).numpy(), ref, qtype)
 
@@ -146,11 +145,11 @@ def test_our_quantization_encodes_to_the_same_values(spec, qtype):
 def test_k_quants_round_trip_within_their_step(qtype, rel):
     w = torch.randn(8, 512, generator=torch.Generator().manual_seed(3))
     w[0, :256] = 0.0  # an all-zero super-block
-    raw = gguf_quants.quantize_k(w, qtype)
+    raw = gguf_tensors.quantize_k(w, qtype)
     back = gguf_dequantize(raw, gguf.GGMLQuantizationType[qtype])
     err = np.sqrt(((back - w.numpy()) ** 2).mean()) / np.sqrt((w.numpy() ** 2).mean())
     assert err < rel and np.array_equal(back[0, :256], np.zeros(256, np.float32))
-    q = gguf_quants.decode(raw, qtype, (8, 512))  # and our import of them is exact
+    q = gguf_tensors.decode(raw, qtype, (8, 512))  # and our import of them is exact
     assert np.array_equal(qt.dequantize(q).numpy(), back)
 
 
@@ -158,9 +157,9 @@ def test_encode_refuses_what_is_not_the_type():
     w = torch.randn(4, 64)
     q = qt.quantize(w, qt.choose_qparams(w, Q4_1.replace(zero_point_domain="float")))
     with pytest.raises(ValueError, match="w.fc: .* is not GGUF Q4_1"):
-        gguf_quants.encode(q, "Q4_1", path="w.fc")
+        gguf_tensors.encode(q, "Q4_1", path="w.fc")
     with pytest.raises(ValueError, match="bytes do not hold"):
-        gguf_quants.decode(np.zeros((2, 19), np.uint8), "Q4_1", (2, 32), path="blk.0")
+        gguf_tensors.decode(np.zeros((2, 19), np.uint8), "Q4_1", (2, 32), path="blk.0")
 
 
 # --------------------------------------------------------------------------- tiny models, end to end
@@ -230,7 +229,7 @@ def _dequantized_model(arch, qtree):
 @pytest.mark.parametrize("arch, sid", CASES[:-1])
 def test_exact_export_reads_back_bit_for_bit(arch, sid, exports):
     qtree, report, types, back = exports[(arch, sid)]
-    qtype = gguf_quants.exact_type(SPECS[sid])
+    qtype = gguf_tensors.exact_type(SPECS[sid])
     quantized = {r["path"]: (name, r) for name, r in report["tensors"].items()
                  if isinstance(qtree[r["path"]], qt.QTensor)}
     assert quantized and all(types[n] == qtype and r["kind"] == "exact" for n, r in quantized.values())
@@ -344,7 +343,7 @@ def test_import_refuses_types_without_an_exact_spec(tmp_path):
     w = gguf.GGUFWriter(str(tmp_path / "m.gguf"), "llama")
     cfg = dict(model_type="llama", hidden_size=64, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=4,
                intermediate_size=128, vocab_size=64, max_position_embeddings=64)
-    from bridge.interop import gguf_arch
+    from bridge.interop.gguf import arch as gguf_arch
     gguf_arch.write_arch(w, cfg, "m")
     data = gguf.quants.quantize(np.random.default_rng(0).standard_normal((64, 64)).astype(np.float32),
                                 gguf.GGMLQuantizationType.Q5_0)
@@ -364,7 +363,7 @@ def test_smollm2_gguf_imports_losslessly(tmp_path):
     from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor
 
     from bridge.app import models
-    from bridge.interop import gguf_arch
+    from bridge.interop.gguf import arch as gguf_arch
 
     path = models.default_model_file()
     src = GGUFImporter().read(path)
@@ -379,11 +378,10 @@ def test_smollm2_gguf_imports_losslessly(tmp_path):
         ref = proc.process(weights=gguf_dequantize(t.data, t.tensor_type), name=t.name).weights
         ours = qt.dequantize(leaf) if isinstance(leaf, qt.QTensor) else leaf.float()
         assert np.array_equal(ours.numpy().view(np.int32), np.asarray(ref, np.float32).view(np.int32)), t.name
-        if isinstance(leaf, qt.QTensor) and kind in gguf_quants.EXACT_TYPES:
+        if isinstance(leaf, qt.QTensor) and kind in gguf_tensors.EXACT_TYPES:
             index = gguf_arch.qk_rows(names[t.name], src.config, leaf.shape[0])
-            from bridge.interop.gguf import _permute_q
-            q = leaf if index is None else _permute_q(leaf, index)
-            assert np.array_equal(gguf_quants.encode(q, kind), np.asarray(t.data)), t.name
+            q = gguf_arch.reorder_rows(leaf, index)
+            assert np.array_equal(gguf_tensors.encode(q, kind), np.asarray(t.data)), t.name
     assert kinds.get("Q4_1", 0) > 100  # the linear weights
     GGUFExporter().write(src, tmp_path)  # and written back: the same tensors, byte for byte
     name = json.loads((tmp_path / "gguf_export.json").read_text())["file"]

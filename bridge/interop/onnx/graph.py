@@ -24,9 +24,9 @@ import torch
 
 import qtransform as qt
 
-from ..modules.actquant import PREFIX
-from .base import Source
-from .onnx_qdq import Parts, activation_parts, weight_parts
+from ...modules.actquant import PREFIX
+from ..base import Source
+from .tensors import Parts, activation_parts, weight_parts
 
 __all__ = ["OPSET", "export_float", "quantize_graph"]
 

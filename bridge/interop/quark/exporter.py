@@ -3,10 +3,10 @@ Quark quantizer (with ``amd-quark`` installed) and vLLM serves.
 
 The export is a transformers checkpoint directory: ``config.json`` (the model's config with Quark's
 ``quantization_config``), safetensors shards with Quark's tensor names and packing
-(:mod:`.quark_tensors`), and the tokenizer and generation files. ``quantization_config`` holds:
+(:mod:`.tensors`), and the tokenizer and generation files. ``quantization_config`` holds:
 
 * ``global_quant_config``: the layer config (``weight`` / ``input_tensors`` / ``output_tensors``
-  :mod:`Quark tensor configs <.quark_config>`) most linear layers share;
+  :mod:`Quark tensor configs <.config>`) most linear layers share;
 * ``layer_quant_config``: the others, by module name (``"*.<name>"`` when every linear layer of that
   name shares one); ``exclude``: the linear layers left in floating point;
 * the static fp8 key/value cache as the ``output_tensors`` of ``k_proj`` / ``v_proj`` with
@@ -15,7 +15,7 @@ The export is a transformers checkpoint directory: ``config.json`` (the model's 
   before the rotary embedding where a model has one, while we and vLLM quantize the cache after it);
 * ``export``: ``pack_method: "reorder"`` (int4 in AWQ order), ``weight_format: "real_quantized"``;
 * ``qtransform``: our own metadata (specs, logical dtypes, recipe), which Quark and vLLM ignore and
-  :class:`~bridge.interop.quark_import.QuarkImporter` uses to give back the very same specs.
+  :class:`~bridge.interop.quark.QuarkImporter` uses to give back the very same specs.
 
 Quark quantizes ``nn.Linear`` layers only: quantized embeddings, transformers' ``Conv1D`` (GPT-2) and
 fused attention projections without ``k_proj``/``v_proj`` for a KV cache are refused by tree path.
@@ -32,13 +32,12 @@ import torch
 
 import qtransform as qt
 
-from ..checkpoint import metadata, store
-from ..modules.actquant import PREFIX
-from . import quark_config as qc
-from . import quark_import  # noqa: F401  (registers the importer)
-from .base import Exporter, Source, Support, copy_extras, register_exporter, write_config
-from .hf_model import transformers_model
-from .quark_tensors import shape_problem, symmetric_zero, to_quark
+from ...checkpoint import metadata, store
+from ...modules.actquant import PREFIX
+from . import config as qc
+from ..base import Exporter, Source, Support, copy_extras, write_config
+from ..hf_model import transformers_model
+from .tensors import shape_problem, symmetric_zero, to_quark
 
 __all__ = ["QuarkExporter", "KV_CACHE_GROUP", "FORMAT_VERSION", "skeleton", "layer_config"]
 
@@ -218,8 +217,3 @@ def quantization_config(layers: dict[str, dict], linear: list[str], meta: metada
             "export": {"kv_cache_group": list(KV_CACHE_GROUP) if kv else [], "min_kv_scale": 0.0,
                        "pack_method": "reorder", "weight_format": "real_quantized", "weight_merge_groups": None},
             "qtransform": hint}
-
-
-# replace=True: pytest's importlib mode imports this file a second time under another name (its name is the
-# amd-quark package's), and the second copy must not fail on the first's registration
-register_exporter(QuarkExporter(), replace=True)

@@ -1,0 +1,14 @@
+"""ONNX (QDQ form, opset 21): models ONNX Runtime runs. Export only (no importer).
+
+:mod:`.exporter` writes it (``--to onnx``); :mod:`.graph` exports the float forward and rewrites it
+into ``DequantizeLinear`` / ``QuantizeLinear`` nodes; :mod:`.tensors` says which quantized tensors
+ONNX holds exactly, and their parts. The exporter is registered here.
+"""
+
+from ..base import register_exporter
+from .exporter import DATA_FILE, MODEL_FILE, PROTOBUF_LIMIT, OnnxExporter
+
+# replace=True: kept from the flat module (a second import of it by pytest's importlib mode must not fail)
+register_exporter(OnnxExporter(), replace=True)
+
+__all__ = ["OnnxExporter", "MODEL_FILE", "DATA_FILE", "PROTOBUF_LIMIT"]
