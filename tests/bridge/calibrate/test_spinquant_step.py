@@ -53,7 +53,8 @@ def _learn_and_check(arch):
     fit = _fit(model, qt.Step("spinquant", iters=24, lr=0.1))
     before, after = _reported(fit)
     assert after < 0.95 * before
-    rotated = bridge.to_module(model, qt.apply_fit(bridge.extract(model), fit), online=fit.online)
+    params = bridge.extract(model)
+    rotated = bridge.to_module(model, bridge.Quantized(params, qt.apply_fit(params, fit), online=fit.online))
     with torch.no_grad():
         assert torch.allclose(rotated(IDS).logits, model(IDS).logits, atol=1e-4, rtol=1e-4)
     assert {s.role for s in fit.online} == {"input"}  # R4; R3 only with a key quantizer

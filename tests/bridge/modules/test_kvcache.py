@@ -229,11 +229,12 @@ def test_bad_uses_are_named():
         bridge.quantize(net, qt.Recipe(default=qt.QuantSpec(format="int8"), kv_cache=FP8),
                         calibration=[torch.randn(2, 8)])
     qp = qt.QParams(spec=FP8, scale=torch.tensor(1.0).reshape(1, 1, 1, 1))
-    tree = qt.quantize_tree(bridge.extract(model), _recipe(kv=None))
+    params = bridge.extract(model)
+    tree = qt.quantize_tree(params, _recipe(kv=None))
     with pytest.raises(ValueError, match="is not an attention module"):
-        bridge.to_module(model, tree, activations={qt.Site("model.layers.0.mlp", "key"): qp})
+        bridge.to_module(model, bridge.Quantized(params, tree, activations={qt.Site("model.layers.0.mlp", "key"): qp}))
     with pytest.raises(ValueError, match="static per-tensor QParams"):
-        bridge.to_module(model, tree, activations={qt.Site("model.layers.0.self_attn", "key"): FP8})
+        bridge.to_module(model, bridge.Quantized(params, tree, activations={qt.Site("model.layers.0.self_attn", "key"): FP8}))
     with pytest.raises(ValueError, match="not attention modules"):
         with kvcache.observing(model, {"model.layers.0.mlp": lambda k, v: None}):
             pass

@@ -49,7 +49,7 @@ def test_online_rotations_keep_the_function_and_are_needed(arch):
     layers = model.config.num_hidden_layers
     assert sorted(s.role for s in rotations) == ["input"] * layers + ["key"] * layers
     ref = _logits(model)
-    with_online = bridge.to_module(model, tree, online=rotations)
+    with_online = bridge.to_module(model, bridge.Quantized(bridge.extract(model), tree, online=rotations))
     assert torch.allclose(_logits(with_online), ref, atol=1e-5, rtol=1e-5)
     without = bridge.to_module(model, tree)  # the down weights hold W H: without x H the function changes
     assert (_logits(without) - ref).abs().max() > 0.1
@@ -171,9 +171,9 @@ def test_a_bad_online_rotation_is_named(tmp_path):
     model = tiny_with_outliers("llama")
     tree = bridge.extract(model)
     with pytest.raises(ValueError, match=r"down_proj \(input\): an online rotation of size 12 does not divide"):
-        bridge.to_module(model, tree, online={qt.Site("model.layers.0.mlp.down_proj", "input"): qt.OnlineRotation(12)})
+        bridge.to_module(model, bridge.Quantized(tree, tree, online={qt.Site("model.layers.0.mlp.down_proj", "input"): qt.OnlineRotation(12)}))
     with pytest.raises(ValueError, match="mlp \\(key\\): LlamaMLP is not an attention module"):
-        bridge.to_module(model, tree, online={qt.Site("model.layers.0.mlp", "key"): qt.OnlineRotation(16)})
+        bridge.to_module(model, bridge.Quantized(tree, tree, online={qt.Site("model.layers.0.mlp", "key"): qt.OnlineRotation(16)}))
     with pytest.raises(ValueError, match="size must be an order with a Hadamard matrix"):
         qt.OnlineRotation.from_value({"kind": "hadamard", "size": 6})
     q = bridge.quantize(model, qt.Recipe(type_rules={"Linear": W8}, exclude=["lm_head*"], steps=["rotate", "rtn"]))
