@@ -106,3 +106,18 @@ def format_specs(group: int = 16) -> list:
             except ValueError:
                 continue
     return out
+
+
+def on_command_model(monkeypatch, fn) -> None:
+    """Call ``fn(model)`` (under no_grad) with the model the ``qtransform quantize`` command holds in
+    memory, just before it is written (``bridge.io.checkpoint_writer``)."""
+    import bridge.io
+
+    real = bridge.io.checkpoint_writer
+
+    def writer(qmodel, *args, **kw):
+        with torch.no_grad():
+            fn(qmodel)
+        return real(qmodel, *args, **kw)
+
+    monkeypatch.setattr(bridge.io, "checkpoint_writer", writer)

@@ -18,7 +18,7 @@ import bridge
 import qtransform as qt
 import tiny_lm
 from bridge.app.cli import main
-from bridge_util import tiny_causal_lm
+from bridge_util import on_command_model, tiny_causal_lm
 
 # Third-party warnings only, by category and module (ours, from bridge.* and qtransform.*, stay visible):
 # TorchScript's deprecation, raised when transformers is first imported (`-W default -rw` shows no other).
@@ -68,14 +68,7 @@ def _linear_weights(model) -> dict[str, tuple[int, ...]]:
 def _quantize_via_cli(model_dir, out, preset, monkeypatch, *extra):
     """Run the command; return (report, logits of the quantized model it held in memory)."""
     seen = {}
-    real_writer = bridge.io.checkpoint_writer
-
-    def writer(qmodel, *args, **kw):  # the command's in-memory model, just before it is written
-        with torch.no_grad():
-            seen["logits"] = qmodel(input_ids=IDS).logits
-        return real_writer(qmodel, *args, **kw)
-
-    monkeypatch.setattr(bridge.io, "checkpoint_writer", writer)
+    on_command_model(monkeypatch, lambda qmodel: seen.update(logits=qmodel(input_ids=IDS).logits))
     rc = main(["quantize", "--model", str(model_dir), "--recipe", preset, "--out", str(out), "--threads", "1", *extra])
     assert rc == 0
     return json.loads((out / "report.json").read_text()), seen["logits"]

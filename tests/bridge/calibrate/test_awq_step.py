@@ -15,7 +15,7 @@ from bridge.calibrate import ModelCalibrator
 from bridge.calibrate.blocks import find_blocks
 from bridge.calibrate.sites import first_tensor, run_batch
 from bridge.pipeline import plan
-from bridge_util import tiny_causal_lm, tiny_with_outliers
+from bridge_util import on_command_model, tiny_causal_lm, tiny_with_outliers
 
 ARCHS = ("llama", "mistral", "qwen2", "opt", "gpt2", "phi3")
 U4 = qt.QuantSpec(format="uint4", granularity=qt.PerGroup(16), symmetric=False)
@@ -214,14 +214,7 @@ def test_awq4_g128_on_the_default_model_from_the_command_line(tmp_path, monkeypa
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     ids = torch.tensor([[1, 504, 3032, 28, 253, 1789, 30, 2]])
     seen = {}
-    real_save = bridge.io.save
-
-    def save(qmodel, *args, **kw):  # the command's in-memory model, just before it is written
-        with torch.no_grad():
-            seen.setdefault("logits", qmodel(input_ids=ids, use_cache=False).logits)
-        return real_save(qmodel, *args, **kw)
-
-    monkeypatch.setattr(bridge.io, "save", save)
+    on_command_model(monkeypatch, lambda qmodel: seen.setdefault("logits", qmodel(input_ids=ids, use_cache=False).logits))
     common = ["--seq-len", "128", "--eval-sequences", "4"]
     assert main(["quantize", "--recipe", "awq4-g128", "--calib", "8", "--out", str(tmp_path / "awq"), *common]) == 0
     assert main(["quantize", "--recipe", "int4-g128-asym", "--out", str(tmp_path / "rtn"), *common]) == 0

@@ -15,7 +15,7 @@ import bridge
 import qtransform as qt
 import tiny_lm
 from bridge.app.cli import main
-from bridge_util import tiny_causal_lm
+from bridge_util import on_command_model, tiny_causal_lm
 
 gptq_step = importlib.import_module("qtransform.algorithms.gptq")  # the module (the package re-exports a name)
 IDS = torch.tensor([[1, 5, 9, 2, 17, 3, 30, 4, 11, 7]])
@@ -62,13 +62,7 @@ def test_gptq_presets_from_the_command_line(arch, preset, tmp_path, monkeypatch,
     tiny_causal_lm(arch).eval().save_pretrained(src)
     tiny_lm.tokenizer().save_pretrained(src)
     seen = {}
-    real_save = bridge.io.save
-
-    def save(qmodel, *args, **kw):  # the command's in-memory model, just before it is written
-        seen["logits"] = _logits(qmodel)
-        return real_save(qmodel, *args, **kw)
-
-    monkeypatch.setattr(bridge.io, "save", save)
+    on_command_model(monkeypatch, lambda qmodel: seen.update(logits=_logits(qmodel)))
     out = tmp_path / "ckpt"
     capsys.readouterr()
     rc = main(["quantize", "--model", str(src), "--recipe", preset, "--out", str(out), "--threads", "1",
