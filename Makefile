@@ -27,7 +27,8 @@ install: $(STAMP)
 test: $(STAMP)
 	HYPOTHESIS_PROFILE=ci $(PYTEST) -q -n 2 --dist loadfile --durations=30 -m "not long and not llamacpp"
 
-## whole pipelines on the default model, minutes each (W8A8 presets from the command line on SmolLM2)
+## whole pipelines on the default model, minutes each (W8A8 presets from the command line on SmolLM2), and the
+## whole every-preset x every-architecture command matrix (make test runs a covering set of it)
 test-long: $(STAMP)
 	HYPOTHESIS_PROFILE=ci $(PYTEST) -q -m long
 

@@ -105,8 +105,30 @@ def _perplexity(model, seqs: torch.Tensor) -> float:
     return math.exp(F.cross_entropy(logits.reshape(-1, logits.shape[-1]), seqs[:, 1:].reshape(-1)).item())
 
 
-@pytest.mark.parametrize("preset", PRESETS)
-@pytest.mark.parametrize("arch", ARCHS)
+def _covering() -> set[tuple[str, str]]:
+    """(architecture, preset) pairs that run every preset once and every architecture once per step kind
+    (the presets' chain of step names): ``make test`` runs these, ``make test-long`` the whole matrix."""
+    kinds: dict[tuple, list] = {}
+    for preset in PRESETS:
+        kinds.setdefault(tuple(s.name for s in qt.get_preset(preset).steps), []).append(preset)
+    return {(ARCHS[j % len(ARCHS)], presets[j % len(presets)])
+            for presets in kinds.values() for j in range(max(len(presets), len(ARCHS)))}
+
+
+COVERING = _covering()
+MATRIX = [pytest.param(arch, preset, id=f"{arch}-{preset}", marks=() if (arch, preset) in COVERING else pytest.mark.long)
+          for arch in ARCHS for preset in PRESETS]
+
+
+def test_the_covering_set_covers():
+    """Every preset, and every architecture with every kind of step chain, is in ``make test``'s set."""
+    assert {p for _, p in COVERING} == set(PRESETS)
+    kinds = {tuple(s.name for s in qt.get_preset(p).steps) for p in PRESETS}
+    for kind in kinds:
+        assert {a for a, p in COVERING if tuple(s.name for s in qt.get_preset(p).steps) == kind} == set(ARCHS), kind
+
+
+@pytest.mark.parametrize("arch,preset", MATRIX)
 def test_every_preset_on_every_architecture_round_trips(arch, preset, model_dirs, tmp_path, monkeypatch):
     from transformers import AutoModelForCausalLM
 
