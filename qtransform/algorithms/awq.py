@@ -29,8 +29,8 @@ Options (defaults): ``grid`` (20), ``duo_scaling`` (False), ``clip`` (True), ``q
 ``tokens`` (2048), ``rows`` (512), ``groups`` (replaces the plan's ``Plan.groups``, which ``bridge.plan`` fills
 from its architecture tables; a model without a table and no option is an error naming it).
 
-Measured on SmolLM2-135M, uint4 group 64, 40×512 calibration tokens (bench/bench_awq.py): round to nearest
-×1.255 perplexity, AWQ ×1.122 in 62 s, AWQ then GPTQ ×1.060 (llm-compressor's GPTQ ×1.112).
+Its perplexity and time against round to nearest, GPTQ and llm-compressor: ``bench/bench_awq.py``
+(``docs/awq.md``, ``docs/performance.md``).
 """
 
 from __future__ import annotations

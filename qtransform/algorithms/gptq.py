@@ -22,9 +22,8 @@ qtransform checkpoints do not store: the solver gives it, the step refuses it), 
 ``init="minmax"``: ``"minmax"``, ``"mse"``...), ``true_sequential`` (False), ``groups`` (replaces
 the plan's ``Plan.groups``; without either, every linear gets its own Hessian).
 
-Measured on SmolLM2-135M, uint4 group 64, 40×512 calibration tokens (bench/bench_gptq.py): round to
-nearest ×1.255 perplexity, ``init="minmax"`` ×1.122 (true-sequential ×1.116, 1.6× the time),
-``init="clip"`` ×1.050.
+``init="clip"`` against ``init="minmax"``, true-sequential and llm-compressor's GPTQ, in perplexity and
+time: ``bench/bench_gptq.py`` (``docs/gptq.md``, ``docs/performance.md``).
 """
 
 from __future__ import annotations
