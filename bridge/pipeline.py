@@ -29,7 +29,7 @@ from .tree import Quantized, extract, model_plan, to_module, weight_paths
 __all__ = ["plan", "nothing_selected", "check_calibration", "Quantized", "quantize_params", "quantize"]
 
 
-def plan(model: nn.Module, recipe) -> qt.Plan:
+def plan(model: nn.Module, recipe, *, tree: Mapping | None = None) -> qt.Plan:
     """The recipe resolved once for ``model``'s whole tree (with module types, for ``type_rules``; linear
     layers in their logical (out, in) layout: a ``Linear`` rule and its spec mean the same on GPT-2's
     ``Conv1D``, see :func:`bridge.tree.model_plan`).
@@ -44,12 +44,12 @@ def plan(model: nn.Module, recipe) -> qt.Plan:
     The plan carries the model's facts from :mod:`bridge.arch` once: ``groups`` (the smoothing groups) and
     ``layout`` (the residual layout), each ``None`` where no architecture table fits the model (a plan
     given keeps its own where it has them). The recipe is left as given: checkpoints record only the
-    user's choices.
+    user's choices. ``tree``: ``extract(model)`` when the caller has it already (not extracted again).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     given = isinstance(recipe, qt.Plan)  # resolved upstream: checked against this model, not re-resolved
-    tree = extract(model)
+    tree = extract(model) if tree is None else tree
     resolved = qt.as_plan(recipe, tree) if given else model_plan(model, qt.as_recipe(recipe), tree)
     if getattr(resolved.recipe, "kv_cache", None) is not None and not resolved.attention:
         raise ValueError(f"Recipe.kv_cache quantizes the key/value cache, but the plan names no attention module of "
@@ -170,8 +170,8 @@ def quantize_params(model: nn.Module, recipe, *, calibration: Iterable | None = 
             ``"percentile"``, ``"mse"``... or ``{"name": ..., **options}``), folded over ``calibration``
             with the weights quantized.
     """
-    p = plan(model, recipe)
     params = extract(model)
+    p = plan(model, recipe, tree=params)
     meta = next((path for path, t in params.items() if getattr(t, "is_meta", False)), None)
     if meta is not None:
         raise ValueError(f"{meta}: the model's tensors are on the meta device (no values to quantize); load its "
