@@ -1,7 +1,12 @@
 """Helpers and tiny untrained models for the bridge tests (built from configs, no downloads)."""
 
+from pathlib import Path
+
 import torch
 from torch import nn
+
+#: The repository's root (README.md, docs/, pyproject.toml).
+REPO = Path(__file__).resolve().parents[2]
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:

@@ -8,7 +8,7 @@ import torch
 
 import qtransform as qt
 import bridge
-from bridge_util import tiny_causal_lm
+from bridge_util import REPO, tiny_causal_lm
 
 W8 = qt.QuantSpec(format="int8", granularity=qt.PerChannel(0))
 FP8 = qt.QuantSpec(format="fp8_e4m3", granularity=qt.PerChannel(0))
@@ -129,9 +129,8 @@ def test_plan_activations_skip_embedding_inputs():
 def test_the_readme_recipe_file_with_activations_parses():
     import re
     import tomllib
-    from pathlib import Path
 
-    text = (Path(__file__).parents[2] / "docs" / "command.md").read_text()
+    text = (REPO / "docs" / "command.md").read_text()
     block = re.search(r"```toml\n(.*?)```", text, re.S).group(1)
     recipe = qt.recipe_from_dict(tomllib.loads("\n".join(line[2:] for line in block.splitlines()))).recipe
     assert recipe.input == qt.QuantSpec(format="int8", granularity=qt.PerChannel(0), dynamic=True)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from bridge_util import same_bits, tiny_causal_lm
+from bridge_util import REPO, same_bits, tiny_causal_lm
 from interop.compressed_tensors.helpers import FP8, batches as _batches, needs_calibration, recipe as _recipe, tiny as _tiny
 from safetensors.torch import load_file
 
@@ -276,7 +276,7 @@ def test_cli_quantize_to_and_export(tmp_path):
     tiny = tmp_path / "tiny"
     _tiny("llama").save_pretrained(tiny)
     load_tokenizer(None).save_pretrained(tiny)
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    root = str(REPO)
     res = _cli("quantize", "--model", str(tiny), "--recipe", "int4-g32", "--no-eval", "--out", str(tmp_path / "q"),
                "--to", TO, cwd=root)
     assert res.returncode == 0, res.stderr
