@@ -10,7 +10,8 @@ most 4 bits, Q6_K for 5 and 6: smaller files, more error); the extra error (rela
 largest absolute difference against our dequantized weight, read back through the ``gguf``
 package's own dequantization) is measured per tensor into ``gguf_export.json``. Float tensors keep
 their dtype (F32, F16, BF16; 1-D tensors F32, as llama.cpp wants norms). Architecture and
-tokenizer metadata: :mod:`.arch`.
+tokenizer metadata: :mod:`.arch`. Per-tensor SHA-256 digests (type and data bytes) go into the
+metadata key :data:`~.checks.DIGESTS`, which llama.cpp ignores and our importer verifies.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import torch
 
 import qtransform as qt
 
-from . import arch as gguf_arch, tensors as gguf_tensors
+from . import arch as gguf_arch, checks, tensors as gguf_tensors
 from ..base import Exporter, Source, Support
 
 __all__ = ["GGUFExporter", "nearest_type", "REPORT"]
@@ -117,13 +118,15 @@ class GGUFExporter(Exporter):
         writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
         tok_note = gguf_arch.write_tokenizer(writer, source.directory, int(config["vocab_size"]))
         names = gguf_arch.hf_names(self._paths(source), arch, int(config["num_hidden_layers"]))
-        report = {}
+        report, digests = {}, {}
         for tree_path, gname in names.items():
             leaf = source.tree[tree_path]
             data, qtype, info = _tensor(tree_path, leaf, config, allow_nearest=allow_nearest, k_quants=self.k_quants)
             raw_dtype = None if qtype in ("F32", "F16") else gguf.GGMLQuantizationType[qtype]
             writer.add_tensor(gname, data, raw_dtype=raw_dtype)
+            digests[gname] = checks.digest_entry(qtype, data)
             report[gname] = {"path": tree_path, "type": qtype, **info}
+        writer.add_string(checks.DIGESTS, json.dumps(digests, sort_keys=True, separators=(",", ":")))
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file()

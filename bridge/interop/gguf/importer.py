@@ -6,6 +6,12 @@ MXFP4, Q4_K and Q6_K blocks become QTensors whose codes are the file's and whose
 are the bits the ``gguf`` package's dequantization gives (:data:`~.tensors.IMPORT_SPECS`);
 F32/F16/BF16 tensors stay float. Other types raise ``ValueError`` naming the tensor and type,
 unless ``GGUFImporter(dequantize=True)`` (then they are dequantized to float32, said per tensor).
+
+Before anything is built (:mod:`.checks`): the file must parse (a damaged one is a
+:class:`~bridge.CheckpointError` naming it), every tensor's extent must lie aligned inside the data
+section without overlapping another, the hyperparameter keys must be present and typed, agree with
+``like`` when given (what ``bridge.load(path, like=model)`` passes), and every tensor must match the
+digest our exporter wrote (when the file carries them; ``verify=False`` skips it, as for native checkpoints).
 """
 
 from __future__ import annotations
@@ -18,7 +24,8 @@ import torch
 import qtransform as qt
 
 from ...checkpoint.metadata import Metadata, entries_of
-from . import arch as gguf_arch, tensors as gguf_tensors
+from ...checkpoint.metadata import CheckpointError
+from . import arch as gguf_arch, checks, tensors as gguf_tensors
 from ..base import Importer, Source
 
 __all__ = ["GGUFImporter"]
@@ -50,20 +57,34 @@ class GGUFImporter(Importer):
     def detect(self, directory: Path) -> bool:
         return self._file(directory) is not None
 
-    def read(self, directory: Path) -> Source:
-        from gguf import GGUFReader, GGMLQuantizationType, dequantize
+    def read(self, directory: Path, *, verify: bool = True, like=None) -> Source:
+        """The file as a :class:`Source`, checked first (see the module): ``verify`` checks the tensors
+        against our exporter's digests when present; ``like`` (a transformers model) must have the
+        file's architecture and hyperparameters."""
+        from gguf import GGMLQuantizationType, dequantize
         from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
+        if not isinstance(verify, bool):
+            raise TypeError(f"GGUFImporter.read: verify must be True or False, got {verify!r}")
         path = self._file(directory)
         if path is None:
             raise ValueError(f"GGUFImporter.read: {directory} is not a GGUF file (nor a directory holding one)")
-        config = dict(load_gguf_checkpoint(str(path), return_tensors=False)["config"])
+        reader = checks.open_reader(path)
+        hyper = checks.hyperparameters(reader, path)
+        if like is not None:
+            checks.check_like(hyper, like, path)
+        if verify:
+            checks.check_digests(reader, path)
+        try:
+            config = dict(load_gguf_checkpoint(str(path), return_tensors=False)["config"])
+        except Exception as e:  # transformers' reading of metadata we checked: still the file's fault
+            raise CheckpointError(f"{path}: transformers cannot read its metadata ({type(e).__name__}: {e})") from None
         if gguf_arch.arch_of(config) is None:
             raise ValueError(f"{path}: architecture {config.get('model_type')!r}: GGUF import supports "
                              f"{sorted(gguf_arch.ARCHES)}")
         names = _gguf_to_hf(config)
         tree, notes = {}, {}
-        for t in GGUFReader(str(path)).tensors:
+        for t in reader.tensors:
             hf = names.get(t.name)
             if hf is None:
                 raise ValueError(f"{path}: tensor {t.name} has no transformers name in architecture "
