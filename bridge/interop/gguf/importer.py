@@ -87,7 +87,7 @@ class GGUFImporter(Importer):
         for t in reader.tensors:
             hf = names.get(t.name)
             if hf is None:
-                raise ValueError(f"{path}: tensor {t.name} has no transformers name in architecture "
+                raise CheckpointError(f"{path}: tensor {t.name} has no transformers name in architecture "
                                  f"{config['model_type']}")
             shape = tuple(int(n) for n in reversed(t.shape.tolist()))  # GGUF lists ne0 (the row) first
             kind = GGMLQuantizationType(int(t.tensor_type)).name

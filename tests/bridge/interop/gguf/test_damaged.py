@@ -210,3 +210,9 @@ def test_files_without_digests_load_unverified(copy, export):
 def test_verify_must_be_a_bool(export):
     with pytest.raises(TypeError, match="verify must be True or False"):
         GGUFImporter().read(export[0], verify="yes")
+
+
+def test_renamed_tensor_is_refused_by_name(copy):
+    _edit(copy, lambda r: _tensor(r, "blk.0.attn_q.weight").field.parts[1].__setitem__(0, ord("X")))
+    _refused(copy, r"tensor blk\.0\.attn_q\.weight is listed in qtransform.tensor_sha256 but not in the file")
+    _refused(copy, r"tensor Xlk\.0\.attn_q\.weight has no transformers name in architecture llama", verify=False)
