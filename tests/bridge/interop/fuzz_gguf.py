@@ -200,8 +200,8 @@ def g_dims(d, rng):
     f, g = _load(d)
     t = rng.choice([t for t in g.tensors if len(t.dims) == 2])
     old = list(t.dims)
-    t.dims = rng.choice([old[::-1], [old[0], old[1] * 2], [old[0], old[1] // 2], [old[0] * old[1]],
-                         [old[0] + 32, old[1]], [old[0], old[1], 1]])
+    t.dims = rng.choice([o for o in ([old[::-1], [old[0], old[1] * 2], [old[0], old[1] // 2], [old[0] * old[1]],
+                                      [old[0] + 32, old[1]], [old[0], old[1], 1]]) if o != old])
     write(f, g)
     return f"{t.name} dims {old}->{t.dims}"
 
@@ -284,8 +284,10 @@ def g_swap(d, rng):
     groups = {}
     for t in g.tensors:
         groups.setdefault((t.type, tuple(t.dims)), []).append(t)
-    pairs = [v for v in groups.values() if len(v) > 1]
-    a, b = rng.sample(rng.choice(pairs), 2)
+    data = {t.name: g.raw[g.data_start + t.offset:g.data_start + t.offset + t.nbytes()] for t in g.tensors}
+    pairs = [(a, b) for v in groups.values() for i, a in enumerate(v) for b in v[i + 1:]
+             if data[a.name] != data[b.name]]
+    a, b = rng.choice(pairs)
     a.offset, b.offset = b.offset, a.offset
     write(f, g)
     return f"swapped {a.name}<->{b.name} (offsets)"

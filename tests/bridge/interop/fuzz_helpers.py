@@ -99,7 +99,7 @@ def st_dtype(d, rng):
     header, data, _ = read_st(d)
     name = rng.choice(_names(header))
     old = header[name]["dtype"]
-    new = rng.choice(SAME_SIZE.get(old, ["F32"]) if rng.random() < 0.75 else sorted(ITEMSIZE))
+    new = rng.choice(SAME_SIZE.get(old, ["F32"]) if rng.random() < 0.75 else sorted(set(ITEMSIZE) - {old}))
     header[name]["dtype"] = new
     write_raw(d, header, data)
     return f"{name} dtype {old}->{new}"
@@ -115,7 +115,7 @@ def st_shape(d, rng):
     options = [old[::-1], [numel], [1, numel], [old[0] + 1] + old[1:], [max(old[0] // 2, 1)] + old[1:]]
     if len(old) == 2 and old[0] % 2 == 0:
         options.append([old[0] // 2, old[1] * 2])
-    new = rng.choice(options)
+    new = rng.choice([o for o in options if o != old])
     header[name]["shape"] = new
     write_raw(d, header, data)
     return f"{name} shape {old}->{new}"
@@ -247,13 +247,15 @@ def edit_config(d: Path, rng, targeted: list, root=("quantization_config",)):
     or delete it."""
     cfg = json.loads((d / CFG).read_text())
     present = [(p, v) for p, v in targeted if _has(cfg, p)]
-    if present and rng.random() < 0.6:
-        path, values = rng.choice(present)
-        new = rng.choice(values)
-    else:
-        path = rng.choice([p for p in _leaves(_get(cfg, root)) if p]) if isinstance(_get(cfg, root), dict) else ()
-        path = root + tuple(path)
-        new = "<delete>" if rng.random() < 0.25 else other_value(rng, _get(cfg, path))
+    for _ in range(20):  # until the edit changes something
+        if present and rng.random() < 0.6:
+            path, values = rng.choice(present)
+            new = rng.choice(values)
+        else:
+            path = root + tuple(rng.choice([p for p in _leaves(_get(cfg, root)) if p]))
+            new = "<delete>" if rng.random() < 0.25 else other_value(rng, _get(cfg, path))
+        if new != _get(cfg, path) or type(new) is not type(_get(cfg, path)):
+            break
     parent, key = _get(cfg, path[:-1]), path[-1]
     old = parent[key]
     if new == "<delete>":

@@ -34,7 +34,7 @@ from bridge.interop.gguf import tensors as gguf_tensors  # noqa: E402
 from interop import fuzz_gguf  # noqa: E402
 
 IDS = torch.randint(0, 128, (1, 8), generator=torch.Generator().manual_seed(3))
-N = int(os.environ.get("QT_FUZZ_N", "40"))
+N = int(os.environ.get("QT_FUZZ_N", "36"))
 ONLY = os.environ.get("QT_FUZZ_CASE")
 D = "<delete>"
 
@@ -118,6 +118,7 @@ def made(tmp_path_factory):
             ref_model = bridge.load(out, like=like)
             ref = {"fingerprint": fingerprint(ref_model), "logits": logits(ref_model, IDS), "ids": IDS}
             names = names_of(out) | (fuzz_gguf.names_of(out) if to == "gguf" else set())
+            names |= set(like.state_dict()) | {n for n, _ in like.named_modules() if "." in n or n == "lm_head"}
             cache[name] = (out, like, ref, names)
         return cache[name]
 
