@@ -11,6 +11,7 @@ import copy
 import hashlib
 import json
 import struct
+import traceback
 from pathlib import Path
 
 import torch
@@ -348,16 +349,23 @@ def classify(directory: Path, like: torch.nn.Module, ref: dict, names: set) -> t
     except OK_ERRORS as e:
         msg = str(e)
         if len(msg.strip().splitlines()) > 2:
-            return "vague", f"{type(e).__name__}: {len(msg.splitlines())} lines: {msg[:100]!r}"
+            return "vague", f"{type(e).__name__} at {_where(e)}: {len(msg.splitlines())} lines: {msg[:100]!r}"
         if not any(n in msg for n in names | {str(directory), directory.name}):
-            return "vague", f"{type(e).__name__} names nothing: {msg[:120]!r}"
+            return "vague", f"{type(e).__name__} at {_where(e)} names nothing: {msg[:120]!r}"
         return "error", f"{type(e).__name__}: {msg[:120]}"
     except Exception as e:  # noqa: BLE001 - every other type is what the test looks for
-        return "crash", f"{type(e).__name__}: {str(e)[:120]!r}"
+        return "crash", f"{type(e).__name__} at {_where(e)}: {str(e)[:120]!r}"
     if out.shape == ref["logits"].shape and torch.equal(out, ref["logits"]):
         return "same", "(other state, same logits)"
     diff = (out - ref["logits"]).abs().max().item() if out.shape == ref["logits"].shape else float("nan")
     return "wrong", f"loaded, logits differ (max |diff| {diff:.3g})"
+
+
+def _where(e: BaseException) -> str:
+    """The innermost frame of ours (``bridge/``) the exception went through: ``importer.py:123``."""
+    frames = traceback.extract_tb(e.__traceback__)
+    ours = [f for f in frames if "/bridge/" in f.filename and "/tests/" not in f.filename] or frames
+    return f"{Path(ours[-1].filename).parent.name}/{Path(ours[-1].filename).name}:{ours[-1].lineno}" if ours else "?"
 
 
 def names_of(directory: Path, extra=()) -> set:
