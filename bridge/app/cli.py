@@ -13,8 +13,9 @@ listing has its module (``quantize``: :mod:`bridge.app.quantize`, ``export``: :m
 observers, algorithms or presets it registers are then usable by name (in recipe files too).
 
 User mistakes (a missing model, a bad recipe file, an existing output directory, an
-unreadable corpus, a damaged checkpoint...) print one line on stderr and exit with status 1
-(2 for bad arguments). Whatever can be checked without the weights (the recipe against the
+unreadable corpus, a damaged checkpoint, a full disk...) print one line on stderr and exit with
+status 1 (2 for bad arguments); so does any other error (its type named), never a traceback, and
+transformers' log (its multi-line load reports) is silenced while a command runs. Whatever can be checked without the weights (the recipe against the
 shapes of ``config.json``, where the outputs go, the numbers) is checked before the model
 loads. Nothing is written half-way: the checkpoint, ``report.json`` and the plot are
 assembled in the library's atomic directory (:func:`bridge.checkpoint.store.atomic_directory`),

@@ -142,6 +142,9 @@ def load_causal_lm(model: str | os.PathLike | ModelSource | None = None, *, dtyp
     checkpoint is read by our importer (:func:`bridge.app.imported.load_imported`): its quantized
     weights in our quantized modules, as stored (neither amd-quark nor compressed-tensors is needed);
     with ``dequantize_imported`` the float model of the same values (what a new recipe starts from).
+    Nothing is random-initialised: a tensor the file lacks (or holds in another shape) is refused by
+    name (:class:`~bridge.CheckpointError`), as is a directory with quantized tensors but no
+    ``quantization_config`` (:func:`bridge.app.loadcheck.check_quantized_without_config`).
     """
     from transformers import AutoModelForCausalLM
 
