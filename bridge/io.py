@@ -63,7 +63,12 @@ def _write_extras(model, tmp: Path, qconfig: dict, tokenizer) -> None:
     else:
         d = {"quantization_config": qconfig}
     if tokenizer is not None:
-        tokenizer.save_pretrained(tmp)
+        try:
+            tokenizer.save_pretrained(tmp)
+        except OSError:
+            raise
+        except Exception as e:  # the tokenizers library raises a bare Exception on a full disk
+            raise OSError(f"saving the tokenizer failed: {str(e).strip() or type(e).__name__}") from e
     (tmp / CONFIG).write_text(json.dumps(d, indent=2, sort_keys=True) + "\n")
 
 

@@ -13,8 +13,9 @@ listing has its module (``quantize``: :mod:`bridge.app.quantize`, ``export``: :m
 observers, algorithms or presets it registers are then usable by name (in recipe files too).
 
 User mistakes (a missing model, a bad recipe file, an existing output directory, an
-unreadable corpus, a damaged checkpoint...) print one line on stderr and exit with status 1
-(2 for bad arguments). Whatever can be checked without the weights (the recipe against the
+unreadable corpus, a damaged checkpoint, a full disk...) print one line on stderr and exit with
+status 1 (2 for bad arguments); so does any other error (its type named), never a traceback, and
+transformers' log (its multi-line load reports) is silenced while a command runs. Whatever can be checked without the weights (the recipe against the
 shapes of ``config.json``, where the outputs go, the numbers) is checked before the model
 loads. Nothing is written half-way: the checkpoint, ``report.json`` and the plot are
 assembled in the library's atomic directory (:func:`bridge.checkpoint.store.atomic_directory`),
@@ -25,6 +26,7 @@ stdout goes away (``| head``) the command stops quietly with status 141.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -203,7 +205,8 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     try:
         inputs.load_plugins(args.plugin)
-        return COMMANDS[args.command](args)
+        with _quiet_transformers(args.command in QUIET):
+            return COMMANDS[args.command](args)
     except UserError as e:
         print(f"qtransform: error: {e}", file=sys.stderr)
         return 1
@@ -213,6 +216,40 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # the reader went away (`qtransform inspect DIR | head -1`): stop quietly, as cat does
         _silence_stdout()
         return 141  # 128 + SIGPIPE, the status a shell reports for a writer killed by a closed pipe
+    except (OSError, ValueError) as e:  # a message of ours or the OS's (it names the path): as it is
+        print(f"qtransform: error: {_first_line(e)}", file=sys.stderr)
+        return 1
+    except Exception as e:  # noqa: BLE001  (any other library's error: one line with its type, no traceback)
+        print(f"qtransform: error: {type(e).__name__}: {_first_line(e)}", file=sys.stderr)
+        return 1
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
+#: Commands that load models: transformers' log (its multi-line load reports) is silenced while they run.
+QUIET = ("quantize", "eval", "inspect", "export")
+
+
+@contextlib.contextmanager
+def _quiet_transformers(quiet: bool):
+    """transformers' logging at ERROR (no load reports, no advice) while the command runs, restored after."""
+    if not quiet:
+        yield
+        return
+    try:
+        from transformers.utils import logging as tf_logging
+    except ImportError:  # transformers is a dependency; without it the command reports what is missing
+        yield
+        return
+    before = tf_logging.get_verbosity()
+    tf_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        tf_logging.set_verbosity(before)
 
 
 def _silence_stdout() -> None:

@@ -21,15 +21,19 @@ from __future__ import annotations
 import importlib
 import inspect
 import os
+import re
 import warnings
 from pathlib import Path
 
 import torch
 
-__all__ = ["PARTS", "EVAL_MODULES", "CALIBRATION_MODULES", "CorpusError", "builtin_documents",
-           "load_text", "token_sequences"]
+__all__ = ["PARTS", "MAX_CONTROL_FRACTION", "EVAL_MODULES", "CALIBRATION_MODULES", "CorpusError",
+           "builtin_documents", "load_text", "control_fraction", "check_text", "token_sequences"]
 
 PARTS = ("eval", "calibration")
+#: A corpus with a larger fraction of control characters (NUL, escape...) is refused as not text.
+MAX_CONTROL_FRACTION = 0.1
+_CONTROL = re.compile("[\x00-\x08\x0b\x0e-\x1f\x7f-\x9f]")
 
 #: Standard-library modules whose docstrings make the evaluation text.
 EVAL_MODULES = ("argparse", "calendar", "csv", "difflib", "fractions", "heapq", "ipaddress",
@@ -110,7 +114,29 @@ def _read_file(path: Path) -> str:
         raise CorpusError(f"cannot read corpus file {path}: {e}") from None
     if not text.strip():
         raise CorpusError(f"corpus file {path} is empty")
+    check_text(text, f"corpus file {path}")
     return text
+
+
+def control_fraction(text: str) -> float:
+    """The fraction of ``text``'s characters that are NUL or other control characters (tab, newline,
+    carriage return and form feed count as text).
+
+    >>> control_fraction("ab\\x00\\x01"), control_fraction("a\\tb\\n")
+    (0.5, 0.0)
+    """
+    if not text:
+        return 0.0
+    return (len(text) - len(_CONTROL.sub("", text))) / len(text)
+
+
+def check_text(text: str, what: str = "corpus") -> None:
+    """``CorpusError`` when more than :data:`MAX_CONTROL_FRACTION` of ``text`` is control characters
+    (a binary file read as text: calibrating on it would fit the quantization to noise)."""
+    fraction = control_fraction(text)
+    if fraction > MAX_CONTROL_FRACTION:
+        raise CorpusError(f"{what} is not text: {fraction:.1%} of its {len(text)} characters are NUL or control "
+                          f"characters (at most {MAX_CONTROL_FRACTION:.0%} allowed)")
 
 
 def _read_dataset(spec: str, part: str, text_field: str) -> str:
@@ -129,7 +155,9 @@ def _read_dataset(spec: str, part: str, text_field: str) -> str:
                           "Without network access use the built-in corpus or a local text file.") from None
     if text_field not in ds.column_names:
         raise CorpusError(f"dataset hf:{spec} has no {text_field!r} column (columns: {ds.column_names})")
-    return "\n\n".join(t for t in ds[text_field] if t and t.strip())
+    text = "\n\n".join(t for t in ds[text_field] if t and t.strip())
+    check_text(text, f"dataset hf:{spec}")
+    return text
 
 
 def load_text(source: str | os.PathLike = "builtin", *, part: str = "eval", text_field: str = "text") -> str:

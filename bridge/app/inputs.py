@@ -123,6 +123,7 @@ def model_and_tokenizer(model_arg, *, source=None, dequantize_imported: bool = F
     already); any failure to read the user's files (a truncated or corrupted checkpoint, a damaged
     GGUF file) is one line naming the model. A Quark or compressed-tensors checkpoint is read by
     our importer (dequantized with ``dequantize_imported``)."""
+    from ..checkpoint import CheckpointError
     from . import models
 
     source = model_source(model_arg) if source is None else source
@@ -130,6 +131,9 @@ def model_and_tokenizer(model_arg, *, source=None, dequantize_imported: bool = F
         return models.load_with_tokenizer(source, dequantize_imported=dequantize_imported)
     except ImportError as e:  # a missing optional package: the message says what to install
         raise UserError(_first_line(e)) from None
+    except CheckpointError as e:  # ours: names the file and the tensor
+        name = models.DEFAULT_MODEL if model_arg is None else model_arg
+        raise UserError(f"cannot load model {name}: {_first_line(e)}") from None
     except Exception as e:  # noqa: BLE001  (whatever transformers or safetensors raise on a bad file)
         name = models.DEFAULT_MODEL if model_arg is None else model_arg
         if source.gguf_file is not None:  # transformers words these as "not a valid JSON file"

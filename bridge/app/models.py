@@ -26,7 +26,9 @@ from typing import NamedTuple
 
 import torch
 
+from ..checkpoint import CheckpointError
 from ..io import imported_format
+from .loadcheck import check_quantized_without_config
 from .imported import load_imported
 
 __all__ = ["DEFAULT_MODEL", "DEFAULT_PACKAGE", "ModelSource", "default_model_file", "resolve", "check_gguf", "skeleton",
@@ -140,6 +142,9 @@ def load_causal_lm(model: str | os.PathLike | ModelSource | None = None, *, dtyp
     checkpoint is read by our importer (:func:`bridge.app.imported.load_imported`): its quantized
     weights in our quantized modules, as stored (neither amd-quark nor compressed-tensors is needed);
     with ``dequantize_imported`` the float model of the same values (what a new recipe starts from).
+    Nothing is random-initialised: a tensor the file lacks (or holds in another shape) is refused by
+    name (:class:`~bridge.CheckpointError`), as is a directory with quantized tensors but no
+    ``quantization_config`` (:func:`bridge.app.loadcheck.check_quantized_without_config`).
     """
     from transformers import AutoModelForCausalLM
 
@@ -147,8 +152,25 @@ def load_causal_lm(model: str | os.PathLike | ModelSource | None = None, *, dtyp
     if source.gguf_file is None and source.imported is not None:
         return load_imported(source.directory, dtype=dtype, dequantize=dequantize_imported, importer=source.imported)
     _needs_gguf(source)
-    m = AutoModelForCausalLM.from_pretrained(str(source.directory), dtype=dtype, **_kwargs(source))
+    check_quantized_without_config(source)
+    m, info = AutoModelForCausalLM.from_pretrained(str(source.directory), dtype=dtype, output_loading_info=True,
+                                                   **_kwargs(source))
+    _check_every_tensor_read(source, info)
     return m.eval()
+
+
+def _check_every_tensor_read(source: ModelSource, info: dict) -> None:
+    """transformers fills tensors a file lacks (or holds in another shape) with random values: refused,
+    named, instead of running a model that is partly random."""
+    where = source.directory / source.gguf_file if source.gguf_file else source.directory
+    missing = sorted(info.get("missing_keys") or ())
+    if missing:
+        more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
+        raise CheckpointError(f"{where}: no tensor for {', '.join(missing[:5])}{more}; refusing to fill it with random "
+                              "values")
+    mismatched = sorted(str(k[0] if isinstance(k, tuple) else k) for k in info.get("mismatched_keys") or ())
+    if mismatched:
+        raise CheckpointError(f"{where}: tensor {', '.join(mismatched[:5])} has another shape than the model's")
 
 
 def _gguf_pre_tokenizer(tokenizer, path: Path):

@@ -165,8 +165,8 @@ def cmd_quantize(a) -> int:
             (tmp / "report.json").write_text(json.dumps(rep.to_dict(), indent=2) + "\n")
             if a.plot:
                 rep.plot(tmp / "report.png")
-    except OSError as e:
-        raise UserError(f"cannot write {out}: {e.strerror or e}") from None
+    except OSError as e:  # atomic_directory's WriteError names --out already
+        raise UserError(str(store.write_error(e, out))) from None
     if a.json:
         outputs.write_text(Path(a.json), json.dumps(rep.to_dict(), indent=2) + "\n", option="--json")
     exported = export.export_after_quantize(a, out)

@@ -43,7 +43,8 @@ from safetensors import safe_open
 from . import checksum
 from .metadata import CheckpointError
 
-__all__ = ["SINGLE", "INDEX", "ST_DTYPES", "FLOAT_DTYPES", "STALE_AFTER_S", "parse_size", "atomic_directory",
+__all__ = ["SINGLE", "INDEX", "ST_DTYPES", "FLOAT_DTYPES", "STALE_AFTER_S", "parse_size", "WriteError",
+           "write_error", "atomic_directory",
            "remove_stale", "write_safetensors", "write_shards", "read_json", "open_files", "open_shards",
            "check_headers", "header_bytes"]
 
@@ -167,10 +168,39 @@ def atomic_directory(directory, *, overwrite: bool = False):
     try:
         yield tmp
         _publish(tmp, target)
+    except OSError as e:  # a full disk, a read-only file system...: said with the target's name
+        shutil.rmtree(tmp, ignore_errors=True)
+        _remove_empty(created)
+        if isinstance(e, (FileExistsError, FileNotFoundError)):
+            raise
+        raise write_error(e, target) from e
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         _remove_empty(created)
         raise
+
+
+class WriteError(OSError):
+    """An OS error while writing a checkpoint or an export, worded with the target's path:
+    ``cannot write /x/out: No space left on device`` (``errno`` as the original's)."""
+
+    def __str__(self) -> str:
+        return str(self.strerror)
+
+
+def write_error(e: BaseException, target) -> WriteError:
+    """``e`` (raised while writing ``target``) as a :class:`WriteError` naming ``target`` and what happened;
+    a short write (numpy's "N requested and M written") is a full disk. A ``WriteError`` passes through."""
+    if isinstance(e, WriteError):
+        return e
+    errno_ = getattr(e, "errno", None)
+    reason = getattr(e, "strerror", None) or str(e).strip() or type(e).__name__
+    filename = getattr(e, "filename", None)
+    if filename and Path(str(filename)).name not in str(target):
+        reason += f" ({Path(str(filename)).name})"
+    if errno_ is None and "requested and" in str(e) and "written" in str(e):
+        errno_, reason = 28, "No space left on device (a write stopped short)"
+    return WriteError(errno_, f"cannot write {target}: {reason}")
 
 
 def _remove_empty(created: list[Path]) -> None:

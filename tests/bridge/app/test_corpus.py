@@ -103,3 +103,33 @@ def test_token_sequences_bad_input():
         corpus.token_sequences("the a of", tok, seq_len=2, max_sequences=0)
     with pytest.raises(corpus.CorpusError, match="no text"):
         corpus.token_sequences("", tok)
+
+
+def test_a_file_of_nul_and_control_bytes_is_refused_with_the_fraction(tmp_path):
+    import random
+
+    rng = random.Random(0)
+    f = tmp_path / "binary.txt"
+    f.write_bytes(bytes(rng.choice([0, 1, 2, 7, 27, 31]) if i % 4 else 97 for i in range(4000)))  # 75 % control
+    with pytest.raises(corpus.CorpusError, match=r"binary.txt is not text: 75\.0% of its 4000 characters are NUL"):
+        corpus.load_text(str(f))
+    ok = tmp_path / "text.txt"
+    ok.write_text("a line\twith a tab\r\nand a form feed\f" * 20 + "\x00")  # a stray NUL is text still
+    assert corpus.load_text(str(ok)).startswith("a line")
+    assert corpus.control_fraction("\x00\x1b ab") == 0.4
+
+
+def test_the_command_refuses_a_binary_corpus(tmp_path, capsys):
+    import tiny_lm
+    from bridge.app.cli import main
+
+    tiny_lm.model().save_pretrained(tmp_path / "m")
+    tiny_lm.tokenizer().save_pretrained(tmp_path / "m")
+    f = tmp_path / "noise.txt"
+    f.write_bytes(b"\x00\x01\x02\x03 " * 500)
+    for args in (["eval"], ["quantize", "--calib", "1", "--out", str(tmp_path / "o")]):
+        rc = main([*args, "--model", str(tmp_path / "m"), "--corpus", str(f)])
+        err = capsys.readouterr().err
+        assert rc == 1 and "Traceback" not in err, err
+        assert "noise.txt is not text: 80.0% of its 2500 characters" in err, err
+    assert not (tmp_path / "o").exists()
