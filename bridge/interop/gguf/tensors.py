@@ -149,6 +149,9 @@ def decode(raw: np.ndarray, qtype: str, shape: tuple[int, int], dtype: torch.dty
     if qtype not in IMPORT_SPECS:
         raise ValueError(f"{path}: GGUF type {qtype} has no exact qtransform spec")
     size, nbytes = BLOCKS[qtype]
+    if len(shape) != 2:
+        raise ValueError(f"{path}: a {qtype} tensor of shape {tuple(shape)}: quantized GGUF tensors here are "
+                         "matrices (rows, columns)")
     rows, k = shape
     if k % size or raw.size != rows * k // size * nbytes:
         raise ValueError(f"{path}: {raw.size} bytes do not hold a {qtype} tensor of shape {tuple(shape)}")
