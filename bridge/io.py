@@ -208,9 +208,9 @@ def load(directory, *, like: nn.Module, kernel: str = "auto", verify: bool = Tru
     root = Path(directory)
     fmt = imported_format(root)
     if fmt is not None:
-        from . import interop
+        from .interop.base import read_imported
 
-        return from_source(like, interop.IMPORTERS[fmt].read(root), kernel=kernel)
+        return from_source(like, read_imported(fmt, root, verify=verify), kernel=kernel)
     meta = read_metadata(root)
     located, handles = store.open_shards(root)
     ref = extract(like)
