@@ -14,6 +14,12 @@ the importer takes it, so calibration-only fields (``symmetric_range``, ``pad``.
 formats, the recipe and tied paths come back as they were: export then import gives the same tree.
 Act-order permutations (``weight_g_idx`` other than ``i // group_size``) have no equivalent in our
 checkpoints and are refused.
+
+Before anything is built, :func:`~bridge.interop.compressed_tensors.validate.check_config` checks the config's
+keys and types, the digests our exporter writes into the shards are verified (``verify=False`` skips them),
+and every stored tensor is checked against the args (shape, dtype, an exact packed width: never cut to fit);
+codes or quantization tensors without their scale, and args that disagree with the spec recorded beside
+them, are refused by name (:class:`~bridge.CheckpointError` naming the file and the tensor or key).
 """
 
 from __future__ import annotations

@@ -16,6 +16,12 @@ A checkpoint that :class:`~bridge.interop.quark.QuarkExporter` wrote carries our
 it is taken (with the logical dtype), so export then import gives back the same tree. Quark
 dtypes or schemes without a qtransform equivalent (two-stage NVFP4-style configs, dynamic
 weights, MX int8...) raise ``ValueError`` naming the layer.
+
+Before anything is built, :func:`~bridge.interop.quark.validate.check_config` checks the config's keys and
+types, the digests our exporter writes into the shards are verified (``verify=False`` skips them), and every
+stored tensor is checked against what the config says (shape, dtype, packed width); codes or quantization
+tensors without their scale or weight, and a config that disagrees with the spec recorded beside it, are
+refused by name (:class:`~bridge.CheckpointError` naming the file and the tensor or key).
 """
 
 from __future__ import annotations
