@@ -24,7 +24,6 @@ loading checks every name, shape and dtype against the model before reading data
 
 from __future__ import annotations
 
-import inspect
 import json
 import os
 import shutil
@@ -214,11 +213,9 @@ def load(directory, *, like: nn.Module, kernel: str = "auto", verify: bool = Tru
     root = Path(directory)
     fmt = imported_format(root)
     if fmt is not None:
-        from . import interop
+        from .interop.base import read_imported
 
-        importer = interop.IMPORTERS[fmt]
-        return from_source(like, importer.read(root, **_read_options(importer, verify=verify, like=like)),
-                           kernel=kernel)
+        return from_source(like, read_imported(fmt, root, verify=verify, like=like), kernel=kernel)
     meta = read_metadata(root)
     located, handles = store.open_shards(root)
     ref = extract(like)
@@ -268,12 +265,6 @@ def _build(like: nn.Module, meta, tree: dict, act_parts: dict, kernel: str, root
         raise CheckpointError(f"{root}: {left[:5]} have no value (not in the checkpoint; build `like` on a real "
                               "device so that non-persistent buffers are initialized)")
     return model
-
-
-def _read_options(importer, **options) -> dict:
-    """The options of :func:`load` (``verify``, ``like``) that ``importer.read`` takes."""
-    params = inspect.signature(importer.read).parameters
-    return {k: v for k, v in options.items() if k in params}
 
 
 def imported_format(path) -> str | None:

@@ -16,6 +16,7 @@ place at the end (:func:`bridge.checkpoint.store.atomic_directory`): never half 
 from __future__ import annotations
 
 import abc
+import inspect
 import json
 import shutil
 from pathlib import Path
@@ -23,12 +24,13 @@ from typing import Mapping, NamedTuple
 
 import qtransform as qt
 
-from ..checkpoint import store
-from ..checkpoint.metadata import Metadata
+from ..checkpoint import checksum, store
+from ..checkpoint.metadata import CheckpointError, Metadata
 from ..checkpoint.tree_io import CONFIG, TOKENIZER_FILES, load_tree, read_metadata
 
 __all__ = ["Source", "Support", "Exporter", "EXPORTERS", "register_exporter", "Importer", "IMPORTERS",
-           "register_importer", "detect_format", "read_source", "export",
+           "register_importer", "detect_format", "read_source", "read_imported", "verify_digests", "verify_shards",
+           "export",
            "EXTRA_FILES", "copy_extras", "write_config", "SUPPORT_KINDS"]
 
 #: What :meth:`Exporter.support` answers: the target holds the spec bit for bit, holds the nearest
@@ -115,8 +117,11 @@ class Importer(abc.ABC):
         """True when ``directory`` (or file) is a checkpoint of this format (cheap: headers, config)."""
 
     @abc.abstractmethod
-    def read(self, directory: Path) -> Source:
-        """The checkpoint as a :class:`Source`; ``ValueError`` naming the tensor it cannot map."""
+    def read(self, directory: Path, *, verify: bool = True) -> Source:
+        """The checkpoint as a :class:`Source`; ``ValueError`` (a :class:`~bridge.CheckpointError` for a
+        damaged file) naming the file and the tensor or key it cannot map. What it reads is validated
+        before anything is built; digests written with the tensors are checked unless ``verify=False``
+        (:func:`verify_digests`, :func:`verify_shards`)."""
 
 
 def _check_exporter(name: str, exporter) -> None:
@@ -148,6 +153,66 @@ def detect_format(path) -> str | None:
     """The name of the :data:`IMPORTERS` entry that reads ``path`` (``None``: none does)."""
     p = Path(path)
     return next((name for name, imp in IMPORTERS.items() if imp.detect(p)), None)
+
+
+def read_imported(fmt: str, path, *, verify: bool = True, like=None) -> Source:
+    """``IMPORTERS[fmt].read(path, verify=verify, like=like)``, passing only the options its ``read`` takes: an
+    importer registered before ``verify`` existed (its ``read`` takes the path alone) checks no digests, and
+    ``like`` (the model the tree is for) goes to importers that check the file's hyperparameters against it."""
+    if not isinstance(verify, bool):
+        raise TypeError(f"read_imported: verify must be True or False, got {verify!r}")
+    if fmt not in IMPORTERS:
+        raise ValueError(f"read_imported: fmt must be one of {sorted(IMPORTERS)}, got {fmt!r}")
+    importer = IMPORTERS[fmt]
+    try:
+        takes = inspect.signature(importer.read).parameters
+    except (TypeError, ValueError):
+        takes = {}
+    options = {k: v for k, v in (("verify", verify), ("like", like)) if k in takes}
+    return importer.read(Path(path), **options)
+
+
+def verify_digests(where, recorded: Mapping[str, str], actual: Mapping[str, str]) -> int:
+    """Compare the digests a file recorded with those of what it holds now (both ``{tensor name: hex digest}``,
+    e.g. :func:`bridge.checkpoint.checksum.digest` of each tensor's dtype name, shape and raw bytes).
+
+    Every tensor in ``actual`` must have its recorded digest and match it; a recorded name no longer
+    stored is reported too. Returns the number of tensors checked; raises :class:`~bridge.CheckpointError`
+    naming ``where`` (the file) and the first tensor that differs (changed bytes, tensors swapped or renamed).
+
+    >>> verify_digests("m.gguf", {"a": "00"}, {"a": "00"})
+    1
+    >>> verify_digests("m.gguf", {"a": "00", "b": "11"}, {"a": "11", "b": "00"})
+    Traceback (most recent call last):
+    ...
+    bridge.checkpoint.metadata.CheckpointError: m.gguf: tensor 'a' (and ['b']) does not match the digest written with it: the file was corrupted or edited (tensors swapped, bytes or header changed); verify=False skips this check
+    """
+    unlisted = sorted(n for n in actual if n not in recorded)
+    if unlisted:
+        raise CheckpointError(f"{where}: tensor(s) {unlisted[:5]} have no recorded digest (renamed or added after "
+                              "writing)")
+    gone = sorted(n for n in recorded if n not in actual)
+    if gone:
+        raise CheckpointError(f"{where}: tensor(s) {gone[:5]} have a recorded digest but are not stored (deleted or "
+                              "renamed after writing)")
+    bad = sorted(n for n in actual if actual[n] != recorded[n])
+    if bad:
+        raise CheckpointError(f"{where}: tensor {bad[0]!r}" + (f" (and {bad[1:5]})" if len(bad) > 1 else "")
+                              + " does not match the digest written with it: the file was corrupted or edited "
+                              "(tensors swapped, bytes or header changed); verify=False skips this check")
+    return len(actual)
+
+
+def verify_shards(root, located: Mapping[str, str], *, verify: bool = True) -> int:
+    """Check the safetensors shards of an export (``located``: ``{tensor name: file name}``, as
+    :func:`bridge.checkpoint.store.open_shards` returns) against the per-tensor SHA-256 digests our
+    exporters write into their metadata (:mod:`bridge.checkpoint.checksum`). Shards written by other tools
+    carry none and are not checked (0 returned); ``verify=False`` checks nothing."""
+    if not isinstance(verify, bool):
+        raise TypeError(f"verify must be True or False, got {verify!r}")
+    if not verify:
+        return 0
+    return checksum.verify_files(Path(root) / f for f in sorted(set(located.values())))
 
 
 def register_exporter(exporter: Exporter, *, replace: bool = False) -> Exporter:

@@ -14,6 +14,12 @@ the importer takes it, so calibration-only fields (``symmetric_range``, ``pad``.
 formats, the recipe and tied paths come back as they were: export then import gives the same tree.
 Act-order permutations (``weight_g_idx`` other than ``i // group_size``) have no equivalent in our
 checkpoints and are refused.
+
+Before anything is built, :func:`~bridge.interop.compressed_tensors.validate.check_config` checks the config's
+keys and types, the digests our exporter writes into the shards are verified (``verify=False`` skips them),
+and every stored tensor is checked against the args (shape, dtype, an exact packed width: never cut to fit);
+codes or quantization tensors without their scale, and args that disagree with the spec recorded beside
+them, are refused by name (:class:`~bridge.CheckpointError` naming the file and the tensor or key).
 """
 
 from __future__ import annotations
@@ -29,9 +35,10 @@ from ...checkpoint import metadata, store
 from ...checkpoint.metadata import CheckpointError, Entry, Metadata
 from ...checkpoint.tree_io import CONFIG
 from . import config as ct_config
-from ..base import Importer, Source
+from ..base import Importer, Source, verify_shards
 from .model import matches, skeleton
 from .tensors import from_ct, reciprocal
+from .validate import check_config
 
 __all__ = ["CompressedTensorsImporter", "HINT_KEY", "GLOBAL_SCALES_KEY"]
 
@@ -60,9 +67,14 @@ def _infer_format(w: dict, inputs: dict | None) -> str:
 
 
 def _logical_shape(parts: dict, kind: str, where: str) -> tuple[int, int]:
-    if "weight_shape" in parts:
-        return tuple(int(n) for n in parts["weight_shape"].tolist())
     t = parts.get("weight", parts.get("weight_packed"))
+    if "weight_shape" in parts:
+        s = parts["weight_shape"]
+        if s.dtype not in (torch.int64, torch.int32) or tuple(s.shape) != (2,) or bool((s <= 0).any()) or \
+                t is None or t.dim() != 2 or int(s[0]) != t.shape[0]:
+            raise ValueError(f"{where}_shape: {s.dtype} {s.tolist()} is not the two positive sizes of the stored "
+                             f"{None if t is None else list(t.shape)} weight")
+        return int(s[0]), int(s[1])
     if t is None or t.dim() != 2:
         raise ValueError(f"{where}: no 2-D weight or weight_packed")
     rows, cols = t.shape
@@ -87,16 +99,20 @@ class CompressedTensorsImporter(Importer):
             return False
         return isinstance(qc, dict) and qc.get("quant_method") == "compressed-tensors"
 
-    def read(self, directory: Path) -> Source:
+    def read(self, directory: Path, *, verify: bool = True) -> Source:
         root = Path(directory)
+        if not isinstance(verify, bool):
+            raise TypeError(f"compressed-tensors import: verify must be True or False, got {verify!r}")
         config = store.read_json(root / CONFIG, "checkpoint config")
         qc = config.get("quantization_config") if isinstance(config, dict) else None
         if not isinstance(qc, dict) or qc.get("quant_method") != "compressed-tensors":
             raise CheckpointError(f"{root / CONFIG}: not a compressed-tensors checkpoint")
+        check_config(config, root / CONFIG)  # shapes and types of every key, before anything is read
         if qc.get("quantization_status", "compressed") != "compressed":
             raise CheckpointError(f"{root / CONFIG}: quantization_status {qc.get('quantization_status')!r}: the "
                                   "weights are not stored compressed (nothing to import without re-quantizing)")
         located, handles = store.open_shards(root)
+        verify_shards(root, located, verify=verify)  # our exports' digests (llm-compressor's files carry none)
         hint = self._hint(handles, HINT_KEY)
         hint_weights, hint_acts = self._hint_specs(hint)
         exact_globals = self._hint(handles, GLOBAL_SCALES_KEY)
@@ -124,7 +140,7 @@ class CompressedTensorsImporter(Importer):
                                                else _infer_format(w, scheme.get("input_activations")))
                 try:
                     q = self._weight(parts, w, fmt, _dtype(plain), hint_weights.get(f"{mname}.weight"),
-                                     f"{root}: {mname}.weight")
+                                     f"{root / located[f'{mname}.{next(iter(parts))}']}: {mname}.weight")
                     q = _exact_global(q, parts, exact_globals.get(f"{mname}.weight"))
                 except ValueError as e:
                     raise CheckpointError(str(e)) from None
@@ -137,6 +153,7 @@ class CompressedTensorsImporter(Importer):
             for mname in sorted({n.rpartition(".")[0] for n in located if n.endswith(".k_scale")}):
                 for role in qt.spec.KV_ROLES:
                     add_activation(qt.Site(mname, role), qc["kv_cache_scheme"])
+        _check_leftovers(located, handles, claimed, hint_weights, entries, root)
         tree.update({n: read(n) for n in located if n not in claimed})
         aliases = {a: t for a, t in (hint.get("aliases") or {}).items() if t in tree and a not in tree}
         tree.update({a: tree[t] for a, t in aliases.items()})
@@ -151,22 +168,22 @@ class CompressedTensorsImporter(Importer):
     # ------------------------------------------------------------------ pieces
     @staticmethod
     def _hint(handles, key: str) -> dict:
-        for h in handles.values():
+        for f, h in handles.items():
             raw = (h.metadata() or {}).get(key)
             if raw:
                 try:
                     d = json.loads(raw)
-                    return d if isinstance(d, dict) else {}
                 except ValueError:
-                    return {}
+                    d = None
+                if not isinstance(d, dict):
+                    raise CheckpointError(f"{f}: safetensors metadata {key!r} (written by qtransform's export) is not a "
+                                          "JSON object: the file was edited")
+                return d
         return {}
 
     @staticmethod
     def _hint_meta(hint: dict) -> Metadata | None:
-        try:
-            return metadata.decode(hint) if hint else None
-        except CheckpointError:
-            return None
+        return metadata.decode(hint, where=f"safetensors metadata {HINT_KEY!r}") if hint else None
 
     @staticmethod
     def _hint_specs(hint: dict) -> tuple[dict, dict]:
@@ -178,8 +195,9 @@ class CompressedTensorsImporter(Importer):
                        for p, e in hint.get("tensors", {}).items()}
             acts = {k: specs[i] for k, i in (hint.get("activations") or {}).items()}
             return weights, acts
-        except (AttributeError, KeyError, IndexError, TypeError, ValueError):
-            return {}, {}
+        except (AttributeError, KeyError, IndexError, TypeError, ValueError) as e:
+            raise CheckpointError(f"safetensors metadata {HINT_KEY!r} (written by qtransform's export) is malformed "
+                                  f"({type(e).__name__}: {e})") from None
 
     def _weight(self, parts: dict, args: dict, fmt: str, dtype, hinted, where: str) -> qt.QTensor:
         if "weight_g_idx" in parts:
@@ -187,16 +205,20 @@ class CompressedTensorsImporter(Importer):
             if size <= 0 or not torch.equal(g.long(), torch.arange(g.numel()) // size):
                 raise ValueError(f"{where}: an act-order permutation (weight_g_idx), which qtransform checkpoints "
                                  "cannot hold (quantize with static groups instead)")
+        if "weight_scale" not in parts:
+            raise ValueError(f"{where}: quantized (a weight_packed is stored) but its weight_scale is not")
         spec, kind = ct_config.spec_of(args, fmt, parts["weight_scale"].dtype, where=where)
         shape = _logical_shape(parts, kind, where)
-        if hinted is not None:  # the spec our metadata recorded, when it stores the same bits
+        if hinted is not None:  # the spec our metadata recorded: it must store the same bits
             hs, hdtype = hinted
             try:
                 m = ct_config.weight_mapping(hs)
-                if (m.kind == kind or {m.kind, kind} == {"pack", "int"}) and _same_args(m.args, args):
-                    return from_ct(parts, kind, hs, shape, hdtype, args=args, where=where)
             except ValueError:
-                pass
+                m = None
+            if m is None or not (m.kind == kind or {m.kind, kind} == {"pack", "int"}) or not _same_args(m.args, args):
+                raise CheckpointError(f"{where}: the args of config.json {args} disagree with the spec recorded with the "
+                                      f"export ({HINT_KEY}: {hs}): the config was edited")
+            return from_ct(parts, kind, hs, shape, hdtype, args=args, where=where)
         return from_ct(parts, kind, spec, shape, dtype, args=args, where=where)
 
     def _activation(self, site: qt.Site, args: dict, located, read, hinted, *, where: str):
@@ -206,6 +228,13 @@ class CompressedTensorsImporter(Importer):
         if not args.get("dynamic") and "scale" not in names:
             raise CheckpointError(f"{where}: static quantizer without {prefix}scale")
         scale = read(names["scale"]) if "scale" in names else None
+        zp = read(names["zero_point"]) if "zero_point" in names else None
+        if scale is not None and (scale.numel() != 1 or not scale.is_floating_point()):
+            raise CheckpointError(f"{where}: {names['scale']} must hold one float, got shape {list(scale.shape)} "
+                                  f"and dtype {scale.dtype}")
+        if zp is not None and (zp.numel() != 1 or zp.is_floating_point() or zp.dtype == torch.bool):
+            raise CheckpointError(f"{where}: {names['zero_point']} must hold one integer, got shape "
+                                  f"{list(zp.shape)} and dtype {zp.dtype}")
         try:
             spec = ct_config.activation_spec_of(args, None if scale is None else scale.dtype, where=where)
         except ValueError as e:
@@ -221,9 +250,34 @@ class CompressedTensorsImporter(Importer):
             codec = spec.fmt.codec
             if spec.fmt.family == "int" and (not spec.symmetric or not codec.signed):  # uint: the fixed mid-range one
                 off = 0 if codec.signed else 1 << (codec.bits - 1)
-                z = read(names["zero_point"]).to(torch.int32) if "zero_point" in names else torch.zeros(1, dtype=torch.int32)
+                z = zp.to(torch.int32) if zp is not None else torch.zeros(1, dtype=torch.int32)
                 out[prefix + "zero_point"] = (z + off).to(codec.code_dtype).reshape(shape)
         return (spec, out), set(names.values())
+
+
+_FLOATS = ("F32", "F16", "BF16", "F64")
+
+
+def _check_leftovers(located, handles, claimed: set, hinted: dict, entries: dict, root: Path) -> None:
+    """Refuse what a quantized layer left behind: quantization tensors no scheme read (a weight_packed, zero
+    point, shape... without its scale), codes (an integer or float8 weight) without their scale, a weight our
+    export recorded as quantized that was not read as one."""
+    for name, f in located.items():
+        if name in claimed:
+            continue
+        where = f"{root / f}: {name}"
+        last = name.rpartition(".")[2]
+        if last in _WEIGHT_PARTS[1:] or last in ("input_zero_point", "output_zero_point", "k_zero_point",
+                                                 "v_zero_point"):
+            raise CheckpointError(f"{where}: a quantization tensor that no quantized layer read (its scale or "
+                                  "weight deleted or renamed, or no config_groups scheme selects its layer)")
+        if last == "weight" and handles[f].get_slice(name).get_dtype() not in _FLOATS:
+            raise CheckpointError(f"{where}: {handles[f].get_slice(name).get_dtype()} codes without their "
+                                  "weight_scale (a quantized weight whose scale was deleted or renamed)")
+    gone = sorted(p for p in hinted if p not in entries)
+    if gone:
+        raise CheckpointError(f"{root}: {gone[:5]} quantized in the spec recorded with the export ({HINT_KEY}), "
+                              "not stored as quantized (a scale deleted or renamed)")
 
 
 def _resolver(qc: dict, config: dict, root: Path):
@@ -263,6 +317,6 @@ def _exact_global(q: qt.QTensor, parts: dict, value) -> qt.QTensor:
 
 
 def _dtype(config: dict) -> torch.dtype:
-    name = config.get("dtype") or config.get("torch_dtype") or "float32"
+    name = config.get("dtype") or config.get("torch_dtype") or "float32"  # a name: checked by check_config
     dt = getattr(torch, str(name), None)
     return dt if isinstance(dt, torch.dtype) and dt.is_floating_point else torch.float32

@@ -55,13 +55,6 @@ def _check_host() -> None:
         raise ValueError("compressed-tensors: packing int32 words is implemented for little-endian hosts only")
 
 
-def _fit(t: torch.Tensor, n: int) -> torch.Tensor:
-    """``t`` cut or zero-padded to ``n`` entries along its last axis."""
-    if t.shape[-1] >= n:
-        return t[..., :n]
-    return torch.nn.functional.pad(t, (0, n - t.shape[-1]))
-
-
 def _packed_len(n: int, bits: int) -> int:
     return qt.pack(torch.zeros((1, n), dtype=torch.uint8), bits).shape[-1]
 
@@ -71,14 +64,25 @@ def pack_int32(u: torch.Tensor, bits: int) -> torch.Tensor:
     _check_host()
     stream = qt.pack(u.to(torch.uint8), bits)
     words = -(-u.shape[-1] * bits // 32)
-    return _fit(stream, 4 * words).contiguous().view(torch.int32)
+    pad = 4 * words - stream.shape[-1]  # the last word's unused bytes (never more than 3)
+    return torch.nn.functional.pad(stream, (0, pad)).contiguous().view(torch.int32)
 
 
-def unpack_int32(w: torch.Tensor, bits: int, n: int) -> torch.Tensor:
-    """Inverse of :func:`pack_int32`: ``(rows, n)`` uint8 codes."""
+def unpack_int32(w: torch.Tensor, bits: int, n: int, *, where: str = "compressed-tensors") -> torch.Tensor:
+    """Inverse of :func:`pack_int32`: ``(rows, n)`` uint8 codes. ``ValueError`` naming ``where`` unless ``w``
+    is int32 with exactly the ``ceil(n * bits / 32)`` words ``n`` codes of ``bits`` bits fill (never cut or
+    padded to fit: a width that disagrees with ``bits`` is a wrong config or file) and the last word's
+    unused bytes are zero."""
     _check_host()
-    stream = _fit(w.contiguous().view(torch.uint8), _packed_len(n, bits))
-    return qt.unpack(stream.contiguous(), bits, n)
+    words = -(-n * bits // 32)
+    if w.dtype != torch.int32 or w.dim() != 2 or w.shape[-1] != words:
+        raise ValueError(f"{where}: packed tensor of shape {list(w.shape)} and dtype {w.dtype}; {n} codes of {bits} "
+                         f"bits a row take {words} int32 words (the file's packing and num_bits disagree)")
+    raw, used = w.contiguous().view(torch.uint8), _packed_len(n, bits)
+    if bool(raw[..., used:].any()):
+        raise ValueError(f"{where}: packed tensor has bits set past its {n} codes of {bits} bits (the file's "
+                         "packing and num_bits disagree)")
+    return qt.unpack(raw[..., :used].contiguous(), bits, n)
 
 
 def reciprocal(g: torch.Tensor) -> torch.Tensor:
@@ -212,14 +216,20 @@ def from_ct(parts: dict, kind: str, spec: qt.QuantSpec, shape, dtype: torch.dtyp
                 codes = parts["weight"]
             else:
                 bits, half = spec.fmt.codec.bits, 1 << (spec.fmt.codec.bits - 1)
+                if kind == "int" and parts["weight"].dtype != torch.int8:
+                    raise ValueError(f"{where}: weight has dtype {parts['weight'].dtype}; int-quantized codes are int8")
                 signed = parts["weight"].to(torch.int32) if kind == "int" else \
-                    unpack_int32(parts["weight_packed"], bits, cols).to(torch.int32) - half
+                    unpack_int32(parts["weight_packed"], bits, cols, where=f"{where}_packed").to(torch.int32) - half
                 codes = _our_codes(signed, spec)
                 zwant = want.qparams.zero_point
                 if not spec.symmetric:
                     z = parts["weight_zero_point"]
                     if kind == "pack" and z.dtype == torch.int32:  # packed down the output rows
-                        z = unpack_int32(z.T.contiguous(), bits, rows).T.to(torch.int32) - half
+                        z = unpack_int32(z.T.contiguous(), bits, rows, where=f"{where}_zero_point").T.to(torch.int32) \
+                            - half
+                    elif z.dtype != torch.int8:
+                        raise ValueError(f"{where}_zero_point: dtype {z.dtype}; compressed-tensors stores zero points "
+                                         "as int8 (or packed in int32 words)")
                     fields["zero_point"] = (z.to(torch.int32).reshape(zwant.shape) + _offset(spec)).to(zwant.dtype)
                 elif zwant is not None:  # our symmetric unsigned formats store their fixed mid-range zero point
                     fields["zero_point"] = torch.full(zwant.shape, _offset(spec), dtype=zwant.dtype)

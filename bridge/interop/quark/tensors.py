@@ -130,6 +130,25 @@ def _check(name: str, t: torch.Tensor, shape, dtype, path: str) -> None:
                          f"expected shape {tuple(shape)} and dtype {dtype}")
 
 
+def _check_zero_point(zp: torch.Tensor, scale: torch.Tensor, spec: qt.QuantSpec, g, four: bool, path: str) -> None:
+    """The stored zero point has the shape and dtype the scale (already in our layout) and ``spec`` ask for:
+    float ones shaped as the scale; 4-bit ones int32 words packed like the weight (a scalar per tensor);
+    8-bit ones as the scale, in an integer dtype."""
+    grouped = isinstance(g, qt.PerGroup)
+    stored = tuple(scale.t().shape) if grouped else tuple(_scale_out(torch.empty(scale.shape, device="meta"), g).shape)
+    if zp.is_floating_point():
+        _check("weight_zero_point", zp, stored, zp.dtype, path)
+    elif four:
+        out = scale.shape[0] if grouped else scale.numel()
+        want = (stored[0], out // 8) if grouped else (out // 8,) if isinstance(g, qt.PerChannel) else ()
+        _check("weight_zero_point", zp, want, torch.int32, path)
+    elif zp.dtype not in (torch.int8, torch.uint8, torch.int32):
+        raise ValueError(f"{path}: Quark tensor 'weight_zero_point' has dtype {zp.dtype}; expected an 8-bit or int32 "
+                         "integer (or a float) dtype")
+    else:
+        _check("weight_zero_point", zp, stored, zp.dtype, path)
+
+
 def from_quark(parts, spec: qt.QuantSpec, shape, dtype: torch.dtype, path: str, *, reorder: bool = True) -> qt.QTensor:
     """The QTensor of a ``shape``/``dtype`` weight quantized with ``spec`` from Quark's ``parts``
     (``{"weight", "weight_scale"[, "weight_zero_point"]}``), bit for bit; ``ValueError`` naming
@@ -157,6 +176,7 @@ def from_quark(parts, spec: qt.QuantSpec, shape, dtype: torch.dtype, path: str, 
             raise ValueError(f"{path}: the Quark checkpoint has no 'weight_zero_point' for this integer weight")
         zp = parts["weight_zero_point"]
         four = spec.format in ("int4", "uint4")
+        _check_zero_point(zp, scale, spec, g, four, path)
         if four:
             signed = spec.format == "int4"
             _check("weight", parts["weight"], (n, out // 8) if grouped else (out, n // 8), torch.int32, path)

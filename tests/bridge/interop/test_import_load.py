@@ -155,3 +155,41 @@ def test_quantize_and_eval_from_a_quark_export(tiny_llama_dir, tmp_path):
     ppl = [r["perplexity"] for r in json.loads((tmp_path / "eval.json").read_text())["results"]]
     assert ppl[0] == ppl[1]  # the imported model is our checkpoint, value for value and kernel for kernel
     assert models.load_causal_lm(quark_dir).model.layers[0].mlp.down_proj.__class__ is bridge.QLinear
+
+
+def test_read_imported_passes_verify_and_keeps_importers_without_it(tmp_path):
+    from bridge.interop.base import IMPORTERS, Importer, Source, read_imported, register_importer
+
+    calls = []
+
+    class Old(Importer):  # an importer written before verify existed: read(path) alone
+        name = "test-old-importer"
+
+        def detect(self, directory):
+            return False
+
+        def read(self, directory):
+            calls.append(directory)
+            return Source(directory, None, {}, {})
+
+    register_importer(Old(), replace=True)
+    try:
+        assert read_imported("test-old-importer", tmp_path, verify=False).directory == tmp_path and calls == [tmp_path]
+        with pytest.raises(TypeError, match="verify"):
+            read_imported("test-old-importer", tmp_path, verify=1)
+        with pytest.raises(ValueError, match="fmt"):
+            read_imported("no-such-format", tmp_path)
+    finally:
+        IMPORTERS.unregister("test-old-importer")
+
+
+def test_verify_digests_names_the_file_and_tensor():
+    from bridge.checkpoint import CheckpointError
+    from bridge.interop.base import verify_digests
+
+    assert verify_digests("f.gguf", {"a": "1", "b": "2"}, {"a": "1", "b": "2"}) == 2
+    for recorded, actual, msg in [({"a": "1"}, {"a": "2"}, r"f\.gguf: tensor 'a' does not match"),
+                                  ({"a": "1"}, {"a": "1", "b": "2"}, r"f\.gguf: tensor\(s\) \['b'\] have no recorded"),
+                                  ({"a": "1", "b": "2"}, {"a": "1"}, r"f\.gguf: tensor\(s\) \['b'\] have a recorded")]:
+        with pytest.raises(CheckpointError, match=msg):
+            verify_digests("f.gguf", recorded, actual)
