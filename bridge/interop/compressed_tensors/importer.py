@@ -240,8 +240,10 @@ class CompressedTensorsImporter(Importer):
         except ValueError as e:
             raise CheckpointError(str(e)) from None
         hs = hinted.get(f"{site.module}:{site.role}")
-        if hs is not None and ct_config.judge(hs, site.role).kind == "exact" and \
-                _same_args(ct_config.activation_args(hs, site.role), args) and hs.scale_dtype == spec.scale_dtype:
+        if hs is not None and ct_config.judge(hs, site.role).kind == "exact":
+            if not (_same_args(ct_config.activation_args(hs, site.role), args) and hs.scale_dtype == spec.scale_dtype):
+                raise CheckpointError(f"{where}: the config's {site.role} quantizer ({spec}) disagrees with the spec "
+                                      f"recorded with the export ({hs})")
             spec = hs
         out = {}
         if not spec.dynamic:

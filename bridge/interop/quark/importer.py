@@ -252,10 +252,18 @@ class QuarkImporter(Importer):
             site = qt.Site(parent, _KV[last][0]) if kv else qt.Site(layer, role)
             prefix = f"{parent}.{_KV[last][1].removesuffix('scale')}" if kv else f"{layer}.{role}_"
             known = hint.activations.get(site) if hint is not None else None
-            acts[site] = known if known is not None and qc.decodes_alike(known, spec) else spec
+            if known is not None and not qc.decodes_alike(known, spec):
+                raise CheckpointError(f"{at(sname)}: the Quark config ({cfile}) reads it as {spec}, the spec recorded "
+                                      f"with the export (quantization_config.qtransform) says {known}")
+            acts[site] = known if known is not None else spec
             tree.update({prefix + f: t for f, t in fields.items()})
             consumed |= {sname, zname}
         _check_leftovers(tensors, consumed, hint, at, cfile)
+        missing = sorted(f"{s.module} ({s.role})" for s, a in (hint.activations if hint else {}).items()
+                         if isinstance(a, qt.QuantSpec) and not a.dynamic and s not in acts)
+        if missing:
+            raise CheckpointError(f"{cfile}: static activation quantizer(s) {missing[:5]} recorded with the export "
+                                  "(quantization_config.qtransform) have no stored scale (deleted or renamed?)")
         for name, t in tensors.items():
             if name not in consumed:
                 tree[name] = t
