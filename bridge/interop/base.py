@@ -25,6 +25,7 @@ from typing import Mapping, NamedTuple
 import qtransform as qt
 
 from ..checkpoint import checksum, store
+from ..checkpoint.layout import dtype_from_name
 from ..checkpoint.metadata import CheckpointError, Metadata
 from ..checkpoint.tree_io import CONFIG, TOKENIZER_FILES, load_tree, read_metadata
 
@@ -153,6 +154,32 @@ def detect_format(path) -> str | None:
     """The name of the :data:`IMPORTERS` entry that reads ``path`` (``None``: none does)."""
     p = Path(path)
     return next((name for name, imp in IMPORTERS.items() if imp.detect(p)), None)
+
+
+def quantization_config_of(config, file) -> dict:
+    """``config["quantization_config"]`` of a decoded ``config.json`` of another tool's export, after the checks
+    every importer makes first: a JSON object whose ``dtype``/``torch_dtype`` (when given) name a torch dtype and
+    whose ``quantization_config`` is an object; :class:`~bridge.CheckpointError` naming ``file`` and the key.
+
+    >>> quantization_config_of({"dtype": "bfloat16", "quantization_config": {"quant_method": "quark"}}, "config.json")
+    {'quant_method': 'quark'}
+    >>> quantization_config_of({"dtype": "float33", "quantization_config": {}}, "config.json")
+    Traceback (most recent call last):
+    ...
+    bridge.checkpoint.metadata.CheckpointError: config.json: dtype must name a torch dtype, got 'float33'
+    """
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{file}: the file must hold a JSON object, got {type(config).__name__}")
+    for k in ("dtype", "torch_dtype"):
+        if config.get(k) is not None:
+            try:
+                dtype_from_name(config[k])
+            except ValueError:
+                raise CheckpointError(f"{file}: {k} must name a torch dtype, got {config[k]!r}") from None
+    q = config.get("quantization_config")
+    if not isinstance(q, dict):
+        raise CheckpointError(f"{file}: quantization_config must be a JSON object, got {type(q).__name__}")
+    return q
 
 
 def read_imported(fmt: str, path, *, verify: bool = True, like=None) -> Source:

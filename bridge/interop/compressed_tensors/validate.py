@@ -16,7 +16,7 @@ bridge.checkpoint.metadata.CheckpointError: c.json: quantization_config.config_g
 
 from __future__ import annotations
 
-from ...checkpoint.layout import dtype_from_name
+from ..base import quantization_config_of
 from ...checkpoint.metadata import CheckpointError
 
 __all__ = ["check_config", "STRATEGIES"]
@@ -73,17 +73,7 @@ def check_args(d, file, key: str) -> None:
 def check_config(config, file) -> None:
     """Raise :class:`~bridge.CheckpointError` naming ``file`` and the key for a compressed-tensors ``config.json``
     (decoded) whose ``quantization_config`` or ``dtype`` is missing or mistyped (see the module docstring)."""
-    if not isinstance(config, dict):
-        _fail(file, "the file", f"must hold a JSON object, got {type(config).__name__}")
-    for k in ("dtype", "torch_dtype"):
-        if config.get(k) is not None:
-            try:
-                dtype_from_name(config[k])
-            except ValueError:
-                _fail(file, k, f"must name a torch dtype, got {config[k]!r}")
-    key, q = "quantization_config", config.get("quantization_config")
-    if not isinstance(q, dict):
-        _fail(file, key, f"must be a JSON object, got {type(q).__name__}")
+    key, q = "quantization_config", quantization_config_of(config, file)
     for k in ("format", "quantization_status"):
         if q.get(k) is not None and not isinstance(q[k], str):
             _fail(file, f"{key}.{k}", f"must be a string or null, got {q[k]!r}")

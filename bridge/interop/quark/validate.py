@@ -19,7 +19,7 @@ bridge.checkpoint.metadata.CheckpointError: c.json: quantization_config.global_q
 from __future__ import annotations
 
 from ...checkpoint import metadata
-from ...checkpoint.layout import dtype_from_name
+from ..base import quantization_config_of
 from ...checkpoint.metadata import CheckpointError
 
 __all__ = ["check_config", "TENSOR_ROLES"]
@@ -84,18 +84,7 @@ def _names(v, file, key: str) -> None:
 def check_config(config, file) -> None:
     """Raise :class:`~bridge.CheckpointError` naming ``file`` and the key for a Quark ``config.json`` (decoded)
     whose ``quantization_config`` or ``dtype`` is missing or mistyped (see the module docstring)."""
-    if not isinstance(config, dict):
-        _fail(file, "the file", f"must hold a JSON object, got {type(config).__name__}")
-    for k in ("dtype", "torch_dtype"):
-        if config.get(k) is not None:
-            try:
-                dtype_from_name(config[k])
-            except ValueError:
-                _fail(file, k, f"must name a torch dtype, got {config[k]!r}")
-    q = config.get("quantization_config")
-    if not isinstance(q, dict):
-        _fail(file, "quantization_config", f"must be a JSON object, got {type(q).__name__}")
-    key = "quantization_config"
+    key, q = "quantization_config", quantization_config_of(config, file)
     if "global_quant_config" not in q:
         _fail(file, f"{key}.global_quant_config", "is missing")
     _layer(q["global_quant_config"], file, f"{key}.global_quant_config")
