@@ -126,3 +126,22 @@ def on_command_model(monkeypatch, fn) -> None:
         return real(qmodel, *args, **kw)
 
     monkeypatch.setattr(bridge.io, "checkpoint_writer", writer)
+
+
+def copy_export(src, dst, *, tensors=None, config=None, metadata=None):
+    """A copy of the single-file export directory ``src`` in ``dst`` (``model.safetensors`` and
+    ``config.json``), each edited by a function of its dict when given: ``tensors(stored)``,
+    ``config(cfg)``, ``metadata(safetensors header metadata)`` (returning ``None`` drops it)."""
+    import json
+
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    dst.mkdir()
+    with safe_open(str(src / "model.safetensors"), "pt") as f:
+        meta, stored = f.metadata() or {}, {k: f.get_tensor(k) for k in f.keys()}
+    save_file(tensors(stored) if tensors else stored, str(dst / "model.safetensors"),
+              metadata=metadata(meta) if metadata else meta)
+    cfg = json.loads((src / "config.json").read_text())
+    (dst / "config.json").write_text(json.dumps(config(cfg) if config else cfg))
+    return dst

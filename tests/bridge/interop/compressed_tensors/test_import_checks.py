@@ -3,13 +3,11 @@ our own are refused with one ``CheckpointError`` (or ``ValueError``/``TypeError`
 or key, never loaded with other numbers (a packed tensor is never cut to fit an edited ``num_bits``) and never a
 raw ``KeyError``/``AttributeError``/``ZeroDivisionError``."""
 
-import json
 
 import pytest
 import torch
+from bridge_util import copy_export
 from interop.compressed_tensors.helpers import FP8_CHANNEL, tiny
-from safetensors import safe_open
-from safetensors.torch import save_file
 
 import bridge
 import qtransform as qt
@@ -30,18 +28,6 @@ def exports(tmp_path_factory):
         bridge.save(bridge.quantize(tiny("llama"), recipe), root / f"{name}-ckpt")
         out[name] = interop.export(root / f"{name}-ckpt", to="compressed-tensors", out=root / name)
     return out
-
-
-def _copy(src, dst, *, tensors=None, config=None, metadata=None):
-    """A copy of the export ``src`` in ``dst`` with its tensors, config and/or safetensors metadata edited."""
-    dst.mkdir()
-    with safe_open(str(src / "model.safetensors"), "pt") as f:
-        meta, stored = f.metadata() or {}, {k: f.get_tensor(k) for k in f.keys()}
-    save_file(tensors(stored) if tensors else stored, str(dst / "model.safetensors"),
-              metadata=metadata(meta) if metadata else meta)
-    cfg = json.loads((src / "config.json").read_text())
-    (dst / "config.json").write_text(json.dumps(config(cfg) if config else cfg))
-    return dst
 
 
 def _load(path, **kw):
@@ -65,7 +51,7 @@ def test_swapped_same_shape_tensors_are_refused_by_digest(exports, tmp_path):
     def swap(t):
         t[a], t[b] = t[b], t[a]
         return t
-    bad = _copy(exports["int4"], tmp_path / "swapped", tensors=swap)
+    bad = copy_export(exports["int4"], tmp_path / "swapped", tensors=swap)
     with pytest.raises(CheckpointError, match=r"model\.safetensors.*layers\.[01]\.mlp\.gate_proj\.weight_packed"):
         _load(bad)
     _load(bad, verify=False)  # the switch skips the digests
@@ -74,7 +60,7 @@ def test_swapped_same_shape_tensors_are_refused_by_digest(exports, tmp_path):
 @pytest.mark.parametrize("meta", [None, _bare])
 def test_fp8_weight_without_its_scale_is_refused(exports, tmp_path, meta):
     name = "model.layers.0.mlp.up_proj.weight_scale"
-    bad = _copy(exports["fp8"], tmp_path / "noscale", metadata=meta,
+    bad = copy_export(exports["fp8"], tmp_path / "noscale", metadata=meta,
                 tensors=lambda t: {k: v for k, v in t.items() if k != name})
     with pytest.raises(CheckpointError, match=r"model\.layers\.0\.mlp\.up_proj\.weight"):
         _load(bad)
@@ -82,7 +68,7 @@ def test_fp8_weight_without_its_scale_is_refused(exports, tmp_path, meta):
 
 def test_packed_weight_without_its_scale_is_refused(exports, tmp_path):
     name = "model.layers.1.self_attn.o_proj.weight_scale"
-    bad = _copy(exports["int4"], tmp_path / "noscale", metadata=_bare,
+    bad = copy_export(exports["int4"], tmp_path / "noscale", metadata=_bare,
                 tensors=lambda t: {k: v for k, v in t.items() if k != name})
     with pytest.raises(CheckpointError, match=r"layers\.1\.self_attn\.o_proj\.weight.*weight_scale"):
         _load(bad)
@@ -98,7 +84,7 @@ def _bits(n):
 
 @pytest.mark.parametrize("meta", [None, _bare])
 def test_num_bits_edited_is_refused_not_cut_to_fit(exports, tmp_path, meta):
-    bad = _copy(exports["int4"], tmp_path / "bits", config=_bits(3), metadata=meta)
+    bad = copy_export(exports["int4"], tmp_path / "bits", config=_bits(3), metadata=meta)
     with pytest.raises(CheckpointError, match=r"(config\.json|num_bits)"):
         _load(bad)
 
@@ -140,7 +126,7 @@ W = G + ("weights",)
     (("ignore",), "lm_head", "ignore"), (("kv_cache_scheme",), 8, "kv_cache_scheme"), (("format",), 4, "format"),
 ])
 def test_missing_or_mistyped_config_keys_are_refused_by_name(exports, tmp_path, path, value, key):
-    bad = _copy(exports["int4"], tmp_path / "cfg", config=_set(path, value))
+    bad = copy_export(exports["int4"], tmp_path / "cfg", config=_set(path, value))
     with pytest.raises((CheckpointError, ValueError, TypeError)) as e:
         _load(bad)
     assert "config.json" in str(e.value) and key in str(e.value), str(e.value)
@@ -158,12 +144,12 @@ def test_tensor_dtype_and_shape_against_the_config(exports, tmp_path, name, make
     def edit(t):
         t[name] = make(t[name]).contiguous()
         return t
-    bad = _copy(exports["int4"], tmp_path / "t", tensors=edit, metadata=_bare)
+    bad = copy_export(exports["int4"], tmp_path / "t", tensors=edit, metadata=_bare)
     with pytest.raises(CheckpointError, match=r"o_proj"):
         _load(bad)
 
 
 def test_recorded_specs_edited_are_refused(exports, tmp_path):
-    bad = _copy(exports["int4"], tmp_path / "hint", metadata=lambda m: {**m, "qtransform_config": "{not json"})
+    bad = copy_export(exports["int4"], tmp_path / "hint", metadata=lambda m: {**m, "qtransform_config": "{not json"})
     with pytest.raises(CheckpointError, match="qtransform_config"):
         _load(bad)

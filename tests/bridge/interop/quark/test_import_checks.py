@@ -2,13 +2,10 @@
 refused with one ``CheckpointError`` (or ``ValueError``/``TypeError``) naming the file and the tensor or key,
 never loaded with other numbers and never a raw ``KeyError``/``AttributeError``/``ZeroDivisionError``."""
 
-import json
 
 import pytest
 import torch
-from bridge_util import tiny_causal_lm
-from safetensors import safe_open
-from safetensors.torch import save_file
+from bridge_util import copy_export, tiny_causal_lm
 
 import bridge
 import qtransform as qt
@@ -35,16 +32,9 @@ def exports(tmp_path_factory):
     return out
 
 
-def _copy(src, dst, *, tensors=None, config=None, keep_metadata=True):
-    """A copy of the export ``src`` in ``dst`` with its tensors and/or config edited (functions of the dicts)."""
-    dst.mkdir()
-    with safe_open(str(src / "model.safetensors"), "pt") as f:
-        meta, stored = f.metadata() or {}, {k: f.get_tensor(k) for k in f.keys()}
-    save_file(tensors(stored) if tensors else stored, str(dst / "model.safetensors"),
-              metadata=meta if keep_metadata else None)
-    cfg = json.loads((src / "config.json").read_text())
-    (dst / "config.json").write_text(json.dumps(config(cfg) if config else cfg))
-    return dst
+def _copy(src, dst, *, keep_metadata=True, **edits):
+    """:func:`copy_export`, the safetensors metadata (digests, recorded specs) dropped with ``keep_metadata=False``."""
+    return copy_export(src, dst, metadata=None if keep_metadata else (lambda meta: None), **edits)
 
 
 def _load(path, **kw):
