@@ -27,16 +27,18 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from collections import Counter
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Callable
 
+import torch
 from torch import nn
 
 import qtransform as qt
 
 from .checkpoint import metadata, store
-from .checkpoint.layout import LAYOUTS
+from .checkpoint.layout import LAYOUTS, dtype_name
 from .checkpoint.metadata import CheckpointError
 from .checkpoint.tree_io import (CONFIG, TOKENIZER_FILES, check_aliases, quantized_parts, read_metadata, read_tree,
                                  tensor_groups, verify_checksums)
@@ -44,16 +46,23 @@ from .modules.actquant import PREFIX, activation_specs, static_buffers
 from .modules.online import check as check_online, online_rotations
 from .tree import Quantized, extract, tie_groups, to_module
 
-__all__ = ["save", "checkpoint_writer", "load", "imported_format", "from_source", "TOKENIZER_FILES"]
+__all__ = ["save", "checkpoint_writer", "write_extras", "stored_dtypes", "cast_leaf", "load", "imported_format", "from_source", "TOKENIZER_FILES"]
 
 
-def _write_extras(model, tmp: Path, qconfig: dict, tokenizer) -> None:
+def write_extras(model, tmp: Path, qconfig: dict, tokenizer, *, dtype: torch.dtype | None = None,
+                 generation_config=None) -> None:
+    """``config.json`` (``model``'s config with ``qconfig``, and ``dtype`` recorded when given), the
+    generation config (``generation_config``, else the model's) and the tokenizer's files (``tokenizer``'s,
+    else copied from the directory the model came from) into ``tmp``."""
     config = getattr(model, "config", None)
     if config is not None and hasattr(config, "to_json_string"):
         d = json.loads(config.to_json_string(use_diff=False))
         d["quantization_config"] = qconfig
-        if hasattr(model, "can_generate") and model.can_generate() and getattr(model, "generation_config", None):
-            model.generation_config.save_pretrained(tmp)
+        if dtype is not None:
+            d["dtype"] = dtype_name(dtype)
+        generation_config = generation_config or getattr(model, "generation_config", None)
+        if hasattr(model, "can_generate") and model.can_generate() and generation_config:
+            generation_config.save_pretrained(tmp)
         source = getattr(config, "_name_or_path", "") or ""
         if tokenizer is None and source and os.path.isdir(source):
             for name in TOKENIZER_FILES:
@@ -72,7 +81,7 @@ def _write_extras(model, tmp: Path, qconfig: dict, tokenizer) -> None:
 
 
 def save(model_or_qtree, directory, *, max_shard_size="2GB", overwrite: bool = False, recipe=None,
-         recipe_name: str | None = None, rules: dict | None = None, tokenizer=None) -> None:
+         recipe_name: str | None = None, rules: dict | None = None, tokenizer=None, dtypes=None) -> None:
     """Write a quantized model (or quantized tree, or the pipeline's result) to ``directory`` as a
     qtransform checkpoint.
 
@@ -90,18 +99,22 @@ def save(model_or_qtree, directory, *, max_shard_size="2GB", overwrite: bool = F
         recipe_name: the preset or recipe file it came from, for people.
         rules: ``{path: rule}``, the recipe rule that chose each quantized tensor's spec.
         tokenizer: a tokenizer to save alongside (``save_pretrained``).
+        dtypes: the dtype to store the float tensors in (a ``torch.dtype``, or ``{path: dtype}`` for some
+            of them): the tensors left unquantized are cast to it and the quantized ones dequantize to it
+            (a bf16 model's checkpoint stays bf16: ``dtypes=torch.bfloat16``). The config records the
+            dtype (the most common one of a dict). Default: as the model holds them.
     """
     store.parse_size(max_shard_size)  # bad arguments fail before anything is written
     if not isinstance(overwrite, bool):
         raise TypeError(f"save: overwrite must be True or False, got {overwrite!r}")
     write = checkpoint_writer(model_or_qtree, max_shard_size=max_shard_size, recipe=recipe, recipe_name=recipe_name,
-                              rules=rules, tokenizer=tokenizer)
+                              rules=rules, tokenizer=tokenizer, dtypes=dtypes)
     with store.atomic_directory(directory, overwrite=overwrite) as tmp:
         write(tmp)
 
 
 def checkpoint_writer(model_or_qtree, *, max_shard_size="2GB", recipe=None, recipe_name: str | None = None,
-                      rules: dict | None = None, tokenizer=None) -> Callable[[Path], None]:
+                      rules: dict | None = None, tokenizer=None, dtypes=None) -> Callable[[Path], None]:
     """Everything :func:`save` checks, checked now; returns ``write(directory)``, which writes the
     checkpoint's files into an existing empty ``directory``: the temporary directory of a
     :func:`bridge.checkpoint.store.atomic_directory` that the caller fills with more (the
@@ -136,7 +149,11 @@ def checkpoint_writer(model_or_qtree, *, max_shard_size="2GB", recipe=None, reci
     else:  # a tree: what a Quantized result carries with it
         activations, online = (dict(result.activations) or None, dict(result.online) or None) if result else (None, None)
     layout = LAYOUTS["native"]
-    groups, aliases = tensor_groups(tree, layout)
+    groups, aliases = tensor_groups(tree, layout)  # ties found on the tensors as they are, before any cast
+    targets, config_dtype = stored_dtypes(tree, dtypes)
+    if targets:
+        tree = {p: cast_leaf(v, targets[p]) if p in targets else v for p, v in tree.items()}
+        groups = [{n: cast_leaf(t, targets[n]) if n in targets else t for n, t in g.items()} for g in groups]
     quantized = {p: q for p, q in tree.items() if isinstance(q, qt.QTensor)}
     cfg = getattr(getattr(model, "config", None), "quantization_config", None)  # duck-typed: no transformers import
     recipe = getattr(cfg, "recipe", None) if recipe is None else qt.as_recipe(recipe)
@@ -156,9 +173,47 @@ def checkpoint_writer(model_or_qtree, *, max_shard_size="2GB", recipe=None, reci
                            file_metadata={"format": "pt", "quant_method": metadata.QUANT_METHOD,
                                           "version": str(metadata.VERSION)},
                            index_metadata={"quant_method": metadata.QUANT_METHOD})
-        _write_extras(model, directory, qconfig, tokenizer)
+        write_extras(model, directory, qconfig, tokenizer, dtype=config_dtype)
 
     return write
+
+
+def stored_dtypes(tree: Mapping, dtypes) -> tuple[dict, torch.dtype | None]:
+    """``({path: dtype}, config dtype)`` of ``save(dtypes=...)`` for the float leaves of ``tree`` (see :func:`save`)."""
+    if dtypes is None:
+        return {}, None
+    if isinstance(dtypes, torch.dtype):
+        dtypes = {p: dtypes for p in tree}
+    if not isinstance(dtypes, Mapping):
+        raise TypeError(f"save: dtypes must be a torch.dtype or a dict of path -> dtype, got {type(dtypes).__name__}")
+    out = {}
+    for p, dt in dtypes.items():
+        if not isinstance(dt, torch.dtype) or dt not in store.FLOAT_DTYPES:
+            raise TypeError(f"save: dtypes[{p!r}] must be a float torch.dtype ({store.FLOAT_DTYPES}), got {dt!r}")
+        leaf = tree.get(p)
+        if leaf is not None and (isinstance(leaf, qt.QTensor) or leaf.dtype in store.FLOAT_DTYPES):
+            out[p] = dt
+    unknown = sorted(set(dtypes) - set(tree))
+    if unknown:
+        raise ValueError(f"save: dtypes names paths that are not tensors of the tree: {unknown[:5]}")
+    counts = Counter(out.values())
+    return out, (counts.most_common(1)[0][0] if counts else None)
+
+
+def cast_leaf(leaf, dtype: torch.dtype):
+    """A float tensor cast to ``dtype``; a QTensor that dequantizes to ``dtype`` (its codes and scales as they are)."""
+    if isinstance(leaf, qt.QTensor):
+        return leaf if leaf.dtype == dtype else qt.QTensor(codes=leaf.codes, qparams=leaf.qparams, width=leaf.width,
+                                                           dtype=dtype)
+    return leaf if leaf.dtype == dtype or leaf.dtype not in store.FLOAT_DTYPES else leaf.to(dtype)
+
+
+def _stored_float(handles, located, name: str):
+    """The float dtype ``name`` is stored in (``None`` when it is not stored, or not as a float)."""
+    if name not in located:
+        return None
+    st = handles[located[name]].get_slice(name).get_dtype()
+    return next((dt for dt in store.FLOAT_DTYPES if store.ST_DTYPES[dt] == st), None)
 
 
 def _tied_aliases(like: nn.Module, stored: set) -> dict[str, str]:
@@ -246,10 +301,17 @@ def load(directory, *, like: nn.Module, kernel: str = "auto", verify: bool = Tru
     except ValueError as e:
         raise CheckpointError(f"{CONFIG}: {e}") from None
     expected.update({n: v for parts in act_parts.values() for n, v in parts.items()})
+    for name, (shape, dtype) in list(expected.items()):  # a float tensor may be stored in another float dtype
+        stored = _stored_float(handles, located, name) if dtype in store.FLOAT_DTYPES and name in ref else None
+        if stored is not None:
+            expected[name] = (shape, stored)
     store.check_headers(root, located, handles, expected)
     verify_checksums(root, located, verify=verify)
     act_names = [n for parts in act_parts.values() for n in parts]
     tree = read_tree(root, meta, located, handles, expected, list(ref) + act_names)  # every tensor read once
+    for path, leaf in ref.items():  # in the model's dtypes (a bf16 checkpoint loads into a float32 model)
+        if path in tree and leaf.dtype in store.FLOAT_DTYPES:
+            tree[path] = cast_leaf(tree[path], leaf.dtype)
     return _build(like, meta, tree, act_parts, kernel, root)
 
 

@@ -40,12 +40,12 @@ from typing import Iterable, Mapping
 import torch
 from safetensors import safe_open
 
-from . import checksum
+from . import checksum, stfile
 from .metadata import CheckpointError
 
 __all__ = ["SINGLE", "INDEX", "ST_DTYPES", "FLOAT_DTYPES", "STALE_AFTER_S", "parse_size", "WriteError",
            "write_error", "atomic_directory",
-           "remove_stale", "write_safetensors", "write_shards", "read_json", "open_files", "open_shards",
+           "remove_stale", "publish", "write_safetensors", "write_shards", "read_json", "open_files", "open_shards",
            "check_headers", "header_bytes"]
 
 SINGLE = "model.safetensors"
@@ -132,7 +132,7 @@ def _make_parents(directory: Path) -> list[Path]:
     return missing
 
 
-def _publish(tmp: Path, target: Path) -> None:
+def publish(tmp: Path, target: Path) -> None:
     """Rename ``tmp`` to ``target``; an existing ``target`` moves aside first, comes back if the rename
     fails, and is deleted last."""
     if not target.exists():
@@ -167,7 +167,7 @@ def atomic_directory(directory, *, overwrite: bool = False):
         raise
     try:
         yield tmp
-        _publish(tmp, target)
+        publish(tmp, target)
     except OSError as e:  # a full disk, a read-only file system...: said with the target's name
         shutil.rmtree(tmp, ignore_errors=True)
         _remove_empty(created)
@@ -223,23 +223,13 @@ def _raw(name: str, t: torch.Tensor):
 
 def write_safetensors(path: Path, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str]) -> dict[str, str]:
     """Write CPU-contiguous ``tensors`` as one safetensors file with deterministic bytes and the
-    checksum of every tensor in its metadata; returns ``{name: checksum}``.
-
-    The header is JSON with sorted keys; the data is ordered by element size (largest first, so
-    every tensor is aligned), then name; the file is created with ``0666`` less the umask.
-    """
-    order = sorted(tensors, key=lambda n: (-tensors[n].element_size(), n))
-    raw = {n: _raw(n, tensors[n]) for n in order}
-    header, offset = {}, 0
-    for n in order:
-        header[n] = {"dtype": ST_DTYPES[tensors[n].dtype], "shape": [int(d) for d in tensors[n].shape],
-                     "data_offsets": [offset, offset + raw[n].nbytes]}
-        offset += raw[n].nbytes
-    sums = checksum.digests((n, header[n]["dtype"], header[n]["shape"], raw[n]) for n in order)
-    meta = {str(k): str(v) for k, v in metadata.items()}
-    header["__metadata__"] = {**meta, **checksum.checksum_metadata(sums)}
-    text = json.dumps(header, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
-    text += b" " * (-len(text) % 8)
+    checksum of every tensor in its metadata (:mod:`bridge.checkpoint.stfile`); returns ``{name: checksum}``.
+    The file is created with ``0666`` less the umask."""
+    raw = {n: _raw(n, t) for n, t in tensors.items()}
+    entries = {n: (ST_DTYPES[t.dtype], list(t.shape)) for n, t in tensors.items()}
+    order = stfile.data_order(entries)
+    sums = checksum.digests((n, entries[n][0], entries[n][1], raw[n]) for n in order)
+    text = stfile.header(entries, metadata, sums)
     with open(path, "wb") as f:
         f.write(struct.pack("<Q", len(text)))
         f.write(text)

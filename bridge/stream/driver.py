@@ -1,0 +1,247 @@
+"""``quantize_checkpoint``: a checkpoint directory in, its quantized checkpoint out, streamed: the model is
+never in memory whole.
+
+Steps that need no data and fit one tensor at a time (``rtn``, ``hqq``, any ``local`` step, and recipes
+without steps) run shard to shard: each tensor is read from its shard, quantized and written to its place
+in the output (:mod:`.shards`), one tensor in memory at a time. Every other recipe runs block by block
+(:mod:`.blocks`): the model's skeleton on ``meta``, each decoder block materialised when its turn comes.
+Both write the bytes :func:`bridge.save` writes for the same model quantized in memory, with the float
+tensors kept in the dtype they are stored in (``dtype="auto"``), and resume after a crash (:mod:`.workdir`).
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Callable, Iterable, Mapping, NamedTuple
+
+import torch
+
+import qtransform as qt
+
+from .. import pipeline
+from ..checkpoint import CheckpointError, metadata
+from ..checkpoint.store import FLOAT_DTYPES, parse_size
+from ..io import cast_leaf, write_extras
+from . import skeleton as skel
+from .shards import ShardFiles, ShardPlan
+from .source import Source
+from .workdir import WorkDir, calibration_digest, fingerprint
+
+__all__ = ["quantize_checkpoint", "Streamed", "stored_dtypes_of"]
+
+
+class Streamed(NamedTuple):
+    """What :func:`quantize_checkpoint` did: the plan, the steps' reports (``info``), the activation
+    quantizers and online rotations, bytes read and written, seconds, and the units resumed."""
+
+    plan: qt.Plan
+    info: dict
+    activations: dict
+    online: dict
+    bytes_in: int
+    bytes_out: int
+    seconds: float
+    resumed: int
+
+
+def stored_dtypes_of(source: Source, model, dtype="auto") -> dict[str, torch.dtype]:
+    """``{path: dtype}`` the float tensors of ``model`` are stored in: as in ``source`` (``"auto"``; a tied
+    path not stored takes its twin's) or ``dtype`` for all."""
+    shapes, tied = skel.model_tensors(model)
+    out = {}
+    for path in shapes:
+        name = path if path in source else tied.get(path)
+        stored = source.tensors[name].dtype if name in source else None
+        if stored in FLOAT_DTYPES:
+            out[path] = stored if dtype == "auto" else dtype
+    return out
+
+
+def _check_dtype(dtype):
+    if dtype != "auto" and dtype not in FLOAT_DTYPES:
+        raise TypeError(f"dtype must be 'auto' or a float torch.dtype {FLOAT_DTYPES}, got {dtype!r}")
+
+
+def _local(p: qt.Plan) -> bool:
+    """Every step fits one tensor at a time without data."""
+    return all(qt.get_algorithm(s.name).local and qt.get_algorithm(s.name).needs is None for s in p.steps)
+
+
+def _recipe_of(model, recipe, calibration):
+    p = pipeline.plan(model, recipe)
+    if not p.specs:
+        raise ValueError(pipeline.nothing_selected(model, p))
+    pipeline.check_calibration(p, calibrated=calibration is not None)
+    qt.check_steps(p.steps, calibrated=calibration is not None)
+    pipeline.check_facts(model, p)
+    for i, s in enumerate(p.steps):
+        if isinstance(qt.get_algorithm(s.name).needs, qt.ModelLoss):
+            raise ValueError(f"recipe.steps[{i}] ({s.name}): learns on the whole model's loss, which a streamed run "
+                             "never holds; quantize in memory (without --stream) on a machine the model fits")
+    return p
+
+
+def quantize_checkpoint(source, out, recipe, *, calibration: Iterable | None = None, overwrite: bool = False,
+                        resume: bool = False, dtype="auto", device="cpu", max_memory=None,
+                        max_shard_size="2GB", recipe_name: str | None = None, tokenizer=None, model_class=None,
+                        progress: Callable | None = None, act_observer=None, on_tensor: Callable | None = None,
+                        before_publish: Callable[[Path], None] | None = None) -> Streamed:
+    """Quantize the checkpoint in directory ``source`` with ``recipe`` into directory ``out``, streamed (see
+    the module docstring); the same checkpoint as :func:`bridge.save` of the model quantized in memory.
+
+    Args:
+        source: a transformers checkpoint directory (``config.json``, safetensors shards in bf16/fp16/fp32).
+        out: the output directory (must not exist or be empty unless ``overwrite``).
+        recipe: a :class:`~qtransform.Recipe`, :class:`~qtransform.QuantSpec` or preset's recipe.
+        calibration: batches (token-id tensors) for steps that need data; read once per block.
+        resume: continue the interrupted run of the same command (see :mod:`bridge.stream.workdir`).
+        dtype: ``"auto"`` (float tensors keep their stored dtype) or a float ``torch.dtype`` for all.
+        device: where the block being calibrated runs (``"cpu"``, ``"cuda"``, ``"cuda:1"``...).
+        max_memory: bytes (or ``"4GB"``) of calibration activations kept in memory; beyond, they spill to disk.
+        max_shard_size, recipe_name, tokenizer: as for :func:`bridge.save` (without a tokenizer its files
+            are copied from ``source``).
+        model_class: builds the model from its config (default ``AutoModelForCausalLM``).
+        progress: ``progress(iterable, desc=..., total=...)``, e.g. ``tqdm.tqdm``.
+        act_observer: the observer of static activation specs (as for :func:`bridge.quantize_params`).
+        on_tensor: ``on_tensor(path, float tensor, QTensor)`` for each quantized tensor (the report's rows).
+        before_publish: ``before_publish(directory)`` adds files (a report) before the checkpoint appears.
+    """
+    t0 = time.perf_counter()
+    _check_dtype(dtype)
+    if not isinstance(resume, bool):
+        raise TypeError(f"resume must be True or False, got {resume!r}")
+    dev = torch.device(device)  # a bad device string fails here
+    budget = None if max_memory is None else parse_size(max_memory)
+    src = Source(source)
+    model = skel.build(src.root, model_class)
+    shapes, tied = skel.model_tensors(model)
+    src.check_against(shapes, tied)
+    p = _recipe_of(model, recipe, calibration)
+    dtypes = stored_dtypes_of(src, model, dtype)
+    specs = {s: q for s, q in p.activations.items()}
+    layout = skel.output_layout(model, p, dtypes, activations=specs)
+    file_meta = {"format": "pt", "quant_method": metadata.QUANT_METHOD, "version": str(metadata.VERSION)}
+    shard_plan = ShardPlan(layout.groups, max_shard_size=max_shard_size, file_metadata=file_meta,
+                           index_metadata={"quant_method": metadata.QUANT_METHOD})
+    fp = fingerprint(input=_input_fingerprint(src), recipe=p.recipe.to_dict(), dtype=str(dtype),
+                     calibration=calibration_digest(calibration), shards=str(max_shard_size),
+                     observer=repr(act_observer), device=dev.type,
+                     versions=[qt.__version__, torch.__version__])
+    work = WorkDir(out, overwrite=overwrite)
+    manifest = work.open(fp, resume=resume)
+    files = ShardFiles(work.path, shard_plan, sums=None if manifest is None else manifest.get("sums", {}))
+    done = set((manifest or {}).get("done", []))
+    try:
+        if _local(p) and calibration is None:
+            run = _TensorRun(src, tied, p, layout, dtypes, files, on_tensor, progress)
+        else:
+            from .blocks import BlockRun
+
+            run = BlockRun(src, tied, model, p, layout, dtypes, files, calibration, device=dev, budget=budget,
+                           work=work.path, progress=progress, on_tensor=on_tensor, act_observer=act_observer)
+        saved = time.monotonic()
+        for unit in run.units(done):
+            done.add(unit)
+            if time.monotonic() - saved > _SAVE_EVERY_S or run.saves_each:
+                work.save({"version": 1, "fingerprint": fp, "done": sorted(done), "sums": files.sums, **run.state()})
+                saved = time.monotonic()
+        files.finish()
+        acts, online, info = run.results()
+        qconfig = _qconfig(layout, p, acts, online, recipe_name)
+        write_extras(model, work.path, qconfig, tokenizer, dtype=_config_dtype(dtypes),
+                     generation_config=_generation_config(src.root))
+        if tokenizer is None:
+            _copy_tokenizer(src.root, work.path)
+        if before_publish is not None:
+            before_publish(work.path)
+        work.publish()
+    finally:
+        files.close()
+    size = sum((Path(out) / f).stat().st_size for f in shard_plan.files)
+    return Streamed(p, info, acts, online, src.bytes, size, time.perf_counter() - t0,
+                    len((manifest or {}).get("done", [])))
+
+
+def _input_fingerprint(src: Source) -> dict:
+    return {"config": (src.root / "config.json").read_text(),
+            "tensors": {n: [s.file, str(s.dtype), list(s.shape), s.begin, s.end] for n, s in src.tensors.items()},
+            "sizes": {f: (src.root / f).stat().st_size for f in sorted({s.file for s in src.tensors.values()})}}
+
+
+def _config_dtype(dtypes: Mapping) -> torch.dtype | None:
+    from collections import Counter
+
+    counts = Counter(dtypes.values())
+    return counts.most_common(1)[0][0] if counts else None
+
+
+def _generation_config(root: Path):
+    if not (root / "generation_config.json").is_file():
+        return None
+    from transformers import GenerationConfig
+
+    return GenerationConfig.from_pretrained(str(root), local_files_only=True)
+
+
+def _copy_tokenizer(root: Path, to: Path) -> None:
+    import shutil
+
+    from ..checkpoint.tree_io import TOKENIZER_FILES
+
+    for name in TOKENIZER_FILES:
+        if (root / name).is_file():
+            shutil.copy2(root / name, to / name)
+
+
+def _qconfig(layout, p: qt.Plan, acts: Mapping, online: Mapping, recipe_name) -> dict:
+    quantized = {path: q for path, q in layout.tree.items() if isinstance(q, qt.QTensor)}
+    specs = {s: (q if isinstance(q, qt.QuantSpec) else q.spec) for s, q in acts.items()}
+    return metadata.encode(metadata.entries_of(quantized), layout="native", recipe=p.recipe, recipe_name=recipe_name,
+                           rules={path: p[path].rule for path in p.specs}, aliases=layout.aliases,
+                           activations=specs or None, online=dict(online) or None)
+
+
+#: seconds between two records of the tensors done (shard to shard: each tensor takes a fraction of a second)
+_SAVE_EVERY_S = 2.0
+
+
+class _TensorRun:
+    """Shard to shard: each tensor read, quantized with the recipe's local steps and written (one unit each)."""
+
+    saves_each = False
+
+    def __init__(self, src, tied, p, layout, dtypes, files, on_tensor, progress):
+        self.src, self.p, self.layout, self.dtypes, self.files = src, p, layout, dtypes, files
+        self.on_tensor, self.progress = on_tensor, progress
+        self._tied = {path: path if path in src else tied[path] for path in layout.tree if path not in layout.aliases}
+
+    def units(self, done):
+        paths = [p for p in self.layout.tree if p not in self.layout.aliases]
+        todo = self.progress(paths, desc="tensors", total=len(paths)) if self.progress else paths
+        for path in todo:
+            if path in done:
+                continue
+            t = self.src.read(self._tied[path])
+            if path in self.p.specs:
+                w = t.float()
+                q = qt.quantize_tree({path: w}, self.p.restrict([path]))[path]
+                q = cast_leaf(q, self.dtypes.get(path, q.dtype))
+                if self.on_tensor is not None:
+                    self.on_tensor(path, w, q)
+                self.files.put(qt_parts(path, q))
+            else:
+                self.files.put({path: cast_leaf(t, self.dtypes[path]) if path in self.dtypes else t})
+            yield path
+
+    def state(self) -> dict:
+        return {}
+
+    def results(self):
+        return {s: q for s, q in self.p.activations.items()}, {}, {}
+
+
+def qt_parts(path: str, q: qt.QTensor) -> dict:
+    from ..checkpoint import LAYOUTS
+
+    return LAYOUTS["native"].parts(path, q)

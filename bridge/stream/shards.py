@@ -1,0 +1,120 @@
+"""Shards laid out before their tensors exist, filled tensor by tensor: the writer of streamed quantization.
+
+:class:`ShardPlan` groups the stored tensors (names, dtypes and shapes: known from the plan before any
+work) into shards exactly as :func:`bridge.checkpoint.store.write_shards` does, and each shard's file exactly
+as :func:`~bridge.checkpoint.store.write_safetensors` lays it out (:mod:`bridge.checkpoint.stfile`).
+:class:`ShardFiles` creates the files at their final size, writes each tensor at its offset as it comes
+(hashing it on the way) and the headers with the checksums at the end: the bytes are those of
+:func:`bridge.save` of the same tree, and memory holds one tensor at a time, never a shard.
+Its ``sums`` (``{name: digest}`` of the tensors written) are the state a resumed run restores.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from pathlib import Path
+from typing import Mapping, Sequence
+
+import torch
+
+from ..checkpoint import checksum, stfile
+from ..checkpoint.store import INDEX, SINGLE, ST_DTYPES, parse_size
+
+__all__ = ["ShardPlan", "ShardFiles"]
+
+
+class ShardPlan:
+    """Where every stored tensor goes: ``groups`` is the ordered list of ``{name: (torch dtype, shape)}``
+    kept in one shard (a quantized tensor's parts)."""
+
+    def __init__(self, groups: Sequence[Mapping[str, tuple]], *, max_shard_size="2GB",
+                 file_metadata: Mapping[str, str] | None = None, index_metadata: Mapping | None = None):
+        limit = parse_size(max_shard_size)
+        shards, cur, size = [], {}, 0
+        for g in groups:
+            entries = {n: (ST_DTYPES[dt], [int(d) for d in shape]) for n, (dt, shape) in g.items()}
+            n = sum(stfile.nbytes(*e) for e in entries.values())
+            if cur and size + n > limit:
+                shards.append(cur)
+                cur, size = {}, 0
+            cur.update(entries)
+            size += n
+        if cur or not shards:
+            shards.append(cur)
+        self.files = [SINGLE] if len(shards) == 1 else \
+            [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+        self.entries = dict(zip(self.files, shards))
+        self.metadata = {str(k): str(v) for k, v in (file_metadata or {}).items()}
+        self.index_metadata = dict(index_metadata or {})
+        self.where = {n: f for f, entries in self.entries.items() for n in entries}
+        self.start = {f: 8 + stfile.header_length(e, self.metadata) for f, e in self.entries.items()}
+        self.offsets = {f: stfile.data_offsets(e) for f, e in self.entries.items()}
+
+    def size(self, file: str) -> int:
+        return self.start[file] + sum(e - b for b, e in self.offsets[file].values())
+
+    def total(self) -> int:
+        return sum(stfile.nbytes(*e) for entries in self.entries.values() for e in entries.values())
+
+
+def _pwrite(fd: int, data, offset: int) -> None:
+    view = memoryview(data).cast("B")
+    while len(view):
+        n = os.pwrite(fd, view, offset)
+        view, offset = view[n:], offset + n
+
+
+class ShardFiles:
+    """The files of ``plan`` in ``directory``: created at their final size (``resume``: reopened, with the
+    ``sums`` of the tensors already written), filled by :meth:`put`, closed by :meth:`finish`."""
+
+    def __init__(self, directory, plan: ShardPlan, *, sums: Mapping[str, str] | None = None):
+        self.directory, self.plan, self.sums = Path(directory), plan, dict(sums or {})
+        self._fds = {}
+        for f in plan.files:
+            path = self.directory / f
+            fd = os.open(path, os.O_RDWR | (0 if sums is not None and path.exists() else os.O_CREAT | os.O_TRUNC),
+                         0o666)
+            os.ftruncate(fd, plan.size(f))
+            self._fds[f] = fd
+
+    def put(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Write ``tensors`` (names of the plan, with the planned dtypes and shapes) at their places."""
+        for name, t in tensors.items():
+            f = self.plan.where.get(name)
+            if f is None:
+                raise ValueError(f"stream writer: tensor {name!r} is not one the checkpoint's plan holds")
+            st, shape = self.plan.entries[f][name]
+            if ST_DTYPES.get(t.dtype) != st or list(t.shape) != shape:
+                raise ValueError(f"stream writer: tensor {name!r} has dtype {t.dtype} and shape {list(t.shape)}, "
+                                 f"the checkpoint's plan holds {st} {shape}")
+            raw = t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()
+            self.sums[name] = checksum.digest(st, shape, raw)
+            _pwrite(self._fds[f], raw, self.plan.start[f] + self.plan.offsets[f][name][0])
+
+    def missing(self) -> list[str]:
+        return [n for n in self.plan.where if n not in self.sums]
+
+    def finish(self) -> list[str]:
+        """Write the headers (every tensor must have been put) and the index; returns the file names."""
+        missing = self.missing()
+        if missing:
+            raise ValueError(f"stream writer: tensor(s) {missing[:5]} were never written")
+        for f, entries in self.plan.entries.items():
+            text = stfile.header(entries, self.plan.metadata, {n: self.sums[n] for n in entries})
+            if 8 + len(text) != self.plan.start[f]:  # digests have one length: cannot happen unless the plan lies
+                raise RuntimeError(f"stream writer: the header of {f} changed length")
+            _pwrite(self._fds[f], struct.pack("<Q", len(text)) + text, 0)
+        self.close()
+        if len(self.plan.files) > 1:
+            index = {"metadata": {"total_size": self.plan.total(), **self.plan.index_metadata},
+                     "weight_map": dict(self.plan.where)}
+            (self.directory / INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+        return list(self.plan.files)
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds = {}

@@ -1,0 +1,109 @@
+"""The model of a checkpoint's ``config.json`` without its weights, and the checkpoint that quantizing it gives,
+laid out before any tensor is read.
+
+:func:`build` makes the model with every parameter on the ``meta`` device and its buffers real (a rotary
+embedding's frequencies are computed in ``__init__``, not stored): no memory for the weights, and the
+parts that are not weights work. :func:`output_layout` gives the tree that the quantized model's
+:func:`bridge.extract` would give (quantized weights as QTensors on ``meta``, in its order, with the
+static activation quantizers' buffers), which tensors are stored once for several paths (tied weights),
+and the groups of stored tensors :class:`bridge.stream.shards.ShardPlan` lays out.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Mapping, NamedTuple
+
+import torch
+from torch import nn
+
+import qtransform as qt
+
+from ..checkpoint import LAYOUTS
+from ..checkpoint.layout import abstract_qtensor
+from ..io import cast_leaf
+from ..modules.actquant import abstract_qparams
+from ..tree import Quantized, extract, tie_groups, to_module
+
+__all__ = ["params_on_meta", "build", "model_tensors", "OutputLayout", "output_layout"]
+
+
+@contextlib.contextmanager
+def params_on_meta():
+    """Parameters created inside go to the ``meta`` device as they are registered (before any
+    initialisation touches them); buffers stay where they are made."""
+    register = nn.Module.register_parameter
+
+    def on_meta(module, name, param):
+        register(module, name, param)
+        p = module._parameters.get(name)
+        if p is not None and not p.is_meta:
+            module._parameters[name] = nn.Parameter(p.to("meta"), requires_grad=p.requires_grad)
+
+    nn.Module.register_parameter = on_meta
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register
+
+
+def build(directory, model_class=None) -> nn.Module:
+    """The model of ``directory``'s ``config.json`` (``model_class``, default transformers'
+    ``AutoModelForCausalLM``; anything with ``from_config``), weights on ``meta``, in eval mode."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(str(directory), local_files_only=True)
+    with params_on_meta():
+        model = (model_class or AutoModelForCausalLM).from_config(config)
+    return model.eval()
+
+
+def model_tensors(model: nn.Module) -> tuple[dict[str, tuple], dict[str, str]]:
+    """``({path: shape}, {tied path: path stored instead})`` of the model's stored tensors (parameters and
+    persistent buffers; a tensor tied to another may be stored under either name)."""
+    shapes = {p: tuple(t.shape) for p, t in model.state_dict(keep_vars=True).items()}
+    tied = {}
+    for paths in tie_groups(model):
+        for p in paths[1:]:
+            tied[p] = paths[0]
+            tied.setdefault(paths[0], p)
+    return shapes, tied
+
+
+class OutputLayout(NamedTuple):
+    """The quantized checkpoint of a streamed run, before any tensor is read: ``tree`` ``{path: meta leaf}``
+    in the quantized model's order, ``aliases`` ``{path: stored path}`` (tied tensors), ``groups`` (lists of
+    ``{stored name: (dtype, shape)}`` kept in one shard) and ``owner`` ``{stored name: path}`` (the path whose
+    leaf each stored tensor is, or is a part of)."""
+
+    tree: dict
+    aliases: dict
+    groups: list
+    owner: dict
+
+
+def output_layout(model: nn.Module, plan: qt.Plan, dtypes: Mapping[str, torch.dtype], *,
+                  activations: Mapping | None = None) -> OutputLayout:
+    """See :class:`OutputLayout`. ``dtypes`` ``{path: dtype}``: the float tensors' stored dtypes (a QTensor
+    dequantizes to its path's); ``activations`` ``{Site: QuantSpec}`` of the plan (static ones get their buffers)."""
+    params = extract(model)
+    qtree = {p: abstract_qtensor(t.shape, torch.float32, plan[p].spec) if p in plan.specs else t
+             for p, t in params.items()}
+    acts = {}
+    for site, spec in (activations or {}).items():
+        acts[site] = spec if spec.dynamic else abstract_qparams(model.get_submodule(site.module), site.role, spec)
+    qmodel = to_module(model, Quantized(params, qtree, plan, activations=acts))
+    tree = {p: cast_leaf(v, dtypes[p]) if p in dtypes else v for p, v in extract(qmodel).items()}
+    first, order = {}, {p: i for i, p in enumerate(tree)}
+    for paths in tie_groups(qmodel):  # stored once, under the name that comes first (as bridge.save does)
+        plain = sorted((p for p in paths if p in tree and not isinstance(tree[p], qt.QTensor)), key=order.get)
+        first.update({p: plain[0] for p in plain[1:]})
+    layout = LAYOUTS["native"]
+    groups, owner = [], {}
+    for path, leaf in tree.items():
+        if path in first:
+            continue
+        parts = layout.parts(path, leaf) if isinstance(leaf, qt.QTensor) else {path: leaf}
+        groups.append({n: (t.dtype, tuple(t.shape)) for n, t in parts.items()})
+        owner.update({n: path for n in parts})
+    return OutputLayout(tree, first, groups, owner)

@@ -1,0 +1,133 @@
+"""A float checkpoint read tensor by tensor: its safetensors shards' headers checked first, then each tensor
+read from the file when asked for (``pread`` into a fresh tensor: no memory map, so what was read and
+dropped leaves nothing resident), never the whole model.
+
+Every problem is found before anything is written: no ``config.json``, no shard, an index naming a file
+that is not there or a tensor its file does not hold, a tensor stored twice, a header out of its file's
+bounds (a truncated shard), a dtype qtransform does not read; :func:`check_against` compares the tensors with
+the model built from ``config.json`` (a missing tensor, a shape that disagrees, a tensor the model does not
+have), naming the file and the tensor.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+
+from ..checkpoint import CheckpointError, checksum, stfile
+from ..checkpoint.store import INDEX, SINGLE, ST_DTYPES
+
+__all__ = ["Source", "Stored"]
+
+_DTYPES = {name: dtype for dtype, name in ST_DTYPES.items()}
+
+
+class Stored(NamedTuple):
+    """One stored tensor: its file, dtype, shape and the byte range of its data in the file."""
+
+    file: str
+    dtype: torch.dtype
+    shape: tuple
+    begin: int
+    end: int
+
+
+class Source:
+    """The tensors of the safetensors checkpoint in ``directory`` (see the module docstring)."""
+
+    def __init__(self, directory):
+        self.root = Path(directory)
+        if not self.root.is_dir():
+            raise CheckpointError(f"{self.root}: not a checkpoint directory")
+        if not (self.root / "config.json").is_file():
+            raise CheckpointError(f"{self.root}: no config.json (a transformers checkpoint directory has one)")
+        if (self.root / INDEX).is_file():
+            try:
+                index = json.loads((self.root / INDEX).read_text())
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                raise CheckpointError(f"{self.root / INDEX}: malformed JSON ({e})") from None
+            wmap = index.get("weight_map") if isinstance(index, dict) else None
+            if not isinstance(wmap, dict) or not all(isinstance(v, str) for v in wmap.values()):
+                raise CheckpointError(f"{self.root / INDEX}: needs a 'weight_map' object of tensor name -> file name")
+            files = sorted(set(wmap.values()))
+        elif (self.root / SINGLE).is_file():
+            wmap, files = None, [SINGLE]
+        else:
+            raise CheckpointError(f"{self.root}: no {SINGLE} and no {INDEX}")
+        self.tensors: dict[str, Stored] = {}
+        for f in files:
+            if "/" in f or "\\" in f or f.startswith("."):
+                raise CheckpointError(f"{self.root / INDEX}: shard name {f!r} is not a plain file name")
+            self._read_header(f)
+        if wmap is not None:
+            for name, f in wmap.items():
+                got = self.tensors.get(name)
+                if got is None or got.file != f:
+                    raise CheckpointError(f"{self.root / INDEX}: tensor {name!r} is mapped to {f}, but "
+                                          + (f"it is stored in {got.file}" if got else "no shard holds it"))
+        self.bytes = sum(s.end - s.begin for s in self.tensors.values())
+
+    def _read_header(self, f: str) -> None:
+        path = self.root / f
+        if not path.is_file():
+            raise CheckpointError(f"{path}: shard listed in the index is missing")
+        header, start = checksum.read_header(path)
+        size = path.stat().st_size
+        for name, e in header.items():
+            if name == "__metadata__":
+                continue
+            try:
+                st, shape, (b, end) = e["dtype"], tuple(int(d) for d in e["shape"]), e["data_offsets"]
+            except (KeyError, TypeError, ValueError):
+                raise CheckpointError(f"{path}: malformed header entry for tensor {name!r}") from None
+            if st not in _DTYPES:
+                raise CheckpointError(f"{path}: tensor {name!r} has dtype {st}, which qtransform does not read")
+            if end - b != stfile.nbytes(st, shape) or start + end > size or b < 0:
+                raise CheckpointError(f"{path}: tensor {name!r} lies outside the file or disagrees with its shape "
+                                      f"(the shard is truncated or its header damaged)")
+            if name in self.tensors:
+                raise CheckpointError(f"{path}: tensor {name!r} is also stored in {self.tensors[name].file}")
+            self.tensors[name] = Stored(f, _DTYPES[st], shape, start + b, start + end)
+
+    def config(self) -> dict:
+        try:
+            return json.loads((self.root / "config.json").read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise CheckpointError(f"{self.root / 'config.json'}: malformed JSON ({e})") from None
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.tensors
+
+    def read(self, name: str) -> torch.Tensor:
+        """A fresh tensor holding the stored tensor ``name`` (its stored dtype)."""
+        s = self.tensors[name]
+        out = torch.empty(s.end - s.begin, dtype=torch.uint8)
+        view, offset = memoryview(out.numpy()), s.begin
+        with open(self.root / s.file, "rb", buffering=0) as fh:
+            while len(view):
+                n = os.preadv(fh.fileno(), [view], offset)
+                if n <= 0:
+                    raise CheckpointError(f"{self.root / s.file}: tensor {name!r} ends early (a truncated shard)")
+                view, offset = view[n:], offset + n
+        return out.view(s.dtype).reshape(s.shape)
+
+    def check_against(self, expected: dict[str, tuple], tied: dict[str, str]) -> None:
+        """The stored tensors are exactly the model's: ``expected`` ``{path: shape}`` of its parameters and
+        persistent buffers, ``tied`` ``{path: path stored instead}`` for tied weights (one may be absent)."""
+        where = lambda n: self.root / self.tensors[n].file  # noqa: E731
+        for path, shape in expected.items():
+            name = path if path in self.tensors else tied.get(path)
+            if name is None or name not in self.tensors:
+                raise CheckpointError(f"{self.root}: the model of config.json has tensor {path!r} of shape "
+                                      f"{list(shape)}, which no shard holds")
+            if self.tensors[name].shape != tuple(shape):
+                raise CheckpointError(f"{where(name)}: tensor {name!r} has shape {list(self.tensors[name].shape)}, "
+                                      f"the model of config.json has {list(shape)}")
+        extra = sorted(n for n in self.tensors if n not in expected)
+        if extra:
+            raise CheckpointError(f"{where(extra[0])}: tensor(s) {extra[:5]} are not tensors of the model of "
+                                  "config.json")
