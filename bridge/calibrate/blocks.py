@@ -22,7 +22,7 @@ import qtransform as qt
 
 from .sites import first_tensor, fold_sites, run_batch
 
-__all__ = ["find_blocks", "capture_inputs", "blockwise", "batch_tokens"]
+__all__ = ["find_blocks", "capture_inputs", "spread", "blockwise", "fit_block_on", "batch_tokens"]
 
 
 def find_blocks(model: nn.Module, blocks: str | None = None) -> tuple[str, ...]:
@@ -174,35 +174,47 @@ def blockwise(model: nn.Module, params: Mapping, plan: qt.Plan, batches, fit_blo
     total = qt.Fit()
     order = progress(names, desc="blocks", total=len(names)) if progress is not None else names
     for name in order:
-        module = model.get_submodule(name)
-        paths = tuple(p for p in current if p.startswith(name + "."))
-
-        def run(tensors, name=name, module=module, inputs=inputs):
-            local = _local({**current, **tensors}, name)
-            with torch.no_grad():
-                return [torch.func.functional_call(module, local, args, kwargs) for args, kwargs in inputs]
-
-        def site_stats(tensors, sites, run=run, name=name):
-            return fold_sites(model, sites, lambda: run(tensors), where=f"block {name}")
-
-        def capture(tensors, modules, sites=None, run=run, name=name):
-            return _capture(model, name, tuple(modules), dict(sites or {}), lambda: run(tensors))
-
-        def call(path, tensors, args, kwargs, name=name):
-            if path != name and not path.startswith(name + "."):
-                raise ValueError(f"block {name}: call: {path!r} is not inside the block")
-            with torch.no_grad():
-                return torch.func.functional_call(model.get_submodule(path), _local({**current, **tensors}, path),
-                                                  args, kwargs)
-
-        block = qt.Block(name=name, paths=paths, inputs=tuple(inputs), run=run, site_stats=site_stats,
-                         capture=capture, call=call, tokens=sum(batch_tokens(a, k) for a, k in inputs))
-        fit = fit_block(block, current)
+        fit, inputs = fit_block_on(model, name, current, inputs, plan, fit_block, prior, total.qparams)
         current.update(fit.params)
         total = total.then(fit)
         for p in fit.params:  # what was fitted before described the old tensor
             prior.pop(p, None)
-        quantized = _quantized(current, paths, plan, {**prior, **total.qparams})
-        outputs = run({p: quantized[p] for p in paths})
-        inputs = [_with_first(args, kwargs, first_tensor(out), name) for (args, kwargs), out in zip(inputs, outputs)]
     return total
+
+
+def fit_block_on(model: nn.Module, name: str, current: Mapping, inputs: list, plan: qt.Plan, fit_block: Callable,
+                 prior: Mapping, fitted: Mapping | None = None) -> tuple[qt.Fit, list]:
+    """One block of :func:`blockwise`: ``fit_block`` on block ``name`` of ``model`` with its ``inputs`` and the
+    tree ``current``; returns the fit and the next block's inputs (this block's outputs with its tensors
+    quantized: the fit's qparams, else ``fitted`` ones of earlier blocks' steps, else ``prior`` ones for
+    tensors the fit left unchanged, else round to nearest). The streamed runs call it block by block."""
+    module = model.get_submodule(name)
+    paths = tuple(p for p in current if p.startswith(name + "."))
+    state = dict(current)
+
+    def run(tensors):
+        local = _local({**state, **tensors}, name)
+        with torch.no_grad():
+            return [torch.func.functional_call(module, local, args, kwargs) for args, kwargs in inputs]
+
+    def site_stats(tensors, sites):
+        return fold_sites(model, sites, lambda: run(tensors), where=f"block {name}")
+
+    def capture(tensors, modules, sites=None):
+        return _capture(model, name, tuple(modules), dict(sites or {}), lambda: run(tensors))
+
+    def call(path, tensors, args, kwargs):
+        if path != name and not path.startswith(name + "."):
+            raise ValueError(f"block {name}: call: {path!r} is not inside the block")
+        with torch.no_grad():
+            return torch.func.functional_call(model.get_submodule(path), _local({**state, **tensors}, path),
+                                              args, kwargs)
+
+    block = qt.Block(name=name, paths=paths, inputs=tuple(inputs), run=run, site_stats=site_stats,
+                     capture=capture, call=call, tokens=sum(batch_tokens(a, k) for a, k in inputs))
+    fit = fit_block(block, state)
+    state.update(fit.params)
+    prior = {p: q for p, q in prior.items() if p not in fit.params}  # what was fitted before described the old tensor
+    quantized = _quantized(state, paths, plan, {**prior, **(fitted or {}), **fit.qparams})
+    outputs = run({p: quantized[p] for p in paths})
+    return fit, [_with_first(args, kwargs, first_tensor(out), name) for (args, kwargs), out in zip(inputs, outputs)]

@@ -43,7 +43,7 @@ from torch import nn
 import qtransform as qt
 from qtransform import QParams
 
-__all__ = ["ROLES", "KV_ROLES", "PREFIX", "attach", "activation_view", "qparams_for", "apply", "activation_specs",
+__all__ = ["ROLES", "KV_ROLES", "PREFIX", "attach", "activation_view", "qparams_for", "apply", "activation_specs", "stored_buffers",
            "static_buffers", "abstract_qparams"]
 
 ROLES = ("input", "output")
@@ -178,6 +178,12 @@ def static_buffers(module: nn.Module, role: str, spec: qt.QuantSpec) -> dict[str
     (``input_scale``, ``input_zero_point``...), from shapes alone."""
     tensors = _stored(module, role, qt.choose_qparams(_example(module, role), spec).tensors())
     return {PREFIX[role] + f: (tuple(t.shape), t.dtype) for f, t in tensors.items()}
+
+
+def stored_buffers(module: nn.Module, role: str, qparams: QParams) -> dict[str, torch.Tensor]:
+    """``{buffer name: tensor}`` the calibrated static quantizer ``qparams`` of ``role`` becomes on ``module``
+    (what a checkpoint stores under ``<module path>.<name>``; :func:`static_buffers` gives their shapes)."""
+    return {PREFIX[role] + f: t for f, t in _stored(module, role, qparams.tensors()).items()}
 
 
 def abstract_qparams(module: nn.Module, role: str, spec: qt.QuantSpec) -> QParams:

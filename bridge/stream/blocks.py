@@ -1,0 +1,297 @@
+"""Block by block: the recipe's steps on one decoder block at a time, materialised from the shards when its
+turn comes, with the calibration activations carried from block to block (:mod:`.cache`).
+
+The in-memory pipeline makes one pass over the model per block-by-block step (GPTQ, AWQ, SmoothQuant) and one
+for the static activation quantizers (their statistics on the model with its weights quantized). A streamed
+run makes one pass over the blocks and keeps one *stream* of activations per such pass: for each block, the
+recipe's steps run on the block alone (``qt.quantize_tree`` with the plan restricted to it), calling a
+calibrator that serves the block's inputs from the stream of that pass and carries its outputs to the next
+block, exactly as that pass would have. So every block sees what it would have seen in memory, and the
+checkpoint has the same bytes. The tensors outside the blocks (embeddings, final norm, head) are read,
+quantized (by the recipe's steps that fit one tensor without data, else round to nearest: block-by-block
+steps never fit them) and written one at a time.
+
+After each block (or every ``SNAPSHOT_EVERY_S`` seconds when the activations are large) the streams are
+saved in the work directory, so that a resumed run starts from there.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+import qtransform as qt
+
+from ..calibrate.blocks import capture_inputs, find_blocks, fit_block_on, spread
+from ..calibrate.sites import fold_sites, run_batch
+from ..io import cast_leaf
+from ..modules.actquant import stored_buffers
+from .cache import ActivationCache
+
+__all__ = ["BlockRun", "SNAPSHOT_EVERY_S", "SNAPSHOT_BYTES"]
+
+#: streams up to this many bytes are saved after every block; larger ones every SNAPSHOT_EVERY_S seconds
+SNAPSHOT_BYTES = 512 * 2**20
+SNAPSHOT_EVERY_S = 600.0
+
+
+def _split(args, kwargs):
+    """``(hidden states, where they go)`` of a block's inputs: the first positional tensor, else the
+    ``hidden_states`` keyword, else the first tensor keyword."""
+    if args and isinstance(args[0], torch.Tensor):
+        return args[0], ("arg", None)
+    key = "hidden_states" if isinstance(kwargs.get("hidden_states"), torch.Tensor) else \
+        next((k for k, v in kwargs.items() if isinstance(v, torch.Tensor)), None)
+    if key is None:
+        raise ValueError("block-by-block calibration: the first block takes no tensor input")
+    return kwargs[key], ("kw", key)
+
+
+def _join(h, slot, args, kwargs):
+    if slot[0] == "arg":
+        return (h, *args[1:]), kwargs
+    return args, {**kwargs, slot[1]: h}
+
+
+def _to(value, device):
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, dict):
+        return {k: _to(v, device) for k, v in value.items()}
+    if isinstance(value, (tuple, list)):
+        return type(value)(_to(v, device) for v in value)
+    return value
+
+
+class _Calibrator:
+    """The calibrator of one block: its ``k``-th call is served by stream ``k`` (see the module docstring)."""
+
+    def __init__(self, run: "BlockRun", name: str):
+        self.run, self.name, self.calls = run, name, 0
+
+    def blockwise(self, params, plan, fit_block, *, qparams=None, tokens=None, online=None):
+        k = self._next()
+        inputs = self.run.inputs(k, tokens)
+        fit, nxt = fit_block_on(self.run.model, self.name, params, inputs, plan, fit_block, dict(qparams or {}))
+        self.run.carry(k, nxt)
+        return fit
+
+    def site_stats(self, params, sites, *, online=None):
+        k = self._next()
+        inputs = self.run.inputs(k, None, quantized_prefix=True)
+        module = self.run.model.get_submodule(self.name)
+        local = {p[len(self.name) + 1:]: t for p, t in params.items() if p.startswith(self.name + ".")}
+        outs = []
+
+        def run_all():
+            with torch.no_grad():
+                outs.extend(torch.func.functional_call(module, local, a, kw) for a, kw in inputs)
+            return len(inputs)
+
+        stats = fold_sites(self.run.model, sites, run_all, where=f"block {self.name}")
+        from ..calibrate.sites import first_tensor
+
+        self.run.carry(k, [_join(first_tensor(o), _split(a, kw)[1], a, kw) for (a, kw), o in zip(inputs, outs)])
+        return stats
+
+    def _next(self) -> int:
+        self.calls += 1
+        return self.calls - 1
+
+
+class BlockRun:
+    """The block-by-block run of :func:`bridge.stream.quantize_checkpoint` (see the module docstring)."""
+
+    saves_each = True
+
+    def __init__(self, src, tied, model, p, layout, dtypes, files, calibration, *, device, budget, work,
+                 progress=None, on_tensor=None, act_observer=None):
+        self.src, self.model, self.p, self.layout, self.dtypes, self.files = src, model, p, layout, dtypes, files
+        self.calibration, self.device, self.work, self.progress = calibration, device, Path(work), progress
+        self.on_tensor, self.act_observer = on_tensor, act_observer
+        self.names = find_blocks(model)
+        paths = list(model.state_dict(keep_vars=True))
+        self.stored = {path: path if path in src else tied[path] for path in paths}
+        self.inside = {n: [q for q in paths if q.startswith(n + ".")] for n in self.names}
+        within = {q for ps in self.inside.values() for q in ps}
+        first = min(paths.index(ps[0]) for ps in self.inside.values() if ps)
+        self.outside = [q for q in paths if q not in within]
+        self.prefix = [q for q in self.outside if paths.index(q) < first]
+        self._check()
+        self.cache = ActivationCache(self.work / "cache" / "spill", budget)
+        self.slots, self.kwargs, self.streams = [], [], {}
+        self.acts, self.info, self.online = {}, {}, {}
+        self._initial = None
+        self._snapped = time.monotonic()
+
+    def _check(self) -> None:
+        for i, s in enumerate(self.p.steps):
+            algo = qt.get_algorithm(s.name)
+            if algo.needs is None and not algo.local:
+                raise ValueError(f"recipe.steps[{i}] ({s.name}): changes tensors across the whole model (embeddings, "
+                                 "every block, the head) together; a streamed run quantizes one block at a time: "
+                                 "quantize in memory (without --stream)")
+        outside = [f"{s.module} ({s.role})" for s, spec in self.p.activations.items()
+                   if not spec.dynamic and not any(s.module.startswith(n + ".") for n in self.names)]
+        if outside:
+            raise ValueError(f"static activation quantizer(s) {outside[:3]} sit outside the decoder blocks "
+                             f"({self.names[0]}...), which a streamed run calibrates; quantize in memory (without "
+                             "--stream) or make them dynamic")
+
+    # -- streams -------------------------------------------------------------------------------------------
+    def _read(self, path: str) -> torch.Tensor:
+        return self.src.read(self.stored[path]).to(self.device, torch.float32 if self.src.tensors[
+            self.stored[path]].dtype.is_floating_point else None)
+
+    def _capture(self, quantized: bool) -> list:
+        params = {}
+        for q in self.prefix:
+            t = self._read(q)
+            if quantized and q in self.p.specs:
+                t = qt.dequantize(self._quantize_outside(q, t))
+            params[q] = t
+        with torch.no_grad():
+            return capture_inputs(self.model, params, self.names[0], self.calibration)
+
+    def inputs(self, k: int, tokens, *, quantized_prefix: bool = False) -> list:
+        """The inputs of the current block for stream ``k`` (made from the prefix's outputs at the first block:
+        every pass starts there; ``tokens``: whole batches spread over the data, as the step asks)."""
+        if k not in self.streams:
+            if self._initial is None:
+                self._initial = self._capture(False)
+                self.slots = [(_split(a, kw)[1], a, kw) for a, kw in self._initial]
+            pairs = self._initial
+            if quantized_prefix and any(q in self.p.specs for q in self.prefix):
+                pairs = self._capture(True)
+            chosen = {id(x) for x in spread(pairs, tokens)}
+            self.streams[k] = [j for j, x in enumerate(pairs) if id(x) in chosen]
+            for j in self.streams[k]:
+                self.cache.put(f"s{k}-b{j}", _split(*pairs[j])[0])
+        out = []
+        for j in self.streams[k]:
+            slot, args, kwargs = self.slots[j]
+            out.append(_to(_join(self.cache.get(f"s{k}-b{j}"), slot, args, kwargs), self.device))
+        return out
+
+    def carry(self, k: int, nxt: list) -> None:
+        for j, (a, kw) in zip(self.streams[k], nxt):
+            self.cache.put(f"s{k}-b{j}", _split(a, kw)[0])
+
+    # -- the run -------------------------------------------------------------------------------------------
+    def units(self, done):
+        start = self._restore(done)
+        order = range(start, len(self.names))
+        todo = self.progress(order, desc="blocks", total=len(self.names) - start) if self.progress else order
+        for i in todo:
+            self._block(self.names[i])
+            self._initial = None  # the first block made every stream
+            if self._snapshot(i, force=i == len(self.names) - 1):
+                yield f"block {i}"
+        for path in self.outside:
+            if path not in self.layout.aliases:
+                t = self._read(path)
+                if path in self.p.specs:
+                    self._put_quantized(path, t, self._quantize_outside(path, t))
+                else:
+                    self.files.put({path: self._plain(path, t)})
+        yield "outside"
+
+    def _plain(self, path: str, t: torch.Tensor) -> torch.Tensor:
+        t = t.to("cpu")
+        return cast_leaf(t, self.dtypes[path]) if path in self.dtypes else t.to(self.src.tensors[self.stored[path]].dtype)
+
+    def _put_quantized(self, path: str, w: torch.Tensor, q) -> None:
+        q = cast_leaf(q, self.dtypes.get(path, q.dtype))
+        if self.on_tensor is not None:
+            self.on_tensor(path, w, q)
+        from .driver import qt_parts
+
+        self.files.put({n: t.to("cpu") for n, t in qt_parts(path, q).items()})
+
+    def _quantize_outside(self, path: str, t: torch.Tensor):
+        """A tensor outside the blocks, as the in-memory run quantizes it: the recipe's steps that fit one
+        tensor without data, then round to nearest from what they fitted."""
+        local = tuple(s for s in self.p.steps if qt.get_algorithm(s.name).local and qt.get_algorithm(s.name).needs is None)
+        p = self.p.restrict([path])
+        p = p.replace(recipe=dataclasses.replace(p.recipe, steps=local)) if local != tuple(self.p.steps) else p
+        return qt.quantize_tree({path: t}, p)[path]
+
+    def _block(self, name: str) -> None:
+        paths = self.inside[name]
+        params = {q: self._read(q) for q in paths}
+        p = self.p.restrict(paths).replace(attention=[a for a in self.p.attention if a.startswith(name + ".")])
+        cal = _Calibrator(self, name)
+        qtree, fit = qt.quantize_tree(params, p, calibrator=cal, with_info=True)
+        acts = {}
+        if p.activations:
+            observer = dict(self.act_observer) if isinstance(self.act_observer, dict) else {"name": self.act_observer}
+            weights = {q: qt.dequantize(v) if isinstance(v, qt.QTensor) else v for q, v in qtree.items()}
+            acts = qt.activation_quantizers(weights, p, cal, observer=observer.pop("name", None), online=fit.online,
+                                            **observer)
+        for q in paths:
+            v = qtree[q]
+            if q in self.layout.aliases:
+                continue
+            if isinstance(v, qt.QTensor):
+                self._put_quantized(q, params[q], v)
+            else:
+                self.files.put({q: self._plain(q, v)})
+        for site, qp in acts.items():
+            if isinstance(qp, qt.QParams):
+                module = self.model.get_submodule(site.module)
+                self.files.put({f"{site.module}.{n}": t.to("cpu") for n, t in stored_buffers(module, site.role, qp).items()})
+        self.acts.update(acts)
+        self.info.update(fit.info)
+        self.online.update(fit.online)
+
+    def results(self):
+        acts = {s: self.acts.get(s, spec) for s, spec in self.p.activations.items()}
+        return acts, self.online, self.info
+
+    def state(self) -> dict:
+        return {}
+
+    # -- snapshots (resume) --------------------------------------------------------------------------------
+    def _snapdir(self, i: int) -> Path:
+        return self.work / "cache" / f"after-block-{i}"
+
+    def _snapshot(self, i: int, force: bool = False) -> bool:
+        if not force and self.cache.total > SNAPSHOT_BYTES and time.monotonic() - self._snapped < SNAPSHOT_EVERY_S:
+            return False
+        tmp = self.work / "cache" / f"tmp-{i}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        for k, js in self.streams.items():
+            save_file({str(j): self.cache.get(f"s{k}-b{j}").contiguous() for j in js}, str(tmp / f"stream-{k}.safetensors"))
+        acts = {f"{s.module}|{s.role}": q.tensors() for s, q in self.acts.items() if isinstance(q, qt.QParams)}
+        torch.save({"streams": self.streams, "slots": self.slots, "acts": acts, "info": self.info}, tmp / "state.pt")
+        tmp.rename(self._snapdir(i))
+        for old in (self.work / "cache").glob("after-block-*"):
+            if old != self._snapdir(i) and old.name != f"after-block-{i - 1}":
+                shutil.rmtree(old, ignore_errors=True)
+        self._snapped = time.monotonic()
+        return True
+
+    def _restore(self, done) -> int:
+        blocks = [int(u.split()[1]) for u in done if u.startswith("block ")]
+        if not blocks:
+            return 0
+        i = max(blocks)
+        d = self._snapdir(i)
+        state = torch.load(d / "state.pt", weights_only=False)
+        self.streams, self.slots, self.info = state["streams"], state["slots"], state["info"]
+        specs = self.p.activations
+        for key, tensors in state["acts"].items():
+            module, role = key.split("|")
+            site = qt.Site(module, role)
+            self.acts[site] = qt.QParams(spec=specs[site], **tensors)
+        for k, js in self.streams.items():
+            got = load_file(str(d / f"stream-{k}.safetensors"))
+            for j in js:
+                self.cache.put(f"s{k}-b{j}", got[str(j)])
+        return i + 1
