@@ -1,7 +1,8 @@
 """The ``qtransform`` command.
 
     qtransform quantize [--model PATH] [--recipe NAME|FILE] [--algorithm NAME] [--calib N [--calib-batch B]]
-                        [--out DIR [--overwrite]] [--plot] [--json FILE] [--no-eval]
+                        [--out DIR [--overwrite]] [--plot] [--json FILE] [--no-eval] [--dtype auto|float32|...]
+                        [--stream [--resume] [--device DEV] [--max-memory SIZE]]   (bridge.app.streaming)
     qtransform eval --model DIR [--baseline PATH]
     qtransform formats | recipes | inspect DIR
     qtransform export CHECKPOINT --to quark|compressed-tensors|gguf|onnx --out DIR   (bridge.app.export)
@@ -33,7 +34,7 @@ import sys
 import warnings
 from pathlib import Path
 
-from . import export, inputs, outputs
+from . import export, inputs, outputs, streaming
 from .inputs import UserError
 from .outputs import say as _say
 from .quantize import cmd_quantize
@@ -166,6 +167,7 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--plot", action="store_true", help="write report.png next to the checkpoint")
     q.add_argument("--json", metavar="FILE", help="also write the report as JSON to FILE")
     q.add_argument("--no-eval", action="store_true", help="skip the perplexity before/after")
+    streaming.add_options(q)
     export.add_quantize_options(q)
 
     e = sub.add_parser("eval", help="perplexity and a greedy generation, optionally against a baseline")

@@ -23,14 +23,14 @@ import sys
 import time
 from pathlib import Path
 
-from . import export, inputs, outputs
+from . import export, inputs, outputs, streaming
 from .inputs import UserError
 from .outputs import say, warn
 
-__all__ = ["cmd_quantize", "recipe_of"]
+__all__ = ["cmd_quantize", "recipe_of", "progress_bar"]
 
 
-def _progress():
+def progress_bar():
     """A ``progress(iterable, desc=..., total=...)`` wrapper with a tqdm bar on stderr."""
     from tqdm.auto import tqdm
 
@@ -99,6 +99,9 @@ def cmd_quantize(a) -> int:
     if a.plot and importlib.util.find_spec("matplotlib") is None:
         raise UserError("--plot needs matplotlib: pip install matplotlib")
     source = inputs.model_source(a.model)  # where the model lives and in which format: resolved once
+    streaming.check_options(a)
+    if a.stream:
+        return streaming.cmd_streamed(a, recipe, label, out, source, t0)
     text = None if a.no_eval else inputs.corpus_text(a.corpus)
     calib_text = inputs.corpus_text(a.corpus, part="calibration") if a.calib else None
     skeleton = inputs.skeleton(source)
@@ -118,6 +121,7 @@ def cmd_quantize(a) -> int:
     calibration = inputs.calibration(a, tokenizer, calib_text)
     plan = _plan(model, recipe, label)
     export.check_plan(a, plan, out)
+    dtypes = streaming.stored_dtypes(a, source, model)  # of the float model: its tied tensors still tied
     unmatched = recipe.unmatched(plan)
     for glob in unmatched:
         warn(f"recipe pattern {glob!r} matches no tensor of the model")
@@ -131,7 +135,7 @@ def cmd_quantize(a) -> int:
     tq = time.perf_counter()
     try:
         with torch.no_grad():
-            result = pipeline.quantize_params(model, plan, calibration=calibration, progress=_progress())
+            result = pipeline.quantize_params(model, plan, calibration=calibration, progress=progress_bar())
     except (TypeError, ValueError) as e:  # a step refusing the recipe's specs or options
         raise UserError(f"recipe {label}: {e}") from None
     seconds_q = time.perf_counter() - tq
@@ -155,9 +159,10 @@ def cmd_quantize(a) -> int:
                         eval_tokens=0 if eval_seqs is None else int(eval_seqs.numel()),
                         calib_tokens=0 if calibration is None else sum(int(b.numel()) for b in calibration),
                         out=str(out), unmatched=unmatched, activations=act_rows, step_info=step_info,
-                        online=online_rows)
+                        online=online_rows, peak_memory=report.peak_memory())
     write = io.checkpoint_writer(qmodel, recipe=recipe, recipe_name=label, tokenizer=tokenizer,
-                                 rules={p: plan[p].rule for p in plan.specs})
+                                 rules={p: plan[p].rule for p in plan.specs},
+                                 dtypes=dtypes)
     try:  # checkpoint, report and plot in one temporary directory, renamed to --out when all are written
         with store.atomic_directory(out, overwrite=a.overwrite) as tmp:
             write(tmp)

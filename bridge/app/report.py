@@ -16,7 +16,7 @@ import torch
 
 import qtransform as qt
 
-__all__ = ["LayerRow", "Report", "layer_rows", "tree_bytes", "format_bytes", "steps_label", "table"]
+__all__ = ["LayerRow", "Report", "layer_rows", "layer_row", "peak_memory", "tree_bytes", "format_bytes", "steps_label", "table"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,10 +42,26 @@ def layer_rows(params: Mapping[str, torch.Tensor], qtree: Mapping[str, Any], pla
     rows = []
     for path, q in qtree.items():
         if isinstance(q, qt.QTensor):
-            w = params[path]
-            rows.append(LayerRow(path, str(q.spec), tuple(q.shape), q.nbytes(), q.bits_per_element(),
-                                 _rel_error(w, q), plan[path].rule if path in plan else "", w.numel() * w.element_size()))
+            rows.append(layer_row(path, params[path], q, plan[path].rule if path in plan else ""))
     return rows
+
+
+def peak_memory() -> int:
+    """Peak resident memory of this process so far, in bytes (``getrusage``; 0 where unavailable)."""
+    try:
+        import resource
+        import sys
+
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return int(peak if sys.platform == "darwin" else peak * 1024)
+    except (ImportError, OSError):  # pragma: no cover  (Windows)
+        return 0
+
+
+def layer_row(path: str, w: torch.Tensor, q: qt.QTensor, rule: str) -> LayerRow:
+    """The row of one quantized tensor ``q`` of float ``w``."""
+    return LayerRow(path, str(q.spec), tuple(q.shape), q.nbytes(), q.bits_per_element(), _rel_error(w, q), rule,
+                    w.numel() * w.element_size())
 
 
 def tree_bytes(tree: Mapping[str, Any]) -> int:
@@ -102,6 +118,8 @@ class Report:
     activations: list[dict] = dataclasses.field(default_factory=list)
     step_info: dict = dataclasses.field(default_factory=dict)
     online: list[dict] = dataclasses.field(default_factory=list)
+    peak_memory: int = 0
+    streamed: bool = False
 
     @property
     def quantized_numel(self) -> int:
@@ -168,6 +186,9 @@ class Report:
             fmt = lambda p: "-" if p is None else f"{p:.3f}"  # noqa: E731
             summary.append([f"perplexity ({self.eval_tokens} tokens)", fmt(self.ppl_before), fmt(self.ppl_after)])
         summary.append(["wall time", "", f"quantize {self.seconds_quantize:.1f} s, total {self.seconds_total:.1f} s"])
+        if self.peak_memory:
+            summary.append(["peak host memory", "", format_bytes(self.peak_memory)
+                            + (" (streamed: block by block)" if self.streamed else " (in memory)")])
         lines += ["", *table(summary)]
         if self.unmatched:
             lines += ["", "warning: recipe patterns that matched nothing: " + ", ".join(self.unmatched)]

@@ -86,7 +86,7 @@ def quantize_checkpoint(source, out, recipe, *, calibration: Iterable | None = N
                         resume: bool = False, dtype="auto", device="cpu", max_memory=None,
                         max_shard_size="2GB", recipe_name: str | None = None, tokenizer=None, model_class=None,
                         progress: Callable | None = None, act_observer=None, on_tensor: Callable | None = None,
-                        before_publish: Callable[[Path], None] | None = None) -> Streamed:
+                        before_publish: Callable[[Path, Streamed], None] | None = None) -> Streamed:
     """Quantize the checkpoint in directory ``source`` with ``recipe`` into directory ``out``, streamed (see
     the module docstring); the same checkpoint as :func:`bridge.save` of the model quantized in memory.
 
@@ -105,7 +105,7 @@ def quantize_checkpoint(source, out, recipe, *, calibration: Iterable | None = N
         progress: ``progress(iterable, desc=..., total=...)``, e.g. ``tqdm.tqdm``.
         act_observer: the observer of static activation specs (as for :func:`bridge.quantize_params`).
         on_tensor: ``on_tensor(path, float tensor, QTensor)`` for each quantized tensor (the report's rows).
-        before_publish: ``before_publish(directory)`` adds files (a report) before the checkpoint appears.
+        before_publish: ``before_publish(directory, result)`` adds files (a report) before the checkpoint appears.
     """
     t0 = time.perf_counter()
     _check_dtype(dtype)
@@ -153,14 +153,15 @@ def quantize_checkpoint(source, out, recipe, *, calibration: Iterable | None = N
                      generation_config=_generation_config(src.root))
         if tokenizer is None:
             _copy_tokenizer(src.root, work.path)
+        size = sum((work.path / f).stat().st_size for f in shard_plan.files)
+        result = Streamed(p, info, acts, online, src.bytes, size, time.perf_counter() - t0,
+                          len((manifest or {}).get("done", [])))
         if before_publish is not None:
-            before_publish(work.path)
+            before_publish(work.path, result)
         work.publish()
     finally:
         files.close()
-    size = sum((Path(out) / f).stat().st_size for f in shard_plan.files)
-    return Streamed(p, info, acts, online, src.bytes, size, time.perf_counter() - t0,
-                    len((manifest or {}).get("done", [])))
+    return result
 
 
 def _input_fingerprint(src: Source) -> dict:
@@ -177,11 +178,13 @@ def _config_dtype(dtypes: Mapping) -> torch.dtype | None:
 
 
 def _generation_config(root: Path):
-    if not (root / "generation_config.json").is_file():
-        return None
+    """The generation config ``from_pretrained`` gives a model of ``root`` (its file, else made from config.json)."""
     from transformers import GenerationConfig
 
-    return GenerationConfig.from_pretrained(str(root), local_files_only=True)
+    if (root / "generation_config.json").is_file():
+        return GenerationConfig.from_pretrained(str(root), local_files_only=True)
+    return GenerationConfig.from_pretrained(str(root), config_file_name="config.json", _from_model_config=True,
+                                            local_files_only=True)
 
 
 def _copy_tokenizer(root: Path, to: Path) -> None:

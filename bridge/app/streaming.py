@@ -1,0 +1,151 @@
+"""``qtransform quantize --stream``: a checkpoint quantized shard to shard or block by block
+(:func:`bridge.stream.quantize_checkpoint`), never whole in memory; and ``--dtype``, the dtype the float
+tensors of every quantized checkpoint are stored in (default: as in the input).
+
+``--resume`` continues a streamed run that was interrupted (same command, same inputs: anything else is
+refused, naming what changed); ``--device`` runs the block being calibrated there; ``--max-memory`` bounds the
+calibration activations kept in memory (beyond, they go to disk). With ``--stream`` the perplexity is measured
+on the quantized checkpoint only (the float model is never loaded whole): ``qtransform eval --model DIR``
+measures the original's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from pathlib import Path
+
+from . import export, inputs, outputs
+from .inputs import UserError
+from .outputs import say
+
+__all__ = ["add_options", "check_options", "dtype_of", "stored_dtypes", "cmd_streamed"]
+
+_DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+def add_options(q) -> None:
+    q.add_argument("--stream", action="store_true",
+                   help="quantize shard to shard (steps without data) or block by block (calibrated steps), never "
+                        "holding the whole model: for models larger than memory")
+    q.add_argument("--resume", action="store_true", help="continue an interrupted --stream run of the same command")
+    q.add_argument("--device", help="with --stream: where the block being calibrated runs (cpu, cuda, cuda:1...)")
+    q.add_argument("--max-memory", metavar="SIZE",
+                   help="with --stream: calibration activations kept in memory (e.g. 4GB); beyond, they spill to disk")
+    q.add_argument("--dtype", choices=_DTYPES, default="auto",
+                   help="dtype of the checkpoint's float tensors (default auto: as stored in the input)")
+
+
+def check_options(a) -> None:
+    """The streaming options fit together (before anything is loaded)."""
+    from ..checkpoint.store import parse_size
+
+    if (a.resume or a.device or a.max_memory) and not a.stream:
+        given = [o for o, v in (("--resume", a.resume), ("--device", a.device), ("--max-memory", a.max_memory)) if v]
+        raise UserError(f"{', '.join(given)} go with --stream")
+    if a.device:
+        import torch
+
+        try:
+            dev = torch.device(a.device)
+        except (RuntimeError, ValueError):
+            raise UserError(f"--device {a.device!r} is not a device (cpu, cuda, cuda:1...)") from None
+        if dev.type == "cuda" and not torch.cuda.is_available():
+            raise UserError(f"--device {a.device}: no CUDA device is available here")
+    if a.max_memory:
+        try:
+            parse_size(a.max_memory)
+        except (TypeError, ValueError) as e:
+            raise UserError(f"--max-memory {a.max_memory!r}: {e}") from None
+
+
+def dtype_of(a):
+    import torch
+
+    return "auto" if a.dtype == "auto" else getattr(torch, a.dtype)
+
+
+def stored_dtypes(a, source, model):
+    """``save(dtypes=...)`` of the in-memory run: the float tensors as stored in a safetensors input (``auto``),
+    ``--dtype`` for all, or as loaded (``auto`` for a GGUF file or another tool's checkpoint)."""
+    dtype = dtype_of(a)
+    if source.gguf_file is not None or source.imported is not None or not _has_safetensors(source.directory):
+        return None if dtype == "auto" else dtype
+    from ..stream.driver import stored_dtypes_of
+    from ..stream.source import Source
+
+    return stored_dtypes_of(Source(source.directory), model, dtype)
+
+
+def _has_safetensors(directory: Path) -> bool:
+    return (directory / "model.safetensors").is_file() or (directory / "model.safetensors.index.json").is_file()
+
+
+def cmd_streamed(a, recipe, label: str, out: Path, source, t0: float) -> int:
+    from ..checkpoint import CheckpointError, store
+    from ..stream import quantize_checkpoint
+    from . import evaluate, models, report
+    from .quantize import progress_bar
+
+    name = a.model or models.DEFAULT_MODEL
+    if source.gguf_file is not None or source.imported is not None or not _has_safetensors(source.directory):
+        what = source.gguf_file or (f"a {source.imported} checkpoint" if source.imported else "not safetensors")
+        raise UserError(f"--stream reads a transformers directory of safetensors shards; {name} is {what}: quantize "
+                        "it without --stream")
+    tokenizer = models.load_tokenizer(source)
+    seq_check = inputs.skeleton(source)
+    if seq_check is not None and (not a.no_eval or a.calib):
+        inputs.check_seq_len(seq_check, a.seq_len)
+    calib_text = inputs.corpus_text(a.corpus, part="calibration") if a.calib else None
+    calibration = inputs.calibration(a, tokenizer, calib_text)
+    eval_seqs = None if a.no_eval else inputs.sequences(tokenizer, inputs.corpus_text(a.corpus), a.corpus, a.seq_len,
+                                                        a.eval_sequences)
+    rows, rep = [], {}
+
+    def on_tensor(path, w, q):
+        rows.append(report.layer_row(path, w, q, ""))
+
+    def before_publish(tmp: Path, result) -> None:
+        ppl = None
+        if eval_seqs is not None:
+            say("perplexity of the quantized checkpoint ...")
+            ppl = evaluate.perplexity(models.load_causal_lm(tmp), eval_seqs, progress=True).perplexity
+        layers = [dataclasses.replace(row, rule=result.plan[row.path].rule) for row in rows]
+        r = report.Report(model=name, recipe=label, steps=[s.to_dict() for s in recipe.steps], layers=layers,
+                          size_before=result.bytes_in, size_after=result.bytes_out, seconds_quantize=result.seconds,
+                          ppl_after=ppl, eval_tokens=0 if eval_seqs is None else int(eval_seqs.numel()),
+                          calib_tokens=0 if calibration is None else sum(int(b.numel()) for b in calibration),
+                          out=str(out), unmatched=recipe.unmatched(result.plan),
+                          activations=report.activation_rows(result.activations), step_info=result.info,
+                          online=report.online_rows(result.online), streamed=True)
+        r.seconds_total = time.perf_counter() - t0
+        r.peak_memory = report.peak_memory()
+        (tmp / "report.json").write_text(json.dumps(r.to_dict(), indent=2) + "\n")
+        if a.plot:
+            r.plot(tmp / "report.png")
+        rep["report"] = r
+
+    say(f"quantizing {name} streamed with {label} ({report.steps_label(recipe.steps)}) ...")
+    try:
+        done = quantize_checkpoint(source.directory, out, recipe, calibration=calibration, overwrite=a.overwrite,
+                                   resume=a.resume, dtype=dtype_of(a), device=a.device or "cpu",
+                                   max_memory=a.max_memory, recipe_name=label, tokenizer=tokenizer,
+                                   progress=progress_bar(), on_tensor=on_tensor, before_publish=before_publish)
+    except CheckpointError as e:
+        raise UserError(f"cannot load model {name}: {str(e).splitlines()[0]}") from None
+    except FileExistsError as e:
+        raise UserError(str(e)) from None
+    except (TypeError, ValueError) as e:
+        msg = str(e)
+        raise UserError(msg if msg.startswith("--") else f"recipe {label}: {msg}") from None
+    except OSError as e:
+        raise UserError(str(store.write_error(e, out))) from None
+    r = rep["report"]
+    if a.json:
+        outputs.write_text(Path(a.json), json.dumps(r.to_dict(), indent=2) + "\n", option="--json")
+    exported = export.export_after_quantize(a, out)
+    say()
+    say(r.render() + (f"\nresumed after {done.resumed} finished units" if done.resumed else "")
+        + (f"\nexported ({a.to}): {exported}" if exported else ""))
+    return 0

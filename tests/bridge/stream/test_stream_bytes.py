@@ -1,0 +1,65 @@
+"""``qtransform quantize --stream`` writes the very bytes of the in-memory run, on every architecture we name,
+for steps without data (shard to shard) and with data (block by block), from bf16 and float32 inputs."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from stream_util import digests, quantize, save_tiny, stored_dtype
+
+ARCHS = ("llama", "mistral", "qwen2", "phi3", "opt", "gpt2", "bert")
+#: (preset, extra options): shard to shard, a local step, block by block, chains, static activations, KV cache
+CASES = {"int4-g128": (), "hqq4-g64": (), "gptq4-g64": ("--calib", "4", "--calib-batch", "2"),
+         "awq-gptq4-g128": ("--calib", "2", "--calib-batch", "1"), "gptq-w8a8": ("--calib", "3", "--calib-batch", "2"),
+         "fp8-w8a8-kv": ("--calib", "2", "--calib-batch", "2")}
+#: every architecture with a data-free preset and GPTQ; the heavier chains on two
+MATRIX = [(a, p) for a in ARCHS for p in ("int4-g128", "gptq4-g64")] + \
+    [("llama", "hqq4-g64"), ("gpt2", "hqq4-g64"), ("llama", "awq-gptq4-g128"), ("qwen2", "gptq-w8a8"),
+     ("opt", "gptq-w8a8"), ("llama", "fp8-w8a8-kv"), ("phi3", "awq-gptq4-g128")]
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory):
+    root = tmp_path_factory.mktemp("stream-src")
+    return {arch: save_tiny(arch, root / arch) for arch in ARCHS}
+
+
+@pytest.mark.parametrize("arch,preset", MATRIX, ids=[f"{a}-{p}" for a, p in MATRIX])
+def test_streamed_checkpoint_has_the_bytes_of_the_in_memory_one(arch, preset, sources, tmp_path):
+    extra = CASES[preset]
+    in_memory = quantize(sources[arch], tmp_path / "memory", preset, "--no-eval", *extra)
+    streamed = quantize(sources[arch], tmp_path / "stream", preset, "--no-eval", "--stream", *extra)
+    assert digests(tmp_path / "stream") == digests(tmp_path / "memory")
+    assert streamed["streamed"] and not in_memory["streamed"]
+    assert [r["path"] for r in streamed["layers"]] and \
+        sorted(r["path"] for r in streamed["layers"]) == sorted(r["path"] for r in in_memory["layers"])
+    assert streamed["peak_memory"] > 0
+
+
+def test_the_float_tensors_keep_their_stored_dtype_and_the_checkpoint_loads(sources, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    quantize(sources["llama"], tmp_path / "q", "int4-g128", "--no-eval", "--stream")
+    assert stored_dtype(tmp_path / "q", "model.embed_tokens.weight") == torch.bfloat16
+    assert json.loads((tmp_path / "q" / "config.json").read_text())["dtype"] == "bfloat16"
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "q")
+    assert model.dtype == torch.bfloat16
+    assert type(model.model.layers[0].mlp.down_proj).__name__ == "QLinear"
+    ids = torch.tensor([[1, 5, 9, 2]])
+    out = model.generate(ids, max_new_tokens=1, do_sample=False)
+    assert out.shape == (1, 5)
+
+
+def test_dtype_float32_stores_everything_in_float32(sources, tmp_path):
+    quantize(sources["gpt2"], tmp_path / "a", "int4-g128", "--no-eval", "--stream", "--dtype", "float32")
+    quantize(sources["gpt2"], tmp_path / "b", "int4-g128", "--no-eval", "--dtype", "float32")
+    assert digests(tmp_path / "a") == digests(tmp_path / "b")
+    assert stored_dtype(tmp_path / "a", "transformer.wte.weight") == torch.float32
+    assert stored_dtype(tmp_path / "a", "transformer.ln_f.weight") == torch.float32
+
+
+def test_a_streamed_run_evaluates_the_quantized_checkpoint(sources, tmp_path):
+    rep = quantize(sources["llama"], tmp_path / "q", "int4-g128", "--stream")
+    assert rep["ppl_before"] is None and rep["ppl_after"] > 1
