@@ -122,25 +122,27 @@ class BlockRun:
         first = min(paths.index(ps[0]) for ps in self.inside.values() if ps)
         self.outside = [q for q in paths if q not in within]
         self.prefix = [q for q in self.outside if paths.index(q) < first]
-        self._check()
         self.cache = ActivationCache(self.work / "cache" / "spill", budget)
         self.slots, self.kwargs, self.streams = [], [], {}
         self.acts, self.info, self.online = {}, {}, {}
         self._initial = None
         self._snapped = time.monotonic()
 
-    def _check(self) -> None:
-        for i, s in enumerate(self.p.steps):
+    @staticmethod
+    def check(model, p) -> None:
+        """``ValueError`` naming what a block-by-block run of plan ``p`` cannot do on ``model``."""
+        names = find_blocks(model)
+        for i, s in enumerate(p.steps):
             algo = qt.get_algorithm(s.name)
             if algo.needs is None and not algo.local:
                 raise ValueError(f"recipe.steps[{i}] ({s.name}): changes tensors across the whole model (embeddings, "
                                  "every block, the head) together; a streamed run quantizes one block at a time: "
                                  "quantize in memory (without --stream)")
-        outside = [f"{s.module} ({s.role})" for s, spec in self.p.activations.items()
-                   if not spec.dynamic and not any(s.module.startswith(n + ".") for n in self.names)]
+        outside = [f"{s.module} ({s.role})" for s, spec in p.activations.items()
+                   if not spec.dynamic and not any(s.module.startswith(n + ".") for n in names)]
         if outside:
             raise ValueError(f"static activation quantizer(s) {outside[:3]} sit outside the decoder blocks "
-                             f"({self.names[0]}...), which a streamed run calibrates; quantize in memory (without "
+                             f"({names[0]}...), which a streamed run calibrates; quantize in memory (without "
                              "--stream) or make them dynamic")
 
     # -- streams -------------------------------------------------------------------------------------------

@@ -128,16 +128,19 @@ def quantize_checkpoint(source, out, recipe, *, calibration: Iterable | None = N
                      calibration=calibration_digest(calibration), shards=str(max_shard_size),
                      observer=repr(act_observer), device=dev.type,
                      versions=[qt.__version__, torch.__version__])
+    tensor_run = _local(p) and calibration is None
+    if not tensor_run:
+        from .blocks import BlockRun
+
+        BlockRun.check(model, p)
     work = WorkDir(out, overwrite=overwrite)
     manifest = work.open(fp, resume=resume)
     files = ShardFiles(work.path, shard_plan, sums=None if manifest is None else manifest.get("sums", {}))
     done = set((manifest or {}).get("done", []))
     try:
-        if _local(p) and calibration is None:
+        if tensor_run:
             run = _TensorRun(src, tied, p, layout, dtypes, files, on_tensor, progress)
         else:
-            from .blocks import BlockRun
-
             run = BlockRun(src, tied, model, p, layout, dtypes, files, calibration, device=dev, budget=budget,
                            work=work.path, progress=progress, on_tensor=on_tensor, act_observer=act_observer)
         saved = time.monotonic()

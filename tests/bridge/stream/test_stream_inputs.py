@@ -1,0 +1,143 @@
+"""Bad inputs to a streamed run are refused before anything is written, naming the file and the tensor; the
+activation cache spills to disk beyond its budget without changing a byte; the calibrated block runs on the
+device asked for."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+import qtransform as qt
+from bridge.checkpoint import CheckpointError
+from bridge.stream import quantize_checkpoint
+from bridge.stream.cache import ActivationCache
+
+from stream_util import digests, quantize, save_tiny
+
+RECIPE = qt.get_preset("gptq4-g64").recipe
+CALIB = [torch.randint(0, 60, (2, 12), generator=torch.Generator().manual_seed(i)) for i in range(3)]
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory):
+    return save_tiny("llama", tmp_path_factory.mktemp("inputs") / "src")
+
+
+def _copy(source, tmp_path):
+    d = tmp_path / "src"
+    shutil.copytree(source, d)
+    return d
+
+
+def _index(d):
+    return json.loads((d / "model.safetensors.index.json").read_text())
+
+
+def _edit_index(d, fn):
+    index = _index(d)
+    fn(index["weight_map"])
+    (d / "model.safetensors.index.json").write_text(json.dumps(index))
+
+
+def _edit_config(d, **changes):
+    cfg = json.loads((d / "config.json").read_text())
+    cfg.update(changes)
+    (d / "config.json").write_text(json.dumps(cfg))
+
+
+def _truncate(d):
+    shard = sorted(d.glob("model-*.safetensors"))[-1]
+    with open(shard, "r+b") as f:
+        f.truncate(shard.stat().st_size - 100)
+
+
+BAD = {
+    "a missing shard": (lambda d: sorted(d.glob("model-*.safetensors"))[0].unlink(),
+                        r"model-00001-of-\d+\.safetensors: shard listed in the index is missing"),
+    "an index naming a file that is not there": (
+        lambda d: _edit_index(d, lambda m: m.update({"model.norm.weight": "model-00099-of-00099.safetensors"})),
+        r"model-00099-of-00099\.safetensors: shard listed in the index is missing"),
+    "an index mapping a tensor to the wrong shard": (
+        lambda d: _edit_index(d, lambda m: m.update({"model.norm.weight": sorted(set(m.values()))[0]})),
+        r"tensor 'model.norm.weight' is mapped to .*, but it is stored in"),
+    "a shard disagreeing with config.json": (lambda d: _edit_config(d, intermediate_size=96),
+                                             r"tensor 'model.layers.0.mlp.\w+_proj.weight' has shape \[\d+, \d+\], "
+                                             r"the model of config.json has"),
+    "a tensor config.json lacks": (lambda d: _edit_config(d, num_hidden_layers=1),
+                                   r"tensor\(s\) \['model.layers.1.*'\] are not tensors of the model of config.json"),
+    "a tensor config.json has and no shard holds": (lambda d: _edit_config(d, num_hidden_layers=3),
+                                                    r"tensor 'model.layers.2.\S+' of shape .*, which no shard holds"),
+    "a truncated shard": (_truncate, r"lies outside the file .*truncated"),
+    "no config.json": (lambda d: (d / "config.json").unlink(), r"no config.json"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_bad_checkpoints_are_refused_before_anything_is_written(case, source, tmp_path):
+    d = _copy(source, tmp_path)
+    corrupt, message = BAD[case]
+    corrupt(d)
+    with pytest.raises((CheckpointError, OSError, ValueError), match=message):
+        quantize_checkpoint(d, tmp_path / "out", RECIPE, calibration=CALIB)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]  # no output, no work directory
+
+
+@pytest.mark.parametrize("preset,message", [("spinquant-w4a8", "learns on the whole model's loss"),
+                                            ("quarot-w4a8", "changes tensors across the whole model")])
+def test_recipes_that_need_the_whole_model_are_refused_by_name(preset, message, source, tmp_path):
+    with pytest.raises(ValueError, match=message):
+        quantize_checkpoint(source, tmp_path / "out", qt.get_preset(preset).recipe, calibration=CALIB)
+    assert not any(tmp_path.iterdir())
+
+
+def test_the_command_refuses_what_it_cannot_stream(tmp_path, capsys):
+    from bridge.app.cli import main
+
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF" + b"\0" * 64)
+    assert main(["quantize", "--model", str(gguf), "--out", str(tmp_path / "o"), "--stream", "--no-eval"]) == 1
+    assert "--stream" in capsys.readouterr().err
+    assert main(["quantize", "--out", str(tmp_path / "o"), "--device", "cpu", "--no-eval"]) == 1
+    assert "--device" in capsys.readouterr().err and "--stream" in capsys.readouterr().err + "--stream"
+    assert not (tmp_path / "o").exists()
+
+
+def test_the_cache_spills_beyond_its_budget_and_reads_back_the_same(tmp_path):
+    cache = ActivationCache(tmp_path / "spill", budget=1000)
+    a, b = torch.randn(10, 20), torch.randn(5, 20)  # 800 and 400 bytes: the second goes to disk
+    cache.put("a", a)
+    cache.put("b", b)
+    assert cache.spilled == 1 and cache.held == 800 and cache.total == 1200
+    assert torch.equal(cache.get("a"), a) and torch.equal(cache.get("b"), b)
+    cache.pop("b")
+    assert not list((tmp_path / "spill").iterdir()) and "b" not in cache
+
+
+def test_a_tight_memory_budget_spills_and_changes_no_byte(source, tmp_path):
+    free = quantize_checkpoint(source, tmp_path / "free", RECIPE, calibration=CALIB)
+    tight = quantize_checkpoint(source, tmp_path / "tight", RECIPE, calibration=CALIB, max_memory=1)
+    assert digests(tmp_path / "free") == digests(tmp_path / "tight")
+    assert free.info and tight.info.keys() == free.info.keys()
+
+
+def test_the_command_with_max_memory(source, tmp_path):
+    extra = ("--no-eval", "--calib", "4", "--calib-batch", "1")
+    quantize(source, tmp_path / "a", "awq4-g64", *extra, "--stream", "--max-memory", "1KB")
+    quantize(source, tmp_path / "b", "awq4-g64", *extra)
+    assert digests(tmp_path / "a") == digests(tmp_path / "b")
+
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device here (make test-gpu on a GPU machine)")
+
+
+@cuda
+@pytest.mark.cuda
+def test_the_block_runs_on_cuda_and_the_checkpoint_is_the_same_format(source, tmp_path):
+    on_gpu = quantize_checkpoint(source, tmp_path / "gpu", RECIPE, calibration=CALIB, device="cuda")
+    on_cpu = quantize_checkpoint(source, tmp_path / "cpu", RECIPE, calibration=CALIB)
+    assert on_gpu.info.keys() == on_cpu.info.keys()
+    a, b = digests(tmp_path / "gpu"), digests(tmp_path / "cpu")
+    assert a.keys() == b.keys() and a["config.json"] == b["config.json"]
