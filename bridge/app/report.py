@@ -32,9 +32,10 @@ class LayerRow:
 
 
 def _rel_error(w: torch.Tensor, q: qt.QTensor) -> float:
-    w = w.detach().to(torch.float32)
-    err = (qt.dequantize(q, dtype=torch.float32) - w).pow(2).sum()
-    return float(err / w.pow(2).sum().clamp(min=torch.finfo(torch.float32).tiny))
+    """``||W - Ŵ||² / ||W||²`` in two dot products over one dequantized copy (no other temporary)."""
+    w = w.detach().to(torch.float32).reshape(-1)
+    d = qt.dequantize(q, dtype=torch.float32).reshape(-1).sub_(w)
+    return float(torch.dot(d, d) / torch.dot(w, w).clamp(min=torch.finfo(torch.float32).tiny))
 
 
 def layer_rows(params: Mapping[str, torch.Tensor], qtree: Mapping[str, Any], plan: Mapping) -> list[LayerRow]:

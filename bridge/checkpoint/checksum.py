@@ -29,7 +29,7 @@ from typing import Iterable, Mapping
 
 from .metadata import CheckpointError
 
-__all__ = ["ALGORITHM", "digest", "digests", "checksum_metadata", "read_header", "verify_files"]
+__all__ = ["ALGORITHM", "hasher", "digest", "digests", "checksum_metadata", "read_header", "verify_files"]
 
 ALGORITHM = "sha256"
 _ALGORITHMS = {"sha256": hashlib.sha256}
@@ -37,10 +37,17 @@ _THREADS = max(1, min(8, os.cpu_count() or 1))
 _CHUNK = 16 * 2**20
 
 
-def digest(st_dtype: str, shape, data, *, algorithm: str = ALGORITHM) -> str:
-    """Hex digest of one stored tensor: its safetensors dtype name, shape and raw bytes."""
+def hasher(st_dtype: str, shape, *, algorithm: str = ALGORITHM):
+    """A ``hashlib`` object fed with a tensor's header description: feed it the raw bytes (in chunks if
+    need be), its ``hexdigest()`` is the tensor's :func:`digest`."""
     h = _ALGORITHMS[algorithm]()
     h.update(f"{st_dtype}:{','.join(str(int(n)) for n in shape)}:".encode())
+    return h
+
+
+def digest(st_dtype: str, shape, data, *, algorithm: str = ALGORITHM) -> str:
+    """Hex digest of one stored tensor: its safetensors dtype name, shape and raw bytes."""
+    h = hasher(st_dtype, shape, algorithm=algorithm)
     h.update(data)
     return h.hexdigest()
 
@@ -61,8 +68,7 @@ def digests(items: Iterable[tuple[str, str, list, object]], *, algorithm: str = 
 
 def _file_digest(path: Path, start: int, entry: Mapping, algorithm: str) -> str:
     """Digest of one tensor of a safetensors file, read in chunks (never the whole tensor at once)."""
-    h = _ALGORITHMS[algorithm]()
-    h.update(f"{entry['dtype']}:{','.join(str(int(n)) for n in entry['shape'])}:".encode())
+    h = hasher(entry["dtype"], entry["shape"], algorithm=algorithm)
     begin, end = (start + int(o) for o in entry["data_offsets"])
     with open(path, "rb") as f:
         f.seek(begin)

@@ -12,6 +12,7 @@ tensors kept in the dtype they are stored in (``dtype="auto"``), and resume afte
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable, Iterable, Mapping, NamedTuple
 
@@ -24,6 +25,7 @@ from ..checkpoint import CheckpointError, metadata
 from ..checkpoint.store import FLOAT_DTYPES, parse_size
 from ..io import cast_leaf, write_extras
 from . import skeleton as skel
+from .memory import reuse_freed_memory
 from .shards import ShardFiles, ShardPlan
 from .source import Source
 from .workdir import WorkDir, calibration_digest, fingerprint
@@ -112,6 +114,7 @@ def quantize_checkpoint(source, out, recipe, *, calibration: Iterable | None = N
     if not isinstance(resume, bool):
         raise TypeError(f"resume must be True or False, got {resume!r}")
     dev = torch.device(device)  # a bad device string fails here
+    reuse_freed_memory()
     budget = None if max_memory is None else parse_size(max_memory)
     src = Source(source)
     model = skel.build(src.root, model_class)
@@ -147,6 +150,7 @@ def quantize_checkpoint(source, out, recipe, *, calibration: Iterable | None = N
         for unit in run.units(done):
             done.add(unit)
             if time.monotonic() - saved > _SAVE_EVERY_S or run.saves_each:
+                files.flush()  # what the manifest calls done is on disk
                 work.save({"version": 1, "fingerprint": fp, "done": sorted(done), "sums": files.sums, **run.state()})
                 saved = time.monotonic()
         files.finish()
@@ -223,22 +227,37 @@ class _TensorRun:
         self._tied = {path: path if path in src else tied[path] for path in layout.tree if path not in layout.aliases}
 
     def units(self, done):
-        paths = [p for p in self.layout.tree if p not in self.layout.aliases]
+        paths = [p for p in self.layout.tree if p not in self.layout.aliases and p not in done]
         todo = self.progress(paths, desc="tensors", total=len(paths)) if self.progress else paths
-        for path in todo:
-            if path in done:
-                continue
-            t = self.src.read(self._tied[path])
-            if path in self.p.specs:
-                w = t.float()
-                q = qt.quantize_tree({path: w}, self.p.restrict([path]))[path]
-                q = cast_leaf(q, self.dtypes.get(path, q.dtype))
-                if self.on_tensor is not None:
-                    self.on_tensor(path, w, q)
-                self.files.put(qt_parts(path, q))
-            else:
-                self.files.put({path: cast_leaf(t, self.dtypes[path]) if path in self.dtypes else t})
-            yield path
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="qtransform-reader") as reader:
+            ahead = None
+            for i, path in enumerate(todo):
+                got = ahead.result() if ahead is not None else self._read(path)
+                nxt = paths[i + 1] if i + 1 < len(paths) else None
+                ahead = reader.submit(self._read, nxt) if nxt is not None else None  # the next read overlaps
+                self._one(path, got)
+                yield path
+
+    def _read(self, path: str):
+        """The quantized tensors' values (read ahead); ``None`` for a tensor copied as stored."""
+        name = self._tied[path]
+        if path in self.p.specs or self.dtypes.get(path, self.src.tensors[name].dtype) != self.src.tensors[name].dtype:
+            return self.src.read(name)
+        return None
+
+    def _one(self, path: str, t) -> None:
+        if t is None:  # stored unchanged: copied from the input's bytes
+            s = self.src.tensors[self._tied[path]]
+            self.files.put_raw(path, self.src.root / s.file, s.begin, s.end, s.dtype, s.shape)
+        elif path in self.p.specs:
+            w = t.float()
+            q = qt.quantize_tree({path: w}, self.p.restrict([path]))[path]
+            q = cast_leaf(q, self.dtypes.get(path, q.dtype))
+            if self.on_tensor is not None:
+                self.on_tensor(path, w, q)
+            self.files.put(qt_parts(path, q))
+        else:
+            self.files.put({path: cast_leaf(t, self.dtypes[path]) if path in self.dtypes else t})
 
     def state(self) -> dict:
         return {}

@@ -14,6 +14,8 @@ from __future__ import annotations
 import json
 import os
 import struct
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Mapping, Sequence
 
@@ -23,6 +25,8 @@ from ..checkpoint import checksum, stfile
 from ..checkpoint.store import INDEX, SINGLE, ST_DTYPES, parse_size
 
 __all__ = ["ShardPlan", "ShardFiles"]
+
+_CHUNK = 16 * 2**20
 
 
 class ShardPlan:
@@ -68,9 +72,11 @@ def _pwrite(fd: int, data, offset: int) -> None:
 
 class ShardFiles:
     """The files of ``plan`` in ``directory``: created at their final size (``resume``: reopened, with the
-    ``sums`` of the tensors already written), filled by :meth:`put`, closed by :meth:`finish`."""
+    ``sums`` of the tensors already written), filled by :meth:`put` and :meth:`put_raw`, closed by
+    :meth:`finish`. Hashing and writing run on a background thread (a queue of ``depth`` tensors), so that
+    reading and quantizing the next tensor overlap them; an error there is raised by the next call."""
 
-    def __init__(self, directory, plan: ShardPlan, *, sums: Mapping[str, str] | None = None):
+    def __init__(self, directory, plan: ShardPlan, *, sums: Mapping[str, str] | None = None, depth: int = 2):
         self.directory, self.plan, self.sums = Path(directory), plan, dict(sums or {})
         self._fds = {}
         for f in plan.files:
@@ -79,26 +85,68 @@ class ShardFiles:
                          0o666)
             os.ftruncate(fd, plan.size(f))
             self._fds[f] = fd
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="qtransform-writer")
+        self._pending: deque = deque()
+        self._depth = depth
+
+    def _where(self, name: str, dtype: str, shape) -> tuple[str, int]:
+        f = self.plan.where.get(name)
+        if f is None:
+            raise ValueError(f"stream writer: tensor {name!r} is not one the checkpoint's plan holds")
+        st, planned = self.plan.entries[f][name]
+        if dtype != st or list(shape) != planned:
+            raise ValueError(f"stream writer: tensor {name!r} has dtype {dtype} and shape {list(shape)}, the "
+                             f"checkpoint's plan holds {st} {planned}")
+        return f, self.plan.start[f] + self.plan.offsets[f][name][0]
+
+    def _submit(self, fn, *args) -> None:
+        while len(self._pending) >= self._depth:
+            self._pending.popleft().result()
+        self._pending.append(self._pool.submit(fn, *args))
 
     def put(self, tensors: Mapping[str, torch.Tensor]) -> None:
         """Write ``tensors`` (names of the plan, with the planned dtypes and shapes) at their places."""
         for name, t in tensors.items():
-            f = self.plan.where.get(name)
-            if f is None:
-                raise ValueError(f"stream writer: tensor {name!r} is not one the checkpoint's plan holds")
-            st, shape = self.plan.entries[f][name]
-            if ST_DTYPES.get(t.dtype) != st or list(t.shape) != shape:
-                raise ValueError(f"stream writer: tensor {name!r} has dtype {t.dtype} and shape {list(t.shape)}, "
-                                 f"the checkpoint's plan holds {st} {shape}")
+            f, offset = self._where(name, ST_DTYPES.get(t.dtype), t.shape)
             raw = t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()
-            self.sums[name] = checksum.digest(st, shape, raw)
-            _pwrite(self._fds[f], raw, self.plan.start[f] + self.plan.offsets[f][name][0])
+            self._submit(self._write, name, f, offset, raw)
+
+    def _write(self, name: str, f: str, offset: int, raw) -> None:
+        st, shape = self.plan.entries[f][name]
+        self.sums[name] = checksum.digest(st, shape, raw)
+        _pwrite(self._fds[f], raw, offset)
+
+    def put_raw(self, name: str, source: Path, begin: int, end: int, dtype: torch.dtype, shape) -> None:
+        """Write tensor ``name`` from bytes ``begin:end`` of file ``source`` as they are (a tensor stored
+        unchanged: copied in chunks, never whole in memory)."""
+        f, offset = self._where(name, ST_DTYPES.get(dtype), shape)
+        self._submit(self._copy, name, f, offset, Path(source), begin, end)
+
+    def _copy(self, name: str, f: str, offset: int, source: Path, begin: int, end: int) -> None:
+        h = checksum.hasher(*self.plan.entries[f][name])
+        buf = bytearray(min(_CHUNK, max(end - begin, 1)))
+        with open(source, "rb", buffering=0) as src:
+            while begin < end:
+                n = os.preadv(src.fileno(), [memoryview(buf)[:min(len(buf), end - begin)]], begin)
+                if n <= 0:
+                    raise ValueError(f"{source}: tensor {name!r} ends early (a truncated shard)")
+                chunk = memoryview(buf)[:n]
+                h.update(chunk)
+                _pwrite(self._fds[f], chunk, offset)
+                begin, offset = begin + n, offset + n
+        self.sums[name] = h.hexdigest()
+
+    def flush(self) -> None:
+        """Wait for the writes queued so far (raising what failed)."""
+        while self._pending:
+            self._pending.popleft().result()
 
     def missing(self) -> list[str]:
         return [n for n in self.plan.where if n not in self.sums]
 
     def finish(self) -> list[str]:
         """Write the headers (every tensor must have been put) and the index; returns the file names."""
+        self.flush()
         missing = self.missing()
         if missing:
             raise ValueError(f"stream writer: tensor(s) {missing[:5]} were never written")
@@ -115,6 +163,10 @@ class ShardFiles:
         return list(self.plan.files)
 
     def close(self) -> None:
-        for fd in self._fds.values():
-            os.close(fd)
-        self._fds = {}
+        try:
+            self.flush()
+        finally:
+            self._pool.shutdown(wait=True)
+            for fd in self._fds.values():
+                os.close(fd)
+            self._fds = {}
