@@ -155,7 +155,7 @@ def finish(row: dict, scratch: Path) -> dict:
     row["input_gb"] = size_gb(scratch / CASES[row["case"]][0])
     row["status"] = "ok" if row["rc"] == 0 else "failed"
     wall = row.get("wall_s")
-    row["gb_per_s"] = round(row["input_gb"] / wall, 3) if row["status"] == "ok" and wall else None
+    row["gb_per_s"] = round(row["input_gb"] / wall, 4) if row["status"] == "ok" and wall else None
     print(json.dumps({k: row.get(k) for k in ("case", "status", "peak_rss_gb", "wall_s", "gb_per_s")}), flush=True)
     if row["status"] != "ok":
         print("\n".join(row["tail"]), flush=True)
@@ -230,7 +230,7 @@ def run_resume(scratch: Path, a, rows: dict) -> list[dict]:
     row["blocks_at_kill"] = blocks
     if proc.returncode != -signal.SIGKILL:
         tail = log.read_text(errors="replace").splitlines()[-8:]
-        row.update(rc=proc.returncode, status="failed", tail=tail,
+        row.update(rc=proc.returncode, status="failed", tail=tail, load_after=round(os.getloadavg()[0], 2),
                    notes=f"the first run ended (rc {proc.returncode}) before it was killed")
         return [finish_plain(row)]
     resume_cmd = [c for c in cmd if c != "--overwrite"] + a.resume_args.split()
@@ -264,8 +264,10 @@ def notes(row: dict, by_case: dict) -> str:
             parts.append(f"time {s['wall_s'] / m['wall_s']:.2f}x, RSS {s['peak_rss_gb'] / m['peak_rss_gb']:.2f}x "
                          "of in memory")
     if row["case"] == "resume" and "killed_after_s" in row:
-        parts.append(f"killed at {row['killed_after_s']} s ({row.get('blocks_at_kill')} blocks); "
-                     f"identical bytes: {row.get('identical')}")
+        parts.append(f"killed at {row['killed_after_s']} s ({row.get('blocks_at_kill')} blocks done)")
+    if "identical" in row:
+        parts.append(f"identical bytes to the uninterrupted run: {row['identical']}"
+                     + (f" (differ: {', '.join(row['differing_files'][:3])})" if row.get("differing_files") else ""))
     if row.get("notes"):
         parts.append(row["notes"])
     if "load_before" in row:
