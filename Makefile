@@ -9,7 +9,7 @@ TORCH   := torch==2.13.0
 STAMP   := $(VENV)/.installed
 PYTEST  := $(BIN)/python -m pytest
 
-.PHONY: install test quick test-long test-llamacpp demo bench bench-gptq bench-gptq-peer bench-awq bench-rotation bench-e2e clean
+.PHONY: install test quick test-long test-llamacpp demo bench bench-gptq bench-gptq-peer bench-awq bench-rotation bench-e2e bench-stream clean
 
 $(STAMP): pyproject.toml Makefile .ci/constraints.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -84,6 +84,11 @@ bench-rotation: $(STAMP)
 ## (about 1.5 hours on 2 quiet cores; bench/results/e2e.{json,md})
 bench-e2e: $(STAMP)
 	HF_HUB_OFFLINE=1 $(BIN)/python bench/bench_e2e.py --threads 2
+
+## models larger than memory: random TinyLlama-1.1B / Llama-3-8B checkpoints (about 19 GB under /work/scratch),
+## streaming vs in-memory quantize peak RSS and wall time, kill-and-resume (hours; bench/results/stream.{json,md})
+bench-stream: $(STAMP)
+	HF_HUB_OFFLINE=1 $(BIN)/python bench/bench_stream.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis
