@@ -12,7 +12,7 @@ SmolLM2-135M-Instruct saved as a bf16 safetensors directory) are made under ``--
 (``--skip-make``: never; ``--remake``: always), outputs go to ``--scratch``/out/<case>.
 
 The ``resume`` case starts the 1.1B GPTQ ``--stream`` command, SIGKILLs it (its process group) when the
-manifest (``--manifest``, default ``{out}.partial/manifest.json``) shows ``--kill-blocks`` completed
+manifest (``--manifest``, default ``{parent}/.{name}.partial/manifest.json``) shows ``--kill-blocks`` completed
 blocks or when half of the uninterrupted run's time has passed, reruns it with ``--resume-args``, and
 compares the sha256 of every output file but report.json with the uninterrupted run (case
 ``gptq-1.1b-stream``, run first if its output is missing). Results: bench/results/stream.{json,md},
@@ -182,21 +182,13 @@ def digests(directory: Path) -> dict[str, str]:
 
 
 def completed_blocks(path: Path) -> int:
-    """Completed blocks a manifest names: the length of its first list or dict under a known key
-    (completed, blocks, done, completed_blocks), of the manifest itself if it is a list, or 0."""
+    """Blocks a streamed run's manifest (bridge.stream.workdir) records as done."""
     try:
         data = json.loads(path.read_text())
     except (OSError, ValueError):
         return 0
-    if isinstance(data, list):
-        return len(data)
-    if isinstance(data, dict):
-        for key in ("completed", "completed_blocks", "blocks", "done"):
-            if isinstance(data.get(key), (list, dict)):
-                return len(data[key])
-            if isinstance(data.get(key), int):
-                return data[key]
-    return 0
+    done = data.get("done", []) if isinstance(data, dict) else []
+    return sum(1 for u in done if isinstance(u, str) and u.startswith("block "))
 
 
 def run_resume(scratch: Path, a, rows: dict) -> list[dict]:
@@ -209,8 +201,8 @@ def run_resume(scratch: Path, a, rows: dict) -> list[dict]:
     expected = ref_row.get("wall_s") if ref_row.get("status") == "ok" else None
     kill_after = (expected or a.expected_s) / 2
     out = scratch / "out" / "resume"
-    manifest = Path(a.manifest.format(out=out))
-    for d in (out, Path(f"{out}.partial")):  # a fresh start: no state of an earlier run
+    manifest = Path(a.manifest.format(out=out, parent=out.parent, name=out.name))
+    for d in (out, manifest.parent):  # a fresh start: no state of an earlier run
         shutil.rmtree(d, ignore_errors=True)
     cmd = command("resume", scratch, a, out=out)
     log = scratch / "logs" / "resume-killed.log"
@@ -302,8 +294,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--qtransform", default=str(Path(sys.executable).parent / "qtransform"))
     ap.add_argument("--threads", type=int, default=None, help="passed to qtransform quantize --threads")
     ap.add_argument("--timeout", type=float, default=4 * 3600, help="seconds per command")
-    ap.add_argument("--manifest", default="{out}.partial/manifest.json",
-                    help="resume: the manifest polled for completed blocks ({out}: the output directory)")
+    ap.add_argument("--manifest", default="{parent}/.{name}.partial/manifest.json",
+                    help="resume: the manifest polled for completed blocks ({parent}/{name}: the output directory's)")
     ap.add_argument("--kill-blocks", type=int, default=10, help="resume: kill once this many blocks are done")
     ap.add_argument("--expected-s", type=float, default=600.0,
                     help="resume: the uninterrupted run's seconds when unknown (killed at half of it)")
