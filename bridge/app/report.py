@@ -26,7 +26,7 @@ class LayerRow:
     shape: tuple[int, ...]
     bytes: int
     bits_per_weight: float
-    rel_error: float
+    rel_error: float | None  # None: not measured (a streamed run without --layer-errors)
     rule: str
     bytes_before: int  # the original tensor's
 
@@ -59,9 +59,10 @@ def peak_memory() -> int:
         return 0
 
 
-def layer_row(path: str, w: torch.Tensor, q: qt.QTensor, rule: str) -> LayerRow:
-    """The row of one quantized tensor ``q`` of float ``w``."""
-    return LayerRow(path, str(q.spec), tuple(q.shape), q.nbytes(), q.bits_per_element(), _rel_error(w, q), rule,
+def layer_row(path: str, w: torch.Tensor, q: qt.QTensor, rule: str, *, error: bool = True) -> LayerRow:
+    """The row of one quantized tensor ``q`` of float ``w`` (its relative error measured with ``error``)."""
+    return LayerRow(path, str(q.spec), tuple(q.shape), q.nbytes(), q.bits_per_element(),
+                    _rel_error(w, q) if error else None, rule,
                     w.numel() * w.element_size())
 
 
@@ -137,7 +138,12 @@ class Report:
         return 8.0 * sum(r.bytes_before for r in self.layers) / n if n else float("nan")
 
     def worst(self, n: int = 5) -> list[LayerRow]:
-        return sorted(self.layers, key=lambda r: r.rel_error, reverse=True)[:n]
+        return sorted((r for r in self.layers if r.rel_error is not None), key=lambda r: r.rel_error, reverse=True)[:n]
+
+    @property
+    def measured(self) -> bool:
+        """Whether the layers' relative errors were measured."""
+        return any(r.rel_error is not None for r in self.layers)
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
@@ -145,7 +151,7 @@ class Report:
         d["quantized_numel"] = self.quantized_numel
         d["bits_per_weight"] = self.bits_per_weight
         d["bits_per_weight_before"] = self.bits_per_weight_before
-        d["mean_rel_error"] = (sum(r.rel_error for r in self.layers) / len(self.layers)) if self.layers else None
+        d["mean_rel_error"] = (sum(r.rel_error for r in self.layers) / len(self.layers)) if self.measured else None
         return d
 
     def render(self) -> str:
@@ -160,12 +166,16 @@ class Report:
         rows = [["spec", "tensors", "weights", "bits/weight", "mean rel. error", "max rel. error"]]
         for spec, rs in by_spec.items():
             n = sum(math.prod(r.shape) for r in rs)
-            rows.append([spec, str(len(rs)), f"{n / 1e6:.2f}M", f"{8 * sum(r.bytes for r in rs) / n:.3f}",
-                         f"{sum(r.rel_error for r in rs) / len(rs):.5f}", f"{max(r.rel_error for r in rs):.5f}"])
+            errors = [f"{sum(r.rel_error for r in rs) / len(rs):.5f}", f"{max(r.rel_error for r in rs):.5f}"] \
+                if self.measured else ["-", "-"]
+            rows.append([spec, str(len(rs)), f"{n / 1e6:.2f}M", f"{8 * sum(r.bytes for r in rs) / n:.3f}", *errors])
         lines += ["", *table(rows)]
-        lines += ["", "worst layers (relative error ||W - Ŵ||² / ||W||²):"]
-        lines += table([["tensor", "spec", "rel. error"]] +
-                        [[r.path, r.spec, f"{r.rel_error:.5f}"] for r in self.worst()])
+        if self.measured:
+            lines += ["", "worst layers (relative error ||W - Ŵ||² / ||W||²):"]
+            lines += table([["tensor", "spec", "rel. error"]] +
+                           [[r.path, r.spec, f"{r.rel_error:.5f}"] for r in self.worst()])
+        else:
+            lines += ["", "per-layer errors not measured (--layer-errors measures them)"]
         if self.activations:
             static = [a for a in self.activations if not a["dynamic"]]
             lines += ["", f"activations: {len(self.activations)} quantized "
@@ -209,7 +219,7 @@ class Report:
         for i, r in enumerate(self.layers):
             by_kind.setdefault(r.path.rsplit(".", 2)[-2] if r.path.count(".") >= 2 else r.path, []).append(i)
         for kind, idx in sorted(by_kind.items()):
-            ax1.scatter(idx, [self.layers[i].rel_error for i in idx], s=10, label=kind)
+            ax1.scatter(idx, [self.layers[i].rel_error or float("nan") for i in idx], s=10, label=kind)
         ax1.set_yscale("log")
         ax1.set_xlabel("quantized tensor (model order)")
         ax1.set_ylabel("relative error ||W - Ŵ||² / ||W||²")

@@ -33,6 +33,9 @@ def add_options(q) -> None:
     q.add_argument("--device", help="with --stream: where the block being calibrated runs (cpu, cuda, cuda:1...)")
     q.add_argument("--max-memory", metavar="SIZE",
                    help="with --stream: calibration activations kept in memory (e.g. 4GB); beyond, they spill to disk")
+    q.add_argument("--layer-errors", action="store_true",
+                   help="with --stream: also measure each quantized tensor's relative error for the report (costs "
+                        "about as much as round-to-nearest itself; in memory they are always measured)")
     q.add_argument("--dtype", choices=_DTYPES, default="auto",
                    help="dtype of the checkpoint's float tensors (default auto: as stored in the input)")
 
@@ -41,8 +44,10 @@ def check_options(a) -> None:
     """The streaming options fit together (before anything is loaded)."""
     from ..checkpoint.store import parse_size
 
-    if (a.resume or a.device or a.max_memory) and not a.stream:
-        given = [o for o, v in (("--resume", a.resume), ("--device", a.device), ("--max-memory", a.max_memory)) if v]
+    options = (("--resume", a.resume), ("--device", a.device), ("--max-memory", a.max_memory),
+               ("--layer-errors", a.layer_errors))
+    if any(v for _, v in options) and not a.stream:
+        given = [o for o, v in options if v]
         raise UserError(f"{', '.join(given)} go with --stream")
     if a.device:
         import torch
@@ -104,7 +109,7 @@ def cmd_streamed(a, recipe, label: str, out: Path, source, t0: float) -> int:
     rows, rep = [], {}
 
     def on_tensor(path, w, q):
-        rows.append(report.layer_row(path, w, q, ""))
+        rows.append(report.layer_row(path, w, q, "", error=a.layer_errors))
 
     def before_publish(tmp: Path, result) -> None:
         ppl = None
