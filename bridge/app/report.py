@@ -121,7 +121,7 @@ class Report:
     step_info: dict = dataclasses.field(default_factory=dict)
     online: list[dict] = dataclasses.field(default_factory=list)
     peak_memory: int = 0
-    streamed: bool = False
+    streamed: str = ""  # how a streamed run went: "shard to shard" or "block by block"; "" in memory
 
     @property
     def quantized_numel(self) -> int:
@@ -199,7 +199,7 @@ class Report:
         summary.append(["wall time", "", f"quantize {self.seconds_quantize:.1f} s, total {self.seconds_total:.1f} s"])
         if self.peak_memory:
             summary.append(["peak host memory", "", format_bytes(self.peak_memory)
-                            + (" (streamed: block by block)" if self.streamed else " (in memory)")])
+                            + (f" (streamed: {self.streamed})" if self.streamed else " (in memory)")])
         lines += ["", *table(summary)]
         if self.unmatched:
             lines += ["", "warning: recipe patterns that matched nothing: " + ", ".join(self.unmatched)]

@@ -123,7 +123,7 @@ def cmd_streamed(a, recipe, label: str, out: Path, source, t0: float) -> int:
                           calib_tokens=0 if calibration is None else sum(int(b.numel()) for b in calibration),
                           out=str(out), unmatched=recipe.unmatched(result.plan),
                           activations=report.activation_rows(result.activations), step_info=result.info,
-                          online=report.online_rows(result.online), streamed=True)
+                          online=report.online_rows(result.online), streamed=result.mode)
         r.seconds_total = time.perf_counter() - t0
         r.peak_memory = report.peak_memory()
         (tmp / "report.json").write_text(json.dumps(r.to_dict(), indent=2) + "\n")

@@ -35,7 +35,8 @@ __all__ = ["quantize_checkpoint", "Streamed", "stored_dtypes_of"]
 
 class Streamed(NamedTuple):
     """What :func:`quantize_checkpoint` did: the plan, the steps' reports (``info``), the activation
-    quantizers and online rotations, bytes read and written, seconds, and the units resumed."""
+    quantizers and online rotations, bytes read and written, seconds, the units resumed, and the ``mode``
+    (``"shard to shard"`` or ``"block by block"``)."""
 
     plan: qt.Plan
     info: dict
@@ -45,6 +46,7 @@ class Streamed(NamedTuple):
     bytes_out: int
     seconds: float
     resumed: int
+    mode: str = "shard to shard"
 
 
 def stored_dtypes_of(source: Source, model, dtype="auto") -> dict[str, torch.dtype]:
@@ -114,7 +116,6 @@ def quantize_checkpoint(source, out, recipe, *, calibration: Iterable | None = N
     if not isinstance(resume, bool):
         raise TypeError(f"resume must be True or False, got {resume!r}")
     dev = torch.device(device)  # a bad device string fails here
-    reuse_freed_memory()
     budget = None if max_memory is None else parse_size(max_memory)
     src = Source(source)
     model = skel.build(src.root, model_class)
@@ -142,6 +143,7 @@ def quantize_checkpoint(source, out, recipe, *, calibration: Iterable | None = N
     done = set((manifest or {}).get("done", []))
     try:
         if tensor_run:
+            reuse_freed_memory()  # many tensors of the same sizes, one after the other
             run = _TensorRun(src, tied, p, layout, dtypes, files, on_tensor, progress)
         else:
             run = BlockRun(src, tied, model, p, layout, dtypes, files, calibration, device=dev, budget=budget,
@@ -162,7 +164,7 @@ def quantize_checkpoint(source, out, recipe, *, calibration: Iterable | None = N
             _copy_tokenizer(src.root, work.path)
         size = sum((work.path / f).stat().st_size for f in shard_plan.files)
         result = Streamed(p, info, acts, online, src.bytes, size, time.perf_counter() - t0,
-                          len((manifest or {}).get("done", [])))
+                          len((manifest or {}).get("done", [])), "shard to shard" if tensor_run else "block by block")
         if before_publish is not None:
             before_publish(work.path, result)
         work.publish()

@@ -155,8 +155,8 @@ def step(params, plan, *, context, damp: float = 0.01, block_size: int = 128, ac
     for stage in _stages(weights, mine, true_sequential):
         sites = {Site(module_of(s[0]), "input"): init_stats(observer="hessian") for s in stage}
         stats = block.site_stats(changed, sites)
-        for s in context.track(stage, desc=f"gptq {block.name}"):
-            H = finalize_stats(stats[Site(module_of(s[0]), "input")], path=s[0])
+        for s in context.track(stage, desc=f"gptq {block.name}"):  # each Hessian freed once used
+            H = finalize_stats(stats.pop(Site(module_of(s[0]), "input")), path=s[0])
             new, qps, more = _solve_set(s, H, params, plan, solver)
             changed.update(new)
             qparams.update(qps)

@@ -81,26 +81,42 @@ class GPTQResult(NamedTuple):
 
 
 def inverse_hessian_factor(H: torch.Tensor, *, damp: float = 0.01, max_retries: int = 6,
-                           path: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                           path: str | None = None, perm: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(U, dead)``: the upper Cholesky factor of ``(H + λI)⁻¹`` (float32; ``λ = damp · mean diag``,
-    dead diagonal entries set to 1 first) and the mask of dead columns. Float64 inside.
+    dead diagonal entries set to 1 first) and the mask of dead columns. Float64 inside. ``perm``: factor
+    ``H[perm][:, perm]`` (gathered here, never held beside ``H`` as a copy of its own).
 
     With ``P`` the reversal permutation and ``L Lᵀ = P H P``, ``H⁻¹ = (P L⁻¹ P)ᵀ (P L⁻¹ P)`` and
     ``P L⁻¹ P`` is upper triangular with a positive diagonal: the factor, from one Cholesky
     factorization and one triangular solve (instead of factorizing, inverting and factorizing again)."""
-    H = H.detach().to(torch.float64).clone()
-    dead = torch.diagonal(H) <= 0
-    H[dead, :] = 0
-    H[:, dead] = 0
-    H[dead, dead] = 1.0
-    mean = float(torch.diagonal(H).mean())
-    eye = torch.eye(H.shape[0], dtype=H.dtype, device=H.device)
+    def damped(lam: float) -> torch.Tensor:
+        """``P (H + λI) P`` in float64, dead entries cleared (rebuilt for each try: one n×n float64 copy
+        alive beside the factor, not four)."""
+        order = (torch.arange(H.shape[0], device=H.device) if perm is None else perm).flip(0)
+        A = H.detach()[order[:, None], order].to(torch.float64)  # P H[perm][:, perm] P, one gather
+        dead = torch.diagonal(A).flip(0) <= 0
+        rdead = dead.flip(0)
+        A[rdead, :] = 0
+        A[:, rdead] = 0
+        A[rdead, rdead] = 1.0
+        A.diagonal().add_(lam)
+        return A, dead
+
+    A, dead = damped(0.0)
+    mean = float(torch.diagonal(A).flip(0).mean())  # in H's order: the same float as before
     d = damp
-    rev = H.flip(0, 1)  # U = P L⁻¹ P with L L^T = P H P (P: the reversal): one factorization, one solve
     for attempt in range(max_retries + 1):
-        L, info = torch.linalg.cholesky_ex(rev + (d * mean) * eye)
+        if attempt:
+            A, _ = damped(d * mean)
+        else:
+            A.diagonal().add_(d * mean)
+        L, info = torch.linalg.cholesky_ex(A)
+        del A
         if int(info) == 0:
-            U = torch.linalg.solve_triangular(L, eye, upper=False).flip(0, 1)
+            U = torch.eye(L.shape[0], dtype=L.dtype, device=L.device)
+            U = torch.linalg.solve_triangular(L, U, upper=False, out=U)
+            del L
+            U = U.to(torch.float32).flip(0, 1)
             if bool(torch.isfinite(U).all()):
                 break
         if attempt == max_retries:
@@ -108,7 +124,7 @@ def inverse_hessian_factor(H: torch.Tensor, *, damp: float = 0.01, max_retries: 
                              f"{d:g} × its mean diagonal; too few calibration tokens for this layer?")
         d = d * 10 if d > 0 else 1e-6
         warnings.warn(f"{where(path)}gptq: Cholesky factorization failed; retrying with damp={d:g}", stacklevel=3)
-    return U.to(torch.float32), dead
+    return U, dead
 
 
 def _group_width(spec: QuantSpec, shape, path) -> int:
@@ -213,8 +229,7 @@ def gptq_many(weights: Sequence[torch.Tensor], H: torch.Tensor, specs: Sequence[
             check_hqq_spec(spec, path=p)
     C = weights[0].shape[1]
     perm = torch.argsort(torch.diagonal(H).to(torch.float64), descending=True, stable=True) if act_order else None
-    U, dead = inverse_hessian_factor(H if perm is None else H[perm][:, perm], damp=damp,
-                                     max_retries=max_retries, path=paths[0])
+    U, dead = inverse_hessian_factor(H, perm=perm, damp=damp, max_retries=max_retries, path=paths[0])
     if perm is not None:
         dead = dead[torch.argsort(perm)]
 
