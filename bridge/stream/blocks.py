@@ -31,13 +31,21 @@ from ..calibrate.blocks import capture_inputs, find_blocks, fit_block_on, spread
 from ..calibrate.sites import fold_sites, run_batch
 from ..io import cast_leaf
 from ..modules.actquant import stored_buffers
+from ..modules.online import installed
 from .cache import ActivationCache
+from .segments import restrict_layout
 
 __all__ = ["BlockRun", "SNAPSHOT_EVERY_S", "SNAPSHOT_BYTES"]
 
 #: streams up to this many bytes are saved after every block; larger ones every SNAPSHOT_EVERY_S seconds
 SNAPSHOT_BYTES = 512 * 2**20
 SNAPSHOT_EVERY_S = 600.0
+
+
+def _rotating(algo) -> bool:
+    """A step without data that rotates the residual stream (``requires`` the layout): it runs block by block
+    on each block's part of the layout."""
+    return algo.needs is None and not algo.local and "layout" in algo.requires
 
 
 def _split(args, kwargs):
@@ -77,7 +85,8 @@ class _Calibrator:
     def blockwise(self, params, plan, fit_block, *, qparams=None, tokens=None, online=None):
         k = self._next()
         inputs = self.run.inputs(k, tokens)
-        fit, nxt = fit_block_on(self.run.model, self.name, params, inputs, plan, fit_block, dict(qparams or {}))
+        with installed(self.run.model, online):
+            fit, nxt = fit_block_on(self.run.model, self.name, params, inputs, plan, fit_block, dict(qparams or {}))
         self.run.carry(k, nxt)
         return fit
 
@@ -93,7 +102,8 @@ class _Calibrator:
                 outs.extend(torch.func.functional_call(module, local, a, kw) for a, kw in inputs)
             return len(inputs)
 
-        stats = fold_sites(self.run.model, sites, run_all, where=f"block {self.name}")
+        with installed(self.run.model, online):
+            stats = fold_sites(self.run.model, sites, run_all, where=f"block {self.name}")
         from ..calibrate.sites import first_tensor
 
         self.run.carry(k, [_join(first_tensor(o), _split(a, kw)[1], a, kw) for (a, kw), o in zip(inputs, outs)])
@@ -125,7 +135,8 @@ class BlockRun:
         self.cache = ActivationCache(self.work / "cache" / "spill", budget)
         self.slots, self.kwargs, self.streams = [], [], {}
         self.acts, self.info, self.online = {}, {}, {}
-        self._initial = None
+        self._initial = self._prefix = None
+        self._prefix_written = False
         self._snapped = time.monotonic()
 
     @staticmethod
@@ -134,10 +145,15 @@ class BlockRun:
         names = find_blocks(model)
         for i, s in enumerate(p.steps):
             algo = qt.get_algorithm(s.name)
-            if algo.needs is None and not algo.local:
-                raise ValueError(f"recipe.steps[{i}] ({s.name}): changes tensors across the whole model (embeddings, "
-                                 "every block, the head) together; a streamed run quantizes one block at a time: "
-                                 "quantize in memory (without --stream)")
+            if algo.needs is None and not algo.local and not _rotating(algo):
+                raise ValueError(f"recipe.steps[{i}] ({s.name}): changes tensors across the whole model together; a "
+                                 "streamed run quantizes one block at a time: quantize in memory (without --stream)")
+        if any(_rotating(qt.get_algorithm(s.name)) for s in p.steps) and p.layout is not None:
+            segment = {q: next((n for n in names if q.startswith(n + ".")), "") for q in p}
+            split = [n.weight for n in p.layout.norms if any(segment.get(r) != segment.get(n.weight) for r in n.readers)]
+            if split:
+                raise ValueError(f"rotations: norm {split[0]!r} feeds linears in another decoder block; a streamed "
+                                 "run rotates one block at a time: quantize in memory (without --stream)")
         outside = [f"{s.module} ({s.role})" for s, spec in p.activations.items()
                    if not spec.dynamic and not any(s.module.startswith(n + ".") for n in names)]
         if outside:
@@ -151,12 +167,16 @@ class BlockRun:
             self.stored[path]].dtype.is_floating_point else None)
 
     def _capture(self, quantized: bool) -> list:
-        params = {}
-        for q in self.prefix:
-            t = self._read(q)
-            if quantized and q in self.p.specs:
-                t = qt.dequantize(self._quantize_outside(q, t))
-            params[q] = t
+        """The first block's inputs, the prefix (embeddings) run with the recipe's steps without data applied
+        (``quantized``: and its quantized tensors dequantized, as the static activations' pass sees them)."""
+        if self._prefix is None:  # read, transformed, quantized and written once
+            params = {q: self._read(q) for q in self.prefix}
+            qtree, fit = self._outside(self.prefix, params)
+            self._prefix = ({**params, **fit.params}, qtree)
+            self._prefix_written = True
+        changed, qtree = self._prefix
+        params = {q: qt.dequantize(qtree[q]) if quantized and isinstance(qtree[q], qt.QTensor) else changed[q]
+                  for q in self.prefix}
         with torch.no_grad():
             return capture_inputs(self.model, params, self.names[0], self.calibration)
 
@@ -191,16 +211,13 @@ class BlockRun:
         todo = self.progress(order, desc="blocks", total=len(self.names) - start) if self.progress else order
         for i in todo:
             self._block(self.names[i])
-            self._initial = None  # the first block made every stream
+            self._initial = self._prefix = None  # the first block made every stream
             if self._snapshot(i, force=i == len(self.names) - 1):
                 yield f"block {i}"
-        for path in self.outside:
-            if path not in self.layout.aliases:
-                t = self._read(path)
-                if path in self.p.specs:
-                    self._put_quantized(path, t, self._quantize_outside(path, t))
-                else:
-                    self.files.put({path: self._plain(path, t)})
+        rest = [q for q in self.outside if q not in self.prefix]
+        for paths in ([] if self._prefix_written else [self.prefix]) + [rest]:  # the prefix, unless the capture wrote it
+            if paths:
+                self._outside(paths, {q: self._read(q) for q in paths}, write=True)
         yield "outside"
 
     def _plain(self, path: str, t: torch.Tensor) -> torch.Tensor:
@@ -215,26 +232,31 @@ class BlockRun:
 
         self.files.put({n: t.to("cpu") for n, t in qt_parts(path, q).items()})
 
-    def _quantize_outside(self, path: str, t: torch.Tensor):
-        """A tensor outside the blocks, as the in-memory run quantizes it: the recipe's steps that fit one
-        tensor without data, then round to nearest from what they fitted."""
-        local = tuple(s for s in self.p.steps if qt.get_algorithm(s.name).local and qt.get_algorithm(s.name).needs is None)
-        p = self.p.restrict([path])
-        p = p.replace(recipe=dataclasses.replace(p.recipe, steps=local)) if local != tuple(self.p.steps) else p
-        return qt.quantize_tree({path: t}, p)[path]
+    def _outside(self, paths: list, params: dict, *, write: bool = True):
+        """Tensors outside the blocks (the embeddings, the final norm and head), as the in-memory run treats
+        them: the recipe's steps without data (the local ones, rotations), then round to nearest from what
+        they fitted (block-by-block steps never fit them); written with ``write``. Returns ``(qtree, fit)``."""
+        steps = tuple(s for s in self.p.steps if qt.get_algorithm(s.name).needs is None)
+        qtree, fit = qt.quantize_tree(params, self._plan(paths, steps), with_info=True)
+        if write:
+            self._write(paths, params, qtree)
+        self.info.update(fit.info)
+        self.online.update(fit.online)
+        return qtree, fit
 
-    def _block(self, name: str) -> None:
-        paths = self.inside[name]
-        params = {q: self._read(q) for q in paths}
-        p = self.p.restrict(paths).replace(attention=[a for a in self.p.attention if a.startswith(name + ".")])
-        cal = _Calibrator(self, name)
-        qtree, fit = qt.quantize_tree(params, p, calibrator=cal, with_info=True)
-        acts = {}
-        if p.activations:
-            observer = dict(self.act_observer) if isinstance(self.act_observer, dict) else {"name": self.act_observer}
-            weights = {q: qt.dequantize(v) if isinstance(v, qt.QTensor) else v for q, v in qtree.items()}
-            acts = qt.activation_quantizers(weights, p, cal, observer=observer.pop("name", None), online=fit.online,
-                                            **observer)
+    def _plan(self, paths, steps=None) -> qt.Plan:
+        """The plan restricted to ``paths`` (a block or a part outside them): its attention modules, its part
+        of the residual layout; ``steps`` instead of the recipe's when given."""
+        inside = set(paths)
+        p = self.p.restrict(paths)
+        changes = {"attention": [a for a in self.p.attention if any(q.startswith(a + ".") for q in paths)]}
+        if self.p.layout is not None:
+            changes["layout"] = restrict_layout(self.p.layout, inside)
+        if steps is not None and tuple(steps) != tuple(p.steps):
+            changes["recipe"] = dataclasses.replace(p.recipe, steps=tuple(steps))
+        return p.replace(**changes)
+
+    def _write(self, paths, params: dict, qtree: dict) -> None:
         for q in paths:
             v = qtree[q]
             if q in self.layout.aliases:
@@ -243,6 +265,20 @@ class BlockRun:
                 self._put_quantized(q, params[q], v)
             else:
                 self.files.put({q: self._plain(q, v)})
+
+    def _block(self, name: str) -> None:
+        paths = self.inside[name]
+        params = {q: self._read(q) for q in paths}
+        p = self._plan(paths)
+        cal = _Calibrator(self, name)
+        qtree, fit = qt.quantize_tree(params, p, calibrator=cal, with_info=True)
+        acts = {}
+        if p.activations:
+            observer = dict(self.act_observer) if isinstance(self.act_observer, dict) else {"name": self.act_observer}
+            weights = {q: qt.dequantize(v) if isinstance(v, qt.QTensor) else v for q, v in qtree.items()}
+            acts = qt.activation_quantizers(weights, p, cal, observer=observer.pop("name", None), online=fit.online,
+                                            **observer)
+        self._write(paths, params, qtree)
         for site, qp in acts.items():
             if isinstance(qp, qt.QParams):
                 module = self.model.get_submodule(site.module)

@@ -26,7 +26,8 @@ from ..spec import Site
 from .base import Fit, register_algorithm
 from .options import option, options_checker
 
-__all__ = ["ROTATIONS", "rotation_matrix", "step", "Options", "check_options", "online_r3_r4", "fuse_online"]
+__all__ = ["ROTATIONS", "rotation_matrix", "step", "Options", "check_options", "online_r3_r4", "fuse_online",
+           "residual_width"]
 
 ROTATIONS = ("hadamard", "random")
 
@@ -55,6 +56,19 @@ class Options:
 
 
 check_options = options_checker("rotate", Options)
+
+
+def residual_width(params, lay: ResidualLayout) -> int:
+    """The residual stream's width: the embeddings' last dimension, else (a part of the model without them,
+    e.g. one decoder block quantized at a time) a norm's width."""
+    emb = params.get(lay.embeddings[0]) if lay.embeddings else None
+    if isinstance(emb, torch.Tensor):
+        return emb.shape[-1]
+    norm = next((params[n.weight] for n in lay.norms if isinstance(params.get(n.weight), torch.Tensor)), None)
+    if norm is None:
+        raise ValueError(f"rotate: layout embeddings {list(lay.embeddings)} and norms name no tensor of the tree: the "
+                         "residual width is unknown")
+    return norm.shape[-1]
 
 
 def online_r3_r4(params, plan, lay: ResidualLayout, *, r3, r4: bool) -> dict:
@@ -89,11 +103,7 @@ def step(params, plan, *, context, layout=None, rotation: str = "hadamard", seed
         raise ValueError("rotate: no residual layout: the plan has none (Plan.layout; bridge.plan fills it from the "
                          "model's architecture table, bridge.arch.residual_layout) and no layout option was given")
     lay = ResidualLayout.from_value(layout, where="rotate: layout")
-    emb = params.get(lay.embeddings[0]) if lay.embeddings else None
-    if not isinstance(emb, torch.Tensor):
-        raise ValueError(f"rotate: layout embeddings {list(lay.embeddings)} name no tensor of the tree: the residual "
-                         "width is unknown")
-    d = emb.shape[-1]
+    d = residual_width(params, lay)
     R1 = rotation_matrix(d, rotation, seed)
     R2 = rotation_matrix(lay.heads[0].head_dim, rotation, seed + 1) if heads and lay.heads else None
     out = rotate_tree(params, lay if heads else lay._replace(heads=()), R1, R2)

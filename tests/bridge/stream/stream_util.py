@@ -45,3 +45,19 @@ def stored_dtype(directory: Path, name: str) -> torch.dtype:
     from bridge.stream import Source
 
     return Source(directory).tensors[name].dtype
+
+
+def in_memory(source: Path, out: Path, recipe, calibration=None, **save) -> None:
+    """What the command does without ``--stream``, from Python: the model loaded in float32, quantized, saved
+    with the float tensors in their stored dtypes."""
+    from transformers import AutoModelForCausalLM
+
+    import bridge
+    from bridge.stream import Source
+    from bridge.stream.driver import stored_dtypes_of
+
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
+    plan = bridge.plan(model, recipe)
+    dtypes = stored_dtypes_of(Source(source), model)
+    qmodel = bridge.quantize(model, plan, calibration=calibration)
+    bridge.save(qmodel, out, recipe=recipe, rules={p: plan[p].rule for p in plan.specs}, dtypes=dtypes, **save)

@@ -85,11 +85,24 @@ def test_bad_checkpoints_are_refused_before_anything_is_written(case, source, tm
     assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]  # no output, no work directory
 
 
-@pytest.mark.parametrize("preset,message", [("spinquant-w4a8", "learns on the whole model's loss"),
-                                            ("quarot-w4a8", "changes tensors across the whole model")])
-def test_recipes_that_need_the_whole_model_are_refused_by_name(preset, message, source, tmp_path):
+def _whole_model_step(params, plan, *, context):
+    return qt.Fit(params={p: t * 2 for p, t in params.items() if p.endswith("norm.weight")})
+
+
+@pytest.fixture
+def whole_model_demo():
+    qt.register_algorithm("whole_model_demo", _whole_model_step)
+    yield
+    qt.ALGORITHMS.unregister("whole_model_demo")
+
+
+@pytest.mark.parametrize("recipe,message", [
+    (qt.get_preset("spinquant-w4a8").recipe, r"recipe.steps\[0\] \(spinquant\): learns on the whole model's loss"),
+    (qt.Recipe(default=qt.QuantSpec(format="int4", granularity=qt.PerGroup(32)), steps=[qt.Step("whole_model_demo")]),
+     r"recipe.steps\[0\] \(whole_model_demo\): changes tensors across the whole model together")])
+def test_steps_that_need_the_whole_model_are_refused_by_name(recipe, message, source, tmp_path, whole_model_demo):
     with pytest.raises(ValueError, match=message):
-        quantize_checkpoint(source, tmp_path / "out", qt.get_preset(preset).recipe, calibration=CALIB)
+        quantize_checkpoint(source, tmp_path / "out", recipe, calibration=CALIB)
     assert not any(tmp_path.iterdir())
 
 
