@@ -22,7 +22,7 @@ from pathlib import Path
 
 from .inputs import UserError
 
-__all__ = ["check_out_dir", "check_file_target", "write_text", "say", "warn"]
+__all__ = ["check_out_dir", "check_file_target", "write_text", "say", "warn", "progress_bar"]
 
 
 def say(msg: str = "") -> None:
@@ -92,3 +92,11 @@ def write_text(path: Path, text: str, *, option: str) -> None:
     finally:
         if tmp.exists():
             tmp.unlink()
+
+
+def progress_bar():
+    """A ``progress(iterable, desc=..., total=...)`` wrapper with a tqdm bar on stderr."""
+    from tqdm.auto import tqdm
+
+    return lambda it, desc="", total=None: tqdm(it, total=total, desc=desc, file=sys.stderr, leave=False,
+                                                dynamic_ncols=True)

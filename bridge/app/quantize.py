@@ -19,7 +19,6 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import json
-import sys
 import time
 from pathlib import Path
 
@@ -27,15 +26,7 @@ from . import export, inputs, outputs, streaming
 from .inputs import UserError
 from .outputs import say, warn
 
-__all__ = ["cmd_quantize", "recipe_of", "progress_bar"]
-
-
-def progress_bar():
-    """A ``progress(iterable, desc=..., total=...)`` wrapper with a tqdm bar on stderr."""
-    from tqdm.auto import tqdm
-
-    return lambda it, desc="", total=None: tqdm(it, total=total, desc=desc, file=sys.stderr, leave=False,
-                                                dynamic_ncols=True)
+__all__ = ["cmd_quantize", "recipe_of"]
 
 
 def _plan(model, recipe, label: str):
@@ -135,7 +126,7 @@ def cmd_quantize(a) -> int:
     tq = time.perf_counter()
     try:
         with torch.no_grad():
-            result = pipeline.quantize_params(model, plan, calibration=calibration, progress=progress_bar())
+            result = pipeline.quantize_params(model, plan, calibration=calibration, progress=outputs.progress_bar())
     except (TypeError, ValueError) as e:  # a step refusing the recipe's specs or options
         raise UserError(f"recipe {label}: {e}") from None
     seconds_q = time.perf_counter() - tq

@@ -91,7 +91,6 @@ def cmd_streamed(a, recipe, label: str, out: Path, source, t0: float) -> int:
     from ..checkpoint import CheckpointError, store
     from ..stream import quantize_checkpoint
     from . import evaluate, models, report
-    from .quantize import progress_bar
 
     name = a.model or models.DEFAULT_MODEL
     if source.gguf_file is not None or source.imported is not None or not _has_safetensors(source.directory):
@@ -136,7 +135,7 @@ def cmd_streamed(a, recipe, label: str, out: Path, source, t0: float) -> int:
         done = quantize_checkpoint(source.directory, out, recipe, calibration=calibration, overwrite=a.overwrite,
                                    resume=a.resume, dtype=dtype_of(a), device=a.device or "cpu",
                                    max_memory=a.max_memory, recipe_name=label, tokenizer=tokenizer,
-                                   progress=progress_bar(), on_tensor=on_tensor, before_publish=before_publish)
+                                   progress=outputs.progress_bar(), on_tensor=on_tensor, before_publish=before_publish)
     except CheckpointError as e:
         raise UserError(f"cannot load model {name}: {str(e).splitlines()[0]}") from None
     except FileExistsError as e:

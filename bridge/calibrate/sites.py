@@ -23,7 +23,7 @@ import qtransform as qt
 from ..modules import kvcache
 from ..tree import tie_groups
 
-__all__ = ["fold_sites", "run_batch", "first_tensor", "untied", "takes", "evaluating"]
+__all__ = ["fold_sites", "run_batch", "first_tensor", "to_device", "untied", "takes", "evaluating"]
 
 
 def first_tensor(value) -> torch.Tensor | None:
@@ -34,13 +34,14 @@ def first_tensor(value) -> torch.Tensor | None:
     return next((t for t in (first_tensor(v) for v in items) if t is not None), None)
 
 
-def _to(value, device):
+def to_device(value, device):
+    """``value`` (a tensor, or a dict, tuple or list holding some) with its tensors on ``device``."""
     if isinstance(value, torch.Tensor):
         return value.to(device)
     if isinstance(value, Mapping):
-        return {k: _to(v, device) for k, v in value.items()}
+        return {k: to_device(v, device) for k, v in value.items()}
     if isinstance(value, (tuple, list)):
-        return type(value)(_to(v, device) for v in value)
+        return type(value)(to_device(v, device) for v in value)
     return value
 
 
@@ -84,7 +85,7 @@ def run_batch(model: nn.Module, params: Mapping[str, torch.Tensor], batch) -> An
     """``model`` on one calibration ``batch`` with its tensors taken from ``params`` (see :func:`untied`);
     with ``use_cache=False`` where the forward takes it (no key/value cache carries state between runs)."""
     device = next((t.device for t in params.values() if isinstance(t, torch.Tensor)), torch.device("cpu"))
-    batch = _to(batch, device)
+    batch = to_device(batch, device)
     if isinstance(batch, Mapping):
         args, kwargs = (), dict(batch)
     elif isinstance(batch, (tuple, list)):

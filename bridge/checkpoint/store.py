@@ -45,7 +45,7 @@ from .metadata import CheckpointError
 
 __all__ = ["SINGLE", "INDEX", "ST_DTYPES", "FLOAT_DTYPES", "STALE_AFTER_S", "parse_size", "WriteError",
            "write_error", "atomic_directory",
-           "remove_stale", "publish", "write_safetensors", "write_shards", "read_json", "open_files", "open_shards",
+           "remove_stale", "publish", "write_safetensors", "write_shards", "read_json", "open_shards",
            "check_headers", "header_bytes"]
 
 SINGLE = "model.safetensors"

@@ -28,12 +28,13 @@ from safetensors.torch import load_file, save_file
 import qtransform as qt
 
 from ..calibrate.blocks import capture_inputs, find_blocks, fit_block_on, spread
-from ..calibrate.sites import fold_sites, run_batch
+from ..calibrate.sites import first_tensor, fold_sites, to_device
 from ..io import cast_leaf
 from ..modules.actquant import stored_buffers
 from ..modules.online import installed
 from .cache import ActivationCache
 from .segments import restrict_layout
+from .skeleton import stored_parts
 
 __all__ = ["BlockRun", "SNAPSHOT_EVERY_S", "SNAPSHOT_BYTES"]
 
@@ -66,16 +67,6 @@ def _join(h, slot, args, kwargs):
     return args, {**kwargs, slot[1]: h}
 
 
-def _to(value, device):
-    if isinstance(value, torch.Tensor):
-        return value.to(device)
-    if isinstance(value, dict):
-        return {k: _to(v, device) for k, v in value.items()}
-    if isinstance(value, (tuple, list)):
-        return type(value)(_to(v, device) for v in value)
-    return value
-
-
 class _Calibrator:
     """The calibrator of one block: its ``k``-th call is served by stream ``k`` (see the module docstring)."""
 
@@ -104,7 +95,6 @@ class _Calibrator:
 
         with installed(self.run.model, online):
             stats = fold_sites(self.run.model, sites, run_all, where=f"block {self.name}")
-        from ..calibrate.sites import first_tensor
 
         self.run.carry(k, [_join(first_tensor(o), _split(a, kw)[1], a, kw) for (a, kw), o in zip(inputs, outs)])
         return stats
@@ -197,7 +187,7 @@ class BlockRun:
         out = []
         for j in self.streams[k]:
             slot, args, kwargs = self.slots[j]
-            out.append(_to(_join(self.cache.get(f"s{k}-b{j}"), slot, args, kwargs), self.device))
+            out.append(to_device(_join(self.cache.get(f"s{k}-b{j}"), slot, args, kwargs), self.device))
         return out
 
     def carry(self, k: int, nxt: list) -> None:
@@ -228,9 +218,7 @@ class BlockRun:
         q = cast_leaf(q, self.dtypes.get(path, q.dtype))
         if self.on_tensor is not None:
             self.on_tensor(path, w, q)
-        from .driver import qt_parts
-
-        self.files.put({n: t.to("cpu") for n, t in qt_parts(path, q).items()})
+        self.files.put({n: t.to("cpu") for n, t in stored_parts(path, q).items()})
 
     def _outside(self, paths: list, params: dict, *, write: bool = True):
         """Tensors outside the blocks (the embeddings, the final norm and head), as the in-memory run treats

@@ -21,7 +21,7 @@ import torch
 import qtransform as qt
 
 from .. import pipeline
-from ..checkpoint import CheckpointError, metadata
+from ..checkpoint import metadata
 from ..checkpoint.store import FLOAT_DTYPES, parse_size
 from ..io import cast_leaf, write_extras
 from . import skeleton as skel
@@ -257,7 +257,7 @@ class _TensorRun:
             q = cast_leaf(q, self.dtypes.get(path, q.dtype))
             if self.on_tensor is not None:
                 self.on_tensor(path, w, q)
-            self.files.put(qt_parts(path, q))
+            self.files.put(skel.stored_parts(path, q))
         else:
             self.files.put({path: cast_leaf(t, self.dtypes[path]) if path in self.dtypes else t})
 
@@ -266,9 +266,3 @@ class _TensorRun:
 
     def results(self):
         return {s: q for s, q in self.p.activations.items()}, {}, {}
-
-
-def qt_parts(path: str, q: qt.QTensor) -> dict:
-    from ..checkpoint import LAYOUTS
-
-    return LAYOUTS["native"].parts(path, q)

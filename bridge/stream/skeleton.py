@@ -25,7 +25,7 @@ from ..io import cast_leaf
 from ..modules.actquant import abstract_qparams
 from ..tree import Quantized, extract, tie_groups, to_module
 
-__all__ = ["params_on_meta", "build", "model_tensors", "OutputLayout", "output_layout"]
+__all__ = ["params_on_meta", "build", "model_tensors", "OutputLayout", "output_layout", "stored_parts"]
 
 
 @contextlib.contextmanager
@@ -107,3 +107,8 @@ def output_layout(model: nn.Module, plan: qt.Plan, dtypes: Mapping[str, torch.dt
         groups.append({n: (t.dtype, tuple(t.shape)) for n, t in parts.items()})
         owner.update({n: path for n in parts})
     return OutputLayout(tree, first, groups, owner)
+
+
+def stored_parts(path: str, q: qt.QTensor) -> dict:
+    """``{stored name: tensor}`` of the quantized tensor ``q`` at ``path`` in the native layout."""
+    return LAYOUTS["native"].parts(path, q)
