@@ -118,6 +118,12 @@ def quantize_checkpoint(source, out, recipe, *, calibration: Iterable | None = N
     dev = torch.device(device)  # a bad device string fails here
     budget = None if max_memory is None else parse_size(max_memory)
     src = Source(source)
+    qc = src.config().get("quantization_config")
+    if qc is not None:
+        method = qc.get("quant_method") if isinstance(qc, dict) else None
+        raise ValueError(f"--stream: {src.root} holds a quantized checkpoint (quantization_config, quant_method "
+                         f"{method!r}); a streamed run reads float checkpoints: quantize it without --stream (its "
+                         "values are dequantized first)")
     model = skel.build(src.root, model_class)
     shapes, tied = skel.model_tensors(model)
     src.check_against(shapes, tied)

@@ -70,6 +70,25 @@ def test_the_float_tensors_keep_their_stored_dtype_and_the_checkpoint_loads(sour
     assert out.shape == (1, 5)
 
 
+@pytest.mark.parametrize("dtype,preset", [(torch.float16, "nvfp4"), (torch.float32, "mxfp4"),
+                                          (torch.float16, "gptq4-g64")])
+def test_fp16_and_fp32_inputs_single_file_or_sharded(dtype, preset, tmp_path):
+    src = save_tiny("qwen2", tmp_path / "src", dtype=dtype, shard="10GB" if dtype == torch.float32 else "30KB")
+    extra = ("--calib", "2", "--calib-batch", "1") if preset.startswith("gptq") else ()
+    quantize(src, tmp_path / "m", preset, "--no-eval", *extra)
+    quantize(src, tmp_path / "s", preset, "--no-eval", "--stream", *extra)
+    assert digests(tmp_path / "s") == digests(tmp_path / "m")
+    assert stored_dtype(tmp_path / "s", "model.norm.weight") == dtype
+
+
+def test_a_quantized_checkpoint_is_refused_by_name(sources, tmp_path, capsys):
+    from bridge.app.cli import main
+
+    quantize(sources["llama"], tmp_path / "q", "int4-g128", "--no-eval")
+    rc = main(["quantize", "--model", str(tmp_path / "q"), "--out", str(tmp_path / "o"), "--stream", "--no-eval"])
+    assert rc == 1 and "quantized checkpoint" in capsys.readouterr().err and not (tmp_path / "o").exists()
+
+
 def test_dtype_float32_stores_everything_in_float32(sources, tmp_path):
     quantize(sources["gpt2"], tmp_path / "a", "int4-g128", "--no-eval", "--stream", "--dtype", "float32")
     quantize(sources["gpt2"], tmp_path / "b", "int4-g128", "--no-eval", "--dtype", "float32")
