@@ -125,7 +125,7 @@ class BlockRun:
         self.cache = ActivationCache(self.work / "cache" / "spill", budget)
         self.slots, self.kwargs, self.streams = [], [], {}
         self.acts, self.info, self.online = {}, {}, {}
-        self._initial = self._prefix = None
+        self._initial = self._initial_q = self._prefix = None
         self._prefix_written = False
         self._snapped = time.monotonic()
 
@@ -174,12 +174,14 @@ class BlockRun:
         """The inputs of the current block for stream ``k`` (made from the prefix's outputs at the first block:
         every pass starts there; ``tokens``: whole batches spread over the data, as the step asks)."""
         if k not in self.streams:
-            if self._initial is None:
+            if self._initial is None:  # both captures at once: the embeddings are freed before the block's work
                 self._initial = self._capture(False)
+                static = any(not spec.dynamic for spec in self.p.activations.values())
+                if static and any(q in self.p.specs for q in self.prefix):
+                    self._initial_q = self._capture(True)
+                self._prefix = None
                 self.slots = [(_split(a, kw)[1], a, kw) for a, kw in self._initial]
-            pairs = self._initial
-            if quantized_prefix and any(q in self.p.specs for q in self.prefix):
-                pairs = self._capture(True)
+            pairs = self._initial_q if quantized_prefix and self._initial_q is not None else self._initial
             chosen = {id(x) for x in spread(pairs, tokens)}
             self.streams[k] = [j for j, x in enumerate(pairs) if id(x) in chosen]
             for j in self.streams[k]:
@@ -201,7 +203,7 @@ class BlockRun:
         todo = self.progress(order, desc="blocks", total=len(self.names) - start) if self.progress else order
         for i in todo:
             self._block(self.names[i])
-            self._initial = self._prefix = None  # the first block made every stream
+            self._initial = self._initial_q = self._prefix = None  # the first block made every stream
             if self._snapshot(i, force=i == len(self.names) - 1):
                 yield f"block {i}"
         rest = [q for q in self.outside if q not in self.prefix]

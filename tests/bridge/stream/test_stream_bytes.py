@@ -56,6 +56,21 @@ def test_a_rotation_without_data_streams_block_by_block_to_the_same_bytes(arch, 
     assert len([f for f in digests(tmp_path / "s") if f.endswith(".safetensors")]) > 2
 
 
+def test_quantized_embeddings_with_static_activations_stream_to_the_same_bytes(sources, tmp_path):
+    """The static activations' pass starts from the quantized embeddings, the block-by-block steps' from the
+    float ones: both streams are captured from the prefix."""
+    import qtransform as qt
+    from bridge.stream import quantize_checkpoint
+
+    int8 = qt.QuantSpec(format="int8", granularity=qt.PerChannel(0))
+    recipe = qt.Recipe(type_rules={"Linear": int8, "Embedding": int8}, exclude=["lm_head*"], steps=[qt.Step("gptq")],
+                       input=qt.QuantSpec(format="int8"))
+    batches = [torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(i)) for i in range(2)]
+    quantize_checkpoint(sources["llama"], tmp_path / "s", recipe, calibration=batches)
+    in_memory(sources["llama"], tmp_path / "m", recipe, calibration=batches)
+    assert digests(tmp_path / "s") == digests(tmp_path / "m")
+
+
 def test_the_float_tensors_keep_their_stored_dtype_and_the_checkpoint_loads(sources, tmp_path):
     from transformers import AutoModelForCausalLM
 
