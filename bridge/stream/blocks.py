@@ -123,7 +123,7 @@ class BlockRun:
         self.outside = [q for q in paths if q not in within]
         self.prefix = [q for q in self.outside if paths.index(q) < first]
         self.cache = ActivationCache(self.work / "cache" / "spill", budget)
-        self.slots, self.kwargs, self.streams = [], [], {}
+        self.slots, self.streams = [], {}
         self.acts, self.info, self.online = {}, {}, {}
         self._initial = self._initial_q = self._prefix = None
         self._prefix_written = False
@@ -280,9 +280,6 @@ class BlockRun:
     def results(self):
         acts = {s: self.acts.get(s, spec) for s, spec in self.p.activations.items()}
         return acts, self.online, self.info
-
-    def state(self) -> dict:
-        return {}
 
     # -- snapshots (resume) --------------------------------------------------------------------------------
     def _snapdir(self, i: int) -> Path:

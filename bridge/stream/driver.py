@@ -159,7 +159,7 @@ def quantize_checkpoint(source, out, recipe, *, calibration: Iterable | None = N
             done.add(unit)
             if time.monotonic() - saved > _SAVE_EVERY_S or run.saves_each:
                 files.flush()  # what the manifest calls done is on disk
-                work.save({"version": 1, "fingerprint": fp, "done": sorted(done), "sums": files.sums, **run.state()})
+                work.save({"version": 1, "fingerprint": fp, "done": sorted(done), "sums": files.sums})
                 saved = time.monotonic()
         files.finish()
         acts, online, info = run.results()
@@ -266,9 +266,6 @@ class _TensorRun:
             self.files.put(skel.stored_parts(path, q))
         else:
             self.files.put({path: cast_leaf(t, self.dtypes[path]) if path in self.dtypes else t})
-
-    def state(self) -> dict:
-        return {}
 
     def results(self):
         return {s: q for s, q in self.p.activations.items()}, {}, {}
