@@ -46,7 +46,8 @@ from .modules.actquant import PREFIX, activation_specs, static_buffers
 from .modules.online import check as check_online, online_rotations
 from .tree import Quantized, extract, tie_groups, to_module
 
-__all__ = ["save", "checkpoint_writer", "write_extras", "stored_dtypes", "cast_leaf", "load", "imported_format", "from_source", "TOKENIZER_FILES"]
+__all__ = ["save", "checkpoint_writer", "write_extras", "stored_dtypes", "config_dtype", "cast_leaf", "load",
+           "imported_format", "from_source", "TOKENIZER_FILES"]
 
 
 def write_extras(model, tmp: Path, qconfig: dict, tokenizer, *, dtype: torch.dtype | None = None,
@@ -150,7 +151,7 @@ def checkpoint_writer(model_or_qtree, *, max_shard_size="2GB", recipe=None, reci
         activations, online = (dict(result.activations) or None, dict(result.online) or None) if result else (None, None)
     layout = LAYOUTS["native"]
     groups, aliases = tensor_groups(tree, layout)  # ties found on the tensors as they are, before any cast
-    targets, config_dtype = stored_dtypes(tree, dtypes)
+    targets, recorded_dtype = stored_dtypes(tree, dtypes)
     if targets:
         tree = {p: cast_leaf(v, targets[p]) if p in targets else v for p, v in tree.items()}
         groups = [{n: cast_leaf(t, targets[n]) if n in targets else t for n, t in g.items()} for g in groups]
@@ -173,7 +174,7 @@ def checkpoint_writer(model_or_qtree, *, max_shard_size="2GB", recipe=None, reci
                            file_metadata={"format": "pt", "quant_method": metadata.QUANT_METHOD,
                                           "version": str(metadata.VERSION)},
                            index_metadata={"quant_method": metadata.QUANT_METHOD})
-        write_extras(model, directory, qconfig, tokenizer, dtype=config_dtype)
+        write_extras(model, directory, qconfig, tokenizer, dtype=recorded_dtype)
 
     return write
 
@@ -196,8 +197,13 @@ def stored_dtypes(tree: Mapping, dtypes) -> tuple[dict, torch.dtype | None]:
     unknown = sorted(set(dtypes) - set(tree))
     if unknown:
         raise ValueError(f"save: dtypes names paths that are not tensors of the tree: {unknown[:5]}")
-    counts = Counter(out.values())
-    return out, (counts.most_common(1)[0][0] if counts else None)
+    return out, config_dtype(out)
+
+
+def config_dtype(dtypes: Mapping[str, torch.dtype]) -> torch.dtype | None:
+    """The dtype a checkpoint's config records for ``{path: stored dtype}``: the most common one."""
+    counts = Counter(dtypes.values())
+    return counts.most_common(1)[0][0] if counts else None
 
 
 def cast_leaf(leaf, dtype: torch.dtype):

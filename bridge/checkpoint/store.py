@@ -45,7 +45,7 @@ from .metadata import CheckpointError
 
 __all__ = ["SINGLE", "INDEX", "ST_DTYPES", "FLOAT_DTYPES", "STALE_AFTER_S", "parse_size", "WriteError",
            "write_error", "atomic_directory",
-           "remove_stale", "publish", "write_safetensors", "write_shards", "read_json", "open_shards",
+           "remove_stale", "publish", "write_safetensors", "write_shards", "read_json", "read_index", "open_shards",
            "check_headers", "header_bytes"]
 
 SINGLE = "model.safetensors"
@@ -278,8 +278,9 @@ def read_json(path: Path, what: str):
         raise CheckpointError(f"{path}: malformed JSON ({e})") from None
 
 
-def open_shards(root: Path) -> tuple[dict[str, str], dict[str, object]]:
-    """``{tensor name: file}`` and open handles, validating the index against the files."""
+def read_index(root: Path) -> tuple[dict[str, str] | None, list[str]]:
+    """``(weight_map or None, shard files)`` of a checkpoint directory (``model.safetensors.index.json`` or a
+    single ``model.safetensors``); the file names are checked to be plain names, not their existence."""
     if (root / INDEX).is_file():
         index = read_json(root / INDEX, "shard index")
         wmap = index.get("weight_map") if isinstance(index, dict) else None
@@ -290,10 +291,17 @@ def open_shards(root: Path) -> tuple[dict[str, str], dict[str, object]]:
         wmap, files = None, [SINGLE]
     else:
         raise CheckpointError(f"{root}: no {SINGLE} and no {INDEX}")
+    bad = next((f for f in files if "/" in f or "\\" in f or f.startswith(".")), None)
+    if bad is not None:
+        raise CheckpointError(f"{root / INDEX}: shard name {bad!r} is not a plain file name")
+    return wmap, files
+
+
+def open_shards(root: Path) -> tuple[dict[str, str], dict[str, object]]:
+    """``{tensor name: file}`` and open handles, validating the index against the files."""
+    wmap, files = read_index(root)
     handles, located = {}, {}
     for f in files:
-        if "/" in f or "\\" in f or f.startswith("."):
-            raise CheckpointError(f"{root / INDEX}: shard name {f!r} is not a plain file name")
         path = root / f
         if not path.is_file():
             raise CheckpointError(f"{path}: shard listed in the index is missing")

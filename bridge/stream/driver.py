@@ -23,7 +23,7 @@ import qtransform as qt
 from .. import pipeline
 from ..checkpoint import metadata
 from ..checkpoint.store import FLOAT_DTYPES, parse_size
-from ..io import cast_leaf, write_extras
+from ..io import cast_leaf, config_dtype, write_extras
 from . import skeleton as skel
 from .memory import reuse_freed_memory
 from .shards import ShardFiles, ShardPlan
@@ -164,7 +164,7 @@ def quantize_checkpoint(source, out, recipe, *, calibration: Iterable | None = N
         files.finish()
         acts, online, info = run.results()
         qconfig = _qconfig(layout, p, acts, online, recipe_name)
-        write_extras(model, work.path, qconfig, tokenizer, dtype=_config_dtype(dtypes),
+        write_extras(model, work.path, qconfig, tokenizer, dtype=config_dtype(dtypes),
                      generation_config=_generation_config(src.root))
         if tokenizer is None:
             _copy_tokenizer(src.root, work.path)
@@ -183,13 +183,6 @@ def _input_fingerprint(src: Source) -> dict:
     return {"config": (src.root / "config.json").read_text(),
             "tensors": {n: [s.file, str(s.dtype), list(s.shape), s.begin, s.end] for n, s in src.tensors.items()},
             "sizes": {f: (src.root / f).stat().st_size for f in sorted({s.file for s in src.tensors.values()})}}
-
-
-def _config_dtype(dtypes: Mapping) -> torch.dtype | None:
-    from collections import Counter
-
-    counts = Counter(dtypes.values())
-    return counts.most_common(1)[0][0] if counts else None
 
 
 def _generation_config(root: Path):

@@ -19,7 +19,7 @@ from typing import NamedTuple
 import torch
 
 from ..checkpoint import CheckpointError, checksum, stfile
-from ..checkpoint.store import INDEX, SINGLE, ST_DTYPES
+from ..checkpoint.store import INDEX, ST_DTYPES, read_index
 
 __all__ = ["Source", "Stored"]
 
@@ -45,23 +45,9 @@ class Source:
             raise CheckpointError(f"{self.root}: not a checkpoint directory")
         if not (self.root / "config.json").is_file():
             raise CheckpointError(f"{self.root}: no config.json (a transformers checkpoint directory has one)")
-        if (self.root / INDEX).is_file():
-            try:
-                index = json.loads((self.root / INDEX).read_text())
-            except (json.JSONDecodeError, UnicodeDecodeError) as e:
-                raise CheckpointError(f"{self.root / INDEX}: malformed JSON ({e})") from None
-            wmap = index.get("weight_map") if isinstance(index, dict) else None
-            if not isinstance(wmap, dict) or not all(isinstance(v, str) for v in wmap.values()):
-                raise CheckpointError(f"{self.root / INDEX}: needs a 'weight_map' object of tensor name -> file name")
-            files = sorted(set(wmap.values()))
-        elif (self.root / SINGLE).is_file():
-            wmap, files = None, [SINGLE]
-        else:
-            raise CheckpointError(f"{self.root}: no {SINGLE} and no {INDEX}")
+        wmap, files = read_index(self.root)
         self.tensors: dict[str, Stored] = {}
         for f in files:
-            if "/" in f or "\\" in f or f.startswith("."):
-                raise CheckpointError(f"{self.root / INDEX}: shard name {f!r} is not a plain file name")
             self._read_header(f)
         if wmap is not None:
             for name, f in wmap.items():
