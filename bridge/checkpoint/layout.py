@@ -109,7 +109,7 @@ def _abstract(shape: tuple[int, ...], dtype: torch.dtype, spec: qt.QuantSpec) ->
         out = vmap(_quantize_fn(spec))(torch.empty((1, *shape), dtype=dtype, device="meta"))
         strip = lambda t: t[0]  # noqa: E731
     except (RuntimeError, NotImplementedError, TypeError):  # a format without meta/vmap support
-        out = _quantize_fn(spec)(torch.zeros(shape, dtype=dtype))
+        out = _quantize_fn(spec)(torch.zeros(shape, dtype=dtype, device="cpu"))  # not a default device (meta)
         strip = lambda t: t  # noqa: E731
     meta = lambda t: None if t is None else torch.empty(strip(t).shape, dtype=t.dtype, device="meta")  # noqa: E731
     qp = out.qparams

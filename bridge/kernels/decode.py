@@ -96,9 +96,16 @@ def _build():
     ``(module, None)`` when it runs here, else ``(None, reason)`` (:func:`native.build`)."""
     mod, reason = native.build(_SOURCE, _NAME, env="QTRANSFORM_NO_DECODE_KERNEL")
     if mod is not None:
-        for op in ("int4_gemv", "int4_gemv_i16"):
-            torch.library.register_fake(f"qtransform_decode::{op}")(_fake_gemv)
+        _register_fakes()
     return mod, reason
+
+
+@functools.cache
+def _register_fakes() -> None:
+    """The ops' shapes for tracing, once per process (a rebuild after ``_build.cache_clear()`` loads the same
+    ops, and torch refuses a second fake impl for an op)."""
+    for op in ("int4_gemv", "int4_gemv_i16"):
+        torch.library.register_fake(f"qtransform_decode::{op}")(_fake_gemv)
 
 
 def _fake_gemv(x, packed, scale, mzero, group, n):
