@@ -152,6 +152,33 @@ def test_cuda_kernels_refused_on_cpu_by_reason():
         w8a8.kernel = "int8_int_mm_cuda"
 
 
+@pytest.mark.skipif(not torch.backends.cuda.is_built(), reason="a CPU-only torch build makes no fake CUDA tensors")
+@pytest.mark.parametrize("name", ["int4pack_cuda", "int8_int_mm_cuda", "fp8_scaled_mm-channel", "fp8_scaled_mm-tensor"])
+def test_cuda_paths_pass_torch_shape_checks_on_fake_cuda_tensors(name, monkeypatch):
+    """No GPU needed: each CUDA path's prepare and run on fake CUDA tensors (``FakeTensorMode``), so torch's
+    meta functions of ``_convert_weight_to_int4pack``, ``_weight_int4pack_mm``, ``_int_mm`` and
+    ``_scaled_mm`` check the operands' dtypes, shapes and strides (``b`` column-major for ``_scaled_mm``)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    kernel, _, gran = name.partition("-")
+    if kernel == "int4pack_cuda":
+        m = make(INT4_SPECS[1])
+    elif kernel == "int8_int_mm_cuda":
+        m = make(W8A8_INT8[0], input_quant=W8A8_INT8[1])
+    else:
+        g = qt.PerChannel(0) if gran == "channel" else qt.PerTensor()
+        m = make(qt.QuantSpec(format=FP8, granularity=g), input_quant=qt.QuantSpec(format=FP8, dynamic=True, granularity=g))
+    k = kernels.LINEAR_KERNELS[kernel]
+    # the data-dependent validations (finite scales...) skip themselves while tracing: fake tensors have no data
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        m._apply(lambda t: t.to("cuda"))
+        st = {} if k.prepare is None else k.prepare(m)
+        for rows in (1, 5, 40):
+            y = k.run(m, st, torch.empty(2, rows, 256, device="cuda"))
+            assert y.shape == (2, rows, 64) and y.dtype == torch.float32 and y.device.type == "cuda"
+
+
 def test_int_mm_row_padding_is_cut_off():
     torch.manual_seed(0)
     a = torch.randint(-128, 128, (3, 64), dtype=torch.int8)
