@@ -256,7 +256,8 @@ def test_auto_choice_on_cuda_and_back_on_cpu():
     w8a8 = make(W8A8_INT8[0], input_quant=W8A8_INT8[1])
     w8 = make(W8A8_INT8[0])  # int8 weight-only: no CUDA kernel, the dequant reference
     odd = make(INT4_SPECS[3], k=48)  # in_features not a multiple of a kernel group
-    assert (m4.kernel, w8a8.kernel, w8.kernel) == ("int4pack_cpu", "dequant", "int8pack_cpu")
+    # on the CPU the W8A8 module runs the weight-only int8pack kernel after fake-quantizing its input
+    assert (m4.kernel, w8a8.kernel, w8.kernel) == ("int4pack_cpu", "int8pack_cpu", "int8pack_cpu")
     for m in (m4, w8a8, w8, odd):
         m.to("cuda")
     assert (m4.kernel, w8a8.kernel, w8.kernel, odd.kernel) == ("int4pack_cuda", "int8_int_mm_cuda", "dequant", "dequant")
