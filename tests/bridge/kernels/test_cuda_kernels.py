@@ -152,6 +152,7 @@ def test_cuda_kernels_refused_on_cpu_by_reason():
         w8a8.kernel = "int8_int_mm_cuda"
 
 
+@pytest.mark.cuda  # needs no GPU, only a CUDA build of torch: `make test-gpu` runs it too
 @pytest.mark.skipif(not torch.backends.cuda.is_built(), reason="a CPU-only torch build makes no fake CUDA tensors")
 @pytest.mark.parametrize("name", ["int4pack_cuda", "int8_int_mm_cuda", "fp8_scaled_mm-channel", "fp8_scaled_mm-tensor"])
 def test_cuda_paths_pass_torch_shape_checks_on_fake_cuda_tensors(name, monkeypatch):
