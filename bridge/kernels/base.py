@@ -1,42 +1,60 @@
 """Forward paths of the quantized modules, chosen per module and device: the tables and the choice.
 
-===================  ===========================================================  ================
-kernel               when                                                         modules
-===================  ===========================================================  ================
-``int4pack_cpu``     CPU, integer codes of at most 4 bits, per-group scales       QLinear
-                     (a group that 32/64/128/256 divides, along in_features; a
-                     padded last group too) or per-channel, ``out_features %
-                     16 == 0``: ``aten._weight_int4pack_mm_for_cpu``
-``int8pack_cpu``     CPU, 8-bit integer codes, per-channel symmetric scales:      QLinear
-                     ``aten._weight_int8pack_mm``
-``fp8_scaled_mm``    CUDA with compute capability >= 8.9, float8_e4m3fn weights   QLinear
-                     with per-tensor/per-channel scales *and* a float8_e4m3fn
-                     input quantizer (real W8A8 fp8): ``torch._scaled_mm``
-``int8_int_mm_cpu``  CPU, 8-bit integer weight codes with symmetric per-channel/  QLinear
-                     per-tensor scales *and* an 8-bit integer input quantizer
-                     (dynamic per-token or per-tensor, static per-tensor; an
-                     integer zero point allowed), ``in_features <= 65535``
-                     (real W8A8 int8): ``torch._int_mm``. Opt-in: ``auto``
-                     never chooses it (see below)
-``gather``           embedding rows: dequantize only the rows looked up           QEmbedding(Bag)
-``dequant``          everything: dequantize this one layer's weight, then the     all
-                     float op (the reference)
-===================  ===========================================================  ================
+====================  ==========================================================  ================
+kernel                when                                                        modules
+====================  ==========================================================  ================
+``fp8_scaled_mm``     CUDA with compute capability >= 8.9, float8_e4m3fn weights  QLinear
+                      with per-tensor/per-channel scales *and* a symmetric
+                      float8_e4m3fn input quantizer, per tensor or per token
+                      (real W8A8 fp8), K and N multiples of 16:
+                      ``torch._scaled_mm``
+``int8_int_mm_cuda``  CUDA with compute capability >= 8.0, 8-bit integer weight   QLinear
+                      codes with symmetric per-channel/per-tensor scales *and* an
+                      8-bit integer input quantizer (as ``int8_int_mm_cpu``), K
+                      and N multiples of 8 (real W8A8 int8): ``torch._int_mm``,
+                      fewer than 17 token rows padded up
+``int8_int_mm_cpu``   CPU, 8-bit integer weight codes with symmetric per-channel/ QLinear
+                      per-tensor scales *and* an 8-bit integer input quantizer
+                      (dynamic per-token or per-tensor, static per-tensor; an
+                      integer zero point allowed), ``in_features <= 65535``
+                      (real W8A8 int8): ``torch._int_mm``. Opt-in: ``auto``
+                      never chooses it (see below)
+``int4pack_cuda``     CUDA with compute capability >= 8.0, integer codes of at    QLinear
+                      most 4 bits, per-group (a group that 32..256 divides, as
+                      ``int4pack_cpu``) or per-channel scales, ``out_features %
+                      8 == 0``, ``in_features % 32 == 0``: the tinygemm kernel
+                      ``aten._weight_int4pack_mm`` (bf16)
+``int4pack_cpu``      CPU, integer codes of at most 4 bits, per-group scales      QLinear
+                      (a group that 32/64/128/256 divides, along in_features; a
+                      padded last group too) or per-channel, ``out_features %
+                      16 == 0``: ``aten._weight_int4pack_mm_for_cpu``
+``int8pack_cpu``      CPU, 8-bit integer codes, per-channel symmetric scales:     QLinear
+                      ``aten._weight_int8pack_mm``
+``gather``            embedding rows: dequantize only the rows looked up          QEmbedding(Bag)
+``dequant``           everything: dequantize this one layer's weight, then the    all
+                      float op (the reference; on any device, CUDA included)
+====================  ==========================================================  ================
+
+Each kernel checks the device of the module's buffers, so ``model.to("cuda")`` (or a checkpoint
+loaded with ``device_map="cuda"``) chooses the CUDA kernels and ``.to("cpu")`` the CPU ones again:
+moving a module drops its prepared state, derived again on the new device at the next call.
 
 With many tokens (``dense.PREFILL_ROWS``, measured) ``int4pack_cpu`` and ``int8pack_cpu``
 dequantize into a reused buffer and run ``F.linear`` in the input's dtype (:mod:`.dense`): the
-packed kernels are compute-bound there. Every path has a backward with respect to its input
+packed kernels are compute-bound there. ``int4pack_cuda`` runs the tinygemm kernel at every
+token count until ``bench/bench_gpu.py`` measures a crossover (``PREFILL_ROWS["int4pack_cuda"]``).
+Every path has a backward with respect to its input
 (through the dequantized weight, recomputed: the quantized weight is frozen), and the choice
 and packing happen outside ``forward``'s traced path (``QModule.prepare``), so
 ``torch.compile(fullgraph=True)`` traces quantized models.
 
 ``module.kernel`` tells which path runs; ``kernel="dequant"`` (or any eligible name) forces
-one. The packed CPU kernels compute in bfloat16 (activations and scales are cast to bf16,
-accumulation is fp32): their output matches ``F.linear(x, dequantize(q))`` to bf16
+one. The packed int4/int8 kernels (CPU and CUDA) compute in bfloat16 (activations and scales are
+cast to bf16, accumulation is fp32): their output matches ``F.linear(x, dequantize(q))`` to bf16
 rounding. The fp8 and int8 W8A8 paths quantize activations as the module's input quantizer
 says, so they match the fake-quantized reference (the int8 one to float rounding: its int32
 accumulation is exact). Packed weights are derived on first use and cached per device (never
-saved: their layout depends on the CPU).
+saved: their layout depends on the device).
 
 Why ``auto`` never chooses ``int8_int_mm_cpu``: without int8 dot-product instructions (AVX2
 without VNNI) ``torch._int_mm`` has no fast GEMM, and the weight-only ``int8pack_cpu`` beats it at

@@ -16,10 +16,9 @@ import qtransform as qt
 
 from . import decode, dense
 from .base import LINEAR_KERNELS, Kernel, grid, has_op, int_codec, linear_common, register_kernel, rows
+from .int4 import INT4_GROUPS, int4_group, int4_reason, nibbles, per_kernel_group, prefill_state, scale_and_zeros
 
 __all__ = ["INT4_GROUPS", "int4pack_linear", "int8pack_linear"]
-
-INT4_GROUPS = (256, 128, 64, 32)
 
 
 def _int4_check(module, forced: bool) -> str | None:
@@ -29,29 +28,12 @@ def _int4_check(module, forced: bool) -> str | None:
         return "not on CPU"
     if not (has_op("_weight_int4pack_mm_for_cpu") and has_op("_convert_weight_to_int4pack_for_cpu")):
         return "this torch has no int4pack CPU kernel"
-    codec = int_codec(module)
-    if codec is None or codec.bits > 4:
-        return f"codes are not integers of at most 4 bits ({module.spec.format})"
-    n, k = module.qweight.shape
+    if (r := int4_reason(module)) is not None:
+        return r
+    n, _ = module.qweight.shape
     if n % 16:
         return f"out_features {n} is not a multiple of 16"
-    rows, groups = grid(module)
-    block = module.spec.granularity.block_size((n, k))[-1]
-    if rows not in (1, n) or -(-k // block) != groups or _int4_group(k, block) is None:
-        return (f"scale grid {(rows, groups)} is not per-channel or per-group along in_features with a group "
-                f"that a kernel group of 32..256 divides")
     return None
-
-
-def _int4_group(k: int, block: int) -> int | None:
-    """The kernel's group: the largest supported size dividing both the scale block along in_features
-    and ``k`` (coarser scales, and a padded last block, repeat onto it)."""
-    return next((c for c in INT4_GROUPS if block % c == 0 and k % c == 0), None)
-
-
-def _per_kernel_group(t, n: int, k: int, block: int, group: int):
-    """``(rows, ceil(k / block))`` -> ``(n, k / group)``: each block's value on each of its kernel groups."""
-    return t.expand(n, -1).repeat_interleave(block // group, dim=1)[:, : k // group]
 
 
 def _int4_prepare(module):
@@ -61,27 +43,19 @@ def _int4_prepare(module):
     s, z = q.qparams.effective()
     offset = z is not None and module.spec.zero_point_domain == "offset"
     block = module.spec.granularity.block_size((n, k))[-1]
-    group = _int4_group(k, block)
+    group = int4_group(k, block)
     codes = qt.unpacked_codes(q)
-    d_scale, d_offset = (_per_kernel_group(t, n, k, block, group).contiguous() for t in dense.affine_params(q))
-    four = codec.bits == 4  # the buffer holds nibbles two per byte; fewer bits are unpacked per dense call
-    st = {"group": group, "dense_scale": d_scale, "dense_offset": d_offset,
-          "codes": module.weight if four else None, "signed": codec.signed, "decode": None, "packed": None}
+    st = {"group": group, **prefill_state(module, group), "decode": None, "packed": None}
     few = decode.DECODE_MAX_ROWS
     if few and decode.decode_available():  # the GEMV kernel for few tokens (AVX2 build)
-        zg = None if z is None else _per_kernel_group(z, n, k, block, group)
-        sg = _per_kernel_group(s, n, k, block, group)
+        zg = None if z is None else per_kernel_group(z, n, k, block, group)
+        sg = per_kernel_group(s, n, k, block, group)
         st["decode"] = (decode.prepare_decode(codes, sg, offset=zg, qmin=codec.qmin) if offset else
                         decode.prepare_decode(codes, sg, zg, qmin=codec.qmin))
     limit = dense.PREFILL_ROWS.get("int4pack_cpu")
     if st["decode"] is None or limit is None or few < limit - 1:  # token counts between the two
-        nibbles = (codes.to(torch.int32) - codec.qmin).contiguous()  # 0 .. 2^bits - 1
-        st["packed"] = torch.ops.aten._convert_weight_to_int4pack_for_cpu(nibbles, 2)
-        # the kernel computes (nibble - 8) * scale + zero; ours is (code - zero_point) * scale
-        # (code * scale + zero_point for an offset zero point)
-        zero = (codec.qmin + 8) * s + z if offset else (codec.qmin + 8 - (0.0 if z is None else z)) * s
-        s_g, zero_g = (_per_kernel_group(t, n, k, block, group) for t in (s, zero))
-        st["scale_zeros"] = torch.stack([s_g.t(), zero_g.t()], dim=-1).to(torch.bfloat16).contiguous()
+        st["packed"] = torch.ops.aten._convert_weight_to_int4pack_for_cpu(nibbles(q), 2)
+        st["scale_zeros"] = scale_and_zeros(q, group)  # (nibble - 8) * scale + zero (see .int4)
     return st
 
 
@@ -96,17 +70,8 @@ def int4pack_linear(x: torch.Tensor, packed: torch.Tensor, group: int, scale_zer
     return y.to(x.dtype).reshape(*x.shape[:-1], n)
 
 
-def _dense(module, name: str, st, x):
-    """The dequantize + ``F.linear`` path when ``x`` has at least ``PREFILL_ROWS[name]`` rows, else ``None``."""
-    limit = dense.PREFILL_ROWS.get(name)
-    if limit is None or x.numel() < limit * x.shape[-1]:
-        return None
-    codes = st["codes"] if st["codes"] is not None else qt.unpacked_codes(module.qweight)
-    return dense.dense_linear(x, codes, st["dense_scale"], st["dense_offset"], signed=st["signed"])
-
-
 def _int4_run(module, st, x, **kw):
-    y = _dense(module, "int4pack_cpu", st, x)
+    y = dense.prefill_linear(module, "int4pack_cpu", st, x)
     if y is not None:
         return y
     if st["decode"] is not None and (st["packed"] is None or x.numel() <= decode.DECODE_MAX_ROWS * x.shape[-1]):
@@ -167,7 +132,7 @@ def int8pack_linear(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -
 
 
 def _int8_run(module, st, x, **kw):
-    y = _dense(module, "int8pack_cpu", st["dense"], x)
+    y = dense.prefill_linear(module, "int8pack_cpu", st["dense"], x)
     return int8pack_linear(x, st["codes"], st["scale"]) if y is None else y
 
 

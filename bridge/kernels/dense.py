@@ -35,10 +35,11 @@ import qtransform as qt
 
 from . import native
 
-__all__ = ["PREFILL_ROWS", "affine_params", "dequantize_int", "dense_linear", "release_buffers"]
+__all__ = ["PREFILL_ROWS", "affine_params", "dequantize_int", "dense_linear", "prefill_linear", "release_buffers"]
 
-#: ``kernel name -> rows`` at and above which the kernel dequantizes and runs ``F.linear``.
-PREFILL_ROWS: dict[str, int | None] = {"int4pack_cpu": 32, "int8pack_cpu": 32}
+#: ``kernel name -> rows`` at and above which the kernel dequantizes and runs ``F.linear``. ``int4pack_cuda``:
+#: ``None`` (the tinygemm kernel at every token count) until ``bench/bench_gpu.py`` measures a crossover.
+PREFILL_ROWS: dict[str, int | None] = {"int4pack_cpu": 32, "int8pack_cpu": 32, "int4pack_cuda": None}
 
 _local = threading.local()
 
@@ -120,3 +121,15 @@ def dense_linear(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, offs
     """``F.linear(x, W)`` with ``W = dequantize_int(codes, scale, offset, x.shape[-1], x.dtype, signed=...)``."""
     w = dequantize_int(codes, scale, offset, x.shape[-1], x.dtype, signed=signed)
     return torch.nn.functional.linear(x, w)
+
+
+def prefill_linear(module, name: str, st: dict, x: torch.Tensor) -> torch.Tensor | None:
+    """The dequantize + ``F.linear`` path when ``x`` has at least ``PREFILL_ROWS[name]`` rows, else ``None``.
+
+    ``st``: ``"codes"`` (4-bit codes packed two per byte, or ``None``: unpacked from ``module.qweight``),
+    ``"dense_scale"``/``"dense_offset"`` per kernel group (:func:`affine_params`) and ``"signed"``."""
+    limit = PREFILL_ROWS.get(name)
+    if limit is None or x.numel() < limit * x.shape[-1]:
+        return None
+    codes = st["codes"] if st["codes"] is not None else qt.unpacked_codes(module.qweight)
+    return dense_linear(x, codes, st["dense_scale"], st["dense_offset"], signed=st["signed"])

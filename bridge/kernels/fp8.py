@@ -1,5 +1,19 @@
 """GPU W8A8 fp8: ``torch._scaled_mm`` for float8_e4m3fn weights with per-tensor/per-channel scales and a
-float8_e4m3fn input quantizer (compute capability >= 8.9)."""
+symmetric float8_e4m3fn input quantizer (per tensor or per token; compute capability >= 8.9).
+
+``_scaled_mm``'s rules (``aten/src/ATen/native/cuda/Blas.cpp`` / ``ScaledBlas.cpp``), and how they are met:
+
+- ``a`` row-major ``(M, K)`` (the quantized tokens, made contiguous), ``b`` column-major ``(K, N)``:
+  ``w_codes.t()`` of the contiguous ``(N, K)`` codes is exactly that (no copy);
+- ``K`` and ``N`` multiples of 16 (checked at the choice; ``M`` is free);
+- scales float32: per tensor, one element each (then any ``out_dtype``); row-wise, ``scale_a``
+  ``(M, 1)`` and ``scale_b`` ``(1, N)``, contiguous, and a bf16 output (the CUTLASS row-wise kernel
+  takes no other; cast to the input's dtype after). One per-tensor and one per-row scale are both
+  made row-wise (the per-tensor one expanded).
+
+The output matches the fake-quantized reference ``F.linear(fake_quantize(x), dequantize(W))``: the
+products of fp8 codes are exact in the fp32 accumulation, so only the accumulation order, the
+scaling and the output rounding (bf16 for row-wise scales) differ."""
 
 from __future__ import annotations
 
@@ -46,7 +60,17 @@ def _fp8_check(module, forced: bool) -> str | None:
     spec = getattr(module, "input_spec", None)
     if spec is None or not _decode_is_cast(spec) or spec.granularity not in (qt.PerTensor(), qt.PerChannel(0)):
         return "no float8_e4m3fn per-tensor/per-token input quantizer (fp8 _scaled_mm is W8A8)"
+    if not spec.symmetric or spec.rounding == "stochastic":
+        return "the input quantizer is asymmetric or rounds stochastically"
     return None
+
+
+def _fp8_prepare(module):
+    q = module.qweight
+    n = q.shape[0]
+    sw, _ = q.qparams.effective()
+    sw = sw.to(torch.float32)
+    return {"w_scale": sw.reshape(()) if sw.numel() == 1 else sw.reshape(1, n).contiguous()}
 
 
 def fp8_linear(x_codes, x_scale, w_codes, w_scale, *, out_dtype: torch.dtype) -> torch.Tensor:
@@ -56,6 +80,7 @@ def fp8_linear(x_codes, x_scale, w_codes, w_scale, *, out_dtype: torch.dtype) ->
     (per tensor) or (M, 1) / (N, 1) (per row). Returns (M, N) in ``out_dtype``.
     """
     m, n = x_codes.shape[0], w_codes.shape[0]
+    x_codes = x_codes.contiguous()
     sa, sb = x_scale.to(torch.float32), w_scale.to(torch.float32)
     if sa.numel() == 1 and sb.numel() == 1:
         return torch._scaled_mm(x_codes, w_codes.t(), scale_a=sa.reshape(()), scale_b=sb.reshape(()),
@@ -72,10 +97,9 @@ def _fp8_run(module, st, x, **kw):
     qp = module.input_qparams(x)  # the same scales as the dequant path's (actquant.activation_view)
     qx = qt.quantize(x2, qp)
     sx, _ = qp.effective()
-    q = module.qweight
-    sw, _ = q.qparams.effective()
-    y = fp8_linear(qx.codes, sx, q.codes, sw, out_dtype=x.dtype)
-    return y.reshape(*x.shape[:-1], q.shape[0])
+    w = module.qweight.codes  # (N, K) contiguous: .t() is the column-major b operand
+    y = fp8_linear(qx.codes, sx, w, st["w_scale"], out_dtype=x.dtype)
+    return y.reshape(*x.shape[:-1], w.shape[0])
 
 
-register_kernel(LINEAR_KERNELS, Kernel("fp8_scaled_mm", _fp8_check, None, _fp8_run, quantizes_input=True))
+register_kernel(LINEAR_KERNELS, Kernel("fp8_scaled_mm", _fp8_check, _fp8_prepare, _fp8_run, quantizes_input=True))

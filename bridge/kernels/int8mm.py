@@ -21,6 +21,13 @@ with AMX-int8 or AVX512-/AVX-VNNI (:func:`int8_dot_cpu`), where oneDNN has an in
 make it pay; it has not been measured on one, so it stays opt-in until ``bench/bench_w8a8.py``
 shows it there.
 ``torch._int_mm`` on CPU takes any M, K, N (no multiple-of-8 or M > 16 rule as on CUDA).
+
+On CUDA (``int8_int_mm_cuda``, compute capability >= 8.0) the same math runs through cuBLASLt's int8
+GEMM, and ``auto`` chooses it for W8A8 int8 modules. ``aten/src/ATen/native/cuda/Blas.cpp``'s
+``_int_mm_out_cuda`` asks for ``M > 16`` rows, ``K`` and ``N`` multiples of 8 (``K``/``N``: refused by
+reason at the choice; ``M``: fewer token rows are padded with zero codes up to :data:`CUDA_PAD_ROWS`
+and the padding is cut off the int32 result), and takes the weight as ``codes.t()``, a column-major
+view of the contiguous ``(N, K)`` codes (no copy).
 """
 
 from __future__ import annotations
@@ -34,13 +41,20 @@ from qtransform.formats import IntCodec
 
 from .base import LINEAR_KERNELS, Kernel, grid, int_codec, linear_common, register_kernel, rows
 
-__all__ = ["MAX_IN_FEATURES", "INT8_DOT_FEATURES", "int8_dot_cpu", "int8_int_mm_linear"]
+__all__ = ["MAX_IN_FEATURES", "INT8_DOT_FEATURES", "CUDA_MIN_ROWS", "CUDA_PAD_ROWS", "CUDA_MIN_CAPABILITY",
+           "int8_dot_cpu", "int8_int_mm_linear"]
 
 #: Largest ``in_features``: every int32 term of the accumulation stays below 2^31 (|term| <= 2^15 K).
 MAX_IN_FEATURES = 2 ** 16 - 1
 #: CPU capabilities (``torch.cpu.get_capabilities()``) that give oneDNN an int8 dot-product GEMM.
 INT8_DOT_FEATURES = ("amx_int8", "avx512_vnni", "avx_vnni")
 _TOKEN_GRIDS = (qt.PerTensor(), qt.PerChannel(0))
+#: ``torch._int_mm`` on CUDA needs more than 16 rows ...
+CUDA_MIN_ROWS = 17
+#: ... so fewer token rows are padded with zero codes up to this many (a multiple of 8 and of 16).
+CUDA_PAD_ROWS = 32
+#: int8 tensor-core GEMMs through cuBLASLt: Ampere and newer (the only GPUs this path was written for).
+CUDA_MIN_CAPABILITY = (8, 0)
 
 
 @functools.lru_cache(maxsize=1)
@@ -106,18 +120,37 @@ def _input_reason(module) -> str | None:
     return None if bool(ok.all()) else "the input zero point is not an integer inside the code range"
 
 
-def _check(module, forced: bool) -> str | None:
+def _common(module) -> str | None:
     if (r := linear_common(module)) is not None:
         return r
-    if module.weight.device.type != "cpu":
-        return "not on CPU"
     if not hasattr(torch, "_int_mm"):
         return "this torch has no _int_mm"
-    if (r := _weight_reason(module) or _input_reason(module)) is not None:
+    return _weight_reason(module) or _input_reason(module)
+
+
+def _check(module, forced: bool) -> str | None:
+    if module.weight.device.type != "cpu":
+        return "not on CPU"
+    if (r := _common(module)) is not None:
         return r
     if not forced:  # opt-in until measured faster somewhere (see the module docstring)
         return ("chosen only when forced (kernel='int8_int_mm_cpu'): _int_mm measured slower than int8pack_cpu "
                 "(bench/bench_w8a8.py)" + ("" if int8_dot_cpu() else "; this CPU has no VNNI/AMX int8 dot products"))
+    return None
+
+
+def _check_cuda(module, forced: bool) -> str | None:
+    dev = module.weight.device
+    if dev.type != "cuda":
+        return "not on CUDA"
+    if (r := _common(module)) is not None:
+        return r
+    if torch.cuda.get_device_capability(dev) < CUDA_MIN_CAPABILITY:
+        c = CUDA_MIN_CAPABILITY
+        return f"needs compute capability >= {c[0]}.{c[1]}"
+    n, k = module.qweight.shape
+    if k % 8 or n % 8:
+        return f"in_features {k} and out_features {n} must be multiples of 8 (torch._int_mm on CUDA)"
     return None
 
 
@@ -132,7 +165,7 @@ def _prepare(module):
 
 def int8_int_mm_linear(a: torch.Tensor, a_scale: torch.Tensor, a_zero_point: torch.Tensor | None,
                        b: torch.Tensor, b_scale: torch.Tensor, *, b_rowsum: torch.Tensor | None = None,
-                       out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+                       out_dtype: torch.dtype = torch.float32, min_rows: int = 0) -> torch.Tensor:
     """``((a - a_zero_point) * a_scale) @ (b * b_scale).T`` with an int32 accumulation (``torch._int_mm``).
 
     Args:
@@ -143,6 +176,8 @@ def int8_int_mm_linear(a: torch.Tensor, a_scale: torch.Tensor, a_zero_point: tor
         b_scale: float scale of shape (N, 1) / (1, N) (per channel) or (1, 1) / () (per tensor).
         b_rowsum: ``b.sum(1)`` in int32 (N,), when precomputed (used only with a zero point).
         out_dtype: the floating dtype of the result.
+        min_rows: fewer rows of ``a`` are padded with zero codes up to ``max(min_rows, 32)`` for
+            ``torch._int_mm`` (CUDA: :data:`CUDA_MIN_ROWS`), the padding dropped from its result.
 
     Returns:
         (M, N) in ``out_dtype``.
@@ -155,8 +190,15 @@ def int8_int_mm_linear(a: torch.Tensor, a_scale: torch.Tensor, a_zero_point: tor
     >>> int8_int_mm_linear(a, torch.tensor(1.0), torch.tensor(1.0), b, torch.tensor(1.0))  # (a - 1) @ b.T
     tensor([[-3.],
             [ 7.]])
+    >>> int8_int_mm_linear(a, torch.tensor(1.0), torch.tensor(1.0), b, torch.tensor(1.0), min_rows=17)
+    tensor([[-3.],
+            [ 7.]])
     """
-    acc = torch._int_mm(a, b.t())
+    m = a.shape[0]
+    a = a.contiguous()
+    if m < min_rows:
+        a = torch.cat([a, a.new_zeros(max(min_rows, CUDA_PAD_ROWS) - m, a.shape[1])])
+    acc = torch._int_mm(a, b.t())[:m]
     if a_zero_point is not None:
         rs = b.sum(dim=1, dtype=torch.int32) if b_rowsum is None else b_rowsum
         acc = acc - a_zero_point.reshape(-1, 1).to(torch.int32) * rs.reshape(1, -1)
@@ -179,8 +221,11 @@ def _run(module, st, x, **kw):
         codes = (codes.to(torch.int16) - shift).to(torch.int8)
     # symmetric: the zero point is none (int8) or the shift itself (uint8); else an integer by the spec
     za = None if (za is None or qp.spec.symmetric) else za - shift
-    y = int8_int_mm_linear(codes, sa, za, st["codes"], st["scale"], b_rowsum=st["rowsum"], out_dtype=x.dtype)
+    y = int8_int_mm_linear(codes, sa, za, st["codes"], st["scale"], b_rowsum=st["rowsum"], out_dtype=x.dtype,
+                           min_rows=CUDA_MIN_ROWS if x.device.type == "cuda" else 0)
     return y.reshape(*x.shape[:-1], n)
 
 
+# the CUDA kernel first (the fastest on its device), then the CPU one (opt-in): their checks never both pass
+register_kernel(LINEAR_KERNELS, Kernel("int8_int_mm_cuda", _check_cuda, _prepare, _run, quantizes_input=True))
 register_kernel(LINEAR_KERNELS, Kernel("int8_int_mm_cpu", _check, _prepare, _run, quantizes_input=True))

@@ -232,6 +232,13 @@ def _core_matrix(core: tuple[int, ...]) -> torch.Tensor:
     return H
 
 
+@functools.lru_cache(maxsize=32)
+def _core_on(core: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """:func:`_core_matrix` in ``dtype`` on ``device``, cached: an online rotation on a GPU copies it from
+    the host once, not at every call."""
+    return _core_matrix(core).to(dtype=dtype, device=device)
+
+
 def hadamard(n: int, *, dtype: torch.dtype = torch.float32, device=None, normalized: bool = True) -> torch.Tensor:
     """The Hadamard matrix of order ``n`` that :func:`hadamard_construction` describes: ``H_{2^k} ⊗ H_core``,
     divided by ``sqrt(n)`` (orthogonal) unless ``normalized=False`` (entries ±1)."""
@@ -253,7 +260,7 @@ def hadamard_transform(x: torch.Tensor, *, normalized: bool = True) -> torch.Ten
     lead, m = x.shape[:-1], n // plan.power
     y = x.reshape(*lead, plan.power, m)
     if m > 1:  # (A ⊗ B) on row vectors: Aᵀ X B with X the (power, m) view; A (Sylvester) is symmetric
-        y = y @ _core_matrix(plan.core).to(dtype=x.dtype, device=x.device)
+        y = y @ _core_on(plan.core, x.dtype, x.device)
     h = 1
     while h < plan.power:  # Sylvester butterflies on the power axis
         y = y.reshape(*lead, plan.power // (2 * h), 2, h, m)
