@@ -16,6 +16,7 @@ quantize: QuantSpec, Recipe, Plan) -> ``tensor`` (QParams/QTensor, quantize) -> 
 """
 
 from .registry import Registry
+from ._checks import data_checks
 from .formats import FORMATS, Codec, Format, get_format, minifloat, mx_format, pack, register_format, unpack
 from .granularity import PerBlock, PerChannel, PerGroup, PerTensor
 from .spec import Match, Plan, QuantSpec, Recipe, Site, Step, as_plan, as_recipe, module_of, transposed_spec
@@ -35,7 +36,7 @@ from .tree import (dequantize_tree, flatten_tree, is_qtensor, merge_stats_tree, 
 __version__ = "0.2.0"
 
 __all__ = [
-    "Registry",
+    "Registry", "data_checks",
     "FORMATS", "Codec", "Format", "get_format", "register_format", "minifloat", "mx_format", "pack", "unpack",
     "PerBlock", "PerChannel", "PerGroup", "PerTensor",
     "QuantSpec", "Recipe", "Step", "Plan", "Match", "Site", "as_plan", "as_recipe", "module_of", "transposed_spec",

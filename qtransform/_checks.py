@@ -5,14 +5,41 @@ must be finite. A NaN or an infinity raises ``ValueError`` naming the argument,
 how many values are non-finite and the first offending index. Values checks need
 the data, so they run eagerly; inside ``torch.func.vmap`` and while
 ``torch.compile`` traces they are skipped (data-dependent errors cannot be raised
-there) and non-finite values then propagate as NaN.
+there) and non-finite values then propagate as NaN. :func:`data_checks` turns them off for a
+block of code the same way: on a GPU each such check is a host synchronisation, which a quantized
+model's forward (a dynamic activation quantizer per linear) cannot afford.
 """
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
-__all__ = ["check_float_tensor", "check_finite", "where", "under_transform"]
+__all__ = ["check_float_tensor", "check_finite", "where", "under_transform", "data_checks"]
+
+_CHECKS = [True]  # one flag per process: data_checks() sets it for the block of code it wraps
+
+
+@contextlib.contextmanager
+def data_checks(enabled: bool):
+    """Turn the data-dependent value checks (NaN/Inf, scale overflow) on or off inside the block; type and
+    shape checks stay. Off, non-finite values propagate as NaN, as under ``vmap``.
+
+    >>> import qtransform as qt
+    >>> with qt.data_checks(False):
+    ...     qp = qt.choose_qparams(torch.tensor([1.0, float("nan")]), qt.QuantSpec(format="int8"))
+    >>> bool(qp.scale.isnan().any())
+    True
+    """
+    if not isinstance(enabled, bool):
+        raise TypeError(f"data_checks: enabled must be a bool, got {type(enabled).__name__}")
+    before = _CHECKS[0]
+    _CHECKS[0] = enabled
+    try:
+        yield
+    finally:
+        _CHECKS[0] = before
 
 
 def where(path: str | None) -> str:
@@ -31,7 +58,7 @@ def _is_batched(x: torch.Tensor) -> bool:
 
 def under_transform(x: torch.Tensor) -> bool:
     """True inside ``vmap`` or while ``torch.compile`` traces: no data-dependent checks there."""
-    return torch.compiler.is_compiling() or _is_batched(x)
+    return not _CHECKS[0] or torch.compiler.is_compiling() or _is_batched(x)
 
 
 def check_float_tensor(x, *, name: str = "x", path: str | None = None) -> torch.Tensor:

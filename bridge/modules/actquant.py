@@ -37,6 +37,8 @@ True
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import nn
 
@@ -121,6 +123,14 @@ def activation_view(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return x.reshape(-1, x.shape[-1]) if x.dim() else x.reshape(1, 1)
 
 
+def value_checks(x: torch.Tensor):
+    """Off the CPU a forward's value checks are host synchronisations (one per quantizer per call): there the
+    values propagate as NaN, as on every GPU kernel path, instead of raising (:func:`qtransform.data_checks`)."""
+    if x.device.type == "cpu" or torch.compiler.is_compiling():
+        return contextlib.nullcontext()
+    return qt.data_checks(False)
+
+
 def qparams_for(module: nn.Module, role: str, x: torch.Tensor) -> QParams | None:
     """The QParams that quantize ``x`` in ``role`` (fitted to it when dynamic), or ``None``; they
     describe :func:`activation_view` of ``x``."""
@@ -128,7 +138,8 @@ def qparams_for(module: nn.Module, role: str, x: torch.Tensor) -> QParams | None
     if spec is None:
         return None
     if spec.dynamic:
-        return qt.choose_qparams(activation_view(module, x.detach()), spec, observer=_DYNAMIC_OBSERVER)
+        with value_checks(x):
+            return qt.choose_qparams(activation_view(module, x.detach()), spec, observer=_DYNAMIC_OBSERVER)
     fields = {f: module._buffers[PREFIX[role] + f] for f in QParams.FIELDS if PREFIX[role] + f in module._buffers}
     if role in KV_ROLES:  # stored as scalars; the grid of the (batch, heads, tokens, head_dim) tensor
         fields = {f: t.reshape((1,) * x.dim()) for f, t in fields.items()}
@@ -140,9 +151,10 @@ def apply(module: nn.Module, role: str, x: torch.Tensor) -> torch.Tensor:
     qp = qparams_for(module, role, x)
     if qp is None:
         return x
-    if role in KV_ROLES:  # per tensor on the cache's (batch, heads, tokens, head_dim) layout
-        return qt.fake_quantize(x, qp)
-    return qt.fake_quantize(activation_view(module, x), qp).reshape(x.shape)
+    with value_checks(x):
+        if role in KV_ROLES:  # per tensor on the cache's (batch, heads, tokens, head_dim) layout
+            return qt.fake_quantize(x, qp)
+        return qt.fake_quantize(activation_view(module, x), qp).reshape(x.shape)
 
 
 def activation_specs(model: nn.Module) -> dict[qt.Site, qt.QuantSpec]:

@@ -229,9 +229,10 @@ class QModule(nn.Module):
         return actquant.qparams_for(self, "input", x)
 
     def _io(self, x, fn, **kw):
-        if not self.KERNELS[self._resolve()[1]].quantizes_input:
-            x = actquant.apply(self, "input", x)
-        return actquant.apply(self, "output", fn(x, **kw))
+        with actquant.value_checks(x):  # no host synchronisation per call off the CPU
+            if not self.KERNELS[self._resolve()[1]].quantizes_input:
+                x = actquant.apply(self, "input", x)
+            return actquant.apply(self, "output", fn(x, **kw))
 
 
 class _KernelGrad(torch.autograd.Function):
