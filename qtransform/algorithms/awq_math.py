@@ -54,7 +54,7 @@ def candidate_scales(x_mean: torch.Tensor, grid: int = 20, *, w_mean: torch.Tens
     """The grid's ``α`` and their scales ``(grid, C)`` (float32; see the module docstring)."""
     if isinstance(grid, bool) or not isinstance(grid, int) or grid < 1:
         raise ValueError(f"awq: grid must be an int >= 1, got {grid!r}")
-    alphas = torch.arange(grid, dtype=torch.float64)[:, None] / grid
+    alphas = torch.arange(grid, dtype=torch.float64, device=x_mean.device)[:, None] / grid
     log_x = x_mean.detach().to(torch.float64).clamp(min=1e-4).log()
     log_s = alphas * log_x
     if w_mean is not None:
