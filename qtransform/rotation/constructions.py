@@ -232,6 +232,13 @@ def _core_matrix(core: tuple[int, ...]) -> torch.Tensor:
     return H
 
 
+@functools.lru_cache(maxsize=64)
+def _core_on(core: tuple[int, ...], dtype: torch.dtype, device: str) -> torch.Tensor:
+    """:func:`_core_matrix` in ``dtype`` on ``device`` (cached: no host-to-device copy at every online rotation
+    of a model running on a GPU)."""
+    return _core_matrix(core).to(dtype=dtype, device=device)
+
+
 def hadamard(n: int, *, dtype: torch.dtype = torch.float32, device=None, normalized: bool = True) -> torch.Tensor:
     """The Hadamard matrix of order ``n`` that :func:`hadamard_construction` describes: ``H_{2^k} ⊗ H_core``,
     divided by ``sqrt(n)`` (orthogonal) unless ``normalized=False`` (entries ±1)."""
@@ -253,7 +260,9 @@ def hadamard_transform(x: torch.Tensor, *, normalized: bool = True) -> torch.Ten
     lead, m = x.shape[:-1], n // plan.power
     y = x.reshape(*lead, plan.power, m)
     if m > 1:  # (A ⊗ B) on row vectors: Aᵀ X B with X the (power, m) view; A (Sylvester) is symmetric
-        y = y @ _core_matrix(plan.core).to(dtype=x.dtype, device=x.device)
+        core = (_core_matrix(plan.core).to(dtype=x.dtype, device=x.device) if torch.compiler.is_compiling()
+                else _core_on(plan.core, x.dtype, str(x.device)))  # nothing traced kept in the cache
+        y = y @ core
     h = 1
     while h < plan.power:  # Sylvester butterflies on the power axis
         y = y.reshape(*lead, plan.power // (2 * h), 2, h, m)
