@@ -9,6 +9,10 @@ and in which format) and loaded once, planned (:func:`bridge.plan`), quantized b
 :func:`bridge.quantize_params` and rebuilt by :func:`bridge.to_module` of that result: the very
 functions :func:`bridge.quantize` runs, so the command and the library make the same model.
 
+``--device cuda`` moves the loaded model there whole for the perplexities and the steps, and the result back
+to the host (:func:`bridge.app.streaming.to_host`) before the quantized model is built and written: the
+checkpoint is written as without ``--device``.
+
 The checkpoint, ``report.json`` and the plot are written inside one
 :func:`bridge.checkpoint.store.atomic_directory`: nothing half-written appears under ``--out``,
 and a killed run leaves a temporary directory that the next save to the same place removes.

@@ -70,14 +70,13 @@ def check_options(a) -> None:
 
 
 def run_device(a):
-    """The ``torch.device`` of ``--device`` for the in-memory run, ``None`` without it (or ``cpu``: the model is
-    already there)."""
+    """The ``torch.device`` of ``--device`` for the in-memory run, ``None`` without it (``cpu``: the same moves,
+    none of which copies anything)."""
     if not a.device:
         return None
     import torch
 
-    dev = torch.device(a.device)
-    return None if dev.type == "cpu" else dev
+    return torch.device(a.device)
 
 
 def to_host(result):

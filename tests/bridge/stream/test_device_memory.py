@@ -59,3 +59,19 @@ def test_device_cuda_in_memory_measures_the_perplexities_there(source, tmp_path)
     for key in ("ppl_before", "ppl_after"):  # float32 on both; the quantized model's kernel may differ by device
         assert rep[key] == pytest.approx(ref[key], rel=1e-3), key
     assert json.loads((tmp_path / "gpu" / "report.json").read_text())["recipe"] == "int4-g64"
+
+
+def test_to_host_keeps_the_params_leaves_identical():
+    import bridge
+    import qtransform as qt
+    from bridge.app.streaming import to_host
+
+    from bridge_util import tiny_causal_lm
+
+    model = tiny_causal_lm("llama").eval()
+    result = bridge.quantize_params(model, qt.get_preset("int4-g64").recipe)
+    moved = to_host(result)
+    assert moved.changed().keys() == result.changed().keys()
+    assert all(moved.params[p] is t for p, t in result.params.items())
+    for p, v in result.qtree.items():  # a QTensor is rebuilt around the very same tensors
+        assert (moved.qtree[p].codes is v.codes) if isinstance(v, qt.QTensor) else (moved.qtree[p] is v), p
