@@ -4,13 +4,15 @@ model on each device.
 
 What equal means (see ``near_ties.py`` for the near-tie):
 
-* RTN: every scale bit-equal (``amax`` and one correctly rounded division on both devices), every code equal
-  but at near-ties within ``1e-6`` (8 float32 ulps).
+* RTN: every scale equal within 2 ulps (``amax`` exact, one correctly rounded division; CUDA may fuse a
+  multiply-add that the CPU rounds twice), every code equal but at near-ties within ``1e-6`` (8 float32 ulps).
 * HQQ: groups are independent; float32 group sums in another order move a group's ``(s, z)`` by ulps, and a
   code flipped at a tie moves its group's next zero point by ``1/64`` of a step: from there that group's
-  iterates differ. So: at most 5% of the groups differ in their parameters beyond ``1e-5`` relative (a flip
-  needs one of 64 values within ~1e-5 of a boundary, ~20 iterations: ~2.5% at most), and in the others every
-  code is equal but at near-ties within ``1e-5``.
+  iterates differ; a float16 scale or zero point (the preset stores them so) rounds ulps away except within
+  ulps of a float16 rounding boundary, where it moves by one float16 ulp. So: at most 5% of the groups have
+  parameters further apart than ``1e-6`` relative (a flip needs one of 64 values within ~1e-5 of a boundary,
+  ~20 iterations: ~2.5% at most, plus ~1e-3 from the float16 rounding), and in the others every code is
+  equal but at near-ties within ``1e-5``.
 * Static activation scales (int8, fp8, the KV cache): the activations come through float32 matmuls of at most
   128 terms in another order (and attention): each rounding ``2**-24`` relative, ``128 * 2**-24 ≈ 8e-6`` per
   matmul for sums without cancellation, a few layers deep: the scales (``absmax / qmax``) within ``1e-4``.
@@ -37,7 +39,7 @@ import qtransform as qt
 from bridge.app.streaming import to_host
 
 from bridge_util import tiny_causal_lm
-from near_ties import codes, element_params, equal_fraction, unexplained
+from near_ties import element_params, equal_fraction, unexplained
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device here (make test-gpu on a GPU machine)")
 CALIB = [torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(i)) for i in range(4)]
@@ -74,24 +76,25 @@ def output_error(model, result) -> float:
 
 
 def check_rtn_like(cpu, gpu, *, rtol: float, diverged: float = 0.0):
-    (model, a), (_, b) = cpu, gpu
+    (_, a), (_, b) = cpu, gpu
     qa, qb = quantized(a), quantized(b)
     assert qa.keys() == qb.keys() and qa
     groups = bad_groups = 0
     for p, x in qa.items():
         y, w = qb[p], a.params[p]
         sa, sb = x.qparams.scale, y.qparams.scale
-        close = torch.isclose(sa.float(), sb.float(), rtol=1e-5, atol=0)
+        close = torch.isclose(sa.float(), sb.float(), rtol=1e-6, atol=0)
         if x.qparams.zero_point is not None:
-            close &= torch.isclose(x.qparams.zero_point.float(), y.qparams.zero_point.float(), rtol=1e-5, atol=1e-6)
+            close &= torch.isclose(x.qparams.zero_point.float(), y.qparams.zero_point.float(), rtol=1e-6, atol=1e-6)
         groups += close.numel()
         bad_groups += int((~close).sum())
         if not diverged:
-            assert torch.equal(sa, sb), p
+            assert torch.allclose(sa.float(), sb.float(), rtol=2.0 ** -22, atol=0), p
         mask = unexplained(w, x, y, rtol=rtol)
-        s_el, _ = element_params(x)
         # elements of groups whose parameters diverged: excluded (bounded below), the rest must be near-ties
-        ok = torch.isclose(s_el.cpu(), element_params(y)[0].cpu(), rtol=1e-5, atol=0)
+        (sx, zx), (sy, zy) = element_params(x), element_params(y)
+        ok = torch.isclose(sx.cpu(), sy.cpu(), rtol=1e-6, atol=0) & torch.isclose(zx.cpu(), zy.cpu(), rtol=1e-6,
+                                                                                 atol=1e-6)
         assert not bool((mask & ok).any()), f"{p}: {int((mask & ok).sum())} codes differ away from a near-tie"
     assert bad_groups <= diverged * groups, f"{bad_groups} of {groups} groups diverged"
 
