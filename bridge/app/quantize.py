@@ -139,7 +139,7 @@ def cmd_quantize(a) -> int:
     seconds_q = time.perf_counter() - tq
     if device is not None:  # back to the host: the quantized model is built and written there, as without --device
         model.to("cpu")
-        result = streaming.to_host(result)
+        result = streaming.to_host(result, host=extract(model))
     size_before = report.tree_bytes(result.params)
     rows = report.layer_rows(result.params, result.qtree, plan)
     qmodel = to_module(model, result, inplace=True)  # as bridge.quantize does

@@ -79,13 +79,20 @@ def run_device(a):
     return torch.device(a.device)
 
 
-def to_host(result):
+def to_host(result, host=None):
     """``result`` (a :class:`bridge.tree.Quantized`) with every tensor on the host: each tensor moved once, so
-    that a leaf of ``qtree`` that is a tensor of ``params`` stays that very tensor (``Quantized.changed``)."""
+    that a leaf of ``qtree`` that is a tensor of ``params`` stays that very tensor (``Quantized.changed``).
+    ``host``: ``{path: tensor}`` already on the host for the tensors of ``result.params`` (the model moved back,
+    ``bridge.extract(model)``): used instead of a second copy of the float model."""
     import torch
     import torch.utils._pytree as pytree
 
     moved: dict[int, torch.Tensor] = {}
+    for p, t in (result.params or {}).items():
+        h = (host or {}).get(p)
+        if isinstance(t, torch.Tensor) and isinstance(h, torch.Tensor) and h.device.type == "cpu" and (
+                h.shape, h.dtype) == (t.shape, t.dtype):
+            moved[id(t)] = h
 
     def host(t):
         if not isinstance(t, torch.Tensor):

@@ -153,7 +153,7 @@ def _with_steps(preset: str, *steps):
 
 @cuda
 @pytest.mark.cuda
-@pytest.mark.parametrize("preset", ["gptq4-g64", "awq4-g64", "gptq-w8a8", "w8a8-int8-sq", "quarot-w4a8"])
+@pytest.mark.parametrize("preset", ["gptq4-g64", "awq4-g64", "w8a8-int8-sq", "quarot-w4a8"])
 def test_calibrated_step_on_cuda_matches_cpu(preset):
     check_searched(*both(qt.get_preset(preset).recipe))
 

@@ -56,8 +56,10 @@ def test_device_cuda_in_memory_writes_the_format_of_a_cpu_run(source, tmp_path):
 def test_device_cuda_in_memory_measures_the_perplexities_there(source, tmp_path):
     rep = quantize(source, tmp_path / "gpu", "int4-g64", "--device", "cuda")
     ref = quantize(source, tmp_path / "cpu", "int4-g64")
-    for key in ("ppl_before", "ppl_after"):  # float32 on both; the quantized model's kernel may differ by device
-        assert rep[key] == pytest.approx(ref[key], rel=1e-3), key
+    # the float model in float32 on both: logits within float32 noise; the quantized model's CUDA kernel may
+    # compute in bfloat16 (2**-8 relative per logit): its perplexity within 2%
+    assert rep["ppl_before"] == pytest.approx(ref["ppl_before"], rel=1e-4)
+    assert rep["ppl_after"] == pytest.approx(ref["ppl_after"], rel=2e-2)
     assert json.loads((tmp_path / "gpu" / "report.json").read_text())["recipe"] == "int4-g64"
 
 
@@ -75,3 +77,19 @@ def test_to_host_keeps_the_params_leaves_identical():
     assert all(moved.params[p] is t for p, t in result.params.items())
     for p, v in result.qtree.items():  # a QTensor is rebuilt around the very same tensors
         assert (moved.qtree[p].codes is v.codes) if isinstance(v, qt.QTensor) else (moved.qtree[p] is v), p
+
+
+def test_to_host_takes_the_hosts_tensors_for_the_params():
+    import bridge
+    import qtransform as qt
+    from bridge.app.streaming import to_host
+    from bridge.tree import extract
+
+    from bridge_util import tiny_causal_lm
+
+    model = tiny_causal_lm("llama").eval()
+    result = bridge.quantize_params(model, qt.get_preset("int4-g64").recipe)
+    host = {p: t.clone() for p, t in extract(model).items()}  # as if the model had come back from a device
+    moved = to_host(result, host=host)
+    assert all(moved.params[p] is host[p] for p in result.params)
+    assert moved.changed().keys() == result.changed().keys()
