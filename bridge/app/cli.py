@@ -2,7 +2,7 @@
 
     qtransform quantize [--model PATH] [--recipe NAME|FILE] [--algorithm NAME] [--calib N [--calib-batch B]]
                         [--out DIR [--overwrite]] [--plot] [--json FILE] [--no-eval] [--dtype auto|float32|...]
-                        [--stream [--resume] [--device DEV] [--max-memory SIZE]]   (bridge.app.streaming)
+                        [--device DEV] [--stream [--resume] [--max-memory SIZE]]   (bridge.app.streaming)
     qtransform eval --model DIR [--baseline PATH]
     qtransform formats | recipes | inspect DIR
     qtransform export CHECKPOINT --to quark|compressed-tensors|gguf|onnx --out DIR   (bridge.app.export)

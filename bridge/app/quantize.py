@@ -9,6 +9,10 @@ and in which format) and loaded once, planned (:func:`bridge.plan`), quantized b
 :func:`bridge.quantize_params` and rebuilt by :func:`bridge.to_module` of that result: the very
 functions :func:`bridge.quantize` runs, so the command and the library make the same model.
 
+``--device cuda`` moves the loaded model there whole for the perplexities and the steps, and the result back
+to the host (:func:`bridge.app.streaming.to_host`) before the quantized model is built and written: the
+checkpoint is written as without ``--device``.
+
 The checkpoint, ``report.json`` and the plot are written inside one
 :func:`bridge.checkpoint.store.atomic_directory`: nothing half-written appears under ``--out``,
 and a killed run leaves a temporary directory that the next save to the same place removes.
@@ -106,6 +110,9 @@ def cmd_quantize(a) -> int:
     say(f"loading {a.model or models.DEFAULT_MODEL}"
         + (f" ({imported} checkpoint, dequantized: the recipe starts from its values)" if imported else "") + " ...")
     model, tokenizer = inputs.model_and_tokenizer(a.model, source=source, dequantize_imported=True)
+    device = streaming.run_device(a)
+    if device is not None:  # the whole model there for the perplexities and the steps (calibration batches follow)
+        model.to(device)
     if not a.no_eval or a.calib:
         inputs.check_seq_len(model, a.seq_len)
     eval_seqs = None if a.no_eval else inputs.sequences(tokenizer, text, a.corpus, a.seq_len, a.eval_sequences)
@@ -130,6 +137,9 @@ def cmd_quantize(a) -> int:
     except (TypeError, ValueError) as e:  # a step refusing the recipe's specs or options
         raise UserError(f"recipe {label}: {e}") from None
     seconds_q = time.perf_counter() - tq
+    if device is not None:  # back to the host: the quantized model is built and written there, as without --device
+        model.to("cpu")
+        result = streaming.to_host(result, host=extract(model))
     size_before = report.tree_bytes(result.params)
     rows = report.layer_rows(result.params, result.qtree, plan)
     qmodel = to_module(model, result, inplace=True)  # as bridge.quantize does
@@ -141,7 +151,11 @@ def cmd_quantize(a) -> int:
     ppl_after = None
     if eval_seqs is not None:
         say("perplexity of the quantized model ...")
+        if device is not None:
+            qmodel.to(device)
         ppl_after = evaluate.perplexity(qmodel, eval_seqs, progress=True).perplexity
+        if device is not None:
+            qmodel.to("cpu")
 
     rep = report.Report(model=a.model or models.DEFAULT_MODEL, recipe=label,
                         steps=[s.to_dict() for s in recipe.steps], layers=rows,

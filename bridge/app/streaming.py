@@ -3,7 +3,8 @@
 tensors of every quantized checkpoint are stored in (default: as in the input).
 
 ``--resume`` continues a streamed run that was interrupted (same command, same inputs: anything else is
-refused, naming what changed); ``--device`` runs the block being calibrated there; ``--max-memory`` bounds the
+refused, naming what changed); ``--device`` runs the block being calibrated there (in memory: the whole model,
+see :mod:`bridge.app.quantize`); ``--max-memory`` bounds the
 calibration activations kept in memory (beyond, they go to disk). With ``--stream`` the perplexity is measured
 on the quantized checkpoint only (the float model is never loaded whole): ``qtransform eval --model DIR``
 measures the original's.
@@ -20,7 +21,7 @@ from . import export, inputs, outputs
 from .inputs import UserError
 from .outputs import say
 
-__all__ = ["add_options", "check_options", "dtype_of", "stored_dtypes", "cmd_streamed"]
+__all__ = ["add_options", "check_options", "run_device", "to_host", "dtype_of", "stored_dtypes", "cmd_streamed"]
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 
@@ -30,7 +31,11 @@ def add_options(q) -> None:
                    help="quantize shard to shard (steps without data) or block by block (calibrated steps), never "
                         "holding the whole model: for models larger than memory")
     q.add_argument("--resume", action="store_true", help="continue an interrupted --stream run of the same command")
-    q.add_argument("--device", help="with --stream: where the block being calibrated runs (cpu, cuda, cuda:1...)")
+    q.add_argument("--device", help="where the quantization runs (cpu, cuda, cuda:1...; default cpu): in memory the whole "
+                                    "model is moved there from the host for the steps and the perplexities, and the "
+                                    "checkpoint is written from the host as without --device (the same format; values "
+                                    "equal to a CPU run's but at rounding near-ties); with --stream only the block "
+                                    "being calibrated is there")
     q.add_argument("--max-memory", metavar="SIZE",
                    help="with --stream: calibration activations kept in memory (e.g. 4GB); beyond, they spill to disk")
     q.add_argument("--layer-errors", action="store_true",
@@ -44,8 +49,7 @@ def check_options(a) -> None:
     """The streaming options fit together (before anything is loaded)."""
     from ..checkpoint.store import parse_size
 
-    options = (("--resume", a.resume), ("--device", a.device), ("--max-memory", a.max_memory),
-               ("--layer-errors", a.layer_errors))
+    options = (("--resume", a.resume), ("--max-memory", a.max_memory), ("--layer-errors", a.layer_errors))
     if any(v for _, v in options) and not a.stream:
         given = [o for o, v in options if v]
         raise UserError(f"{', '.join(given)} go with --stream")
@@ -63,6 +67,43 @@ def check_options(a) -> None:
             parse_size(a.max_memory)
         except (TypeError, ValueError) as e:
             raise UserError(f"--max-memory {a.max_memory!r}: {e}") from None
+
+
+def run_device(a):
+    """The ``torch.device`` of ``--device`` for the in-memory run, ``None`` without it (``cpu``: the same moves,
+    none of which copies anything)."""
+    if not a.device:
+        return None
+    import torch
+
+    return torch.device(a.device)
+
+
+def to_host(result, host=None):
+    """``result`` (a :class:`bridge.tree.Quantized`) with every tensor on the host: each tensor moved once, so
+    that a leaf of ``qtree`` that is a tensor of ``params`` stays that very tensor (``Quantized.changed``).
+    ``host``: ``{path: tensor}`` already on the host for the tensors of ``result.params`` (the model moved back,
+    ``bridge.extract(model)``): used instead of a second copy of the float model."""
+    import torch
+    import torch.utils._pytree as pytree
+
+    moved: dict[int, torch.Tensor] = {}
+    for p, t in (result.params or {}).items():
+        h = (host or {}).get(p)
+        if isinstance(t, torch.Tensor) and isinstance(h, torch.Tensor) and h.device.type == "cpu" and (
+                h.shape, h.dtype) == (t.shape, t.dtype):
+            moved[id(t)] = h
+
+    def host(t):
+        if not isinstance(t, torch.Tensor):
+            return t
+        if id(t) not in moved:
+            moved[id(t)] = t if t.device.type == "cpu" else t.detach().to("cpu")
+        return moved[id(t)]
+
+    # ``result`` keeps every tensor alive meanwhile: an id is never reused within the call
+    return result._replace(**{f: pytree.tree_map(host, getattr(result, f))
+                              for f in ("params", "qtree", "activations", "online")})
 
 
 def dtype_of(a):

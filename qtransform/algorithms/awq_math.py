@@ -54,13 +54,14 @@ def candidate_scales(x_mean: torch.Tensor, grid: int = 20, *, w_mean: torch.Tens
     """The grid's ``α`` and their scales ``(grid, C)`` (float32; see the module docstring)."""
     if isinstance(grid, bool) or not isinstance(grid, int) or grid < 1:
         raise ValueError(f"awq: grid must be an int >= 1, got {grid!r}")
-    alphas = torch.arange(grid, dtype=torch.float64)[:, None] / grid
+    grid_alphas = torch.arange(grid, dtype=torch.float64) / grid  # on the host: read as Python floats below
+    alphas = grid_alphas.to(x_mean.device)[:, None]
     log_x = x_mean.detach().to(torch.float64).clamp(min=1e-4).log()
     log_s = alphas * log_x
     if w_mean is not None:
         log_s = log_s - (1 - alphas) * w_mean.detach().to(torch.float64).clamp(min=1e-4).log()
     log_s = log_s - (log_s.amax(-1, keepdim=True) + log_s.amin(-1, keepdim=True)) / 2  # / sqrt(max * min)
-    return tuple(round(float(a), 12) for a in alphas[:, 0]), log_s.exp().to(torch.float32)
+    return tuple(round(a, 12) for a in grid_alphas.tolist()), log_s.exp().to(torch.float32)
 
 
 def input_mean(mean_abs: torch.Tensor, group: SmoothGroup, shape: GroupShape) -> torch.Tensor:

@@ -75,7 +75,7 @@ def search_range(w: torch.Tensor, spec: QuantSpec, col_weight: torch.Tensor | No
             p.block[in_axis], p.block[in_axis]) or gram.shape[0] * p.block[in_axis] != p.padded[in_axis]):
         raise ValueError(f"{where(path)}clip search: a Gram of shape {tuple(gram.shape)} does not fit the column "
                          f"blocks of a weight {tuple(x.shape)} with input axis {in_axis} under {spec}")
-    h = torch.ones(x.shape[-1]) if col_weight is None else col_weight.detach().to(torch.float32).clamp(min=0)
+    h = torch.ones(x.shape[-1], device=x.device) if col_weight is None else col_weight.detach().to(torch.float32).clamp(min=0)
     hw = h.expand_as(x)
     best_err, best_lo, best_hi = torch.full_like(lo, float("inf")), lo, hi
     for ratio in torch.linspace(1.0, min_ratio, grid).tolist():  # p = 1 first: ties keep the full range

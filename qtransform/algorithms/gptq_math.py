@@ -255,7 +255,7 @@ def gptq_many(weights: Sequence[torch.Tensor], H: torch.Tensor, specs: Sequence[
     dynamic = [i for i, m in enumerate(members) if not m.static]
     groups: dict[int, list[QParams]] = {i: [] for i in dynamic}
     runs = _runs(members)
-    losses = torch.zeros(Wt.shape[1], dtype=torch.float64)
+    losses = torch.zeros(Wt.shape[1], dtype=torch.float64, device=Wt.device)
     Q = torch.empty_like(Wt)
     for i1 in range(0, C, block_size):
         i2 = min(i1 + block_size, C)

@@ -27,16 +27,19 @@ from .base import Fit, register_algorithm
 from .options import option, options_checker
 
 __all__ = ["ROTATIONS", "rotation_matrix", "step", "Options", "check_options", "online_r3_r4", "fuse_online",
-           "residual_width"]
+           "residual_width", "residual_tensor"]
 
 ROTATIONS = ("hadamard", "random")
 
 
-def rotation_matrix(n: int, rotation: str, seed: int) -> torch.Tensor:
-    """The float64 ``n x n`` orthogonal matrix of ``rotation`` (see the module docstring)."""
+def rotation_matrix(n: int, rotation: str, seed: int, *, device=None) -> torch.Tensor:
+    """The float64 ``n x n`` orthogonal matrix of ``rotation`` (see the module docstring), drawn on the host
+    (a CPU generator: the same matrix whatever the device) and put on ``device`` (default: the host)."""
     if rotation == "random":
-        return random_orthogonal(n, seed, dtype=torch.float64)
-    return orthogonal(n, seed, dtype=torch.float64)
+        m = random_orthogonal(n, seed, dtype=torch.float64)
+    else:
+        m = orthogonal(n, seed, dtype=torch.float64)
+    return m if device is None else m.to(device)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -61,14 +64,19 @@ check_options = options_checker("rotate", Options)
 def residual_width(params, lay: ResidualLayout) -> int:
     """The residual stream's width: the embeddings' last dimension, else (a part of the model without them,
     e.g. one decoder block quantized at a time) a norm's width."""
+    return residual_tensor(params, lay).shape[-1]
+
+
+def residual_tensor(params, lay: ResidualLayout) -> torch.Tensor:
+    """The tensor :func:`residual_width` reads (its device is where the rotations are put)."""
     emb = params.get(lay.embeddings[0]) if lay.embeddings else None
     if isinstance(emb, torch.Tensor):
-        return emb.shape[-1]
+        return emb
     norm = next((params[n.weight] for n in lay.norms if isinstance(params.get(n.weight), torch.Tensor)), None)
     if norm is None:
         raise ValueError(f"rotate: layout embeddings {list(lay.embeddings)} and norms name no tensor of the tree: the "
                          "residual width is unknown")
-    return norm.shape[-1]
+    return norm
 
 
 def online_r3_r4(params, plan, lay: ResidualLayout, *, r3, r4: bool) -> dict:
@@ -103,9 +111,10 @@ def step(params, plan, *, context, layout=None, rotation: str = "hadamard", seed
         raise ValueError("rotate: no residual layout: the plan has none (Plan.layout; bridge.plan fills it from the "
                          "model's architecture table, bridge.arch.residual_layout) and no layout option was given")
     lay = ResidualLayout.from_value(layout, where="rotate: layout")
-    d = residual_width(params, lay)
-    R1 = rotation_matrix(d, rotation, seed)
-    R2 = rotation_matrix(lay.heads[0].head_dim, rotation, seed + 1) if heads and lay.heads else None
+    ref = residual_tensor(params, lay)
+    d, dev = ref.shape[-1], ref.device
+    R1 = rotation_matrix(d, rotation, seed, device=dev)
+    R2 = rotation_matrix(lay.heads[0].head_dim, rotation, seed + 1, device=dev) if heads and lay.heads else None
     out = rotate_tree(params, lay if heads else lay._replace(heads=()), R1, R2)
     online = online_r3_r4(out, plan, lay, r3=r3, r4=r4)
     out.update(fuse_online(out, online))

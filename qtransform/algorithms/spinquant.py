@@ -126,8 +126,8 @@ def step(params, plan, *, context, layout=None, iters: int = 100, lr: float = 0.
     if not isinstance(emb, torch.Tensor) or not lay.heads:
         raise ValueError("spinquant: the layout names no embedding tensor of the tree or no value/output heads")
     d, hd = emb.shape[-1], lay.heads[0].head_dim
-    R = {"r1": rotation_matrix(d, "hadamard", seed),
-         "r2": rotation_matrix(hd, "hadamard", seed + 1).expand(len(lay.heads), hd, hd).clone()}
+    R = {"r1": rotation_matrix(d, "hadamard", seed, device=emb.device),
+         "r2": rotation_matrix(hd, "hadamard", seed + 1, device=emb.device).expand(len(lay.heads), hd, hd).clone()}
     online = online_r3_r4(params, plan, lay, r3=r3, r4=r4)
     base = fuse_norms(params, lay)
     mode = _weights_mode(weights, plan)

@@ -53,7 +53,7 @@ class CodebookCodec(Codec):
     bound = "half the gap between neighbouring codebook entries, times the scale"
 
     def _table(self, like: torch.Tensor) -> torch.Tensor:
-        return torch.tensor(self.values, dtype=torch.float32, device=like.device)
+        return _table(tuple(self.values), str(like.device))
 
     def qrange(self, *, symmetric, restricted):
         return self.values[0], self.values[-1]
@@ -92,3 +92,16 @@ register_format(Format(
     default_granularity=PerGroup(64), scale_dtypes=("float32", "float16", "bfloat16"),
     symmetric_only=True,
 ))
+
+
+_TABLES: dict = {}
+
+
+def _table(values: tuple, device: str) -> torch.Tensor:
+    """The codebook's values as a float32 tensor on ``device``, cached per device (no host-to-device copy per
+    rounding call: GPTQ rounds one column at a time)."""
+    key = (values, device)
+    table = _TABLES.get(key)
+    if table is None:
+        table = _TABLES[key] = torch.tensor(values, dtype=torch.float32, device=device)
+    return table

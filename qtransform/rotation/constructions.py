@@ -232,10 +232,10 @@ def _core_matrix(core: tuple[int, ...]) -> torch.Tensor:
     return H
 
 
-@functools.lru_cache(maxsize=32)
-def _core_on(core: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """:func:`_core_matrix` in ``dtype`` on ``device``, cached: an online rotation on a GPU copies it from
-    the host once, not at every call."""
+@functools.lru_cache(maxsize=64)
+def _core_on(core: tuple[int, ...], dtype: torch.dtype, device: str) -> torch.Tensor:
+    """:func:`_core_matrix` in ``dtype`` on ``device`` (cached: no host-to-device copy at every online rotation
+    of a model running on a GPU)."""
     return _core_matrix(core).to(dtype=dtype, device=device)
 
 
@@ -260,7 +260,9 @@ def hadamard_transform(x: torch.Tensor, *, normalized: bool = True) -> torch.Ten
     lead, m = x.shape[:-1], n // plan.power
     y = x.reshape(*lead, plan.power, m)
     if m > 1:  # (A ⊗ B) on row vectors: Aᵀ X B with X the (power, m) view; A (Sylvester) is symmetric
-        y = y @ _core_on(plan.core, x.dtype, x.device)
+        core = (_core_matrix(plan.core).to(dtype=x.dtype, device=x.device) if torch.compiler.is_compiling()
+                else _core_on(plan.core, x.dtype, str(x.device)))  # nothing traced kept in the cache
+        y = y @ core
     h = 1
     while h < plan.power:  # Sylvester butterflies on the power axis
         y = y.reshape(*lead, plan.power // (2 * h), 2, h, m)

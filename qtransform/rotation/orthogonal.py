@@ -34,18 +34,19 @@ def _generator(seed) -> torch.Generator:
 def random_signs(n: int, seed=0, *, dtype=torch.float32) -> torch.Tensor:
     """``n`` random ±1 values (seeded)."""
     g = _generator(seed)
-    return (torch.randint(0, 2, (n,), generator=g) * 2 - 1).to(dtype)
+    return (torch.randint(0, 2, (n,), generator=g, device=g.device) * 2 - 1).to(dtype)
 
 
 def random_hadamard(n: int, seed=0, *, dtype=torch.float32) -> torch.Tensor:
     """``diag(s) · hadamard(n)`` with random signs ``s``: orthogonal."""
-    return random_signs(n, seed, dtype=dtype)[:, None] * hadamard(n, dtype=dtype)
+    s = random_signs(n, seed, dtype=dtype)
+    return s[:, None] * hadamard(n, dtype=dtype, device=s.device)
 
 
 def random_orthogonal(n: int, seed=0, *, dtype=torch.float32) -> torch.Tensor:
     """A random orthogonal ``n x n`` matrix (Haar: QR of a Gaussian matrix, R's diagonal made positive)."""
     g = _generator(seed)
-    q, r = torch.linalg.qr(torch.randn(n, n, generator=g, dtype=torch.float64))
+    q, r = torch.linalg.qr(torch.randn(n, n, generator=g, dtype=torch.float64, device=g.device))
     d = torch.diagonal(r)
     return (q * torch.where(d < 0, -1.0, 1.0).to(q.dtype)).to(dtype).contiguous()
 
