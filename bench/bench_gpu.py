@@ -85,9 +85,10 @@ def gptq_case(run: Run, shape: str, n: int) -> dict:
     model = G.build_model(shape, dev, layers=blocks if a.cpu_reference else None)
     calib = G.calibration(model.config.vocab_size, n, a.seq, a.batch)
     G.reset_peak(dev)
+    cpu0 = time.process_time()
     r, secs = G.timed(lambda: bridge.quantize_params(model, recipe, calibration=calib), dev)
     row.update(device=dev, blocks=blocks if a.cpu_reference else layers, seconds=round(secs, 2),
-               peak_gpu_gb=G.peak_gb(dev))
+               process_cpu_s=round(time.process_time() - cpu0, 1), peak_gpu_gb=G.peak_gb(dev))
     if a.cpu_reference:
         row["seconds_whole_model"] = round(secs * layers / blocks, 1)
         row["extrapolated"] = blocks < layers

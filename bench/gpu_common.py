@@ -176,11 +176,21 @@ def available_kernels(model) -> str:
     return ", ".join(q.available_kernels()) if q is not None else ""
 
 
+def cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or platform.machine()
+
+
 def machine(device) -> dict:
+    import os
+
     import transformers
 
     info = {"torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version(),
-            "cpu": platform.processor() or platform.machine(), "cpu_threads": torch.get_num_threads(),
+            "cpu": cpu_name(), "cpu_count": os.cpu_count(), "cpu_threads": torch.get_num_threads(),
             "device": str(device), "float32_matmul_precision": torch.get_float32_matmul_precision()}
     if torch.device(device).type == "cuda":
         p = torch.cuda.get_device_properties(device)
