@@ -129,9 +129,9 @@ def w8a8_case(run: Run, shape: str, preset: str) -> dict:
     ids = G.calibration(model.config.vocab_size, 1, a.seq, 1, seed=3)[0].to(dev)
     G.reset_peak(dev)
     qmodel, secs = G.timed(lambda: bridge.quantize(model, qt.get_preset(preset).recipe, calibration=calib), dev)
+    model, qmodel = model.to(torch.bfloat16), qmodel.to(torch.bfloat16)  # run in bf16, as served
     row = {"shape": shape, "preset": preset, "calibration": f"{a.w8a8_calib} x {a.seq} tokens",
            "quantize_s": round(secs, 2), "kernels": G.kernels_used(qmodel), "available": G.available_kernels(qmodel)}
-    model, qmodel = model.to(torch.bfloat16), qmodel.to(torch.bfloat16)
     wanted = [k for k in row["available"].split(", ") if "cuda" in k or k == "fp8_scaled_mm"]
     if wanted and wanted[0] not in row["kernels"]:  # eligible on this device but not chosen by auto
         forced = 0
