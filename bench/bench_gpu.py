@@ -99,12 +99,10 @@ def gptq_case(run: Run, shape: str, n: int) -> dict:
         prefixes = tuple(f"model.layers.{i}." for i in range(blocks))
         row["vs_cpu"] = {"blocks": blocks, "cpu_seconds_this_machine": round(cpu_secs, 2),
                          **G.compare_codes(r.qtree, rc.qtree, prefixes)}
-        del small, rc
     ref = reference(a).get(shape)
     if ref:
         row["cpu_reference"] = ref
         row["speedup_vs_cpu_reference"] = round(ref["seconds_whole_model"] / secs, 1)
-    del model, r
     return row
 
 
@@ -145,7 +143,6 @@ def w8a8_case(run: Run, shape: str, preset: str) -> dict:
         got = qmodel(ids, logits_to_keep=0).logits.float()
     row["logits_rel_err_vs_bf16"] = round(float((got - ref).norm() / ref.norm()), 4)
     row["peak_gpu_gb"] = G.peak_gb(dev)
-    del model, qmodel
     return row
 
 
@@ -194,7 +191,6 @@ def speed_case(run: Run, shape: str, variant: str) -> dict:
         times = sorted(decode() for _ in range(max(1, a.repeat // 2)))
         row["decode_tok_s"] = round(a.decode / times[len(times) // 2], 1)
     row["peak_gpu_gb"] = G.peak_gb(dev)
-    del model
     return row
 
 
