@@ -113,7 +113,8 @@ def reference(a) -> dict:
     data = json.loads(path.read_text())
     return {r["shape"]: {"seconds_whole_model": r["seconds_whole_model"], "extrapolated": r["extrapolated"],
                          "blocks": r["blocks"], "calibration": r["calibration"], "machine": data["machine"]["cpu"],
-                         "threads": data["machine"]["cpu_threads"]}
+                         "threads": data["machine"]["cpu_threads"], "load_before": r.get("load_before"),
+                         "process_cpu_s": r.get("process_cpu_s")}
             for r in data.get("gptq", []) if "seconds_whole_model" in r}
 
 
@@ -217,8 +218,9 @@ def table(out: dict) -> str:
              "|---|---|---|---|---|---|"]
     for r in out["gptq"]:
         ref, vs = r.get("cpu_reference") or {}, r.get("vs_cpu") or {}
-        refs = (f"{ref['seconds_whole_model']}{' est.' if ref['extrapolated'] else ''} ({ref['threads']} threads)"
-                if ref else "-")
+        load = (ref.get("load_before") or [None])[0]
+        refs = (f"{ref['seconds_whole_model']}{' est.' if ref['extrapolated'] else ''} ({ref['threads']} threads, "
+                f"load {load})" if ref else "-")
         eq = (f"{vs['equal_fraction']:.6f} ({vs['blocks']}), max diff {vs['max_code_diff']}"
               if vs.get("equal_fraction") is not None else "-")
         lines.append(f"| {r['shape']} | {r.get('calibration', '')} | {r.get('seconds', r.get('error', ''))} | {refs} | "
