@@ -259,6 +259,7 @@ def main(argv=None):
     ap.add_argument("--decode", type=int, default=128)
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--budget", type=float, default=240.0, help="seconds after which no new case starts")
+    ap.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's; OMP_NUM_THREADS)")
     ap.add_argument("--only", nargs="*", default=None, choices=["gptq", "w8a8", "speed"])
     a = ap.parse_args(argv)
     if a.out is None:
@@ -269,6 +270,8 @@ def main(argv=None):
     a.ref_blocks = {"tinyllama-1.1b": a.ref_blocks_1b, "tiny-wide": min(a.ref_blocks_1b, 1)}
     if torch.device(a.device).type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: no CUDA device here (use --device cpu --small for a smoke test)")
+    if a.threads:
+        torch.set_num_threads(a.threads)
     warnings.filterwarnings("ignore", message=".*past_key_values.*")  # newer transformers rename it; 5.17 has it
     run = Run(a)
     m = run.out["machine"]
