@@ -19,6 +19,11 @@ Every case catches its own error (the reason goes in the table) and the JSON is 
 each, so a time limit still leaves what was measured. ``--budget`` seconds: cases not started by then
 are skipped. ``--device cpu --small``: tiny shapes in seconds, the same code paths (a smoke test).
 
+The CPU reference (bench/results/gpu_cpu_reference.json) was measured on the 2-core development
+machine (AMD EPYC, 2 threads, load average 0.9-2.0): SmolLM2 shape whole, 1.1B shape on its first
+layer only, scaled by 22 (marked ``est.``). On a shared machine 2 threads are fragile: the same job
+took 444 s instead of 98 s at load 3-6; one thread (OMP_NUM_THREADS=1) gave 131 s and 59 s/layer.
+
     python3 bench/bench_gpu.py --out bench/results/gpu.json              # on the GPU machine
     python3 bench/bench_gpu.py --device cpu --cpu-reference              # the CPU reference, here
 """
