@@ -228,7 +228,10 @@ def table(out: dict) -> str:
                 f"load {load})" if ref else "-")
         eq = (f"{vs['equal_fraction']:.6f} ({vs['blocks']}), max diff {vs['max_code_diff']}"
               if vs.get("equal_fraction") is not None else "-")
-        lines.append(f"| {r['shape']} | {r.get('calibration', '')} | {r.get('seconds', r.get('error', ''))} | {refs} | "
+        secs = r.get("seconds", r.get("error", ""))
+        if r.get("extrapolated"):
+            secs = f"{secs} ({r['blocks']} layers; whole model est. {r['seconds_whole_model']})"
+        lines.append(f"| {r['shape']} | {r.get('calibration', '')} | {secs} | {refs} | "
                      f"{r.get('speedup_vs_cpu_reference', '-')} | {eq} |")
     lines += ["", "| W8A8 (smollm2 shape) | quantize s | kernels | logits rel. err vs bf16 |", "|---|---|---|---|"]
     for r in out["w8a8"]:
