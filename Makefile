@@ -9,7 +9,7 @@ TORCH   := torch==2.13.0
 STAMP   := $(VENV)/.installed
 PYTEST  := $(BIN)/python -m pytest
 
-.PHONY: install test quick test-long test-llamacpp demo bench bench-gptq bench-gptq-peer bench-awq bench-rotation bench-e2e bench-stream clean
+.PHONY: install test quick test-long test-llamacpp demo bench bench-gptq bench-gptq-peer bench-awq bench-rotation bench-e2e bench-stream test-gpu bench-gpu clean
 
 $(STAMP): pyproject.toml Makefile .ci/constraints.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -40,6 +40,26 @@ quick: $(STAMP)
 test-llamacpp: $(STAMP)
 	$(PIP) install -q -c .ci/constraints.txt -e ".[llamacpp]"
 	HYPOTHESIS_PROFILE=ci $(PYTEST) -q -m llamacpp
+
+## GPU machine (issue 31): the tests marked `cuda`, from the repository root, with that machine's own Python
+## (torch + CUDA, transformers, pytest, hypothesis; no venv, no pip, no network). Only tests/ and property_tests/ are
+## collected (the doctests of bridge/ would import every interop module); a module that fails to import there is
+## reported and the cuda tests still run. The AVX2 CPU kernels are not built (QTRANSFORM_NO_NATIVE_KERNELS).
+## Extra pytest arguments: GPU_PYTEST_ARGS="--junitxml=out.xml"; on a machine without CUDA every test skips.
+GPU_PY          ?= python3
+GPU_TESTS       ?= tests property_tests
+GPU_PYTEST_ARGS ?=
+GPU_ENV         := PYTHONPATH=. HYPOTHESIS_PROFILE=ci QTRANSFORM_NO_NATIVE_KERNELS=1 HF_HUB_OFFLINE=1
+test-gpu:
+	$(GPU_ENV) $(GPU_PY) -m pytest -q -p no:xdist -m cuda --continue-on-collection-errors -rfEs --durations=15 \
+		$(GPU_PYTEST_ARGS) $(GPU_TESTS)
+
+## on the GPU machine: GPTQ, calibrated W8A8 and prefill/decode tokens/s, a few minutes (bench/bench_gpu.py;
+## bench/results/gpu.{json,md}; GPU_BENCH_ARGS="--out DIR/gpu.json"); its CPU reference is made here with
+## `python bench/bench_gpu.py --device cpu --cpu-reference`
+GPU_BENCH_ARGS  ?=
+bench-gpu:
+	$(GPU_ENV) $(GPU_PY) bench/bench_gpu.py $(GPU_BENCH_ARGS)
 
 DEMO_OUT := out/smollm2-hqq4-g64
 
