@@ -190,7 +190,16 @@ def speed_case(run: Run, shape: str, variant: str) -> dict:
         G.sync(dev)
         return time.perf_counter() - t
 
+    linears = [m for n, m in model.named_modules() if hasattr(m, "in_features") and "lm_head" not in n]
+    xs = [torch.randn(1, 1, m.in_features, device=dev, dtype=torch.bfloat16) for m in linears]
+
+    def gemv(reps=20):  # every linear of the decoder at one token, back to back: the kernels' own time
+        for _ in range(reps):
+            for m, x in zip(linears, xs):
+                m(x)
+
     with torch.no_grad():
+        row["decode_linears_us"] = round(G.median_time(gemv, dev, repeat=a.repeat, warmup=1) / 20 * 1e6, 1)
         s = G.median_time(prefill, dev, repeat=a.repeat, warmup=2)
         row["prefill_tok_s"] = round(a.prefill / s, 1)
         decode(4)
@@ -203,14 +212,15 @@ def speed_case(run: Run, shape: str, variant: str) -> dict:
 def cases(a):
     big = ["smollm2-135m", "tinyllama-1.1b"] if not a.small else ["tiny", "tiny-wide"]
     n = {big[0]: a.calib_small, big[1]: a.calib_1b}
-    out = [("gptq", {"shape": s}, lambda run, s=s: gptq_case(run, s, n[s])) for s in big]
+    gptq = [("gptq", {"shape": s}, lambda run, s=s: gptq_case(run, s, n[s])) for s in big]
     if a.cpu_reference:
-        return out
-    out += [("w8a8", {"shape": big[0], "preset": p}, lambda run, p=p: w8a8_case(run, big[0], p))
+        return gptq
+    out = [("w8a8", {"shape": big[0], "preset": p}, lambda run, p=p: w8a8_case(run, big[0], p))
             for p in ("fp8-w8a8", "w8a8-int8")]
     for s in big + (["llama3-8b-layer"] if not a.small else []):
         out += [("speed", {"shape": s, "variant": v}, lambda run, s=s, v=v: speed_case(run, s, v))
                 for v in ("bf16", "int4-g128", "fp8-w8a8")]
+    out += gptq  # the longest last
     return [c for c in out if not a.only or c[0] in a.only]
 
 
@@ -239,10 +249,11 @@ def table(out: dict) -> str:
                      f"{'(forced)' if r.get('forced') else ''} | {r.get('logits_rel_err_vs_bf16', '-')} |")
     a = out["args"]
     lines += ["", f"| shape | variant | prefill tok/s (1x{a['prefill']}) | decode tok/s ({a['decode']} steps) | kernels "
-              "| peak GPU GB (build+run) |", "|---|---|---|---|---|---|"]
+              "| decode: all linears at 1 token, µs | peak GPU GB (build+run) |", "|---|---|---|---|---|---|---|"]
     for r in out["speed"]:
         lines.append(f"| {r['shape']} | {r['variant']} | {r.get('prefill_tok_s', r.get('error', ''))} | "
-                     f"{r.get('decode_tok_s', '-')} | {r.get('kernels', '')} | {r.get('peak_gpu_gb', '-')} |")
+                     f"{r.get('decode_tok_s', '-')} | {r.get('kernels', '')} | {r.get('decode_linears_us', '-')} | "
+                     f"{r.get('peak_gpu_gb', '-')} |")
     return "\n".join(lines)
 
 

@@ -46,21 +46,30 @@ CALIB = [torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(
 EVAL = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(99))
 
 
-def _model():
+def _model(on_grid: int | None = None):
     torch.manual_seed(0)
-    return tiny_causal_lm("llama").eval()
+    model = tiny_causal_lm("llama").eval()
+    if on_grid:
+        with torch.no_grad():
+            for name, m in model.named_modules():
+                if isinstance(m, torch.nn.Linear) and not name.endswith("lm_head"):
+                    s = m.weight.abs().amax(1, keepdim=True) / on_grid
+                    m.weight.copy_(torch.round(m.weight / s) * s)
+    return model
 
 
-def run(recipe, device: str, *, calibrated: bool = True):
-    """``(model on the host, Quantized on the host)`` of ``recipe`` run with the model on ``device``."""
-    model = _model().to(device)
+def run(recipe, device: str, *, calibrated: bool = True, on_grid: int | None = None):
+    """``(model on the host, Quantized on the host)`` of ``recipe`` run with the model on ``device``.
+    ``on_grid``: the linear weights put on the symmetric per-channel grid of that many levels first."""
+    model = _model(on_grid).to(device)
     with torch.no_grad():
         result = bridge.quantize_params(model, recipe, calibration=CALIB if calibrated else None)
     return model.to("cpu"), to_host(result)
 
 
-def both(recipe, *, calibrated: bool = True, device: str = "cuda"):
-    return run(recipe, "cpu", calibrated=calibrated), run(recipe, device, calibrated=calibrated)
+def both(recipe, *, calibrated: bool = True, device: str = "cuda", on_grid: int | None = None):
+    return (run(recipe, "cpu", calibrated=calibrated, on_grid=on_grid),
+            run(recipe, device, calibrated=calibrated, on_grid=on_grid))
 
 
 def quantized(result) -> dict:
@@ -118,13 +127,17 @@ def check_static_scales(cpu, gpu):
     assert static, "no static activation scales were calibrated"
     for site in static:
         sa, sb = a.activations[site].scale.float(), b.activations[site].scale.float()
-        assert torch.allclose(sa, sb, rtol=1e-4, atol=0), (site, sa, sb)
+        rel = float(((sa - sb).abs() / sa.abs()).max())
+        assert rel <= 1e-4, f"{site}: scales {sa.flatten().tolist()} (cpu) and {sb.flatten().tolist()} differ by {rel:.3g}"
 
 
 @cuda
 @pytest.mark.cuda
 def test_static_int8_activation_scales_on_cuda_equal_cpu_within_float_noise():
-    cpu, gpu = both(qt.get_preset("w8a8-int8").recipe)
+    # weights already on the int8 grid: RTN gives the same codes on both devices (no near-tie to flip: a flipped
+    # weight code moves the activations after it by a step, ~1e-3, far beyond float noise), so the scales see
+    # the same model and differ only by the forward's float rounding
+    cpu, gpu = both(qt.get_preset("w8a8-int8").recipe, on_grid=127)
     check_static_scales(cpu, gpu)
     check_rtn_like(cpu, gpu, rtol=1e-6)  # the weights: RTN int8 per channel
 
@@ -137,11 +150,24 @@ def test_static_fp8_activation_and_kv_cache_scales_on_cuda_equal_cpu_within_floa
     assert any(s.role in ("key", "value") for s in cpu[1].activations), "no KV-cache site calibrated"
 
 
+SEARCHED = ("awq_alpha", "smoothquant_alpha")  # the grid searches' choices (not losses, which differ by float noise)
+
+
+def _choices(result, path: str) -> dict:
+    return {k: v for k, v in result.info.get(path, {}).items() if k in SEARCHED}
+
+
 def check_searched(cpu, gpu, *, equal: float = 0.95, factor: float = 1.25):
+    """A search's choice (SmoothQuant's alpha per group, recorded in ``info``) flips where two candidates' losses
+    are within float noise: such tensors are the search's near-ties, excluded from the codes compared (at most
+    half of them: flat losses are the exception), and the output error bounds them all."""
     (model, a), (_, b) = cpu, gpu
     qa, qb = quantized(a), quantized(b)
     assert qa.keys() == qb.keys() and qa
-    frac = equal_fraction(qa, qb)
+    flipped = {p for p in qa if _choices(a, p) != _choices(b, p)}
+    assert len(flipped) <= len(qa) // 2, f"the searches chose differently on {sorted(flipped)}"
+    frac = equal_fraction({p: v for p, v in qa.items() if p not in flipped},
+                          {p: v for p, v in qb.items() if p not in flipped})
     assert frac >= equal, f"only {frac:.4f} of the codes equal"
     ea, eb = output_error(model, a), output_error(model, b)
     assert eb <= factor * ea + 1e-12, (ea, eb)
@@ -170,5 +196,6 @@ def test_the_comparisons_hold_between_two_cpu_runs():
     cpu = run(qt.get_preset("int4-g64-asym").recipe, "cpu", calibrated=False)
     check_rtn_like(cpu, cpu, rtol=0.0)
     check_searched(cpu, cpu, equal=1.0, factor=1.0)
-    a = run(qt.get_preset("w8a8-int8").recipe, "cpu")
+    a = run(qt.get_preset("w8a8-int8").recipe, "cpu", on_grid=127)
     check_static_scales(a, a)
+    check_rtn_like(a, a, rtol=0.0)
