@@ -194,8 +194,10 @@ def test_int_mm_row_padding_is_cut_off():
 @cuda
 @pytest.mark.cuda
 @pytest.mark.parametrize("spec", INT4_SPECS, ids=str)
-@pytest.mark.parametrize("rows", [1, 7, 64])
-def test_int4pack_cuda_matches_reference(spec, rows):
+@pytest.mark.parametrize("rows,prefill", [(1, None), (7, None), (64, None), (64, 32)])
+def test_int4pack_cuda_matches_reference(spec, rows, prefill, monkeypatch):
+    """``prefill``: from that many rows on, the dequantize + ``F.linear`` path (dense.PREFILL_ROWS)."""
+    monkeypatch.setitem(kernels.dense.PREFILL_ROWS, "int4pack_cuda", prefill)
     m = make(spec).to("cuda")
     if torch.cuda.get_device_capability() < kcuda.MIN_CAPABILITY:
         pytest.skip("compute capability < 8.0")
