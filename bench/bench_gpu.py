@@ -279,6 +279,7 @@ def main(argv=None):
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--budget", type=float, default=240.0, help="seconds after which no new case starts")
     ap.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's; OMP_NUM_THREADS)")
+    ap.add_argument("--cudnn-attention", action="store_true", help="leave cuDNN's SDPA backend on (torch's default)")
     ap.add_argument("--only", nargs="*", default=None, choices=["gptq", "w8a8", "speed"])
     a = ap.parse_args(argv)
     if a.out is None:
@@ -291,6 +292,11 @@ def main(argv=None):
         raise SystemExit("--device cuda: no CUDA device here (use --device cpu --small for a smoke test)")
     if a.threads:
         torch.set_num_threads(a.threads)
+    if torch.device(a.device).type == "cuda" and not a.cudnn_attention:
+        # torch 2.11's SDPA picks cuDNN attention for bf16; at decode (a new key length each step) it spent
+        # 2.0 ms of host time per call on an H200 (bench/gpu_crossover.py's profile): ~60 ms per step of SmolLM2,
+        # whatever the weights. Flash / memory-efficient attention instead, for every variant alike.
+        torch.backends.cuda.enable_cudnn_sdp(False)
     warnings.filterwarnings("ignore", message=".*past_key_values.*")  # newer transformers rename it; 5.17 has it
     run = Run(a)
     m = run.out["machine"]

@@ -41,8 +41,8 @@ moving a module drops its prepared state, derived again on the new device at the
 
 With many tokens (``dense.PREFILL_ROWS``, measured) ``int4pack_cpu`` and ``int8pack_cpu``
 dequantize into a reused buffer and run ``F.linear`` in the input's dtype (:mod:`.dense`): the
-packed kernels are compute-bound there. ``int4pack_cuda`` runs the tinygemm kernel at every
-token count until ``bench/bench_gpu.py`` measures a crossover (``PREFILL_ROWS["int4pack_cuda"]``).
+packed kernels are compute-bound there. ``int4pack_cuda`` does the same from 256 tokens on
+(``PREFILL_ROWS["int4pack_cuda"]``, the crossover measured on an H200 by ``bench/gpu_crossover.py``).
 Every path has a backward with respect to its input
 (through the dequantized weight, recomputed: the quantized weight is frozen), and the choice
 and packing happen outside ``forward``'s traced path (``QModule.prepare``), so

@@ -37,9 +37,10 @@ from . import native
 
 __all__ = ["PREFILL_ROWS", "affine_params", "dequantize_int", "dense_linear", "prefill_linear", "release_buffers"]
 
-#: ``kernel name -> rows`` at and above which the kernel dequantizes and runs ``F.linear``. ``int4pack_cuda``:
-#: ``None`` (the tinygemm kernel at every token count) until ``bench/bench_gpu.py`` measures a crossover.
-PREFILL_ROWS: dict[str, int | None] = {"int4pack_cpu": 32, "int8pack_cpu": 32, "int4pack_cuda": None}
+#: ``kernel name -> rows`` at and above which the kernel dequantizes and runs ``F.linear``. ``int4pack_cuda``: 256,
+#: measured on an H200 (``bench/gpu_crossover.py``, Llama-3-8B's linears, one layer: tinygemm 2.0 ms against
+#: 2.8 ms at 128 rows, 3.9 against 2.6 at 256, 30.3 against 3.4 at 2048; bench/results/gpu_crossover.md).
+PREFILL_ROWS: dict[str, int | None] = {"int4pack_cpu": 32, "int8pack_cpu": 32, "int4pack_cuda": 256}
 
 _local = threading.local()
 

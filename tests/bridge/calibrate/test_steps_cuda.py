@@ -46,7 +46,7 @@ CALIB = [torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(
 EVAL = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(99))
 
 
-def _model(on_grid: int | None = None):
+def _model(on_grid: qt.QuantSpec | None = None):
     torch.manual_seed(0)
     model = tiny_causal_lm("llama").eval()
     # plain matmuls for attention: CUDA's fused float32 attention kernels round differently (~2e-4 relative
@@ -56,21 +56,26 @@ def _model(on_grid: int | None = None):
         with torch.no_grad():
             for name, m in model.named_modules():
                 if isinstance(m, torch.nn.Linear) and not name.endswith("lm_head"):
-                    s = m.weight.abs().amax(1, keepdim=True) / on_grid
-                    m.weight.copy_(torch.round(m.weight / s) * s)
+                    m.weight.copy_(qt.dequantize(qt.quantize(m.weight, qt.choose_qparams(m.weight, on_grid))))
     return model
 
 
-def run(recipe, device: str, *, calibrated: bool = True, on_grid: int | None = None):
+def run(recipe, device: str, *, calibrated: bool = True, on_grid: qt.QuantSpec | None = None):
     """``(model on the host, Quantized on the host)`` of ``recipe`` run with the model on ``device``.
-    ``on_grid``: the linear weights put on the symmetric per-channel grid of that many levels first."""
+    ``on_grid``: the linear weights replaced by their round trip through that spec first (a fixed point: the
+    step's RTN then has no near-tie to flip)."""
     model = _model(on_grid).to(device)
     with torch.no_grad():
         result = bridge.quantize_params(model, recipe, calibration=CALIB if calibrated else None)
     return model.to("cpu"), to_host(result)
 
 
-def both(recipe, *, calibrated: bool = True, device: str = "cuda", on_grid: int | None = None):
+def _restricted(recipe):
+    rules = tuple((t, dataclasses.replace(spec, symmetric_range="restricted")) for t, spec in recipe.type_rules)
+    return dataclasses.replace(recipe, type_rules=rules)
+
+
+def both(recipe, *, calibrated: bool = True, device: str = "cuda", on_grid: qt.QuantSpec | None = None):
     return (run(recipe, "cpu", calibrated=calibrated, on_grid=on_grid),
             run(recipe, device, calibrated=calibrated, on_grid=on_grid))
 
@@ -140,7 +145,10 @@ def test_static_int8_activation_scales_on_cuda_equal_cpu_within_float_noise():
     # weights already on the int8 grid: RTN gives the same codes on both devices (no near-tie to flip: a flipped
     # weight code moves the activations after it by a step, ~1e-3, far beyond float noise), so the scales see
     # the same model and differ only by the forward's float rounding
-    cpu, gpu = both(qt.get_preset("w8a8-int8").recipe, on_grid=127)
+    # the weights' 'full' symmetric range (scale absmax / 127.5) puts every row's extreme at +-127.5, a tie:
+    # the restricted range (absmax / 127) has its round trip as a fixed point, every weight an exact code
+    recipe = _restricted(qt.get_preset("w8a8-int8").recipe)
+    cpu, gpu = both(recipe, on_grid=recipe.type_rules[0][1])
     check_static_scales(cpu, gpu)
     check_rtn_like(cpu, gpu, rtol=1e-6)  # the weights: RTN int8 per channel
 
@@ -199,6 +207,9 @@ def test_the_comparisons_hold_between_two_cpu_runs():
     cpu = run(qt.get_preset("int4-g64-asym").recipe, "cpu", calibrated=False)
     check_rtn_like(cpu, cpu, rtol=0.0)
     check_searched(cpu, cpu, equal=1.0, factor=1.0)
-    a = run(qt.get_preset("w8a8-int8").recipe, "cpu", on_grid=127)
+    recipe = _restricted(qt.get_preset("w8a8-int8").recipe)
+    a = run(recipe, "cpu", on_grid=recipe.type_rules[0][1])
+    ties = [p for p, q in quantized(a[1]).items() if not torch.equal(a[1].params[p], qt.dequantize(q))]
+    assert not ties, f"weights on the grid are not their own round trip: {ties}"
     check_static_scales(a, a)
     check_rtn_like(a, a, rtol=0.0)
