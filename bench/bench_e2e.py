@@ -51,12 +51,11 @@ import statistics
 import subprocess
 import sys
 import time
-from collections import Counter
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bridge/ next to qtransform/
 
-from common import markdown  # noqa: E402
+from common import kernels_used, markdown  # noqa: E402
 
 MODELS = ("smollm2", "llama1b")
 VARIANTS = ("fp32", "bf16", "int4-g128", "int4-g128@bf16", "int8-channel", "hqq4-g64", "w8a8-int8-dynamic",
@@ -145,24 +144,6 @@ def make_variant(model, name: str, dtype: str):
     else:
         model = model.to(fdtype)
     return model, time.perf_counter() - t if name not in FLOATS else 0.0
-
-
-def kernels_used(model) -> str:
-    """``"int4pack_cpu x154, F.linear fp32 x1"``: the forward path of each linear layer."""
-    import torch
-
-    import bridge
-
-    seen = Counter()
-    for m in model.modules():
-        if isinstance(m, bridge.QModule):
-            seen[m.kernel] += 1
-        elif isinstance(m, torch.nn.Linear):
-            w = m.weight
-            kind = type(w).__name__ if type(w) not in (torch.Tensor, torch.nn.Parameter) else None
-            seen[f"torchao {kind} (_weight_int4pack_mm_for_cpu)" if kind == "Int4OpaqueTensor"
-                 else kind or f"F.linear {str(w.dtype).removeprefix('torch.')}"] += 1
-    return ", ".join(f"{k} x{n}" for k, n in seen.most_common())
 
 
 def _rss_kb(field: str) -> int:

@@ -48,6 +48,7 @@ import warnings  # noqa: E402
 import torch  # noqa: E402
 
 import gpu_common as G  # noqa: E402
+from common import kernels_used  # noqa: E402
 
 REFERENCE = ROOT / "bench" / "results" / "gpu_cpu_reference.json"
 PROMPT = 32
@@ -135,7 +136,7 @@ def w8a8_case(run: Run, shape: str, preset: str) -> dict:
     qmodel, secs = G.timed(lambda: bridge.quantize(model, qt.get_preset(preset).recipe, calibration=calib), dev)
     model, qmodel = model.to(torch.bfloat16), qmodel.to(torch.bfloat16)  # run in bf16, as served
     row = {"shape": shape, "preset": preset, "calibration": f"{a.w8a8_calib} x {a.seq} tokens",
-           "quantize_s": round(secs, 2), "kernels": G.kernels_used(qmodel), "available": G.available_kernels(qmodel)}
+           "quantize_s": round(secs, 2), "kernels": kernels_used(qmodel), "available": G.available_kernels(qmodel)}
     wanted = [k for k in row["available"].split(", ") if "cuda" in k or k == "fp8_scaled_mm"]
     if wanted and wanted[0] not in row["kernels"]:  # eligible on this device but not chosen by auto
         forced = 0
@@ -143,7 +144,7 @@ def w8a8_case(run: Run, shape: str, preset: str) -> dict:
             if isinstance(m, bridge.QLinear) and wanted[0] in m.available_kernels():
                 m.kernel, forced = wanted[0], forced + 1
         row["forced"] = f"{wanted[0]} x{forced}"
-        row["kernels"] = G.kernels_used(qmodel)
+        row["kernels"] = kernels_used(qmodel)
     with torch.no_grad():
         ref = model(ids, logits_to_keep=0).logits.float()
         got = qmodel(ids, logits_to_keep=0).logits.float()
@@ -170,7 +171,7 @@ def speed_case(run: Run, shape: str, variant: str) -> dict:
     a, dev = run.a, run.a.device
     G.reset_peak(dev)
     model = make_variant(run, shape, variant)
-    row = {"shape": shape, "variant": variant, "kernels": G.kernels_used(model)}
+    row = {"shape": shape, "variant": variant, "kernels": kernels_used(model)}
     vocab = model.config.vocab_size
     gen = torch.Generator().manual_seed(4)
     ids = torch.randint(0, vocab, (1, a.prefill), generator=gen).to(dev)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections import Counter
 import pathlib
 import platform
 import statistics
@@ -98,3 +99,20 @@ def quality_runs(schemes: dict, a):
         print(name, round(ppl / fp, 4), round(seconds, 1), flush=True)
         del qm
     return fp, ev.numel(), rows
+
+
+def kernels_used(model) -> str:
+    """``"int4pack_cpu x154, F.linear float32 x1"``: the forward path of each linear layer (our modules' kernels,
+    torchao's tensor kinds, plain ``F.linear`` by dtype)."""
+    import bridge
+
+    seen = Counter()
+    for m in model.modules():
+        if isinstance(m, bridge.QModule):
+            seen[m.kernel] += 1
+        elif isinstance(m, torch.nn.Linear):
+            w = m.weight
+            kind = type(w).__name__ if type(w) not in (torch.Tensor, torch.nn.Parameter) else None
+            seen[f"torchao {kind} (_weight_int4pack_mm_for_cpu)" if kind == "Int4OpaqueTensor"
+                 else kind or f"F.linear {str(w.dtype).removeprefix('torch.')}"] += 1
+    return ", ".join(f"{k} x{n}" for k, n in seen.most_common())

@@ -6,29 +6,22 @@ from __future__ import annotations
 import platform
 import statistics
 import time
-from collections import Counter
 
 import torch
+
+from make_checkpoint import SHAPES as CHECKPOINT_SHAPES
 
 #: Real shapes (randomly initialised: no files needed). ``llama3-8b-layer``: one Llama-3-8B decoder
 #: layer with a small vocabulary, so that the layer, not the embedding or lm_head, is what is timed.
 SHAPES = {
-    "smollm2-135m": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
-                         num_key_value_heads=3, vocab_size=49152, rope_theta=100000.0, tie_word_embeddings=True,
-                         max_position_embeddings=8192, rms_norm_eps=1e-5),
-    "tinyllama-1.1b": dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,
-                           num_key_value_heads=4, vocab_size=32000, rope_theta=10000.0, tie_word_embeddings=False,
-                           max_position_embeddings=4096, rms_norm_eps=1e-5),
-    "llama3-8b-layer": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=1, num_attention_heads=32,
-                            num_key_value_heads=8, vocab_size=1024, rope_theta=500000.0, tie_word_embeddings=False,
-                            max_position_embeddings=8192, rms_norm_eps=1e-5),
+    "smollm2-135m": CHECKPOINT_SHAPES["smollm2-135m"],
+    "tinyllama-1.1b": CHECKPOINT_SHAPES["tinyllama-1.1b"],
+    "llama3-8b-layer": dict(CHECKPOINT_SHAPES["llama-3-8b"], num_hidden_layers=1, vocab_size=1024),
     # --small: seconds on a CPU, same code paths
-    "tiny": dict(hidden_size=256, intermediate_size=512, num_hidden_layers=3, num_attention_heads=4,
-                 num_key_value_heads=2, vocab_size=512, rope_theta=10000.0, tie_word_embeddings=True,
-                 max_position_embeddings=1024, rms_norm_eps=1e-5),
-    "tiny-wide": dict(hidden_size=512, intermediate_size=1024, num_hidden_layers=2, num_attention_heads=8,
-                      num_key_value_heads=2, vocab_size=512, rope_theta=10000.0, tie_word_embeddings=False,
-                      max_position_embeddings=1024, rms_norm_eps=1e-5),
+    "tiny": dict(CHECKPOINT_SHAPES["tinyllama-1.1b"], hidden_size=256, intermediate_size=512, num_hidden_layers=3,
+                 num_attention_heads=4, num_key_value_heads=2, vocab_size=512, tie_word_embeddings=True),
+    "tiny-wide": dict(CHECKPOINT_SHAPES["tinyllama-1.1b"], hidden_size=512, intermediate_size=1024, num_hidden_layers=2,
+                      num_attention_heads=8, num_key_value_heads=2, vocab_size=512),
 }
 
 
@@ -154,19 +147,6 @@ def compare_codes(a: dict, b: dict, prefixes: tuple[str, ...]) -> dict:
         worst = max(worst, int((ca - cb).abs().max()) if ca.numel() else 0)
     return {"tensors": len(paths), "codes": total, "equal_fraction": equal / total if total else None,
             "max_code_diff": worst}
-
-
-def kernels_used(model) -> str:
-    """``"fp8_scaled_mm x210, F.linear x1"``: the forward path of each linear layer."""
-    import bridge
-
-    seen = Counter()
-    for m in model.modules():
-        if isinstance(m, bridge.QModule):
-            seen[m.kernel] += 1
-        elif isinstance(m, torch.nn.Linear):
-            seen[f"F.linear {str(m.weight.dtype).removeprefix('torch.')}"] += 1
-    return ", ".join(f"{k} x{n}" for k, n in seen.most_common())
 
 
 def available_kernels(model) -> str:

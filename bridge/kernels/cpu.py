@@ -16,7 +16,8 @@ import qtransform as qt
 
 from . import decode, dense
 from .base import LINEAR_KERNELS, Kernel, grid, has_op, int_codec, linear_common, register_kernel, rows
-from .int4 import INT4_GROUPS, int4_group, int4_reason, nibbles, per_kernel_group, prefill_state, scale_and_zeros
+from .int4 import (INT4_GROUPS, int4_group, int4_reason, nibbles, packed_linear, per_kernel_group, prefill_state,
+                   scale_and_zeros)
 
 __all__ = ["INT4_GROUPS", "int4pack_linear", "int8pack_linear"]
 
@@ -61,13 +62,7 @@ def _int4_prepare(module):
 
 def int4pack_linear(x: torch.Tensor, packed: torch.Tensor, group: int, scale_zeros: torch.Tensor) -> torch.Tensor:
     """``x @ W.T`` for an int4pack weight (bf16 compute); ``x``: ``(..., K)`` -> ``(..., N)`` in x.dtype."""
-    k = x.shape[-1]
-    n = scale_zeros.shape[1]
-    x2 = rows(x, k)
-    if x2.shape[0] == 0:
-        return x.new_zeros(*x.shape[:-1], n)
-    y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2.to(torch.bfloat16).contiguous(), packed, group, scale_zeros)
-    return y.to(x.dtype).reshape(*x.shape[:-1], n)
+    return packed_linear(torch.ops.aten._weight_int4pack_mm_for_cpu, x, packed, group, scale_zeros)
 
 
 def _int4_run(module, st, x, **kw):

@@ -25,8 +25,8 @@ from __future__ import annotations
 import torch
 
 from . import dense
-from .base import LINEAR_KERNELS, Kernel, has_op, linear_common, register_kernel, rows
-from .int4 import int4_group, int4_reason, nibbles, pack_nibble_pairs, prefill_state, scale_and_zeros
+from .base import LINEAR_KERNELS, Kernel, has_op, linear_common, register_kernel
+from .int4 import int4_group, int4_reason, nibbles, pack_nibble_pairs, packed_linear, prefill_state, scale_and_zeros
 
 __all__ = ["MIN_CAPABILITY", "INNER_K_TILES", "inner_k_tiles", "int4pack_cuda_linear"]
 
@@ -78,13 +78,7 @@ def _prepare(module):
 
 def int4pack_cuda_linear(x: torch.Tensor, packed: torch.Tensor, group: int, scale_zeros: torch.Tensor) -> torch.Tensor:
     """``x @ W.T`` for a CUDA int4pack weight (bf16 compute); ``x``: ``(..., K)`` -> ``(..., N)`` in x.dtype."""
-    k = x.shape[-1]
-    n = scale_zeros.shape[1]
-    x2 = rows(x, k)
-    if x2.shape[0] == 0:
-        return x.new_zeros(*x.shape[:-1], n)
-    y = torch.ops.aten._weight_int4pack_mm(x2.to(torch.bfloat16).contiguous(), packed, group, scale_zeros)
-    return y.to(x.dtype).reshape(*x.shape[:-1], n)
+    return packed_linear(torch.ops.aten._weight_int4pack_mm, x, packed, group, scale_zeros)
 
 
 def _run(module, st, x, **kw):

@@ -32,7 +32,7 @@ import qtransform as qt
 from . import dense
 from .base import grid, int_codec
 
-__all__ = ["INT4_GROUPS", "int4_reason", "int4_group", "per_kernel_group", "nibbles", "scale_and_zeros",
+__all__ = ["packed_linear", "INT4_GROUPS", "int4_reason", "int4_group", "per_kernel_group", "nibbles", "scale_and_zeros",
            "pack_nibble_pairs", "prefill_state"]
 
 #: The group sizes the aten int4 kernels take, largest first.
@@ -111,3 +111,15 @@ def prefill_state(module, group: int) -> dict:
     # 4-bit codes: the buffer holds them two per byte; fewer bits are unpacked per dense call
     return {"dense_scale": d_scale, "dense_offset": d_offset, "codes": module.weight if codec.bits == 4 else None,
             "signed": codec.signed}
+
+
+def packed_linear(op, x: torch.Tensor, packed: torch.Tensor, group: int, scale_zeros: torch.Tensor) -> torch.Tensor:
+    """``x @ W.T`` through ``op`` (aten's CPU or CUDA int4pack matmul, bf16 compute): ``x`` ``(..., K)`` ->
+    ``(..., N)`` in x.dtype (no rows: zeros)."""
+    k = x.shape[-1]
+    n = scale_zeros.shape[1]
+    x2 = x.reshape(-1, k)
+    if x2.shape[0] == 0:
+        return x.new_zeros(*x.shape[:-1], n)
+    y = op(x2.to(torch.bfloat16).contiguous(), packed, group, scale_zeros)
+    return y.to(x.dtype).reshape(*x.shape[:-1], n)

@@ -145,3 +145,20 @@ def copy_export(src, dst, *, tensors=None, config=None, metadata=None):
     cfg = json.loads((src / "config.json").read_text())
     (dst / "config.json").write_text(json.dumps(config(cfg) if config else cfg))
     return dst
+
+
+def w8a8_reference(m, x):
+    """float64 ``(a - za) sa @ (b - zb) sb`` from the codes a W8A8 module's quantizers give its input ``x`` and
+    weight (no bias), and the same over magnitudes (the accumulation's scale); both ``(*x.shape[:-1], N)``."""
+    import qtransform as qt
+
+    k, n = x.shape[-1], m.qweight.shape[0]
+    qp = m.input_qparams(x)
+    a = qt.unpacked_codes(qt.quantize(x.reshape(-1, k), qp)).double()
+    sa, za = (None if t is None else t.double() for t in qp.effective())
+    sw, zw = (None if t is None else t.double() for t in m.qweight.qparams.effective())
+    b = qt.unpacked_codes(m.qweight).double()
+    xa = (a if za is None else a - za) * sa
+    wb = (b if zw is None else b - zw) * sw
+    shape = (*x.shape[:-1], n)
+    return (xa @ wb.t()).reshape(shape), (xa.abs() @ wb.abs().t()).reshape(shape)

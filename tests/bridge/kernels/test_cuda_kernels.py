@@ -13,6 +13,7 @@ from torch import nn
 import qtransform as qt
 from bridge import QLinear, kernels
 from bridge.kernels import cuda as kcuda, int4, int8mm
+from bridge_util import w8a8_reference
 
 CUDA = torch.cuda.is_available()
 cuda = pytest.mark.skipif(not CUDA, reason="no CUDA device here (make test-gpu on a GPU machine)")
@@ -50,20 +51,6 @@ def int4_bound(x, q, ref):
     e = ax @ (2 * U * ((u - 8).abs() * s.abs() + z.abs())).t() + (U * ax) @ w.abs().t()
     e = e + k * 2.0 ** -24 * (ax @ w.abs().t())
     return (e + U * (ref.abs().reshape(-1, n) + e)).reshape(ref.shape)
-
-
-def w8a8_exact(m, x):
-    """float64 ``(a - za) sa @ b sb`` from the codes the module's quantizers give, and the magnitude sum."""
-    k = x.shape[-1]
-    x2 = x.reshape(-1, k)
-    qp = m.input_qparams(x)
-    a = qt.unpacked_codes(qt.quantize(x2, qp)).double()
-    sa, za = (None if t is None else t.double() for t in qp.effective())
-    sw, zw = (None if t is None else t.double() for t in m.qweight.qparams.effective())
-    b = qt.unpacked_codes(m.qweight).double()
-    xa = (a if za is None else a - za) * sa
-    wb = (b if zw is None else b - zw) * sw
-    return xa @ wb.t(), xa.abs() @ wb.abs().t()
 
 
 # ---------------------------------------------------------------------------- anywhere
@@ -226,7 +213,7 @@ def test_int8_int_mm_cuda_matches_exact_w8a8(rows):
     assert m.kernel == "int8_int_mm_cuda"
     x = torch.randn(rows, 256, device="cuda") * 2 + 0.5
     y = m(x)
-    y64, _ = w8a8_exact(m, x)
+    y64, _ = w8a8_reference(m, x)
     assert ((y.double() - y64).abs() <= 2.0 ** -21 * y64.abs() + 1e-30).all()
     ref = F.linear(qt.fake_quantize(x, m.input_qparams(x)), qt.dequantize(m.qweight))
     m.kernel = "dequant"
@@ -247,8 +234,7 @@ def test_fp8_scaled_mm_matches_fake_quant_reference(gran):
     assert m.kernel == "fp8_scaled_mm"
     x = torch.randn(3, 5, 256, device="cuda")
     y = m(x)
-    y64, mag = w8a8_exact(m, x)
-    y64, mag = y64.reshape(3, 5, 64), mag.reshape(3, 5, 64)
+    y64, mag = w8a8_reference(m, x)
     assert ((y.double() - y64).abs() <= 2.0 ** -13 * mag + U * y64.abs()).all()
 
 

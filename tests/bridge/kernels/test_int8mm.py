@@ -7,6 +7,7 @@ from torch import nn
 
 import qtransform as qt
 from bridge import QLinear
+from bridge_util import w8a8_reference
 from bridge.kernels import int8mm
 
 K, N = 256, 64
@@ -42,19 +43,6 @@ def make(wspec, xquant, *, bias=True, seed=0, **kw):
     return QLinear.from_float(lin, q, input_quant=xquant, **kw), q, lin.bias
 
 
-def exact(m, x):
-    """float64 ``(a - za) sa @ (b - zb) sb`` from the codes the module's quantizers give (no bias)."""
-    x2 = x.reshape(-1, K)
-    qp = m.input_qparams(x)
-    a = qt.unpacked_codes(qt.quantize(x2, qp)).double()
-    sa, za = (None if t is None else t.double() for t in qp.effective())
-    sw, zw = (None if t is None else t.double() for t in m.qweight.qparams.effective())
-    b = qt.unpacked_codes(m.qweight).double()
-    xa = (a if za is None else a - za) * sa
-    wb = (b if zw is None else b - zw) * sw
-    return (xa @ wb.t()).reshape(*x.shape[:-1], N), (xa.abs() @ wb.abs().t()).reshape(*x.shape[:-1], N)
-
-
 @pytest.mark.parametrize("wspec", W_SPECS, ids=str)
 @pytest.mark.parametrize("xname", list(X_QUANT))
 @pytest.mark.parametrize("shape", [(7, K), (2, 5, K)], ids=["2d", "3d"])
@@ -71,7 +59,7 @@ def test_matches_fake_quant_reference(wspec, xname, shape, bias):
     assert tuple(qp.scale.shape) == ((shape[0] * (shape[1] if len(shape) == 3 else 1), 1)
                                      if "token" in xname else (1, 1))
     ref = F.linear(qt.fake_quantize(x.reshape(-1, K), qp).reshape(shape), qt.dequantize(q), b)
-    y64, mag = exact(m, x)
+    y64, mag = w8a8_reference(m, x)
     # float32 sums of K products: the reference's own rounding is below 2^-16 of the sum of magnitudes
     assert ((y - ref).abs() <= 2.0 ** -16 * mag + 1e-6).all()
     # the integer accumulation is exact: only the int32 -> float conversion, two products (and the bias) round
@@ -182,5 +170,5 @@ def test_empty_and_bfloat16_inputs():
     x = torch.randn(4, K).bfloat16()
     y = m(x)
     assert y.dtype == torch.bfloat16
-    y64, mag = exact(m, x)  # the codes of the bf16 input; two bf16 roundings remain (output, + bias): 2^-8 each
+    y64, mag = w8a8_reference(m, x)  # the codes of the bf16 input; two bf16 roundings remain (output, + bias): 2^-8 each
     assert ((y.double() - b.double() - y64).abs() <= 2.0 ** -7 * (y64.abs() + b.double().abs())).all()
