@@ -52,6 +52,17 @@ def _untie(model: nn.Module, paths) -> None:
                 tied.pop(k)
 
 
+def _float_slots(model: nn.Module, entries: dict) -> None:
+    """Quantize-on-load: the codes slot of each quantized module holds a ``meta`` tensor of the
+    float weight (shape and dtype) until the weight is read: transformers 5.17 casts each checkpoint
+    tensor to the dtype of the model's slot before the quantize op sees it (5.24 leaves tensors
+    quantized on load alone), and a cast to the codes' dtype would destroy the float weight. The
+    op's result replaces the slot; the after-loading check verifies it."""
+    for path, e in entries.items():
+        module, name = submodule(model, path)
+        module._buffers[name] = torch.empty(e.shape, dtype=e.dtype, device="meta")
+
+
 class QTransformHfQuantizer(HfQuantizer):
     """Loads qtransform checkpoints and quantizes on load (see module docstring)."""
 
@@ -108,6 +119,8 @@ class QTransformHfQuantizer(HfQuantizer):
             raise CheckpointError(f"config.json: {e}") from None
         kvcache.route_attention(model)
         offload.distinct_buffers(model)  # the cached abstract tensors, one per module (see bridge.hf.offload)
+        if not self.pre_quantized:
+            _float_slots(model, cfg.entries)
         _untie(model, set(cfg.entries))
         if self.pre_quantized:  # the files against the skeleton, before transformers reads any data
             checks.check_checkpoint(model, cfg, kwargs.get("checkpoint_files"), verify=cfg.verify)

@@ -9,7 +9,8 @@ symmetric float8_e4m3fn input quantizer (per tensor or per token; compute capabi
 - scales float32: per tensor, one element each (then any ``out_dtype``); row-wise, ``scale_a``
   ``(M, 1)`` and ``scale_b`` ``(1, N)``, contiguous, and a bf16 output (the CUTLASS row-wise kernel
   takes no other; cast to the input's dtype after). One per-tensor and one per-row scale are both
-  made row-wise (the per-tensor one expanded).
+  made row-wise (the per-tensor one expanded). Some builds take per-tensor scales only on some devices
+  (torch 2.11 on CPU): :func:`rowwise_scales` asks the device once, and the check refuses by reason.
 
 The output matches the fake-quantized reference ``F.linear(fake_quantize(x), dequantize(W))``: the
 products of fp8 codes are exact in the fp32 accumulation, so only the accumulation order, the
@@ -25,7 +26,7 @@ import qtransform as qt
 
 from .base import LINEAR_KERNELS, Kernel, grid, linear_common, register_kernel, rows
 
-__all__ = ["fp8_linear"]
+__all__ = ["fp8_linear", "rowwise_scales"]
 
 
 @functools.lru_cache(maxsize=64)
@@ -38,6 +39,23 @@ def _decode_is_cast(spec: qt.QuantSpec) -> bool:
     plain = codes.to(torch.float32)
     ok = torch.isfinite(plain)
     return bool(torch.equal(codec.decode(codes)[ok], plain[ok]))
+
+
+@functools.lru_cache(maxsize=16)
+def rowwise_scales(device: torch.device) -> bool:
+    """Whether this torch's ``_scaled_mm`` takes row-wise scales on ``device`` (a 16x16 probe, once per
+    device; torch 2.11's CPU ``_scaled_mm`` takes per-tensor scales only).
+
+    >>> isinstance(rowwise_scales(torch.device("cpu")), bool)
+    True
+    """
+    a = torch.zeros(16, 16, device=device).to(torch.float8_e4m3fn)
+    s = torch.ones(16, 1, device=device)
+    try:
+        torch._scaled_mm(a, a.t(), scale_a=s, scale_b=s.reshape(1, 16), out_dtype=torch.bfloat16)
+    except (RuntimeError, NotImplementedError):
+        return False
+    return True
 
 
 def _fp8_check(module, forced: bool) -> str | None:
@@ -62,6 +80,9 @@ def _fp8_check(module, forced: bool) -> str | None:
         return "no float8_e4m3fn per-tensor/per-token input quantizer (fp8 _scaled_mm is W8A8)"
     if not spec.symmetric or spec.rounding == "stochastic":
         return "the input quantizer is asymmetric or rounds stochastically"
+    if (grid(module) == (n, 1) or spec.granularity == qt.PerChannel(0)) and not rowwise_scales(dev):
+        return (f"this torch's _scaled_mm takes per-tensor scales only on {dev.type}, and the weight "
+                "(per channel) or input (per token) scales are row-wise")
     return None
 
 

@@ -110,16 +110,15 @@ def pow2_exponent(amax: torch.Tensor, ideal: torch.Tensor, spec, *, path: str | 
     return k.clamp(lo, 127)
 
 
-_SAME_WIDTH_INT = {2: torch.int16, 1: torch.uint8}
-
-
 def round_up_to(s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Cast positive ``s`` to ``dtype`` rounding toward +inf (so a stored scale never clips)."""
     if dtype == torch.float32:
         return s
     low = s.to(dtype)
-    int_dtype = _SAME_WIDTH_INT[low.element_size()]
-    up = (low.view(int_dtype) + 1).view(dtype)  # next representable value above a positive one
+    if low.element_size() == 2:  # float16/bfloat16: nextafter (torch 2.11's vmap has no rule for a bit view)
+        up = torch.nextafter(low, torch.full_like(low, float("inf")))
+    else:  # 1-byte floats, which nextafter does not take: the next code above a positive one
+        up = (low.view(torch.uint8) + 1).view(dtype)
     return torch.where(low.to(torch.float32) < s, up, low)
 
 

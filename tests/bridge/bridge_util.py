@@ -18,6 +18,15 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.dtype == b.dtype and a.shape == b.shape and torch.equal(bits(a), bits(b))
 
 
+def decode(model, ids: torch.Tensor, cache=None):
+    """``(logits, cache)`` of one forward with the KV cache on, ``cache`` from the previous call. The
+    cache's argument and output field are ``cache`` in transformers 5.24, ``past_key_values`` in 5.17."""
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+    name = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
+    out = model(ids, use_cache=True, **({} if cache is None else {name: cache}))
+    return out.logits, out[name]
+
+
 def tiny_causal_lm(arch: str):
     import transformers as tf
     common = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,

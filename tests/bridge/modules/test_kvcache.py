@@ -6,7 +6,7 @@ test registers itself (it sees the keys and values transformers hands to attenti
 import pytest
 import torch
 import transformers as tf
-from bridge_util import tiny_causal_lm
+from bridge_util import decode, tiny_causal_lm
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
 
@@ -127,12 +127,11 @@ def test_decoding_through_the_cache_gives_the_full_forward_logits(arch):
     ids = _batches(seed=7, n=1)[0][:1]
     full = _forward(q, ids, use_cache=False)
     with torch.no_grad():
-        out = q(ids[:, :4], use_cache=True)
-        steps, cache = [out.logits], out.cache
+        logits, cache = decode(q, ids[:, :4])
+        steps = [logits]
         for t in range(4, ids.shape[1]):
-            out = q(ids[:, t:t + 1], cache=cache, use_cache=True)
-            steps.append(out.logits)
-            cache = out.cache
+            logits, cache = decode(q, ids[:, t:t + 1], cache)
+            steps.append(logits)
     assert torch.allclose(torch.cat(steps, dim=1), full, atol=1e-5, rtol=1e-4)
 
 

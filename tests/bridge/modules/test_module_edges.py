@@ -11,9 +11,12 @@ import qtransform as qt
 import bridge
 from bridge import QConvTranspose2d, QLinear
 from bridge.modules import actquant
+from bridge.kernels.fp8 import rowwise_scales
 from bridge_util import same_bits, tiny_causal_lm
 
 FP8 = next(n for n, f in qt.FORMATS.items() if f.codec.code_dtype == torch.float8_e4m3fn and f.block is None)
+#: Row-wise _scaled_mm scales on CPU (torch 2.11's takes per-tensor ones only: fp8_scaled_mm refuses there).
+ROWWISE, ROWWISE_REFUSED = rowwise_scales(torch.device("cpu")), "per-tensor scales only on cpu"
 
 
 def qweight(w, spec):
@@ -41,6 +44,10 @@ def test_per_channel0_activation_is_per_token_on_a_3d_input(kernel):
     lin = nn.Linear(256, 64)
     q = qweight(lin.weight, qt.QuantSpec(format=FP8, granularity=qt.PerChannel(0)))
     inp = qt.QuantSpec(format=FP8, dynamic=True, granularity=qt.PerChannel(0))
+    if kernel == "fp8_scaled_mm" and not ROWWISE:
+        with pytest.raises(ValueError, match=ROWWISE_REFUSED):
+            QLinear.from_float(lin, q, input_quant=inp, kernel=kernel)
+        return
     m = QLinear.from_float(lin, q, input_quant=inp, kernel=kernel)
     x = _tokens()
     ref = F.linear(fp8_per_row(x.reshape(-1, 256)), qt.dequantize(q), lin.bias).reshape(2, 16, 64)
@@ -60,6 +67,10 @@ def test_fp8_and_dequant_paths_agree_on_3d_inputs():
     q = qweight(lin.weight, qt.QuantSpec(format=FP8, granularity=qt.PerChannel(0)))
     for gran in (qt.PerChannel(0), qt.PerTensor()):
         inp = qt.QuantSpec(format=FP8, dynamic=True, granularity=gran)
+        if not ROWWISE:  # per-channel weight scales: row-wise
+            with pytest.raises(ValueError, match=ROWWISE_REFUSED):
+                QLinear.from_float(lin, q, input_quant=inp, kernel="fp8_scaled_mm")
+            continue
         fast = QLinear.from_float(lin, q, input_quant=inp, kernel="fp8_scaled_mm")
         ref = QLinear.from_float(lin, q, input_quant=inp, kernel="dequant")
         x = _tokens(2, (3, 8, 256))
