@@ -18,7 +18,7 @@ import torch
 
 __all__ = ["check_float_tensor", "check_finite", "where", "under_transform", "data_checks"]
 
-_CHECKS = [True]  # one flag per process: data_checks() sets it for the block of code it wraps
+_CHECKS = [True]  # one flag per process (a plain global: torch.compile reads it): data_checks() sets it for its block
 
 
 @contextlib.contextmanager

@@ -100,6 +100,8 @@ _TABLES: dict = {}
 def _table(values: tuple, device: str) -> torch.Tensor:
     """The codebook's values as a float32 tensor on ``device``, cached per device (no host-to-device copy per
     rounding call: GPTQ rounds one column at a time)."""
+    if torch.compiler.is_compiling():  # nothing traced kept in the cache
+        return torch.tensor(values, dtype=torch.float32, device=device)
     key = (values, device)
     table = _TABLES.get(key)
     if table is None:
