@@ -94,7 +94,7 @@ def to_host(result, host=None):
                 h.shape, h.dtype) == (t.shape, t.dtype):
             moved[id(t)] = h
 
-    def host(t):
+    def move(t):
         if not isinstance(t, torch.Tensor):
             return t
         if id(t) not in moved:
@@ -102,7 +102,7 @@ def to_host(result, host=None):
         return moved[id(t)]
 
     # ``result`` keeps every tensor alive meanwhile: an id is never reused within the call
-    return result._replace(**{f: pytree.tree_map(host, getattr(result, f))
+    return result._replace(**{f: pytree.tree_map(move, getattr(result, f))
                               for f in ("params", "qtree", "activations", "online")})
 
 

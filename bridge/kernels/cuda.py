@@ -16,9 +16,8 @@ The weight is dequantized in bf16 inside the kernel (scale and zero are bf16, on
 weight) and the products accumulate in fp32: the output matches ``F.linear(x, dequantize(q))`` to
 bf16 rounding of the activations, the scales/zeros, the dequantized weight and the output.
 
-Many tokens: :data:`.dense.PREFILL_ROWS` ``["int4pack_cuda"]`` (``None``: the tinygemm kernel at every
-token count) switches to dequantize + ``F.linear`` from that row count on; ``bench/bench_gpu.py``
-measures both."""
+Many tokens: from :data:`.dense.PREFILL_ROWS` ``["int4pack_cuda"]`` rows on (256, the crossover measured on an
+H200 by ``bench/gpu_crossover.py``; ``None``: tinygemm at every token count) it dequantizes and runs ``F.linear``."""
 
 from __future__ import annotations
 
@@ -82,12 +81,10 @@ def int4pack_cuda_linear(x: torch.Tensor, packed: torch.Tensor, group: int, scal
 
 
 def _run(module, st, x, **kw):
-    limit = dense.PREFILL_ROWS.get("int4pack_cuda")
-    if limit is not None and x.numel() >= limit * x.shape[-1]:
-        if "dense_scale" not in st:  # the threshold was set after prepare (bench/bench_gpu.py)
-            st.update(prefill_state(module, st["group"]))
-        return dense.prefill_linear(module, "int4pack_cuda", st, x)
-    return int4pack_cuda_linear(x, st["packed"], st["group"], st["scale_zeros"])
+    if "dense_scale" not in st and dense.PREFILL_ROWS.get("int4pack_cuda") is not None:
+        st.update(prefill_state(module, st["group"]))  # the threshold was set after prepare (bench/gpu_crossover.py)
+    y = dense.prefill_linear(module, "int4pack_cuda", st, x)
+    return int4pack_cuda_linear(x, st["packed"], st["group"], st["scale_zeros"]) if y is None else y
 
 
 register_kernel(LINEAR_KERNELS, Kernel("int4pack_cuda", _check, _prepare, _run))
