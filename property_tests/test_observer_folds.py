@@ -20,7 +20,8 @@ import qtransform as qt
 
 FORMATS = ["int8", "uint4", "int4", "nf4"]
 GRANS = [qt.PerTensor(), qt.PerChannel(-1)]  # grids independent of the batch length
-_REDUCE = {"sum": lambda a, b: a + b, "max": torch.maximum, "min": torch.minimum}
+# what bridge.distributed does with each declared reduction: float sums add in float64 (exact for float32 parts)
+_REDUCE = {"sum": lambda a, b: a.double() + b.double() if a.is_floating_point() else a + b, "max": torch.maximum, "min": torch.minimum}
 
 
 def _cases():
@@ -69,7 +70,7 @@ def _fields(s):
 
 def _same(a, b):
     """Equal statistics: integer fields and min/max folds exactly (no rounding can differ), float
-    sums up to float32 summation order."""
+    sums up to float32 summation order (compared as float64: sums are held in float64 once merged)."""
     fa, fb = _fields(a), _fields(b)
     assert fa.keys() == fb.keys()
     exact = {k for k, how in a.observer.reduction.items() if how in ("max", "min")}
@@ -78,7 +79,7 @@ def _same(a, b):
         if x is None or y is None:
             assert x is None and y is None, k
         elif x.is_floating_point() and k not in exact:
-            torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5 * float(x.abs().max().clamp(min=1)), msg=k)
+            torch.testing.assert_close(x.double(), y.double(), rtol=1e-5, atol=1e-5 * float(x.abs().max().clamp(min=1)), msg=k)
         else:
             assert torch.equal(x, y), k
 
@@ -121,7 +122,7 @@ def test_declared_reductions_are_what_merge_does(name, spec, xs):
     for field, how in qt.OBSERVERS[name].reduction.items():
         if how in _REDUCE:  # "merge" fields are gathered and merged by the observer itself
             expected = _REDUCE[how](getattr(a, field), getattr(b, field))
-            torch.testing.assert_close(merged[field], expected, rtol=0, atol=0, msg=field)
+            torch.testing.assert_close(merged[field].to(expected.dtype), expected, rtol=0, atol=0, msg=field)
 
 
 @pytest.mark.parametrize("name, spec", CASES, ids=IDS)

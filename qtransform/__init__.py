@@ -29,6 +29,7 @@ from .algorithms import (ALGORITHMS, Algorithm, Block, BlockInputs, Context, Fit
 from .pipeline import (PRESETS, Calibrator, Preset, activation_quantizers, check_activation_spec, check_steps,
                        from_hqq_config, get_preset, presets, recipe_from_dict, register_preset,
                        run_steps)
+from .parallel import SERIAL, Parallel
 from .rotation import OnlineRotation, hadamard, hadamard_transform, orthogonal, rotate
 from .tree import (dequantize_tree, flatten_tree, is_qtensor, merge_stats_tree, observe_tree, qparams_tree,
                    quantize_tree)
@@ -46,7 +47,7 @@ __all__ = [
     "finalize_stats", "compute_qparams", "choose_qparams", "MinMaxStats", "HistogramStats",
     "activation_quantizers", "check_activation_spec", "ALGORITHMS", "Algorithm", "Block", "BlockInputs", "Context", "Fit", "ModelLoss", "SiteStats", "apply_fit", "check_algorithm_options",
     "batch_tokens",
-    "get_algorithm", "register_algorithm",
+    "get_algorithm", "register_algorithm", "Parallel", "SERIAL",
     "PRESETS", "Preset", "Calibrator", "check_steps", "run_steps", "from_hqq_config", "get_preset", "presets",
     "recipe_from_dict", "register_preset",
     "hadamard", "hadamard_transform", "orthogonal", "rotate", "OnlineRotation",

@@ -20,9 +20,10 @@ from torch import nn
 
 import qtransform as qt
 
+from ..distributed import share
 from .sites import first_tensor, fold_sites, run_batch
 
-__all__ = ["find_blocks", "capture_inputs", "spread", "blockwise", "fit_block_on", "batch_tokens"]
+__all__ = ["find_blocks", "capture_inputs", "spread", "my_share", "blockwise", "fit_block_on", "batch_tokens"]
 
 
 def find_blocks(model: nn.Module, blocks: str | None = None) -> tuple[str, ...]:
@@ -157,7 +158,7 @@ def _capture(model: nn.Module, block: str, modules, sites, run_all) -> tuple[dic
 
 def blockwise(model: nn.Module, params: Mapping, plan: qt.Plan, batches, fit_block: Callable, *,
               qparams: Mapping | None = None, blocks: str | None = None, progress: Callable | None = None,
-              tokens: int | None = None) -> qt.Fit:
+              tokens: int | None = None, parallel: qt.Parallel = qt.SERIAL) -> qt.Fit:
     """Run ``fit_block(block, params) -> Fit`` block by block (see the module docstring); returns the
     blocks' fits combined.
 
@@ -165,16 +166,18 @@ def blockwise(model: nn.Module, params: Mapping, plan: qt.Plan, batches, fit_blo
     with them where this step fits none (and the tensor is unchanged), else round to nearest.
     ``blocks``: module path of the blocks' ``nn.ModuleList`` (default: see :func:`find_blocks`).
     ``tokens``: only whole batches evenly spread over the data until that many tokens are run
-    (:func:`spread`; ``None``: all).
+    (:func:`spread`; ``None``: all). ``parallel``: the ranks sharing the work; each keeps its share of the
+    spread batches (:func:`bridge.distributed.share`) and the blocks' statistics reduce over all.
     """
     names = find_blocks(model, blocks)
     current = dict(params)
     prior = dict(qparams or {})
-    inputs = spread(capture_inputs(model, current, names[0], batches), tokens)
+    inputs = my_share(spread(capture_inputs(model, current, names[0], batches), tokens), parallel)
     total = qt.Fit()
     order = progress(names, desc="blocks", total=len(names)) if progress is not None else names
     for name in order:
-        fit, inputs = fit_block_on(model, name, current, inputs, plan, fit_block, prior, total.qparams)
+        fit, inputs = fit_block_on(model, name, current, inputs, plan, fit_block, prior, total.qparams,
+                                   parallel=parallel)
         current.update(fit.params)
         total = total.then(fit)
         for p in fit.params:  # what was fitted before described the old tensor
@@ -182,12 +185,22 @@ def blockwise(model: nn.Module, params: Mapping, plan: qt.Plan, batches, fit_blo
     return total
 
 
+def my_share(inputs: list, parallel: qt.Parallel) -> list:
+    """This rank's contiguous share of a block's ``inputs``, balanced by tokens (all of them for one process)."""
+    if parallel.world == 1:
+        return inputs
+    return share(inputs, [batch_tokens(a, k) for a, k in inputs], parallel.world, parallel.rank)
+
+
 def fit_block_on(model: nn.Module, name: str, current: Mapping, inputs: list, plan: qt.Plan, fit_block: Callable,
-                 prior: Mapping, fitted: Mapping | None = None) -> tuple[qt.Fit, list]:
+                 prior: Mapping, fitted: Mapping | None = None, *,
+                 parallel: qt.Parallel = qt.SERIAL) -> tuple[qt.Fit, list]:
     """One block of :func:`blockwise`: ``fit_block`` on block ``name`` of ``model`` with its ``inputs`` and the
     tree ``current``; returns the fit and the next block's inputs (this block's outputs with its tensors
     quantized: the fit's qparams, else ``fitted`` ones of earlier blocks' steps, else ``prior`` ones for
-    tensors the fit left unchanged, else round to nearest). The streamed runs call it block by block."""
+    tensors the fit left unchanged, else round to nearest). The streamed runs call it block by block.
+    ``parallel``: ``inputs`` are this rank's share; the block's statistics reduce over the ranks (to the
+    owners a step names, ``site_stats(..., owners=)``), its token count is the ranks' total."""
     module = model.get_submodule(name)
     paths = tuple(p for p in current if p.startswith(name + "."))
     state = dict(current)
@@ -197,11 +210,12 @@ def fit_block_on(model: nn.Module, name: str, current: Mapping, inputs: list, pl
         with torch.no_grad():
             return [torch.func.functional_call(module, local, args, kwargs) for args, kwargs in inputs]
 
-    def site_stats(tensors, sites):
-        return fold_sites(model, sites, lambda: run(tensors), where=f"block {name}")
+    def site_stats(tensors, sites, owners=None):
+        return parallel.reduce_stats(fold_sites(model, sites, lambda: run(tensors), where=f"block {name}"), owners)
 
     def capture(tensors, modules, sites=None):
-        return _capture(model, name, tuple(modules), dict(sites or {}), lambda: run(tensors))
+        seen, stats = _capture(model, name, tuple(modules), dict(sites or {}), lambda: run(tensors))
+        return seen, parallel.reduce_stats(stats)
 
     def call(path, tensors, args, kwargs):
         if path != name and not path.startswith(name + "."):
@@ -210,8 +224,11 @@ def fit_block_on(model: nn.Module, name: str, current: Mapping, inputs: list, pl
             return torch.func.functional_call(model.get_submodule(path), _local({**state, **tensors}, path),
                                               args, kwargs)
 
+    tokens = sum(batch_tokens(a, k) for a, k in inputs)
+    if parallel.world > 1:
+        tokens = int(parallel.all_sum(torch.tensor(tokens, dtype=torch.int64)))
     block = qt.Block(name=name, paths=paths, inputs=tuple(inputs), run=run, site_stats=site_stats,
-                     capture=capture, call=call, tokens=sum(batch_tokens(a, k) for a, k in inputs))
+                     capture=capture, call=call, tokens=tokens, parallel=parallel)
     fit = fit_block(block, state)
     state.update(fit.params)
     prior = {p: q for p, q in prior.items() if p not in fit.params}  # what was fitted before described the old tensor

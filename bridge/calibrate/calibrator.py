@@ -24,6 +24,7 @@ from torch import nn
 
 import qtransform as qt
 
+from ..distributed import current, raw_tokens, share
 from ..modules.online import installed
 from .blocks import blockwise, find_blocks
 from .loss import CalibrationLoss
@@ -42,10 +43,15 @@ class ModelCalibrator:
         blocks: module path of the ``nn.ModuleList`` whose children are the blocks of block-by-block
             calibration (default: the one holding the most parameters).
         progress: ``progress(iterable, desc=..., total=...)``, e.g. ``tqdm.tqdm``.
+        parallel: the ranks sharing the calibration (:class:`qtransform.Parallel`); default: the initialised
+            torch.distributed group when it has several processes (:func:`bridge.distributed.current`). Each
+            rank runs its contiguous share of the batches and the statistics reduce over all, so every rank
+            gets what one process would; a step minimising the model's loss (SpinQuant) runs every batch on
+            every rank (the same result, no speed-up).
     """
 
     def __init__(self, model: nn.Module, batches: Iterable, *, blocks: str | None = None,
-                 progress: Callable | None = None):
+                 progress: Callable | None = None, parallel: qt.Parallel | None = None):
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         if isinstance(batches, (torch.Tensor, Mapping)) or not isinstance(batches, Iterable):
@@ -53,34 +59,45 @@ class ModelCalibrator:
                             f"model inputs, a DataLoader...), got {type(batches).__name__}")
         if blocks is not None:
             find_blocks(model, blocks)  # a wrong path fails here, before any work
+        if parallel is not None and not isinstance(parallel, qt.Parallel):
+            raise TypeError(f"parallel must be a qtransform.Parallel, got {type(parallel).__name__}")
         self.model, self.batches, self.blocks, self.progress = model, batches, blocks, progress
+        self.parallel = current() if parallel is None else parallel
 
-    def _batches(self):
+    def _batches(self, batches=None):
+        batches = self.batches if batches is None else batches
         if self.progress is None:
-            return iter(self.batches)
+            return iter(batches)
         try:
-            total = len(self.batches)
+            total = len(batches)
         except TypeError:  # e.g. a DataLoader over an IterableDataset
             total = None
-        return iter(self.progress(self.batches, desc="calibration", total=total))
+        return iter(self.progress(batches, desc="calibration", total=total))
+
+    def _mine(self):
+        """This rank's share of the batches (all of them for one process)."""
+        if self.parallel.world == 1:
+            return self._batches()
+        every = list(self.batches)
+        return self._batches(share(every, [raw_tokens(b) for b in every], self.parallel.world, self.parallel.rank))
 
     def site_stats(self, params: Mapping[str, torch.Tensor], sites: Mapping[qt.Site, Any], *,
                    online: Mapping | None = None) -> dict[qt.Site, Any]:
         def run_all() -> int:
             seen = 0
-            for batch in self._batches():
+            for batch in self._mine():
                 run_batch(self.model, params, batch)
                 seen += 1
             return seen
 
         with evaluating(self.model), installed(self.model, online):
-            return fold_sites(self.model, sites, run_all, where="calibration")
+            return self.parallel.reduce_stats(fold_sites(self.model, sites, run_all, where="calibration"))
 
     def blockwise(self, params: Mapping[str, torch.Tensor], plan: qt.Plan, fit_block, *,
                   qparams: Mapping | None = None, tokens: int | None = None, online: Mapping | None = None) -> qt.Fit:
         with evaluating(self.model), installed(self.model, online):
             return blockwise(self.model, params, plan, self._batches(), fit_block, qparams=qparams,
-                             blocks=self.blocks, progress=self.progress, tokens=tokens)
+                             blocks=self.blocks, progress=self.progress, tokens=tokens, parallel=self.parallel)
 
     def model_loss(self, plan: qt.Plan, *, online: Mapping | None = None) -> CalibrationLoss:
         return CalibrationLoss(self.model, self._batches(), plan, online=online)

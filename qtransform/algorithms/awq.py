@@ -40,6 +40,7 @@ from typing import Mapping
 
 import torch
 
+from ..parallel import SERIAL, Parallel
 from ..spec import Site, module_of
 from .awq_math import QUANTIZERS, search_scales
 from .base import BlockInputs, Fit, block_tokens, register_algorithm
@@ -98,26 +99,36 @@ def _check_hqq(plan, paths) -> None:
         check_spec(plan.specs[p], path=p)
 
 
-def _sampled(inputs: list, n: int) -> list:
-    """The inputs of a token-local module as one call on at most ``n`` of their rows, evenly spaced (the
-    inputs themselves when a call holds other tensors than the one being sampled)."""
+def _sampled(inputs: list, n: int, parallel: Parallel = SERIAL) -> tuple[list, bool]:
+    """The inputs of a token-local module as one call on at most ``n`` of their rows, evenly spaced over all
+    ranks' rows (each rank sends the rows of the spacing that fall in its share, in rank order: the one-process
+    sample), and ``True``; or the inputs themselves (when a call holds other tensors than the one being
+    sampled, or there are no more than ``n`` rows) and ``False``: then each rank holds only its share."""
     found = []
     for args, kwargs in inputs:
         tensors = [(i, v) for i, v in enumerate(args) if isinstance(v, torch.Tensor)] + [
             (k, v) for k, v in kwargs.items() if isinstance(v, torch.Tensor)]
         if len(tensors) != 1 or tensors[0][1].dim() < 2:
-            return inputs
+            return inputs, False
         found.append(tensors[0])
     x = torch.cat([t.reshape(-1, t.shape[-1]) for _, t in found])
-    if x.shape[0] <= n:
-        return inputs
-    x = x[torch.linspace(0, x.shape[0] - 1, n, device=x.device).round().long()]
+    counts = [x.shape[0]] if parallel.world == 1 else parallel.gather(x.shape[0])
+    total = sum(counts)
+    if total <= n:
+        return inputs, False
+    picks = torch.linspace(0, total - 1, n, device=x.device).round().long()
+    if parallel.world == 1:
+        x = x[picks]
+    else:
+        start = sum(counts[:parallel.rank])
+        mine = picks[(picks >= start) & (picks < start + x.shape[0])] - start
+        x = torch.cat(parallel.gather(x[mine])).to(x.device)
     where_, t = found[0]
     x = x.reshape(*([1] * (t.dim() - 2)), n, t.shape[-1])
     args, kwargs = inputs[0]
     if isinstance(where_, int):
-        return [(tuple(x if i == where_ else a for i, a in enumerate(args)), kwargs)]
-    return [(args, {**kwargs, where_: x})]
+        return [(tuple(x if i == where_ else a for i, a in enumerate(args)), kwargs)], True
+    return [(args, {**kwargs, where_: x})], True
 
 
 def step(params, plan, *, context, groups=None, grid: int = 20, duo_scaling: bool = False, clip: bool = True,
@@ -151,15 +162,22 @@ def step(params, plan, *, context, groups=None, grid: int = 20, duo_scaling: boo
     original = dict(params)
     local = {m for g in mine for m in targets[g.prev] if g.local or not g.inspect}  # token-local: sampled rows
     local -= {m for g in mine for m in targets[g.prev] if g.inspect and not g.local}
-    captured = {m: _sampled(v, rows) if m in local else v for m, v in captured.items()}
+    par = block.parallel
+    captured = {m: _sampled(v, rows, par) if m in local else (v, False) for m, v in captured.items()}
+    shared = {m: same for m, (_, same) in captured.items()}  # the same inputs on every rank
+    captured = {m: v for m, (v, _) in captured.items()}
 
     def runner(names):
         return lambda tensors: [block.call(m, tensors, a, k) for m in names for a, k in captured[m]]
 
+    def reduce(names):  # errors over each rank's share of the inputs add up over the ranks
+        return None if par.world == 1 or all(shared[m] for m in names) else par.all_sum
+
     chosen, info = [], {}
     for g in context.track(mine, desc=f"awq {block.name}"):
         choice = search_scales(runner(targets[g.prev]), original, g, seen[g.linears[0]].abs().mean(0),
-                               specs=_specs(plan, g), grid=grid, duo_scaling=duo_scaling, quantizer=quantizer)
+                               specs=_specs(plan, g), grid=grid, duo_scaling=duo_scaling, quantizer=quantizer,
+                               reduce=reduce(targets[g.prev]))
         for lin in g.linears:
             info[f"{lin}.weight"] = {"awq_alpha": "none" if choice.index == 0 else f"{choice.alpha:g}"}
         if choice.index:

@@ -146,7 +146,7 @@ def _outputs(run: Callable, tensors: Mapping[str, torch.Tensor]) -> list[torch.T
 
 def search_scales(run: Callable[[Mapping[str, torch.Tensor]], Sequence], params: Mapping[str, torch.Tensor],
                   group, x_mean: torch.Tensor, *, specs: Mapping[str, QuantSpec | None], grid: int = 20,
-                  duo_scaling: bool = False, quantizer: str = "rtn") -> ScaleChoice:
+                  duo_scaling: bool = False, quantizer: str = "rtn", reduce: Callable | None = None) -> ScaleChoice:
     """Search ``group``'s scales (see the module docstring).
 
     Args:
@@ -159,6 +159,8 @@ def search_scales(run: Callable[[Mapping[str, torch.Tensor]], Sequence], params:
         grid: number of ``α`` (``i / grid``, ``i < grid``).
         duo_scaling: divide by the weights' mean magnitude to the power ``1 − α``.
         quantizer: ``"rtn"`` or ``"hqq"``.
+        reduce: ``reduce(errors) -> errors``, the candidates' output errors (float64, ``(grid,)``) summed over
+            the processes that ran ``run`` on their shares of the inputs (``Parallel.all_sum``; ``None``: one).
     """
     group = SmoothGroup.from_value(group)
     shape = group_shape(params, group)
@@ -177,6 +179,8 @@ def search_scales(run: Callable[[Mapping[str, torch.Tensor]], Sequence], params:
             outs = _outputs(run, scaled_weights(params, group, to_input(s, group, shape), specs, quantizer))
             errors.append(sum((o - r).double().pow(2).sum() for o, r in zip(outs, ref)))
     errors = torch.stack(errors)
+    if reduce is not None:
+        errors = reduce(errors)
     finite = torch.isfinite(errors)
     if not bool(finite.any()):
         raise ValueError(f"awq: group of {group.prev!r}: every candidate gave a non-finite output error")

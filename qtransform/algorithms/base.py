@@ -49,6 +49,7 @@ import torch
 
 from .. import _pytree
 from .._pytree import pytree_dataclass
+from ..parallel import SERIAL, Parallel
 from ..registry import Registry
 from ..rotation import OnlineRotation
 from ..spec import Site, as_plan
@@ -195,6 +196,9 @@ class Block(NamedTuple):
         tokens: the calibration tokens in ``inputs`` over all batches, counted by the caller who captured
             them and knows which input holds the hidden states (``None``: :func:`block_tokens` counts the
             rows of each batch's first tensor).
+        parallel: the processes running this step on disjoint shares of the calibration data
+            (:class:`qtransform.Parallel`; :data:`qtransform.SERIAL` for one). ``inputs``, ``run``, ``capture``
+            and ``call`` are this rank's share; ``site_stats`` and ``tokens`` are over all ranks' data.
     """
 
     name: str
@@ -205,6 +209,7 @@ class Block(NamedTuple):
     capture: Callable[..., tuple] | None = None
     call: Callable[..., Any] | None = None
     tokens: int | None = None
+    parallel: Parallel = SERIAL
 
 
 def batch_tokens(args: Sequence, kwargs: Mapping) -> int:

@@ -35,7 +35,7 @@ import torch
 
 from ..observers import finalize_stats, init_stats
 from ..spec import Site, module_of, transposed_spec
-from ..tensor import QParams
+from ..tensor import QParams, dequantize, quantize
 from .base import BlockInputs, Fit, register_algorithm
 from .gptq_math import INITS, gptq_many
 from .options import option, options_checker
@@ -135,6 +135,36 @@ def _transposed_qparams(qp: QParams, stored_spec, path) -> QParams:
     return QParams(scale=t(qp.scale), zero_point=t(qp.zero_point), global_scale=qp.global_scale, spec=stored_spec)
 
 
+def solve_cost(paths: list[str], params, plan) -> float:
+    """The cost model of one shared solve: ``d_in³`` (the inverse Hessian's factorisation) plus ``d_out·d_in²``
+    (the column loop) summed over the linears sharing the Hessian."""
+    d_in = d_out = 0
+    for p in paths:
+        out, inn = params[p].shape
+        if plan[p].module_type == "Conv1D":  # stored (in, out)
+            out, inn = inn, out
+        d_in, d_out = inn, d_out + out
+    return float(d_in) ** 3 + float(d_out) * float(d_in) ** 2
+
+
+def _solve_owned(stage, sites, block, changed, params, plan, solver, context) -> dict:
+    """One stage on several ranks: each shared solve is owned by one rank (``block.parallel.owners`` by
+    :func:`solve_cost`), its Hessian reduced to that rank only, solved there, and its result travels packed
+    (the quantized tensor) to every rank. Returns ``{path: (QTensor, info)}``, the same on every rank."""
+    par = block.parallel
+    key = {Site(module_of(s[0]), "input"): s for s in stage}
+    owners = par.owners({site: solve_cost(s, params, plan) for site, s in key.items()})
+    stats = block.site_stats(changed, sites, owners=owners)
+    done = {}
+    for site in context.track([k for k in key if owners[k] == par.rank], desc=f"gptq {block.name}"):
+        s = key[site]
+        H = finalize_stats(stats.pop(site), path=s[0])
+        new, qps, more = _solve_set(s, H, params, plan, solver)
+        done[site] = {p: (quantize(new[p], qps[p], path=p), more[p]) for p in s}
+    shared = par.share(done, owners)
+    return {p: v for site in key for p, v in shared[site].items()}
+
+
 def step(params, plan, *, context, damp: float = 0.01, block_size: int = 128, act_order: bool = True,
          static_groups: bool = True, init: str = "clip", observer: Any = None, true_sequential: bool = False,
          groups=None) -> Fit:
@@ -152,15 +182,22 @@ def step(params, plan, *, context, damp: float = 0.01, block_size: int = 128, ac
     groups = plan.groups if groups is None else groups  # the plan's where the model is known; none is fine
     mine = [g for g in groups or () if all(lin.startswith(block.name + ".") for lin in g["linears"])]
     changed, qparams, info = {}, {}, {}
+    par = block.parallel
     for stage in _stages(weights, mine, true_sequential):
         sites = {Site(module_of(s[0]), "input"): init_stats(observer="hessian") for s in stage}
-        stats = block.site_stats(changed, sites)
-        for s in context.track(stage, desc=f"gptq {block.name}"):  # each Hessian freed once used
-            H = finalize_stats(stats.pop(Site(module_of(s[0]), "input")), path=s[0])
-            new, qps, more = _solve_set(s, H, params, plan, solver)
-            changed.update(new)
-            qparams.update(qps)
-            info.update(more)
+        if par.world == 1:
+            stats = block.site_stats(changed, sites)
+            for s in context.track(stage, desc=f"gptq {block.name}"):  # each Hessian freed once used
+                H = finalize_stats(stats.pop(Site(module_of(s[0]), "input")), path=s[0])
+                new, qps, more = _solve_set(s, H, params, plan, solver)
+                changed.update(new)
+                qparams.update(qps)
+                info.update(more)
+            continue
+        for p, (q, more) in _solve_owned(stage, sites, block, changed, params, plan, solver, context).items():
+            changed[p] = dequantize(q)
+            qparams[p] = q.qparams
+            info[p] = more
     return Fit(params=changed, qparams=qparams, info=info)
 
 

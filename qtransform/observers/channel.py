@@ -2,7 +2,9 @@
 
 For a batch ``x`` with channels along ``axis`` (the last, input features of the next layer, by
 default) it keeps per channel the maximum of ``|x|`` (reduced by max) and the sums of ``|x|`` and
-``x²`` with the number of values per channel (reduced by sum). ``finalize`` gives
+``x²`` with the number of values per channel (reduced by sum). Each batch's sums (float32) accumulate in
+float64, where adding float32 values is exact in practice: the totals do not depend on how the batches were
+split or ordered (across processes too). ``finalize`` gives
 :class:`ChannelSummary` ``(absmax, mean_abs, mean_square)``.
 
 >>> import torch, qtransform as qt
@@ -29,7 +31,7 @@ __all__ = ["Channel", "ChannelStats", "ChannelSummary"]
 
 @pytree_dataclass(static=("spec", "observer"))
 class ChannelStats:
-    """Per-channel ``absmax``, ``abs_sum``, ``sq_sum`` (float32, shape (channels,)) and ``count``
+    """Per-channel ``absmax`` (float32), ``abs_sum``, ``sq_sum`` (float64; shape (channels,)) and ``count``
     (int64, shape ()) values per channel."""
 
     absmax: torch.Tensor | None = None
@@ -70,7 +72,8 @@ class Channel(Observer):
         a = x.detach().to(torch.float32).movedim(self.axis, -1)
         a = a.reshape(-1, a.shape[-1]).abs()
         count = torch.tensor(a.shape[0], dtype=torch.int64, device=x.device)
-        return dataclasses.replace(stats, absmax=a.amax(0), abs_sum=a.sum(0), sq_sum=(a * a).sum(0), count=count)
+        return dataclasses.replace(stats, absmax=a.amax(0), abs_sum=a.sum(0).double(),
+                                   sq_sum=(a * a).sum(0).double(), count=count)
 
     def merge(self, a, b, *, path=None):
         if a.absmax.shape != b.absmax.shape:
@@ -79,5 +82,5 @@ class Channel(Observer):
                                    sq_sum=a.sq_sum + b.sq_sum, count=a.count + b.count)
 
     def finalize(self, stats, *, path=None) -> ChannelSummary:
-        n = stats.count.clamp(min=1).to(torch.float32)
-        return ChannelSummary(stats.absmax, stats.abs_sum / n, stats.sq_sum / n)
+        n = stats.count.clamp(min=1).to(torch.float64)
+        return ChannelSummary(stats.absmax, (stats.abs_sum / n).float(), (stats.sq_sum / n).float())

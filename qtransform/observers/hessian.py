@@ -1,8 +1,12 @@
 """``hessian``: the input Gram matrix ``XᵀX`` of a linear layer and its sample count (GPTQ's Hessian).
 
 A batch ``x`` of shape ``(..., in)`` adds ``x2ᵀ x2`` (``x2 = x.reshape(-1, in)``) to ``xtx`` and its
-row count to ``count``; both reduce by sum across batches and processes. ``finalize`` gives
-the mean outer product ``XᵀX / n`` (``(in, in)``), the Hessian of the layer's squared output
+row count to ``count``; both reduce by sum across batches and processes. Each batch's product is
+computed in the observer's ``dtype`` and merged in float64 (``xtx`` is float64 from the second batch on,
+without a float64 copy of each batch's product), where adding float32 values is exact
+in practice: the sum does not depend on how the batches were split or ordered (one process or many give
+the same Hessian, bit for bit). ``finalize`` gives the mean outer product ``XᵀX / n`` (``(in, in)``) in
+``dtype``, the Hessian of the layer's squared output
 error up to the factor 2 that GPTQ's damping makes irrelevant.
 
 >>> import torch, qtransform as qt
@@ -51,7 +55,7 @@ def gram(x: torch.Tensor, *, split: int = _GRAM_SPLIT) -> torch.Tensor:
 
 @pytree_dataclass(static=("spec", "observer"))
 class HessianStats:
-    """``xtx`` (in, in) summed outer products and ``count`` (int64, shape ()) rows observed."""
+    """``xtx`` (in, in) summed outer products (the observer's dtype for one batch, float64 once merged) and ``count`` (int64, shape ()) rows observed."""
 
     xtx: torch.Tensor | None = None
     count: torch.Tensor | None = None
@@ -62,8 +66,8 @@ class HessianStats:
 @register_observer
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Hessian(Observer):
-    """Sum of ``xᵀx`` over the rows of every batch, accumulated in ``dtype`` (``"float32"`` or
-    ``"float64"``)."""
+    """Sum of ``xᵀx`` over the rows of every batch, each batch's computed in ``dtype`` (``"float32"`` or
+    ``"float64"``), the sum held in float64."""
 
     dtype: str = "float32"
 
@@ -89,7 +93,7 @@ class Hessian(Observer):
         if a.xtx.shape != b.xtx.shape:
             raise ValueError(f"{where(path)}merge_stats: hessians of {tuple(a.xtx.shape)} and "
                              f"{tuple(b.xtx.shape)} (inputs of different widths)")
-        return dataclasses.replace(a, xtx=a.xtx + b.xtx, count=a.count + b.count)
+        return dataclasses.replace(a, xtx=a.xtx.to(torch.float64) + b.xtx, count=a.count + b.count)
 
     def finalize(self, stats, *, path=None) -> torch.Tensor:
-        return stats.xtx / stats.count.clamp(min=1).to(stats.xtx.dtype)
+        return (stats.xtx / stats.count.clamp(min=1).to(torch.float64)).to(_DTYPES[self.dtype])

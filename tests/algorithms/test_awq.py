@@ -186,12 +186,13 @@ def test_token_local_inputs_are_sampled_to_evenly_spaced_rows_and_others_left_wh
     awq = importlib.import_module("qtransform.algorithms.awq")
     xs = [torch.arange(2 * 5 * 3, dtype=torch.float32).reshape(2, 5, 3) + 100 * b for b in range(2)]
     inputs = [((x,), {}) for x in xs]
-    out = awq._sampled(inputs, 4)
+    out, same = awq._sampled(inputs, 4)
+    assert same
     rows = torch.cat([x.reshape(-1, 3) for x in xs])  # 20 rows: indices 0, 6, 13, 19
     assert len(out) == 1 and out[0][0][0].shape == (1, 4, 3)
     torch.testing.assert_close(out[0][0][0][0], rows[[0, 6, 13, 19]])
     kw = [((), {"hidden_states": x}) for x in xs]
-    torch.testing.assert_close(awq._sampled(kw, 4)[0][1]["hidden_states"][0], rows[[0, 6, 13, 19]])
-    assert awq._sampled(inputs, 50) is inputs  # fewer rows than asked: all of them
+    torch.testing.assert_close(awq._sampled(kw, 4)[0][0][1]["hidden_states"][0], rows[[0, 6, 13, 19]])
+    assert awq._sampled(inputs, 50) == (inputs, False)  # fewer rows than asked: all of them
     two = [((x, x), {}) for x in xs]  # a call with another tensor (a mask, positions): not sampled
-    assert awq._sampled(two, 4) is two
+    assert awq._sampled(two, 4) == (two, False)
