@@ -238,13 +238,16 @@ class Context(NamedTuple):
     """What the pipeline hands a step: ``stats`` (for :class:`SiteStats` steps), ``block`` (for
     :class:`BlockInputs` steps), ``loss`` (for :class:`ModelLoss` steps), ``progress`` (``progress(iterable, desc=..., total=...)``, e.g.
     ``tqdm.tqdm``, or ``None``) and ``online``, the online rotations earlier steps recorded
-    (``{Site: OnlineRotation}``: the statistics and block inputs were taken with them applied)."""
+    (``{Site: OnlineRotation}``: the statistics and block inputs were taken with them applied), and
+    ``parallel``, the processes running the same step (:class:`qtransform.Parallel`: a :class:`ModelLoss`
+    step may split its batches among them; ``stats`` are already reduced over them)."""
 
     stats: Mapping | None = None
     progress: Callable | None = None
     block: Block | None = None
     online: Mapping = {}
     loss: Callable | None = None
+    parallel: Parallel = SERIAL
 
     def track(self, iterable: Iterable, *, desc: str = "", total: int | None = None) -> Iterable:
         """``iterable`` wrapped by the progress bar, if any."""

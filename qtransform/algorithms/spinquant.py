@@ -23,7 +23,10 @@ rotations of the lowest are returned: never worse, on the calibration data, than
 
 Options: ``layout`` (replaces the plan's ``Plan.layout``, which the bridge fills), ``iters`` (default 100), ``lr`` (0.1), ``momentum`` (0),
 ``learn`` (``["r1", "r2"]``, or one of them), ``seed``, ``r3``, ``r4`` (as for ``rotate``),
-``batches`` (calibration batches used, spread over the data; default all, cycled), ``weights``
+``batches`` (calibration batches used, spread over the data; default all, cycled), ``accumulate`` (1:
+batches per iteration, their gradients averaged; with several processes (``context.parallel``) each
+runs its share of them and the gradients, summed in float64, are all-reduced: the same rotations as one
+process, in about ``1 / min(ranks, accumulate)`` of the time; the selection losses are split too), ``weights``
 (``"rtn"`` or ``"float"``: the weights while learning; default ``"float"`` when a ``gptq`` step
 follows, else ``"rtn"``). Reports the calibration loss at the start and of the rotations kept
 (``info``); the progress bar shows each iteration's batch loss. Follow it with ``gptq`` or ``rtn``
@@ -67,6 +70,7 @@ class Options:
     r3: bool | None = option(None, doc="as for rotate")
     r4: bool = option(True, doc="as for rotate")
     batches: int | None = option(None, ge=1, doc="calibration batches used (default all)")
+    accumulate: int = option(1, ge=1, doc="batches per iteration (gradients averaged; split among ranks)")
     weights: str | None = option(None, choices=WEIGHTS, doc="the weights while learning: rtn or float")
 
     def __post_init__(self):
@@ -110,10 +114,11 @@ def _spread(n: int, k: int | None) -> list[int]:
 
 
 def step(params, plan, *, context, layout=None, iters: int = 100, lr: float = 0.1, momentum: float = 0.0,
-              learn=LEARNABLE, seed: int = 0, r3=None, r4: bool = True, batches=None, weights=None) -> Fit:
+              learn=LEARNABLE, seed: int = 0, r3=None, r4: bool = True, batches=None, weights=None,
+              accumulate: int = 1) -> Fit:
     """The ``spinquant`` step (see the module docstring)."""
     check_options(layout=layout, iters=iters, lr=lr, momentum=momentum, learn=learn, seed=seed, r3=r3, r4=r4,
-                  batches=batches, weights=weights)
+                  batches=batches, weights=weights, accumulate=accumulate)
     layout = plan.layout if layout is None else layout
     if layout is None:
         raise ValueError("spinquant: no residual layout: the plan has none (Plan.layout; bridge.plan fills it from the "
@@ -147,30 +152,48 @@ def step(params, plan, *, context, layout=None, iters: int = 100, lr: float = 0.
     order = _spread(len(context.loss), batches)
     select = [order[j] for j in _spread(len(order), SELECT)]
 
+    par = context.parallel
+
     def calibration_loss(learned: dict) -> float:
-        """The mean loss over the selection batches of the very tree these rotations give."""
+        """The mean loss over the selection batches of the very tree these rotations give (each rank its share;
+        float32 losses summed in float64, exactly: the same on any number of ranks)."""
         with torch.no_grad():
             tree = trained(learned)
-            return sum(float(context.loss(tree, i, online=online)) for i in select) / len(select)
+            total = sum(float(context.loss(tree, i, online=online)) for i in select[par.rank::par.world])
+        return float(par.all_sum(torch.tensor(total, dtype=torch.float64))) / len(select)
 
     def objective(learned: dict, i: int):
         loss = context.loss(trained(learned), i, online=online)
         return loss, loss.detach()
 
     grad = torch.func.grad(objective, has_aux=True)
+
+    def averaged(learned: dict, k: int):
+        """Iteration ``k``'s gradient: the mean over its ``accumulate`` batches, summed in float64 over the ranks."""
+        picks = [order[(k * accumulate + j) % len(order)] for j in range(accumulate)]
+        sums = [torch.zeros_like(learned[name], dtype=torch.float64) for name in learned] + [
+            torch.zeros((), dtype=torch.float64, device=emb.device)]
+        for i in picks[par.rank::par.world]:
+            g, loss = grad(learned, i)
+            sums = [a + b.double() for a, b in zip(sums, [g[name] for name in learned] + [loss])]
+        if par.world > 1:
+            flat = par.all_sum(torch.cat([t.reshape(-1) for t in sums]))  # one collective for all
+            sums = [t.reshape(ref.shape) for t, ref in zip(torch.split(flat, [t.numel() for t in sums]), sums)]
+        return {name: t / accumulate for name, t in zip(learned, sums)}, float(sums[-1]) / accumulate
+
     every = max(1, iters // CHECKS)
     learned = {k: R[k] for k in learn}
     moment = {k: torch.zeros_like(v) for k, v in learned.items()}
     seen = []  # (calibration loss, iteration, rotations) at the start, every few iterations and the end
     bar = context.track(range(iters), desc="spinquant", total=iters)
     for k in bar:
-        g, loss = grad(learned, order[k % len(order)])
-        _postfix(bar, float(loss))
+        g, loss = averaged(learned, k)
+        _postfix(bar, loss)
         if k % every == 0:
             seen.append((calibration_loss(learned), k, dict(learned)))
         step = lr * (1 - k / iters)
         for name in learned:
-            learned[name], moment[name] = cayley_sgd_step(learned[name], g[name].double(), moment[name], lr=step,
+            learned[name], moment[name] = cayley_sgd_step(learned[name], g[name], moment[name], lr=step,
                                                           momentum=momentum)
     if iters:
         seen.append((calibration_loss(learned), iters, dict(learned)))

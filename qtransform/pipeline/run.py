@@ -36,6 +36,7 @@ from .. import _pytree
 from ..algorithms import ALGORITHMS, Block, BlockInputs, Context, Fit, ModelLoss, SiteStats
 from ..algorithms.base import FACTS
 from ..observers import Observer, init_stats
+from ..parallel import SERIAL
 from ..rotation.online import ROLES as ONLINE_ROLES
 from ..spec import Plan, Site, Step, as_plan
 from ..tensor import QParams
@@ -141,7 +142,8 @@ def _run_step(algo, step: Step, plan: Plan, current: dict, calibrator: Calibrato
         return calibrator.blockwise(dict(current), plan, fit_block, qparams=dict(qparams), **more, **rotated)
     if isinstance(algo.needs, ModelLoss):
         loss = calibrator.model_loss(plan, **rotated)
-        return algo.fn(dict(current), plan, context=Context(loss=loss, progress=progress, online=dict(online)),
+        return algo.fn(dict(current), plan, context=Context(loss=loss, progress=progress, online=dict(online),
+                                                            parallel=getattr(calibrator, "parallel", SERIAL)),
                        **step.options)
     stats = _collect(algo, step, plan, current, calibrator, at, rotated)
     return algo.fn(dict(current), plan, context=Context(stats=stats, progress=progress, online=dict(online)),

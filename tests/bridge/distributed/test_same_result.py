@@ -33,7 +33,10 @@ def _recipes() -> dict:
     awq = dataclasses.replace(qt.get_preset("awq4-g64").recipe, steps=(qt.Step("awq", rows=40),))
     seq = dataclasses.replace(qt.get_preset("gptq4-g64").recipe,
                               steps=(qt.Step("gptq", true_sequential=True, init="minmax"),))
-    return {"rtn-static": ("w8a8-int8", None), "rtn-static-percentile": ("w8a8-int8", STATIC),
+    # SpinQuant: 3 batches per iteration, split among the ranks, gradients all-reduced; then GPTQ
+    spin = dataclasses.replace(qt.get_preset("spinquant-w4a8").recipe,
+                               steps=(qt.Step("spinquant", iters=3, accumulate=3), qt.Step("gptq")))
+    return {"spinquant": (spin, None), "rtn-static": ("w8a8-int8", None), "rtn-static-percentile": ("w8a8-int8", STATIC),
             "smoothquant": ("w8a8-int8-sq", None), "gptq": ("gptq4-g64", None), "gptq-sequential": (seq, None),
             "awq": (awq, None), "kv": ("fp8-w8a8-kv", None)}
 
