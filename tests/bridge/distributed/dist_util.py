@@ -1,5 +1,5 @@
 """Real process groups for the tests: ``run_ranks(world, fn, *args)`` spawns ``world`` processes (gloo on
-127.0.0.1, a free port), calls ``fn(rank, world, *args)`` in each inside the initialised group, one thread
+127.0.0.1, a free port; or NCCL), calls ``fn(rank, world, *args)`` in each inside the initialised group, one thread
 each, and returns every rank's result (what ``fn`` returns, pickled through a file)."""
 
 from __future__ import annotations
@@ -21,27 +21,30 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank, world, port, out, fn, args):
+def _entry(rank, world, port, out, fn, args, backend="gloo"):
     import torch.distributed as dist
 
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     try:
-        if world > 1:
-            dist.init_process_group("gloo", rank=rank, world_size=world)
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+        if world > 1 or backend != "gloo":
+            dist.init_process_group(backend, rank=rank, world_size=world)
         result = ("ok", fn(rank, world, *args))
     except BaseException as e:  # noqa: BLE001 - reported to the test
         result = ("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}")
     finally:
-        if world > 1 and dist.is_initialized():
+        if dist.is_initialized():
             dist.destroy_process_group()
     Path(out, f"rank{rank}.pkl").write_bytes(pickle.dumps(result))
 
 
-def run_ranks(world: int, fn, *args, timeout: float = 240) -> list:
-    """Every rank's ``fn(rank, world, *args)``; ``RuntimeError`` with a rank's traceback if one failed."""
+def run_ranks(world: int, fn, *args, timeout: float = 240, backend: str = "gloo") -> list:
+    """Every rank's ``fn(rank, world, *args)``; ``RuntimeError`` with a rank's traceback if one failed.
+    ``backend="nccl"``: rank ``r`` on ``cuda:r`` (a group even of one process)."""
     with tempfile.TemporaryDirectory() as out:
-        ctx = mp.start_processes(_entry, args=(world, free_port(), out, fn, args), nprocs=world, join=False,
+        ctx = mp.start_processes(_entry, args=(world, free_port(), out, fn, args, backend), nprocs=world, join=False,
                                  start_method="spawn")
         while not ctx.join(timeout=timeout):
             pass
