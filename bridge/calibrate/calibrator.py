@@ -62,7 +62,8 @@ class ModelCalibrator:
         if parallel is not None and not isinstance(parallel, qt.Parallel):
             raise TypeError(f"parallel must be a qtransform.Parallel, got {type(parallel).__name__}")
         self.model, self.batches, self.blocks, self.progress = model, batches, blocks, progress
-        self.parallel = current() if parallel is None else parallel
+        first = next(model.parameters(), None)  # where shared results land (the model's device)
+        self.parallel = current(device=None if first is None else first.device) if parallel is None else parallel
 
     def _batches(self, batches=None):
         batches = self.batches if batches is None else batches

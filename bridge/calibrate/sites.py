@@ -118,13 +118,16 @@ def fold_sites(model: nn.Module, sites: Mapping[qt.Site, Any], run_all: Callable
     if missing:
         raise ValueError(f"{where}: site module(s) {missing[:5]} are not modules of {type(model).__name__}")
     stats = dict(sites)
+    ours: set = set()  # sites whose statistics this fold made: donated to the next update (no second copy)
 
     def folder(site):
         def fold(x):
             t = first_tensor(x)
             if t is None:
                 raise ValueError(f"{where}: {site.role} of {site.module!r} holds no tensor")
-            stats[site] = qt.observe(stats[site], t.detach(), path=f"{site.module} ({site.role})")
+            stats[site] = qt.observe(stats[site], t.detach(), path=f"{site.module} ({site.role})",
+                                     donate=site in ours)
+            ours.add(site)
         return fold
 
     def kv_callback(module):

@@ -79,8 +79,9 @@ class Observer(abc.ABC):
     def finalize(self, stats, *, path: str | None = None) -> Any:
         """The result the statistics are for."""
 
-    def update(self, stats, x: torch.Tensor, *, path: str | None = None):
-        """``stats`` with the batch ``x`` folded in (pure: neither input changes)."""
+    def update(self, stats, x: torch.Tensor, *, path: str | None = None, donate: bool = False):
+        """``stats`` with the batch ``x`` folded in (pure: neither input changes; with ``donate=True`` the caller
+        gives ``stats`` up, and an observer may build the result in its buffers, as JAX's donated arguments)."""
         return merge_stats(stats, self.batch(stats, x, path=path), path=path)
 
     def range(self, stats, spec: QuantSpec, *, path: str | None = None):
@@ -165,14 +166,19 @@ def init_stats(spec: QuantSpec | None = None, *, observer=None, **options):
     return obs.init(spec if obs.needs_spec else None)
 
 
-def observe(stats, x: torch.Tensor, *, path: str | None = None):
+def observe(stats, x: torch.Tensor, *, path: str | None = None, donate: bool = False):
     """Fold one batch ``x`` into ``stats`` (returns new statistics; inputs unchanged).
 
     Range statistics are kept per block of the spec's granularity, so their grid must agree
     between batches (per-tensor and per-channel activation stats do for any batch size).
+    ``donate=True``: the caller will not use ``stats`` again (a fold over its own statistics), so the
+    result may reuse its buffers (the ``hessian`` observer adds each batch in place: no second
+    ``(in, in)`` float64 matrix). Never donate statistics someone else holds.
     """
     _check_stats(stats, "observe", path)
     check_float_tensor(x, path=path)
+    if donate:
+        return stats.observer.update(stats, x, path=path, donate=True)
     return stats.observer.update(stats, x, path=path)
 
 

@@ -25,7 +25,7 @@ import torch
 from .._checks import check_finite, where
 from .._pytree import pytree_dataclass
 from ..spec import QuantSpec
-from .base import Observer, register_observer
+from .base import Observer, merge_stats, register_observer
 
 __all__ = ["Hessian", "HessianStats", "gram"]
 
@@ -89,6 +89,13 @@ class Hessian(Observer):
         count = torch.tensor(x2.shape[0], dtype=torch.int64, device=x.device)
         return dataclasses.replace(stats, xtx=gram(x2), count=count)
 
+    def update(self, stats, x, *, path=None, donate=False):
+        b = self.batch(stats, x, path=path)
+        if donate and stats.xtx is not None and stats.xtx.dtype == torch.float64 and stats.xtx.shape == b.xtx.shape:
+            stats.xtx.add_(b.xtx)  # donated: the sum built in place (float64 += float32, no float64 copy)
+            return dataclasses.replace(stats, count=stats.count + b.count)
+        return merge_stats(stats, b, path=path)
+
     def merge(self, a, b, *, path=None):
         if a.xtx.shape != b.xtx.shape:
             raise ValueError(f"{where(path)}merge_stats: hessians of {tuple(a.xtx.shape)} and "
@@ -96,4 +103,5 @@ class Hessian(Observer):
         return dataclasses.replace(a, xtx=a.xtx.to(torch.float64) + b.xtx, count=a.count + b.count)
 
     def finalize(self, stats, *, path=None) -> torch.Tensor:
-        return (stats.xtx / stats.count.clamp(min=1).to(torch.float64)).to(_DTYPES[self.dtype])
+        # the sum cast first, then divided: no float64 copy of the (in, in) matrix
+        return stats.xtx.to(_DTYPES[self.dtype], copy=True).div_(stats.count.clamp(min=1).to(_DTYPES[self.dtype]))
