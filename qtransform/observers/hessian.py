@@ -2,8 +2,8 @@
 
 A batch ``x`` of shape ``(..., in)`` adds ``x2ᵀ x2`` (``x2 = x.reshape(-1, in)``) to ``xtx`` and its
 row count to ``count``; both reduce by sum across batches and processes. Each batch's product is
-computed in the observer's ``dtype`` and merged in float64 (``xtx`` is float64 from the second batch on,
-without a float64 copy of each batch's product), where adding float32 values is exact
+computed in the observer's ``dtype`` and summed in float64 (a fold's ``xtx`` is float64 from its first batch;
+``batch`` alone gives the product in ``dtype``), where adding float32 values is exact
 in practice: the sum does not depend on how the batches were split or ordered (one process or many give
 the same Hessian, bit for bit). ``finalize`` gives the mean outer product ``XᵀX / n`` (``(in, in)``) in
 ``dtype``, the Hessian of the layer's squared output
@@ -55,7 +55,7 @@ def gram(x: torch.Tensor, *, split: int = _GRAM_SPLIT) -> torch.Tensor:
 
 @pytree_dataclass(static=("spec", "observer"))
 class HessianStats:
-    """``xtx`` (in, in) summed outer products (the observer's dtype for one batch, float64 once merged) and ``count`` (int64, shape ()) rows observed."""
+    """``xtx`` (in, in) summed outer products (float64 in a fold; the observer's dtype from ``batch``) and ``count`` (int64, shape ()) rows observed."""
 
     xtx: torch.Tensor | None = None
     count: torch.Tensor | None = None
@@ -91,7 +91,9 @@ class Hessian(Observer):
 
     def update(self, stats, x, *, path=None, donate=False):
         b = self.batch(stats, x, path=path)
-        if donate and stats.xtx is not None and stats.xtx.dtype == torch.float64 and stats.xtx.shape == b.xtx.shape:
+        if stats.xtx is None:  # a fold holds its sum in float64 from the first batch (no float32 -> float64 copy later)
+            return dataclasses.replace(b, xtx=b.xtx.to(torch.float64))
+        if donate and stats.xtx.dtype == torch.float64 and stats.xtx.shape == b.xtx.shape:
             stats.xtx.add_(b.xtx)  # donated: the sum built in place (float64 += float32, no float64 copy)
             return dataclasses.replace(stats, count=stats.count + b.count)
         return merge_stats(stats, b, path=path)

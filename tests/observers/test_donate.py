@@ -18,7 +18,7 @@ def test_a_donated_hessian_fold_equals_the_pure_fold_and_reuses_its_buffer():
         pure = qt.observe(pure, x)
         before = donated.xtx
         donated = qt.observe(donated, x, donate=i > 0)
-        if i > 1:  # float64 from the second batch on: the sum is built in the donated matrix
+        if i > 0:  # a fold's sum is float64 from its first batch: later batches are added in the donated matrix
             assert donated.xtx is before
     assert torch.equal(donated.xtx, pure.xtx) and int(donated.count) == int(pure.count) == 36
     expected = sum(x.double().T @ x.double() for x in _batches()) / 36
@@ -29,9 +29,9 @@ def test_without_donation_the_statistics_folded_into_are_unchanged_and_finalize_
     s = qt.observe(qt.observe(qt.init_stats(observer="hessian"), _batches()[0]), _batches()[1])
     kept = s.xtx.clone()
     qt.observe(s, _batches()[2])
-    one = qt.observe(qt.init_stats(observer="hessian"), _batches()[0])
+    one = qt.observe(qt.init_stats(observer="hessian", dtype="float64"), _batches()[0])
     kept_one = one.xtx.clone()
-    qt.finalize_stats(one)  # a float32 sum: finalize must not divide it in place
+    qt.finalize_stats(one)  # a sum already in the result's dtype: finalize must not divide it in place
     assert torch.equal(s.xtx, kept) and torch.equal(one.xtx, kept_one)
 
 
