@@ -30,8 +30,8 @@ def add_options(q, at_least) -> None:
 @contextlib.contextmanager
 def group(a):
     """The process group of torchrun's environment for the commands that use it (``quantize``), initialised
-    around the command: the ranks but 0 are made quiet; the group is destroyed after a successful run (after
-    a failure the process ends, which closes it, without waiting on the others)."""
+    around the command and destroyed after it (:func:`bridge.distributed.launch.teardown`); the ranks but 0 are
+    made quiet."""
     if a.command != "quantize":
         yield
         return
@@ -41,7 +41,11 @@ def group(a):
         raise UserError(str(e)) from None
     if env.world > 1 and not launch.is_main():
         launch.quiet()
-    yield
+    try:
+        yield
+    except BaseException:
+        launch.teardown(failed=True)
+        raise
     launch.teardown()
 
 

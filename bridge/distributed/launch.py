@@ -145,10 +145,13 @@ def init(device: str | torch.device | None = None, *, timeout: float = DEFAULT_T
     return env
 
 
-def teardown() -> None:
-    """Destroy the default group if :func:`init` created it (a group the caller initialised stays)."""
+def teardown(*, failed: bool = False) -> None:
+    """Destroy the default group if :func:`init` created it (a group the caller initialised stays). Call it
+    after a failure too (``failed=True``): a gloo group left to the interpreter's exit can abort the process;
+    a NCCL group is then left as it is (destroying it could wait on a peer that hangs: the process's exit
+    closes it)."""
     global _owned
-    if _owned and dist.is_initialized():
+    if _owned and dist.is_initialized() and not (failed and dist.get_backend() == "nccl"):
         dist.destroy_process_group()
     _owned = False
 

@@ -6,6 +6,7 @@ process group is killed then), so a hang fails the test instead of blocking the 
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -148,22 +149,58 @@ def test_a_rank_failing_mid_collectives_stops_both_and_writes_nothing(tiny_llama
     assert n0.returncode != 0 and n1.returncode != 0
     assert "qtransform: error: rank 1: RuntimeError: injected failure in the second block" in n1.stderr, n1.stderr[-2000:]
     assert "qtransform: error: rank 0: stopped: another rank failed" in n0.stderr, n0.stderr[-2000:]
+    for node in (n0, n1):  # each worker exited by itself with status 1 (no abort, no signal from its agent)
+        assert set(re.findall(r"exitcode\s*:\s*(-?\d+)", node.stderr)) == {"1"}, node.stderr[-2000:]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["fail.py"]
 
 
-def test_a_rank_failing_at_its_checks_stops_every_rank_with_its_message(tiny_llama_dir, tmp_path):
-    """Node 1 is given a model path that does not exist there: the ranks agree at the end of the checks, so
-    both stop with node 1's message (before any model is loaded) and nothing is written."""
-    port = free_port()
-    out = tmp_path / "ckpt"
-    missing = tmp_path / "not-on-node-1"
-    n0, n1 = _run_all([_node(0, port, tiny_llama_dir, out), _node(1, port, missing, out)])
-    assert n0.returncode != 0 and n1.returncode != 0
-    assert f"qtransform: error: rank 1: model not found: {missing}" in n1.stderr, n1.stderr[-2000:]
-    assert f"qtransform: error: rank 0: stopped: rank 1 failed: model not found: {missing}" in n0.stderr, \
-        n0.stderr[-2000:]
-    assert "loading" not in n0.stdout  # stopped before loading
-    assert list(tmp_path.iterdir()) == []
+STAGES = """
+import importlib.util, sys
+
+spec = importlib.util.spec_from_file_location("launch", sys.argv[1])  # torch only: no bridge import, fast
+launch = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(launch)
+env = launch.init(timeout=30)  # from RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT, as torchrun sets them
+assert (launch.world(), launch.rank(), launch.is_main()) == (2, env.rank, env.rank == 0)
+with launch.stage():
+    pass
+print(launch.where() + "passed the first stage", flush=True)
+try:
+    with launch.stage():
+        if launch.rank() == 1:
+            raise ValueError("--calib file missing on this machine")
+except launch.RankFailed as e:
+    print(launch.where() + "RankFailed: " + str(e), flush=True)
+    launch.teardown(failed=True)
+    sys.exit(1)
+except ValueError as e:
+    print(launch.where() + "ValueError: " + str(e), flush=True)
+    launch.teardown(failed=True)
+    sys.exit(1)
+print("passed the second stage", flush=True)
+"""
+
+
+def test_a_rank_failing_in_a_stage_stops_every_rank_with_its_message(tmp_path):
+    """The ranks agree at the end of a stage (the command's checks, its loading): a rank failing there
+    (an input missing on its machine) stops every rank with that rank's message, none left waiting. Two real
+    processes in a gloo group from torchrun's variables, running :mod:`bridge.distributed.launch` alone."""
+    port, env = free_port(), _env()
+    cmds = [[sys.executable, "-c", STAGES, str(ROOT / "bridge" / "distributed" / "launch.py")] for _ in range(2)]
+    procs = [subprocess.Popen(c, env=dict(env, WORLD_SIZE="2", RANK=str(r), LOCAL_RANK=str(r), MASTER_ADDR="127.0.0.1",
+                                          MASTER_PORT=str(port)), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, start_new_session=True) for r, c in enumerate(cmds)]
+    try:
+        outs = [p.communicate(timeout=TIMEOUT) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+    assert [p.returncode for p in procs] == [1, 1], outs
+    assert outs[0][0].splitlines() == ["rank 0: passed the first stage",
+                                       "rank 0: RankFailed: stopped: rank 1 failed: --calib file missing on this machine"]
+    assert outs[1][0].splitlines() == ["rank 1: passed the first stage",
+                                       "rank 1: ValueError: --calib file missing on this machine"]
 
 
 # ------------------------------------------------------------------ without processes
