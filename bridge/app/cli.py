@@ -3,6 +3,7 @@
     qtransform quantize [--model PATH] [--recipe NAME|FILE] [--algorithm NAME] [--calib N [--calib-batch B]]
                         [--out DIR [--overwrite]] [--plot] [--json FILE] [--no-eval] [--dtype auto|float32|...]
                         [--device DEV] [--stream [--resume] [--max-memory SIZE]]   (bridge.app.streaming)
+                        [--nproc N] [--dist-timeout SECONDS]   (bridge.app.ranks, docs/distributed.md)
     qtransform eval --model DIR [--baseline PATH]
     qtransform formats | recipes | inspect DIR
     qtransform export CHECKPOINT --to quark|compressed-tensors|gguf|onnx --out DIR   (bridge.app.export)
