@@ -132,6 +132,10 @@ def init(device: str | torch.device | None = None, *, timeout: float = DEFAULT_T
     dev = torch.device(device) if device is not None else torch.device("cpu")
     kwargs = {}
     if dev.type == "cuda":
+        if env.local_rank >= torch.cuda.device_count():
+            raise ValueError(f"--device {device}: rank {env.rank} is local rank {env.local_rank} of its machine, which "
+                             f"has {torch.cuda.device_count()} CUDA device(s): one rank per GPU (--nproc-per-node at "
+                             f"most the GPUs)")
         if dev.index is not None and dev.index != env.local_rank:
             raise ValueError(f"--device {device}: under torchrun each rank computes on cuda:LOCAL_RANK (here "
                              f"cuda:{env.local_rank}); pass --device cuda")

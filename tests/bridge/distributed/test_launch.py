@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from bridge.app.cli import main
 from bridge.distributed import launch
@@ -223,6 +224,10 @@ def test_the_environment_is_read_and_checked():
         launch.from_env({"WORLD_SIZE": "two"})
     with pytest.raises(ValueError, match="timeout must be a finite number"):
         launch.init(timeout=float("inf"), environ={})
+    if not torch.cuda.is_available():  # NCCL wants one GPU per rank: refused before any group is made
+        two = {"WORLD_SIZE": "2", "RANK": "1", "LOCAL_RANK": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}
+        with pytest.raises(ValueError, match="local rank 1 of its machine, which has 0 CUDA device"):
+            launch.init("cuda", environ=two)
     # one process: nothing initialised, the one-process answers
     assert launch.init(environ={"WORLD_SIZE": "1"}).world == 1
     assert (launch.world(), launch.rank(), launch.is_main(), launch.where()) == (1, 0, True, "")
