@@ -3,6 +3,7 @@
     qtransform quantize [--model PATH] [--recipe NAME|FILE] [--algorithm NAME] [--calib N [--calib-batch B]]
                         [--out DIR [--overwrite]] [--plot] [--json FILE] [--no-eval] [--dtype auto|float32|...]
                         [--device DEV] [--stream [--resume] [--max-memory SIZE]]   (bridge.app.streaming)
+                        [--nproc N] [--dist-timeout SECONDS]   (bridge.app.ranks, docs/distributed.md)
     qtransform eval --model DIR [--baseline PATH]
     qtransform formats | recipes | inspect DIR
     qtransform export CHECKPOINT --to quark|compressed-tensors|gguf|onnx --out DIR   (bridge.app.export)
@@ -34,7 +35,8 @@ import sys
 import warnings
 from pathlib import Path
 
-from . import export, inputs, outputs, streaming
+from . import export, inputs, outputs, ranks, streaming
+from ..distributed import launch
 from .inputs import UserError
 from .outputs import say as _say
 from .quantize import cmd_quantize
@@ -169,6 +171,7 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--no-eval", action="store_true", help="skip the perplexity before/after")
     streaming.add_options(q)
     export.add_quantize_options(q)
+    ranks.add_options(q, _at_least)
 
     e = sub.add_parser("eval", help="perplexity and a greedy generation, optionally against a baseline")
     e.add_argument("--model", required=True, help="checkpoint or model directory (or 'default')")
@@ -200,29 +203,38 @@ COMMANDS = {"quantize": cmd_quantize, "eval": cmd_eval, "formats": cmd_formats, 
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     warnings.filterwarnings("ignore", category=UserWarning)
     if getattr(args, "threads", None) is not None:
         import torch
         torch.set_num_threads(args.threads)
+    where = ""  # "rank R: " under torchrun with several ranks (bridge.app.ranks)
     try:
         inputs.load_plugins(args.plugin)
-        with _quiet_transformers(args.command in QUIET):
-            return COMMANDS[args.command](args)
-    except UserError as e:
-        print(f"qtransform: error: {e}", file=sys.stderr)
+        if getattr(args, "nproc", None) is not None:
+            status = ranks.relaunch(args, argv)
+            if status is not None:
+                return status
+        with ranks.group(args):
+            where = launch.where()
+            with _quiet_transformers(args.command in QUIET):
+                return COMMANDS[args.command](args)
+    except (UserError, launch.RankFailed) as e:
+        print(f"qtransform: error: {where}{e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
-        print("qtransform: interrupted", file=sys.stderr)
+        print(f"qtransform: {where}interrupted", file=sys.stderr)
         return 130
     except BrokenPipeError:  # the reader went away (`qtransform inspect DIR | head -1`): stop quietly, as cat does
         _silence_stdout()
         return 141  # 128 + SIGPIPE, the status a shell reports for a writer killed by a closed pipe
     except (OSError, ValueError) as e:  # a message of ours or the OS's (it names the path): as it is
-        print(f"qtransform: error: {_first_line(e)}", file=sys.stderr)
+        print(f"qtransform: error: {where}{_first_line(e)}", file=sys.stderr)
         return 1
     except Exception as e:  # noqa: BLE001  (any other library's error: one line with its type, no traceback)
-        print(f"qtransform: error: {type(e).__name__}: {_first_line(e)}", file=sys.stderr)
+        lost = ranks.error_text(e) if where else None  # a collective whose peer is gone
+        print(f"qtransform: error: {where}{lost or f'{type(e).__name__}: {_first_line(e)}'}", file=sys.stderr)
         return 1
 
 

@@ -50,12 +50,19 @@ def _device(model) -> torch.device:
         return torch.device("cpu")
 
 
-def perplexity(model, sequences: torch.Tensor, *, batch_size: int = 4, progress: bool = False) -> Perplexity:
+def perplexity(model, sequences: torch.Tensor, *, batch_size: int = 4, progress: bool = False,
+               parallel=None) -> Perplexity:
     """Perplexity of a causal LM on token ``sequences`` (int64 ``(n, seq_len)``).
 
     Each sequence is scored on its own (no context carried across), in batches of
     ``batch_size``, without gradients and in eval mode (the model's mode is restored).
     ``progress`` shows a tqdm bar.
+
+    ``parallel`` (a :class:`qtransform.Parallel`, e.g. :func:`bridge.distributed.current`; default one
+    process) shares the batches among its ranks, each holding the same model and sequences: each rank
+    scores a contiguous share, the per-batch sums are gathered and added in batch order, so every rank
+    returns exactly the one-process value (the same batches, the same additions in the same order). Every
+    rank must call it.
     """
     if not isinstance(sequences, torch.Tensor) or sequences.dim() != 2 or sequences.dtype != torch.int64:
         got = (f"{sequences.dtype} tensor of shape {tuple(sequences.shape)}"
@@ -67,20 +74,34 @@ def perplexity(model, sequences: torch.Tensor, *, batch_size: int = 4, progress:
     if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
         raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
     batches = list(torch.split(sequences, batch_size))
+    world, rank = (1, 0) if parallel is None else (parallel.world, parallel.rank)
+    if world > 1:
+        from ..distributed import share_bounds
+
+        n = len(batches)
+        bounds = share_bounds([b.numel() for b in batches], world) if n >= world else [*range(n + 1)] + [n] * (world - n)
+        mine = batches[bounds[rank]:bounds[rank + 1]]
+    else:
+        mine = batches
     if progress:
         from tqdm.auto import tqdm
 
-        batches = tqdm(batches, desc="perplexity", unit="batch")
+        mine = tqdm(mine, desc="perplexity", unit="batch")
     device = _device(model)
-    total, count = 0.0, 0
+    sums = []
     with torch.no_grad(), _eval_mode(model):
-        for ids in batches:
+        for ids in mine:
             ids = ids.to(device)
             logits = model(input_ids=ids).logits[:, :-1].float()
             nll = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1),
                                   reduction="sum")
-            total += float(nll)
-            count += ids[:, 1:].numel()
+            sums.append(float(nll))
+    if world > 1:
+        sums = [v for part in parallel.gather(sums) for v in part]
+    total = 0.0
+    for v in sums:  # in batch order, as one process adds them
+        total += v
+    count = sequences[:, 1:].numel()
     mean = total / count
     return Perplexity(perplexity=math.exp(mean), nll=mean, tokens=count)
 

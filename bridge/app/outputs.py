@@ -31,8 +31,12 @@ def say(msg: str = "") -> None:
 
 
 def warn(msg: str) -> None:
-    """A ``qtransform: warning: ...`` line on stderr."""
-    print(f"qtransform: warning: {msg}", file=sys.stderr, flush=True)
+    """A ``qtransform: warning: ...`` line on stderr (from rank 0 only, under torchrun: the ranks run the same
+    command, and their stdout is silenced by :func:`bridge.distributed.launch.quiet`)."""
+    from ..distributed import launch
+
+    if launch.is_main():
+        print(f"qtransform: warning: {msg}", file=sys.stderr, flush=True)
 
 
 def _existing_ancestor(path: Path) -> Path:
@@ -95,8 +99,11 @@ def write_text(path: Path, text: str, *, option: str) -> None:
 
 
 def progress_bar():
-    """A ``progress(iterable, desc=..., total=...)`` wrapper with a tqdm bar on stderr."""
+    """A ``progress(iterable, desc=..., total=...)`` wrapper with a tqdm bar on stderr (rank 0's only)."""
     from tqdm.auto import tqdm
 
+    from ..distributed import launch
+
+    off = not launch.is_main()
     return lambda it, desc="", total=None: tqdm(it, total=total, desc=desc, file=sys.stderr, leave=False,
-                                                dynamic_ncols=True)
+                                                dynamic_ncols=True, disable=off)

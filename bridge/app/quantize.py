@@ -75,28 +75,11 @@ def recipe_of(a):
     return recipe, label, stem
 
 
-def cmd_quantize(a) -> int:
-    import torch
+def _prepare(a, recipe, label, source, out):
+    """The corpus read, the model loaded (on ``--device``), the evaluation and calibration sequences, the
+    plan and the stored dtypes: ``(model, tokenizer, device, eval_seqs, calibration, plan, dtypes)``."""
+    from . import models
 
-    from .. import io, pipeline
-    from ..checkpoint import store
-    from ..tree import extract, to_module
-    from . import evaluate, models, report
-
-    t0 = time.perf_counter()
-    # everything that can be checked without the weights, before minutes of loading and evaluating
-    recipe, label, stem = recipe_of(a)
-    model_name = Path(a.model).stem if a.model else models.DEFAULT_MODEL
-    out = Path(a.out or f"out/{model_name}-{stem}")
-    outputs.check_out_dir(out, overwrite=a.overwrite)
-    if a.json:
-        outputs.check_file_target(Path(a.json), option="--json")
-    if a.plot and importlib.util.find_spec("matplotlib") is None:
-        raise UserError("--plot needs matplotlib: pip install matplotlib")
-    source = inputs.model_source(a.model)  # where the model lives and in which format: resolved once
-    streaming.check_options(a)
-    if a.stream:
-        return streaming.cmd_streamed(a, recipe, label, out, source, t0)
     text = None if a.no_eval else inputs.corpus_text(a.corpus)
     calib_text = inputs.corpus_text(a.corpus, part="calibration") if a.calib else None
     skeleton = inputs.skeleton(source)
@@ -120,14 +103,47 @@ def cmd_quantize(a) -> int:
     plan = _plan(model, recipe, label)
     export.check_plan(a, plan, out)
     dtypes = streaming.stored_dtypes(a, source, model)  # of the float model: its tied tensors still tied
+    return model, tokenizer, device, eval_seqs, calibration, plan, dtypes
+
+
+def cmd_quantize(a) -> int:
+    import torch
+
+    from .. import io, pipeline
+    from ..checkpoint import store
+    from ..distributed import current, launch
+    from ..tree import extract, to_module
+    from . import evaluate, models, report
+
+    t0 = time.perf_counter()
+    main = launch.is_main()  # under torchrun: rank 0 alone writes and speaks (docs/distributed.md)
+    # everything that can be checked without the weights, before minutes of loading and evaluating; under
+    # torchrun the ranks agree at the end of each stage, so a rank failing there stops all with its message
+    with launch.stage():
+        recipe, label, stem = recipe_of(a)
+        model_name = Path(a.model).stem if a.model else models.DEFAULT_MODEL
+        out = Path(a.out or f"out/{model_name}-{stem}")
+        if main:  # the outputs are rank 0's
+            outputs.check_out_dir(out, overwrite=a.overwrite)
+            if a.json:
+                outputs.check_file_target(Path(a.json), option="--json")
+            if a.plot and importlib.util.find_spec("matplotlib") is None:
+                raise UserError("--plot needs matplotlib: pip install matplotlib")
+        source = inputs.model_source(a.model)  # where the model lives and in which format: resolved once
+        streaming.check_options(a)
+    if a.stream:
+        return streaming.cmd_streamed(a, recipe, label, out, source, t0)
+    with launch.stage():
+        model, tokenizer, device, eval_seqs, calibration, plan, dtypes = _prepare(a, recipe, label, source, out)
     unmatched = recipe.unmatched(plan)
     for glob in unmatched:
         warn(f"recipe pattern {glob!r} matches no tensor of the model")
+    parallel = current()  # the perplexities shared over the ranks too (exactly the one-process value)
 
     ppl_before = None
     if eval_seqs is not None:
         say(f"perplexity of the original on {eval_seqs.numel()} tokens ...")
-        ppl_before = evaluate.perplexity(model, eval_seqs, progress=True).perplexity
+        ppl_before = evaluate.perplexity(model, eval_seqs, progress=main, parallel=parallel).perplexity
 
     say(f"quantizing with {label} ({report.steps_label(recipe.steps)}) ...")
     tq = time.perf_counter()
@@ -141,7 +157,7 @@ def cmd_quantize(a) -> int:
         model.to("cpu")
         result = streaming.to_host(result, host=extract(model))
     size_before = report.tree_bytes(result.params)
-    rows = report.layer_rows(result.params, result.qtree, plan)
+    rows = report.layer_rows(result.params, result.qtree, plan) if main else []
     qmodel = to_module(model, result, inplace=True)  # as bridge.quantize does
     act_rows = report.activation_rows(result.activations)
     online_rows = report.online_rows(result.online)
@@ -153,9 +169,11 @@ def cmd_quantize(a) -> int:
         say("perplexity of the quantized model ...")
         if device is not None:
             qmodel.to(device)
-        ppl_after = evaluate.perplexity(qmodel, eval_seqs, progress=True).perplexity
+        ppl_after = evaluate.perplexity(qmodel, eval_seqs, progress=main, parallel=parallel).perplexity
         if device is not None:
             qmodel.to("cpu")
+    if not main:  # the last collective is behind: rank 0 writes, the others are done
+        return 0
 
     rep = report.Report(model=a.model or models.DEFAULT_MODEL, recipe=label,
                         steps=[s.to_dict() for s in recipe.steps], layers=rows,
