@@ -12,7 +12,11 @@ quantized (by the recipe's steps that fit one tensor without data, else round to
 steps never fit them) and written one at a time.
 
 After each block (or every ``SNAPSHOT_EVERY_S`` seconds when the activations are large) the streams are
-saved in the work directory, so that a resumed run starts from there.
+saved in the run's scratch directory, so that a resumed run starts from there.
+
+On several ranks (``parallel``) each stream holds this rank's contiguous share of its batches, the block's
+statistics reduce over the ranks (``fit_block_on(..., parallel=)``, ``site_stats``), every rank holds the
+same quantized block, and each saves its own share in its own scratch directory (see :mod:`.ranks`).
 """
 
 from __future__ import annotations
@@ -108,7 +112,8 @@ class _Calibrator:
 
 
 class BlockRun:
-    """The block-by-block run of :func:`bridge.stream.quantize_checkpoint` (see the module docstring)."""
+    """The block-by-block run of :func:`bridge.stream.quantize_checkpoint` (see the module docstring); ``work``
+    is this rank's scratch directory (spilled activations, snapshots)."""
 
     saves_each = True
 
