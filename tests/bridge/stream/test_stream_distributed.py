@@ -60,3 +60,19 @@ def test_a_run_that_failed_mid_way_resumes_on_two_ranks_to_the_same_bytes(ran):
     assert resumed == 2 and results[1][1][2] == 2
     assert written(root / "resumed") == written(root / "gptq4-g64-one")
     assert not (root / ".resumed.partial").exists()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device here (make test-gpu on a GPU machine)")
+def test_two_ranks_with_the_block_on_cuda_write_the_bytes_of_one_process_on_cuda(tmp_path):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=len(tiny_lm.WORDS) + 2, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    LlamaForCausalLM(cfg).eval().to(torch.bfloat16).save_pretrained(tmp_path / "src")
+    cases = tuple((preset, True, True, {"device": "cuda"}) for preset in ("gptq4-g64", "fp8-w8a8-kv"))
+    run_ranks(2, everything, tmp_path / "src", tmp_path, cases, "gptq4-g64", 1, {"device": "cuda"})
+    for preset, *_ in cases:
+        assert written(tmp_path / preset) == written(tmp_path / f"{preset}-one")
+    assert written(tmp_path / "resumed") == written(tmp_path / "gptq4-g64-one")
