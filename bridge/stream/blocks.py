@@ -222,7 +222,8 @@ class BlockRun:
             if self._snapshot(i, force=i == len(self.names) - 1):
                 barrier(self.parallel)  # every rank saved its share before rank 0 records the block done
                 yield f"block {i}"
-                barrier(self.parallel)  # ... and no rank drops an older snapshot before it did
+                barrier(self.parallel)  # ... and no rank drops an older snapshot before that record
+                self._drop_snapshots(but=i)
         rest = [q for q in self.outside if q not in self.prefix]
         for paths in ([] if self._prefix_written else [self.prefix]) + [rest]:  # the prefix, unless the capture wrote it
             if paths:
@@ -315,12 +316,16 @@ class BlockRun:
             save_file({str(j): self.cache.get(f"s{k}-b{j}").contiguous() for j in js}, str(tmp / f"stream-{k}.safetensors"))
         acts = {f"{s.module}|{s.role}": q.tensors() for s, q in self.acts.items() if isinstance(q, qt.QParams)}
         torch.save({"streams": self.streams, "slots": self.slots, "acts": acts, "info": self.info}, tmp / "state.pt")
+        shutil.rmtree(self._snapdir(i), ignore_errors=True)  # one a run killed before recording it left
         tmp.rename(self._snapdir(i))
-        for old in self.work.glob("after-block-*"):
-            if old != self._snapdir(i) and old.name != f"after-block-{i - 1}":
-                shutil.rmtree(old, ignore_errors=True)
         self._snapped = time.monotonic()
         return True
+
+    def _drop_snapshots(self, but: int) -> None:
+        """Remove the snapshots before block ``but``'s (once the manifest records it: the one it names stays)."""
+        for old in self.work.glob("after-block-*"):
+            if old != self._snapdir(but):
+                shutil.rmtree(old, ignore_errors=True)
 
     def _restore(self, done) -> int:
         blocks = [int(u.split()[1]) for u in done if u.startswith("block ")]
