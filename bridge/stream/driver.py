@@ -24,8 +24,8 @@ import qtransform as qt
 
 from .. import pipeline
 from ..checkpoint import metadata
-from ..distributed import current
 from ..checkpoint.store import FLOAT_DTYPES, parse_size
+from ..distributed import current
 from ..io import cast_leaf, config_dtype, write_extras
 from . import skeleton as skel
 from .memory import reuse_freed_memory
@@ -246,7 +246,7 @@ class _TensorRun:
     """Shard to shard: each tensor read, quantized with the recipe's local steps and written (one unit each).
 
     On several ranks the quantized tensors are split among them: in windows of ``WINDOW`` per rank (in the
-    checkpoint's order), each owned by a rank chosen by cost (its element count, longest first to the least
+    checkpoint's order), each owned by a rank chosen by cost (its stored size, largest first to the least
     loaded rank), read and quantized there and gathered to rank 0, which writes them and, alone, the tensors
     stored unchanged. Each tensor is quantized alone, so where it runs changes no byte."""
 
