@@ -8,6 +8,10 @@ share of the calibration activations spilled to disk, its snapshots for a resume
 :func:`scratch` directory, so that the ranks never collide and each restores its own share. Steps that can
 fail on rank 0 alone (opening the work directory, finishing and publishing the checkpoint) run through
 :func:`on_rank0`: its error is raised on every rank, so that none waits for a rank that stopped.
+
+>>> import qtransform as qt
+>>> on_rank0(qt.SERIAL, lambda: {"done": ["block 0"]}), to_rank0(qt.SERIAL, 3)
+({'done': ['block 0']}, [3])
 """
 
 from __future__ import annotations
