@@ -186,6 +186,8 @@ def cmd_streamed(a, recipe, label: str, out: Path, source, t0: float) -> int:
         raise UserError(msg if msg.startswith("--") else f"recipe {label}: {msg}") from None
     except OSError as e:
         raise UserError(str(store.write_error(e, out))) from None
+    if "report" not in rep:  # a rank other than 0 of a torchrun group: rank 0 writes and reports
+        return 0
     r = rep["report"]
     if a.json:
         outputs.write_text(Path(a.json), json.dumps(r.to_dict(), indent=2) + "\n", option="--json")

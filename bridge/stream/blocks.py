@@ -12,7 +12,11 @@ quantized (by the recipe's steps that fit one tensor without data, else round to
 steps never fit them) and written one at a time.
 
 After each block (or every ``SNAPSHOT_EVERY_S`` seconds when the activations are large) the streams are
-saved in the work directory, so that a resumed run starts from there.
+saved in the run's scratch directory, so that a resumed run starts from there.
+
+On several ranks (``parallel``) each stream holds this rank's contiguous share of its batches, the block's
+statistics reduce over the ranks (``fit_block_on(..., parallel=)``, ``site_stats``), every rank holds the
+same quantized block, and each saves its own share in its own scratch directory (see :mod:`.ranks`).
 """
 
 from __future__ import annotations
@@ -27,12 +31,14 @@ from safetensors.torch import load_file, save_file
 
 import qtransform as qt
 
-from ..calibrate.blocks import capture_inputs, find_blocks, fit_block_on, spread
+from ..calibrate.blocks import batch_tokens, capture_inputs, find_blocks, fit_block_on, spread
 from ..calibrate.sites import first_tensor, fold_sites, to_device
+from ..distributed import share
 from ..io import cast_leaf
 from ..modules.actquant import stored_buffers
 from ..modules.online import installed
 from .cache import ActivationCache
+from .ranks import barrier
 from .segments import restrict_layout
 from .skeleton import stored_parts
 
@@ -77,7 +83,8 @@ class _Calibrator:
         k = self._next()
         inputs = self.run.inputs(k, tokens)
         with installed(self.run.model, online):
-            fit, nxt = fit_block_on(self.run.model, self.name, params, inputs, plan, fit_block, dict(qparams or {}))
+            fit, nxt = fit_block_on(self.run.model, self.name, params, inputs, plan, fit_block, dict(qparams or {}),
+                                    parallel=self.run.parallel)
         self.run.carry(k, nxt)
         return fit
 
@@ -94,7 +101,7 @@ class _Calibrator:
             return len(inputs)
 
         with installed(self.run.model, online):
-            stats = fold_sites(self.run.model, sites, run_all, where=f"block {self.name}")
+            stats = self.run.parallel.reduce_stats(fold_sites(self.run.model, sites, run_all, where=f"block {self.name}"))
 
         self.run.carry(k, [_join(first_tensor(o), _split(a, kw)[1], a, kw) for (a, kw), o in zip(inputs, outs)])
         return stats
@@ -105,15 +112,16 @@ class _Calibrator:
 
 
 class BlockRun:
-    """The block-by-block run of :func:`bridge.stream.quantize_checkpoint` (see the module docstring)."""
+    """The block-by-block run of :func:`bridge.stream.quantize_checkpoint` (see the module docstring); ``work``
+    is this rank's scratch directory (spilled activations, snapshots)."""
 
     saves_each = True
 
     def __init__(self, src, tied, model, p, layout, dtypes, files, calibration, *, device, budget, work,
-                 progress=None, on_tensor=None, act_observer=None):
+                 progress=None, on_tensor=None, act_observer=None, parallel: qt.Parallel = qt.SERIAL):
         self.src, self.model, self.p, self.layout, self.dtypes, self.files = src, model, p, layout, dtypes, files
         self.calibration, self.device, self.work, self.progress = calibration, device, Path(work), progress
-        self.on_tensor, self.act_observer = on_tensor, act_observer
+        self.on_tensor, self.act_observer, self.parallel = on_tensor, act_observer, parallel
         self.names = find_blocks(model)
         paths = list(model.state_dict(keep_vars=True))
         self.stored = {path: path if path in src else tied[path] for path in paths}
@@ -122,7 +130,7 @@ class BlockRun:
         first = min(paths.index(ps[0]) for ps in self.inside.values() if ps)
         self.outside = [q for q in paths if q not in within]
         self.prefix = [q for q in self.outside if paths.index(q) < first]
-        self.cache = ActivationCache(self.work / "cache" / "spill", budget)
+        self.cache = ActivationCache(self.work / "spill", budget)
         self.slots, self.streams = [], {}
         self.acts, self.info, self.online = {}, {}, {}
         self._initial = self._initial_q = self._prefix = None
@@ -183,7 +191,7 @@ class BlockRun:
                 self.slots = [(_split(a, kw)[1], a, kw) for a, kw in self._initial]
             pairs = self._initial_q if quantized_prefix and self._initial_q is not None else self._initial
             chosen = {id(x) for x in spread(pairs, tokens)}
-            self.streams[k] = [j for j, x in enumerate(pairs) if id(x) in chosen]
+            self.streams[k] = self._mine([j for j, x in enumerate(pairs) if id(x) in chosen], pairs)
             for j in self.streams[k]:
                 self.cache.put(f"s{k}-b{j}", _split(*pairs[j])[0])
         out = []
@@ -191,6 +199,13 @@ class BlockRun:
             slot, args, kwargs = self.slots[j]
             out.append(to_device(_join(self.cache.get(f"s{k}-b{j}"), slot, args, kwargs), self.device))
         return out
+
+    def _mine(self, picked: list, pairs: list) -> list:
+        """This rank's contiguous share of the batches ``picked`` (indices into ``pairs``), balanced by tokens, as
+        :func:`bridge.calibrate.blocks.my_share` of the in-memory run (all of them for one process)."""
+        if self.parallel.world == 1:
+            return picked
+        return share(picked, [batch_tokens(*pairs[j]) for j in picked], self.parallel.world, self.parallel.rank)
 
     def carry(self, k: int, nxt: list) -> None:
         for j, (a, kw) in zip(self.streams[k], nxt):
@@ -205,7 +220,10 @@ class BlockRun:
             self._block(self.names[i])
             self._initial = self._initial_q = self._prefix = None  # the first block made every stream
             if self._snapshot(i, force=i == len(self.names) - 1):
+                barrier(self.parallel)  # every rank saved its share before rank 0 records the block done
                 yield f"block {i}"
+                barrier(self.parallel)  # ... and no rank drops an older snapshot before that record
+                self._drop_snapshots(but=i)
         rest = [q for q in self.outside if q not in self.prefix]
         for paths in ([] if self._prefix_written else [self.prefix]) + [rest]:  # the prefix, unless the capture wrote it
             if paths:
@@ -283,24 +301,31 @@ class BlockRun:
 
     # -- snapshots (resume) --------------------------------------------------------------------------------
     def _snapdir(self, i: int) -> Path:
-        return self.work / "cache" / f"after-block-{i}"
+        return self.work / f"after-block-{i}"
 
     def _snapshot(self, i: int, force: bool = False) -> bool:
-        if not force and self.cache.total > SNAPSHOT_BYTES and time.monotonic() - self._snapped < SNAPSHOT_EVERY_S:
+        """Save this rank's streams after block ``i`` (every rank decides alike: by the largest rank's streams
+        and rank 0's clock); whether it did."""
+        held = self.parallel.gather((self.cache.total, time.monotonic() - self._snapped))
+        if not force and max(t for t, _ in held) > SNAPSHOT_BYTES and held[0][1] < SNAPSHOT_EVERY_S:
             return False
-        tmp = self.work / "cache" / f"tmp-{i}"
+        tmp = self.work / f"tmp-{i}"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
         for k, js in self.streams.items():
             save_file({str(j): self.cache.get(f"s{k}-b{j}").contiguous() for j in js}, str(tmp / f"stream-{k}.safetensors"))
         acts = {f"{s.module}|{s.role}": q.tensors() for s, q in self.acts.items() if isinstance(q, qt.QParams)}
         torch.save({"streams": self.streams, "slots": self.slots, "acts": acts, "info": self.info}, tmp / "state.pt")
+        shutil.rmtree(self._snapdir(i), ignore_errors=True)  # one a run killed before recording it left
         tmp.rename(self._snapdir(i))
-        for old in (self.work / "cache").glob("after-block-*"):
-            if old != self._snapdir(i) and old.name != f"after-block-{i - 1}":
-                shutil.rmtree(old, ignore_errors=True)
         self._snapped = time.monotonic()
         return True
+
+    def _drop_snapshots(self, but: int) -> None:
+        """Remove the snapshots before block ``but``'s (once the manifest records it: the one it names stays)."""
+        for old in self.work.glob("after-block-*"):
+            if old != self._snapdir(but):
+                shutil.rmtree(old, ignore_errors=True)
 
     def _restore(self, done) -> int:
         blocks = [int(u.split()[1]) for u in done if u.startswith("block ")]

@@ -7,6 +7,8 @@ in the output (:mod:`.shards`), one tensor in memory at a time. Every other reci
 (:mod:`.blocks`): the model's skeleton on ``meta``, each decoder block materialised when its turn comes.
 Both write the bytes :func:`bridge.save` writes for the same model quantized in memory, with the float
 tensors kept in the dtype they are stored in (``dtype="auto"``), and resume after a crash (:mod:`.workdir`).
+Inside a ``torch.distributed`` group (``torchrun``) the ranks share the work and rank 0 writes the same bytes
+(:mod:`.ranks`).
 """
 
 from __future__ import annotations
@@ -23,9 +25,11 @@ import qtransform as qt
 from .. import pipeline
 from ..checkpoint import metadata
 from ..checkpoint.store import FLOAT_DTYPES, parse_size
+from ..distributed import current
 from ..io import cast_leaf, config_dtype, write_extras
 from . import skeleton as skel
 from .memory import reuse_freed_memory
+from .ranks import NoFiles, barrier, drop_scratch, on_rank0, scratch, to_rank0
 from .shards import ShardFiles, ShardPlan
 from .source import Source
 from .workdir import WorkDir, calibration_digest, fingerprint
@@ -90,7 +94,8 @@ def quantize_checkpoint(source, out, recipe, *, calibration: Iterable | None = N
                         resume: bool = False, dtype="auto", device="cpu", max_memory=None,
                         max_shard_size="2GB", recipe_name: str | None = None, tokenizer=None, model_class=None,
                         progress: Callable | None = None, act_observer=None, on_tensor: Callable | None = None,
-                        before_publish: Callable[[Path, Streamed], None] | None = None) -> Streamed:
+                        before_publish: Callable[[Path, Streamed], None] | None = None,
+                        parallel: qt.Parallel | None = None) -> Streamed:
     """Quantize the checkpoint in directory ``source`` with ``recipe`` into directory ``out``, streamed (see
     the module docstring); the same checkpoint as :func:`bridge.save` of the model quantized in memory.
 
@@ -110,12 +115,19 @@ def quantize_checkpoint(source, out, recipe, *, calibration: Iterable | None = N
         act_observer: the observer of static activation specs (as for :func:`bridge.quantize_params`).
         on_tensor: ``on_tensor(path, float tensor, QTensor)`` for each quantized tensor (the report's rows).
         before_publish: ``before_publish(directory, result)`` adds files (a report) before the checkpoint appears.
+        parallel: the ranks running this together (:class:`qtransform.Parallel`; default: the initialised
+            ``torch.distributed`` group, else one process). Every rank passes the same arguments (the whole
+            calibration: each runs its share); rank 0 alone writes ``out``, calls ``on_tensor``,
+            ``progress`` and ``before_publish`` (see :mod:`bridge.stream.ranks`).
     """
     t0 = time.perf_counter()
     _check_dtype(dtype)
     if not isinstance(resume, bool):
         raise TypeError(f"resume must be True or False, got {resume!r}")
     dev = torch.device(device)  # a bad device string fails here
+    if parallel is not None and not isinstance(parallel, qt.Parallel):
+        raise TypeError(f"parallel must be a qtransform.Parallel, got {type(parallel).__name__}")
+    par = current(device=dev) if parallel is None else parallel
     budget = None if max_memory is None else parse_size(max_memory)
     src = Source(source)
     qc = src.config().get("quantization_config")
@@ -137,46 +149,59 @@ def quantize_checkpoint(source, out, recipe, *, calibration: Iterable | None = N
     fp = fingerprint(input=_input_fingerprint(src), recipe=p.recipe.to_dict(), dtype=str(dtype),
                      calibration=calibration_digest(calibration), shards=str(max_shard_size),
                      observer=repr(act_observer), device=dev.type,
-                     versions=[qt.__version__, torch.__version__])
+                     versions=[qt.__version__, torch.__version__], **({"ranks": par.world} if par.world > 1 else {}))
     tensor_run = _local(p) and calibration is None
     if not tensor_run:
         from .blocks import BlockRun
 
         BlockRun.check(model, p)
-    work = WorkDir(out, overwrite=overwrite)
-    manifest = work.open(fp, resume=resume)
-    files = ShardFiles(work.path, shard_plan, sums=None if manifest is None else manifest.get("sums", {}))
+    writer = par.rank == 0  # the others compute the same tensors and write nothing
+    if not writer:
+        on_tensor = progress = None
+    manifest = on_rank0(par, lambda: WorkDir(out, overwrite=overwrite).open(fp, resume=resume))
+    work = WorkDir(out, overwrite=True)  # its path (rank 0 checked the target above)
+    files = ShardFiles(work.path, shard_plan, sums=None if manifest is None else manifest.get("sums", {})) \
+        if writer else NoFiles()
     done = set((manifest or {}).get("done", []))
     try:
         if tensor_run:
             reuse_freed_memory()  # many tensors of the same sizes, one after the other
-            run = _TensorRun(src, tied, p, layout, dtypes, files, on_tensor, progress)
+            run = _TensorRun(src, tied, p, layout, dtypes, files, on_tensor, progress, par)
         else:
             run = BlockRun(src, tied, model, p, layout, dtypes, files, calibration, device=dev, budget=budget,
-                           work=work.path, progress=progress, on_tensor=on_tensor, act_observer=act_observer)
+                           work=scratch(work.path, par, fresh=manifest is None), progress=progress,
+                           on_tensor=on_tensor, act_observer=act_observer, parallel=par)
         saved = time.monotonic()
         for unit in run.units(done):
             done.add(unit)
-            if time.monotonic() - saved > _SAVE_EVERY_S or run.saves_each:
+            if writer and (time.monotonic() - saved > _SAVE_EVERY_S or run.saves_each):
                 files.flush()  # what the manifest calls done is on disk
                 work.save({"version": 1, "fingerprint": fp, "done": sorted(done), "sums": files.sums})
                 saved = time.monotonic()
-        files.finish()
         acts, online, info = run.results()
-        qconfig = _qconfig(layout, p, acts, online, recipe_name)
-        write_extras(model, work.path, qconfig, tokenizer, dtype=config_dtype(dtypes),
-                     generation_config=_generation_config(src.root))
-        if tokenizer is None:
-            _copy_tokenizer(src.root, work.path)
-        size = sum((work.path / f).stat().st_size for f in shard_plan.files)
-        result = Streamed(p, info, acts, online, src.bytes, size, time.perf_counter() - t0,
-                          len((manifest or {}).get("done", [])), "shard to shard" if tensor_run else "block by block")
-        if before_publish is not None:
-            before_publish(work.path, result)
-        work.publish()
+        resumed = len((manifest or {}).get("done", []))
+        mode = "shard to shard" if tensor_run else "block by block"
+
+        def finish():
+            files.finish()
+            qconfig = _qconfig(layout, p, acts, online, recipe_name)
+            write_extras(model, work.path, qconfig, tokenizer, dtype=config_dtype(dtypes),
+                         generation_config=_generation_config(src.root))
+            if tokenizer is None:
+                _copy_tokenizer(src.root, work.path)
+            size = sum((work.path / f).stat().st_size for f in shard_plan.files)
+            result = Streamed(p, info, acts, online, src.bytes, size, time.perf_counter() - t0, resumed, mode)
+            if before_publish is not None:
+                before_publish(work.path, result)
+            work.publish()
+            return size
+
+        barrier(par)  # every rank is done with its scratch
+        size = on_rank0(par, finish)
+        drop_scratch(work.path, par)
     finally:
         files.close()
-    return result
+    return Streamed(p, info, acts, online, src.bytes, size, time.perf_counter() - t0, resumed, mode)
 
 
 def _input_fingerprint(src: Source) -> dict:
@@ -218,17 +243,27 @@ _SAVE_EVERY_S = 2.0
 
 
 class _TensorRun:
-    """Shard to shard: each tensor read, quantized with the recipe's local steps and written (one unit each)."""
+    """Shard to shard: each tensor read, quantized with the recipe's local steps and written (one unit each).
+
+    On several ranks the quantized tensors are split among them: in windows of ``WINDOW`` per rank (in the
+    checkpoint's order), each owned by a rank chosen by cost (its stored size, largest first to the least
+    loaded rank), read and quantized there and gathered to rank 0, which writes them and, alone, the tensors
+    stored unchanged. Each tensor is quantized alone, so where it runs changes no byte."""
 
     saves_each = False
+    #: quantized tensors per rank in one window (what rank 0 holds quantized before writing them)
+    WINDOW = 4
 
-    def __init__(self, src, tied, p, layout, dtypes, files, on_tensor, progress):
+    def __init__(self, src, tied, p, layout, dtypes, files, on_tensor, progress, parallel=qt.SERIAL):
         self.src, self.p, self.layout, self.dtypes, self.files = src, p, layout, dtypes, files
-        self.on_tensor, self.progress = on_tensor, progress
+        self.on_tensor, self.progress, self.par = on_tensor, progress, parallel
         self._tied = {path: path if path in src else tied[path] for path in layout.tree if path not in layout.aliases}
 
     def units(self, done):
         paths = [p for p in self.layout.tree if p not in self.layout.aliases and p not in done]
+        if self.par.world > 1:
+            yield from self._split(paths)
+            return
         todo = self.progress(paths, desc="tensors", total=len(paths)) if self.progress else paths
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="qtransform-reader") as reader:
             ahead = None
@@ -239,6 +274,35 @@ class _TensorRun:
                 self._one(path, got)
                 yield path
 
+    def _split(self, paths):
+        """The units on several ranks (see the class docstring); every rank yields every unit."""
+        par, writer = self.par, self.par.rank == 0
+        quantized = [q for q in paths if q in self.p.specs]
+        if writer:
+            for path in paths:
+                if path not in self.p.specs:
+                    self._one(path, self._read(path))
+                    yield path
+        size = self.WINDOW * par.world
+        windows = [quantized[i:i + size] for i in range(0, len(quantized), size)]
+        todo = self.progress(windows, desc=f"tensors ({size} at a time)", total=len(windows)) \
+            if self.progress else windows
+        for window in todo:
+            owners = par.owners({q: float(self.src.tensors[self._tied[q]].end - self.src.tensors[self._tied[q]].begin)
+                                 for q in window})
+            mine = {q: self._quantize(q, self._read(q).float()) for q in window if owners[q] == par.rank}
+            parts = to_rank0(par, mine)
+            if writer:
+                got = {q: v for part in parts for q, v in part.items()}
+                for q in window:
+                    if self.on_tensor is not None:
+                        self.on_tensor(q, self._read(q).float(), got[q])  # read again: only the codes travelled
+                    self.files.put(skel.stored_parts(q, got[q]))
+            yield from window
+
+    def _quantize(self, path: str, w: torch.Tensor):
+        q = qt.quantize_tree({path: w}, self.p.restrict([path]))[path]
+        return cast_leaf(q, self.dtypes.get(path, q.dtype))
     def _read(self, path: str):
         """The quantized tensors' values (read ahead); ``None`` for a tensor copied as stored."""
         name = self._tied[path]
@@ -252,8 +316,7 @@ class _TensorRun:
             self.files.put_raw(path, self.src.root / s.file, s.begin, s.end, s.dtype, s.shape)
         elif path in self.p.specs:
             w = t.float()
-            q = qt.quantize_tree({path: w}, self.p.restrict([path]))[path]
-            q = cast_leaf(q, self.dtypes.get(path, q.dtype))
+            q = self._quantize(path, w)
             if self.on_tensor is not None:
                 self.on_tensor(path, w, q)
             self.files.put(skel.stored_parts(path, q))
