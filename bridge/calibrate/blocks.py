@@ -138,7 +138,8 @@ def _quantized(params: dict, paths, plan: qt.Plan, qparams: Mapping) -> dict:
     return out
 
 
-def _capture(model: nn.Module, block: str, modules, sites, run_all) -> tuple[dict, dict]:
+def _capture(model: nn.Module, block: str, modules, sites, run_all,
+             parallel: qt.Parallel = qt.SERIAL) -> tuple[dict, dict]:
     """Run ``run_all()`` once with pre-hooks recording the inputs of ``modules`` (paths inside ``block``; the
     arguments the module is called with, before any online rotation of its input) and folding ``sites``; returns ``({module: [(args, kwargs) per batch]}, {Site: statistics})``."""
     names = dict(model.named_modules())
@@ -149,7 +150,7 @@ def _capture(model: nn.Module, block: str, modules, sites, run_all) -> tuple[dic
     handles = [names[m].register_forward_pre_hook(lambda mod, a, k, m=m: seen[m].append((a, dict(k))),
                                                   with_kwargs=True, prepend=True) for m in modules]
     try:
-        stats = fold_sites(model, sites, run_all, where=f"block {block}")
+        stats = fold_sites(model, sites, run_all, where=f"block {block}", parallel=parallel)
     finally:
         for h in handles:
             h.remove()
@@ -211,11 +212,10 @@ def fit_block_on(model: nn.Module, name: str, current: Mapping, inputs: list, pl
             return [torch.func.functional_call(module, local, args, kwargs) for args, kwargs in inputs]
 
     def site_stats(tensors, sites, owners=None):
-        return parallel.reduce_stats(fold_sites(model, sites, lambda: run(tensors), where=f"block {name}"), owners)
+        return fold_sites(model, sites, lambda: run(tensors), where=f"block {name}", parallel=parallel, owners=owners)
 
     def capture(tensors, modules, sites=None):
-        seen, stats = _capture(model, name, tuple(modules), dict(sites or {}), lambda: run(tensors))
-        return seen, parallel.reduce_stats(stats)
+        return _capture(model, name, tuple(modules), dict(sites or {}), lambda: run(tensors), parallel)
 
     def call(path, tensors, args, kwargs):
         if path != name and not path.startswith(name + "."):

@@ -92,7 +92,7 @@ class ModelCalibrator:
             return seen
 
         with evaluating(self.model), installed(self.model, online):
-            return self.parallel.reduce_stats(fold_sites(self.model, sites, run_all, where="calibration"))
+            return fold_sites(self.model, sites, run_all, where="calibration", parallel=self.parallel)
 
     def blockwise(self, params: Mapping[str, torch.Tensor], plan: qt.Plan, fit_block, *,
                   qparams: Mapping | None = None, tokens: int | None = None, online: Mapping | None = None) -> qt.Fit:

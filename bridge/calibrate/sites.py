@@ -107,9 +107,12 @@ def run_batch(model: nn.Module, params: Mapping[str, torch.Tensor], batch) -> An
 
 
 def fold_sites(model: nn.Module, sites: Mapping[qt.Site, Any], run_all: Callable[[], Any], *,
-               where: str) -> dict[qt.Site, Any]:
+               where: str, parallel: qt.Parallel = qt.SERIAL, owners: Mapping | None = None) -> dict[qt.Site, Any]:
     """Hooks on the sites' modules of ``model`` fold what passes into each site's statistics while
-    ``run_all()`` runs forward passes (it returns how many, or anything when it cannot be empty)."""
+    ``run_all()`` runs forward passes (it returns how many, or anything when it cannot be empty).
+    ``parallel``: ``run_all`` ran this rank's share; the statistics are reduced over the ranks (to ``owners``
+    only, when given: ``{site: rank}``) before a site is called unreached (a rank's share may miss a module
+    that the whole data reaches, such as an expert)."""
     bad = [s for s in sites if not isinstance(s, qt.Site) or s.role not in qt.spec.SITE_ROLES]
     if bad:
         raise ValueError(f"{where}: {bad[0]!r} is not a Site(module, role) with role in {list(qt.spec.SITE_ROLES)}")
@@ -158,6 +161,7 @@ def fold_sites(model: nn.Module, sites: Mapping[qt.Site, Any], run_all: Callable
             seen = run_all()
     if seen == 0:
         raise ValueError(f"{where}: no batches (the calibration data is empty or already consumed)")
+    stats = parallel.reduce_stats(stats, owners)
     unreached = [f"{s.module} ({s.role})" for s, st in stats.items() if qt.observers.is_empty(st)]
     if unreached:
         raise ValueError(f"{where}: no activation reached site(s) {unreached[:5]}: the forward pass never runs "

@@ -101,7 +101,7 @@ class _Calibrator:
             return len(inputs)
 
         with installed(self.run.model, online):
-            stats = self.run.parallel.reduce_stats(fold_sites(self.run.model, sites, run_all, where=f"block {self.name}"))
+            stats = fold_sites(self.run.model, sites, run_all, where=f"block {self.name}", parallel=self.run.parallel)
 
         self.run.carry(k, [_join(first_tensor(o), _split(a, kw)[1], a, kw) for (a, kw), o in zip(inputs, outs)])
         return stats

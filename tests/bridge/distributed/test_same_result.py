@@ -49,6 +49,23 @@ def _model():
     return tiny_causal_lm("llama").eval()
 
 
+class _Routed(torch.nn.Module):
+    """Two linears, each batch routed to one (as an expert): only the first batch reaches ``a``."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(2)
+        self.a, self.b = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.a(x) if float(x.sum()) > 0 else self.b(x)
+
+
+def _routed_batches():
+    g = torch.Generator().manual_seed(4)
+    return [torch.rand(3, 8, generator=g) * (1 if i == 0 else -1) for i in range(5)]
+
+
 def _batches():
     g = torch.Generator().manual_seed(1)
     shapes = [(2, 16), (1, 24), (3, 8), (2, 16), (1, 32), (2, 12), (1, 16)]  # uneven: shares by tokens
@@ -70,6 +87,10 @@ def _job(rank, world):
         q = bridge.quantize_params(_model(), recipe, calibration=_batches(), act_observer=observer)
         out[name] = _plain({"tree": qt.flatten_tree(q.qtree), "acts": {f"{s.module}|{s.role}": v for s, v in
                                                                        q.activations.items()}, "info": q.info})
+    # a site that only some ranks' shares reach: reduced first, then checked (no rank calls it unreached)
+    q = bridge.quantize_params(_Routed(), qt.get_preset("w8a8-int8").recipe, calibration=_routed_batches())
+    out["routed"] = _plain({"tree": qt.flatten_tree(q.qtree), "acts": {f"{s.module}|{s.role}": v for s, v in
+                                                                       q.activations.items()}})
     if world == 3:  # the same error on every rank, before any block runs
         try:
             bridge.quantize_params(_model(), qt.get_preset("gptq4-g64").recipe, calibration=_batches()[:2])
@@ -111,6 +132,7 @@ def test_ranks_give_the_one_process_trees_activation_quantizers_and_reports(worl
     assert any(isinstance(v, torch.Tensor) and v.dtype == torch.uint8 for v in
                pytree.tree_leaves(one_process["gptq"]["tree"]))
     assert one_process["awq"]["info"] and one_process["rtn-static"]["acts"]
+    assert {k.split("|")[0] for k in one_process["routed"]["acts"]} >= {"a", "b"}  # both linears calibrated
 
 
 def test_fewer_batches_than_ranks_is_refused_by_name(three_ranks):
