@@ -84,5 +84,5 @@ def project(rate: dict, cfg: dict, tokens: int, world: int) -> dict:
            "solves": max(load) * cfg["layers"],
            "comm": rate["comm"] * u["bytes"] * math.ceil(math.log2(world)) if world > 1 else 0.0}
     out["total"] = sum(out.values())
-    out["solve_share"] = max(load) / sum(load)  # the busiest rank's share of a block's solves
+    out["solve_share"] = max(load) / sum(load) if sum(load) else 0.0  # the busiest rank's share of a block's solves
     return out
