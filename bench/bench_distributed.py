@@ -31,7 +31,7 @@ import time
 
 import torch
 
-from common import markdown, write
+from common import RESULTS, markdown, write
 import distributed_projection as proj
 
 HERE = pathlib.Path(__file__).parent
@@ -196,6 +196,17 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as d:
         for preset in a.only or PRESETS:
             rows.append(run_method(preset, a, pathlib.Path(d)))
+            report(rows, a, load0)  # after each method: a run stopped later keeps what it measured
+
+
+def report(rows: list[dict], a, load0) -> None:
+    """Write the results of ``rows`` (with ``--only``: and the other methods' rows of the last full-size run)."""
+    name = "distributed_quick" if a.quick else "distributed"
+    old = RESULTS / f"{name}.json"
+    if a.only and old.is_file():
+        done = {r["preset"] for r in rows}
+        rows = [r for r in json.loads(old.read_text())["rows"] if r["preset"] not in done] + rows
+        rows.sort(key=lambda r: PRESETS.index(r["preset"]))
     text = summary(rows) + "\n\nTime split (exclusive seconds of each part, by rank):\n\n" + split(rows)
     more = solves(rows)
     if more:
@@ -208,9 +219,9 @@ def main() -> None:
         text += "\n\nGPTQ on Llama-3-8B, projected from the parts above:\n\n" + ptext
     text += (f"\n\n{a.calib}x{a.seq_len} calibration tokens in batches of {a.batch}, {a.eval}x{a.seq_len} evaluation "
              f"tokens; 1 process x 2 threads vs torchrun --nproc-per-node 2 x 1 thread (gloo); load average "
-             f"{load0[0]:.1f} at the start, {os.getloadavg()[0]:.1f} at the end (2 = this bench alone)")
-    write("distributed_quick" if a.quick else "distributed", rows, text, extra)
-
+             f"{load0[0]:.1f} at the start, {os.getloadavg()[0]:.1f} at the end (2 = this bench alone; the load "
+             f"while each run ran is in the first table)")
+    write(name, rows, text, extra)
 
 if __name__ == "__main__":
     main()
