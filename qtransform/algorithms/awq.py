@@ -171,13 +171,16 @@ def step(params, plan, *, context, groups=None, grid: int = 20, duo_scaling: boo
         return lambda tensors: [block.call(m, tensors, a, k) for m in names for a, k in captured[m]]
 
     def reduce(names):  # errors over each rank's share of the inputs add up over the ranks
-        return None if par.world == 1 or all(shared[m] for m in names) else par.all_sum
+        return None if par.world == 1 else par.all_sum
+
+    def part(names):  # the same inputs on every rank: each scores its part of the candidates
+        return (par.rank, par.world) if par.world > 1 and all(shared[m] for m in names) else None
 
     chosen, info = [], {}
     for g in context.track(mine, desc=f"awq {block.name}"):
         choice = search_scales(runner(targets[g.prev]), original, g, seen[g.linears[0]].abs().mean(0),
                                specs=_specs(plan, g), grid=grid, duo_scaling=duo_scaling, quantizer=quantizer,
-                               reduce=reduce(targets[g.prev]))
+                               reduce=reduce(targets[g.prev]), part=part(targets[g.prev]))
         for lin in g.linears:
             info[f"{lin}.weight"] = {"awq_alpha": "none" if choice.index == 0 else f"{choice.alpha:g}"}
         if choice.index:
