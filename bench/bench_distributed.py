@@ -40,7 +40,7 @@ PRESETS = ("gptq4-g64", "awq4-g64")
 LABELS = {"capture": "embedding (first block's inputs)", "forward": "forward passes, calibration (with hooks)",
           "hessian": "Hessian accumulation", "init": "GPTQ group init (clip search)",
           "solve": "GPTQ solves (factorization, columns)", "awq_scales": "AWQ scale search (candidate forwards)",
-          "awq_clip": "AWQ clip search (every rank, all linears)", "step": "step bookkeeping (pack, dequantize)",
+          "awq_clip": "AWQ clip search (each linear on its owner)", "step": "step bookkeeping (pack, dequantize)",
           "outputs": "forward passes, block outputs (quantized)", "comm": "communication (collectives)",
           "wait": "waiting for the other rank (imbalance)", "other": "rest (plan, extract, tree)"}
 
