@@ -9,7 +9,7 @@ TORCH   := torch==2.13.0
 STAMP   := $(VENV)/.installed
 PYTEST  := $(BIN)/python -m pytest
 
-.PHONY: install test quick test-long test-llamacpp demo bench bench-gptq bench-gptq-peer bench-awq bench-rotation bench-e2e bench-stream test-gpu bench-gpu clean
+.PHONY: install test quick test-long test-llamacpp demo bench bench-gptq bench-gptq-peer bench-awq bench-rotation bench-e2e bench-stream bench-distributed test-gpu bench-gpu clean
 
 $(STAMP): pyproject.toml Makefile .ci/constraints.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -109,6 +109,12 @@ bench-e2e: $(STAMP)
 ## streaming vs in-memory quantize peak RSS and wall time, kill-and-resume (hours; bench/results/stream.{json,md})
 bench-stream: $(STAMP)
 	HF_HUB_OFFLINE=1 $(BIN)/python bench/bench_stream.py
+
+## scale-out (issue 30): GPTQ and AWQ on SmolLM2, one process x 2 threads vs torchrun --nproc-per-node 2 x 1 thread,
+## codes and perplexity compared, the time split, a projection to Llama-3-8B (about 10 minutes on 2 quiet cores;
+## bench/results/distributed.{json,md}; `--quick` for a smoke run)
+bench-distributed: $(STAMP)
+	HF_HUB_OFFLINE=1 $(BIN)/python bench/bench_distributed.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

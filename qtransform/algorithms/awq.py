@@ -171,13 +171,16 @@ def step(params, plan, *, context, groups=None, grid: int = 20, duo_scaling: boo
         return lambda tensors: [block.call(m, tensors, a, k) for m in names for a, k in captured[m]]
 
     def reduce(names):  # errors over each rank's share of the inputs add up over the ranks
-        return None if par.world == 1 or all(shared[m] for m in names) else par.all_sum
+        return None if par.world == 1 else par.all_sum
+
+    def part(names):  # the same inputs on every rank: each scores its part of the candidates
+        return (par.rank, par.world) if par.world > 1 and all(shared[m] for m in names) else None
 
     chosen, info = [], {}
     for g in context.track(mine, desc=f"awq {block.name}"):
         choice = search_scales(runner(targets[g.prev]), original, g, seen[g.linears[0]].abs().mean(0),
                                specs=_specs(plan, g), grid=grid, duo_scaling=duo_scaling, quantizer=quantizer,
-                               reduce=reduce(targets[g.prev]))
+                               reduce=reduce(targets[g.prev]), part=part(targets[g.prev]))
         for lin in g.linears:
             info[f"{lin}.weight"] = {"awq_alpha": "none" if choice.index == 0 else f"{choice.alpha:g}"}
         if choice.index:
@@ -189,27 +192,33 @@ def step(params, plan, *, context, groups=None, grid: int = 20, duo_scaling: boo
         changed.update(new)
         s_in = to_input(s, g, group_shape(original, g))
         in_scale.update({lin: s_in for lin in g.linears})
-    qparams = _fit_weights(current, plan, weights, seen, source, in_scale, clip, quantizer)
+    qparams = _fit_weights(current, plan, weights, seen, source, in_scale, clip, quantizer, par)
     return Fit(params=changed, qparams=qparams, info=info)
 
 
-def _fit_weights(current: Mapping, plan, weights, rows, source, in_scale, clip: bool, quantizer: str) -> dict:
+def _fit_weights(current: Mapping, plan, weights, rows, source, in_scale, clip: bool, quantizer: str,
+                 parallel: Parallel = SERIAL) -> dict:
     """Each quantized linear's parameters: HQQ's, or the clipping search's on its (scaled) inputs (one Gram
-    matrix per shared input and spec: q/k/v, gate/up)."""
-    if quantizer == "hqq":
-        return {p: hqq_optimize(current[p], plan.specs[p], path=p) for p in weights}
-    if not clip:
+    matrix per shared input and spec: q/k/v, gate/up). On several ranks (every rank holding every linear's
+    inputs) each linear is searched by one owner (:meth:`~qtransform.Parallel.owners` by its size) and the
+    parameters are shared."""
+    if quantizer != "hqq" and not clip:
         return {}
-    out, grams = {}, {}
-    for p in weights:
-        lin, spec, w = module_of(p), plan.specs[p], current[p]
-        in_axis = 0 if plan[p].module_type == "Conv1D" else 1
-        key = (source[lin], spec, in_axis, w.shape[in_axis])
-        if key not in grams:
-            x = rows[lin] if lin not in in_scale else rows[lin] / in_scale[lin].to(rows[lin])
-            grams[key] = input_gram(x, spec, tuple(w.shape), in_axis=in_axis, path=p)
-        out[p] = search_range(w, spec, gram=grams[key], in_axis=in_axis, path=p)
-    return out
+    owners = None if parallel.world == 1 else parallel.owners({p: float(current[p].numel()) for p in weights})
+    mine = [p for p in weights if owners is None or owners[p] == parallel.rank]
+    if quantizer == "hqq":
+        out = {p: hqq_optimize(current[p], plan.specs[p], path=p) for p in mine}
+    else:
+        out, grams = {}, {}
+        for p in mine:
+            lin, spec, w = module_of(p), plan.specs[p], current[p]
+            in_axis = 0 if plan[p].module_type == "Conv1D" else 1
+            key = (source[lin], spec, in_axis, w.shape[in_axis])
+            if key not in grams:
+                x = rows[lin] if lin not in in_scale else rows[lin] / in_scale[lin].to(rows[lin])
+                grams[key] = input_gram(x, spec, tuple(w.shape), in_axis=in_axis, path=p)
+            out[p] = search_range(w, spec, gram=grams[key], in_axis=in_axis, path=p)
+    return out if owners is None else parallel.share(out, owners)
 
 
 register_algorithm("awq", step, needs=BlockInputs(tokens=_tokens), options=Options, requires=("groups",),

@@ -146,7 +146,8 @@ def _outputs(run: Callable, tensors: Mapping[str, torch.Tensor]) -> list[torch.T
 
 def search_scales(run: Callable[[Mapping[str, torch.Tensor]], Sequence], params: Mapping[str, torch.Tensor],
                   group, x_mean: torch.Tensor, *, specs: Mapping[str, QuantSpec | None], grid: int = 20,
-                  duo_scaling: bool = False, quantizer: str = "rtn", reduce: Callable | None = None) -> ScaleChoice:
+                  duo_scaling: bool = False, quantizer: str = "rtn", reduce: Callable | None = None,
+                  part: tuple[int, int] | None = None) -> ScaleChoice:
     """Search ``group``'s scales (see the module docstring).
 
     Args:
@@ -161,6 +162,9 @@ def search_scales(run: Callable[[Mapping[str, torch.Tensor]], Sequence], params:
         quantizer: ``"rtn"`` or ``"hqq"``.
         reduce: ``reduce(errors) -> errors``, the candidates' output errors (float64, ``(grid,)``) summed over
             the processes that ran ``run`` on their shares of the inputs (``Parallel.all_sum``; ``None``: one).
+        part: ``(rank, world)`` when every process runs ``run`` on the same inputs: this one scores only the
+            candidates ``i`` with ``i % world == rank`` (the others' errors are 0 here) and ``reduce`` sums
+            the processes' errors, so each candidate is scored once, on one process, as in one process.
     """
     group = SmoothGroup.from_value(group)
     shape = group_shape(params, group)
@@ -175,7 +179,10 @@ def search_scales(run: Callable[[Mapping[str, torch.Tensor]], Sequence], params:
     with torch.no_grad():
         ref = _outputs(run, {})
         errors = []
-        for s in cands:
+        for i, s in enumerate(cands):
+            if part is not None and i % part[1] != part[0]:
+                errors.append(torch.zeros((), dtype=torch.float64, device=x_mean.device))
+                continue
             outs = _outputs(run, scaled_weights(params, group, to_input(s, group, shape), specs, quantizer))
             errors.append(sum((o - r).double().pow(2).sum() for o, r in zip(outs, ref)))
     errors = torch.stack(errors)
