@@ -4,9 +4,11 @@ each, and returns every rank's result (what ``fn`` returns, pickled through a fi
 
 from __future__ import annotations
 
+import datetime
 import os
 import pickle
 import socket
+import sys
 import tempfile
 import traceback
 from pathlib import Path
@@ -21,7 +23,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank, world, port, out, fn, args, backend="gloo"):
+def _entry(rank, world, port, out, fn, args, backend="gloo", timeout=240.0):
     import torch.distributed as dist
 
     torch.set_num_threads(1)
@@ -30,21 +32,26 @@ def _entry(rank, world, port, out, fn, args, backend="gloo"):
         if backend == "nccl":
             torch.cuda.set_device(rank)
         if world > 1 or backend != "gloo":
-            dist.init_process_group(backend, rank=rank, world_size=world)
+            # a finite timeout: a rank left waiting for a peer fails instead of hanging the suite
+            dist.init_process_group(backend, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout))
         result = ("ok", fn(rank, world, *args))
     except BaseException as e:  # noqa: BLE001 - reported to the test
         result = ("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}")
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
     Path(out, f"rank{rank}.pkl").write_bytes(pickle.dumps(result))
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    # the result is written: leave without the interpreter's finalization, where gloo's worker threads can
+    # abort the process (SIGABRT) while releasing what they hold (pytorch/pytorch#179291)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def run_ranks(world: int, fn, *args, timeout: float = 240, backend: str = "gloo") -> list:
     """Every rank's ``fn(rank, world, *args)``; ``RuntimeError`` with a rank's traceback if one failed.
     ``backend="nccl"``: rank ``r`` on ``cuda:r`` (a group even of one process)."""
     with tempfile.TemporaryDirectory() as out:
-        ctx = mp.start_processes(_entry, args=(world, free_port(), out, fn, args, backend), nprocs=world, join=False,
+        ctx = mp.start_processes(_entry, args=(world, free_port(), out, fn, args, backend, timeout), nprocs=world, join=False,
                                  start_method="spawn")
         while not ctx.join(timeout=timeout):
             pass
