@@ -170,8 +170,7 @@ def step(params, plan, *, context, groups=None, grid: int = 20, duo_scaling: boo
     def runner(names):
         return lambda tensors: [block.call(m, tensors, a, k) for m in names for a, k in captured[m]]
 
-    def reduce(names):  # errors over each rank's share of the inputs add up over the ranks
-        return None if par.world == 1 else par.all_sum
+    reduce = None if par.world == 1 else par.all_sum  # errors over each rank's share add up over the ranks
 
     def part(names):  # the same inputs on every rank: each scores its part of the candidates
         return (par.rank, par.world) if par.world > 1 and all(shared[m] for m in names) else None
@@ -180,7 +179,7 @@ def step(params, plan, *, context, groups=None, grid: int = 20, duo_scaling: boo
     for g in context.track(mine, desc=f"awq {block.name}"):
         choice = search_scales(runner(targets[g.prev]), original, g, seen[g.linears[0]].abs().mean(0),
                                specs=_specs(plan, g), grid=grid, duo_scaling=duo_scaling, quantizer=quantizer,
-                               reduce=reduce(targets[g.prev]), part=part(targets[g.prev]))
+                               reduce=reduce, part=part(targets[g.prev]))
         for lin in g.linears:
             info[f"{lin}.weight"] = {"awq_alpha": "none" if choice.index == 0 else f"{choice.alpha:g}"}
         if choice.index:
@@ -204,8 +203,8 @@ def _fit_weights(current: Mapping, plan, weights, rows, source, in_scale, clip: 
     parameters are shared."""
     if quantizer != "hqq" and not clip:
         return {}
-    owners = None if parallel.world == 1 else parallel.owners({p: float(current[p].numel()) for p in weights})
-    mine = [p for p in weights if owners is None or owners[p] == parallel.rank]
+    owners = parallel.owners({p: float(current[p].numel()) for p in weights})  # all rank 0's in one process
+    mine = [p for p in weights if owners[p] == parallel.rank]
     if quantizer == "hqq":
         out = {p: hqq_optimize(current[p], plan.specs[p], path=p) for p in mine}
     else:
@@ -218,7 +217,7 @@ def _fit_weights(current: Mapping, plan, weights, rows, source, in_scale, clip: 
                 x = rows[lin] if lin not in in_scale else rows[lin] / in_scale[lin].to(rows[lin])
                 grams[key] = input_gram(x, spec, tuple(w.shape), in_axis=in_axis, path=p)
             out[p] = search_range(w, spec, gram=grams[key], in_axis=in_axis, path=p)
-    return out if owners is None else parallel.share(out, owners)
+    return parallel.share(out, owners)
 
 
 register_algorithm("awq", step, needs=BlockInputs(tokens=_tokens), options=Options, requires=("groups",),

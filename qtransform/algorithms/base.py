@@ -186,7 +186,8 @@ class Block(NamedTuple):
         run: ``run(params) -> [output per batch]``: the block on its inputs with its tensors taken from
             ``params`` (``{path: tensor}``; missing paths keep the current tree's).
         site_stats: ``site_stats(params, {Site: empty statistics}) -> {Site: statistics}``: the block on
-            its inputs with hooks, for sites inside it.
+            its inputs with hooks, for sites inside it; on several ranks also ``owners=`` (``{Site: rank}``): each
+            site's statistics reduced to its owner only (the others get no entry for it).
         capture: ``capture(params, modules, sites=None) -> (inputs, stats)``: one run of the block on its
             inputs that records, for each module path in ``modules`` (inside the block), its ``(args,
             kwargs)`` per batch (``inputs``: ``{module: [...]}``), and folds ``sites`` like ``site_stats``.

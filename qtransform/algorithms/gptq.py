@@ -147,22 +147,25 @@ def solve_cost(paths: list[str], params, plan) -> float:
     return float(d_in) ** 3 + float(d_out) * float(d_in) ** 2
 
 
-def _solve_owned(stage, sites, block, changed, params, plan, solver, context) -> dict:
-    """One stage on several ranks: each shared solve is owned by one rank (``block.parallel.owners`` by
-    :func:`solve_cost`), its Hessian reduced to that rank only, solved there, and its result travels packed
-    (the quantized tensor) to every rank. Returns ``{path: (QTensor, info)}``, the same on every rank."""
+def _solve_stage(stage, sites, block, changed, params, plan, solver, context) -> dict:
+    """One stage's shared solves: ``{path: (weight, qparams, info)}``. Each solve has an owner
+    (``block.parallel.owners`` by :func:`solve_cost`; rank 0 in one process) that gets its Hessian alone and
+    solves it; on several ranks the results travel packed (the quantized tensor) to every rank."""
     par = block.parallel
     key = {Site(module_of(s[0]), "input"): s for s in stage}
     owners = par.owners({site: solve_cost(s, params, plan) for site, s in key.items()})
-    stats = block.site_stats(changed, sites, owners=owners)
-    done = {}
+    stats = block.site_stats(changed, sites, owners=owners) if par.world > 1 else block.site_stats(changed, sites)
+    out = {}
     for site in context.track([k for k in key if owners[k] == par.rank], desc=f"gptq {block.name}"):
         s = key[site]
-        H = finalize_stats(stats.pop(site), path=s[0])
+        H = finalize_stats(stats.pop(site), path=s[0])  # each Hessian freed once used
         new, qps, more = _solve_set(s, H, params, plan, solver)
-        done[site] = {p: (quantize(new[p], qps[p], path=p), more[p]) for p in s}
-    shared = par.share(done, owners)
-    return {p: v for site in key for p, v in shared[site].items()}
+        out[site] = {p: (new[p], qps[p], more[p]) for p in s}
+    if par.world > 1:
+        packed = {site: {p: (quantize(w, qp, path=p), i) for p, (w, qp, i) in v.items()} for site, v in out.items()}
+        out = {site: {p: (dequantize(q), q.qparams, i) for p, (q, i) in v.items()}
+               for site, v in par.share(packed, owners).items()}
+    return {p: v for site in key for p, v in out[site].items()}
 
 
 def step(params, plan, *, context, damp: float = 0.01, block_size: int = 128, act_order: bool = True,
@@ -182,22 +185,10 @@ def step(params, plan, *, context, damp: float = 0.01, block_size: int = 128, ac
     groups = plan.groups if groups is None else groups  # the plan's where the model is known; none is fine
     mine = [g for g in groups or () if all(lin.startswith(block.name + ".") for lin in g["linears"])]
     changed, qparams, info = {}, {}, {}
-    par = block.parallel
     for stage in _stages(weights, mine, true_sequential):
         sites = {Site(module_of(s[0]), "input"): init_stats(observer="hessian") for s in stage}
-        if par.world == 1:
-            stats = block.site_stats(changed, sites)
-            for s in context.track(stage, desc=f"gptq {block.name}"):  # each Hessian freed once used
-                H = finalize_stats(stats.pop(Site(module_of(s[0]), "input")), path=s[0])
-                new, qps, more = _solve_set(s, H, params, plan, solver)
-                changed.update(new)
-                qparams.update(qps)
-                info.update(more)
-            continue
-        for p, (q, more) in _solve_owned(stage, sites, block, changed, params, plan, solver, context).items():
-            changed[p] = dequantize(q)
-            qparams[p] = q.qparams
-            info[p] = more
+        for p, (w, qp, more) in _solve_stage(stage, sites, block, changed, params, plan, solver, context).items():
+            changed[p], qparams[p], info[p] = w, qp, more
     return Fit(params=changed, qparams=qparams, info=info)
 
 
