@@ -19,9 +19,10 @@ from .registry import Registry
 from ._checks import data_checks
 from .formats import FORMATS, Codec, Format, get_format, minifloat, mx_format, pack, register_format, unpack
 from .granularity import PerBlock, PerChannel, PerGroup, PerTensor
-from .spec import Match, Plan, QuantSpec, Recipe, Site, Step, as_plan, as_recipe, module_of, transposed_spec
+from .spec import (Match, Plan, QuantSpec, Recipe, Site, Step, as_plan, as_recipe, module_of, transposed_spec,
+                   stacked_spec, matrix_spec)
 from .tensor import (QParams, QTensor, bits_per_element, dequantize, error_bound, fake_quantize, quantize,
-                     unpacked_codes)
+                     stacked, unpacked_codes)
 from .observers import (OBSERVERS, HistogramStats, MinMaxStats, Observer, choose_qparams, compute_qparams,
                         finalize_stats, init_stats, make_observer, merge_stats, observe, register_observer)
 from .algorithms import (ALGORITHMS, Algorithm, Block, BlockInputs, Context, Fit, ModelLoss, SiteStats, apply_fit,
@@ -41,6 +42,7 @@ __all__ = [
     "FORMATS", "Codec", "Format", "get_format", "register_format", "minifloat", "mx_format", "pack", "unpack",
     "PerBlock", "PerChannel", "PerGroup", "PerTensor",
     "QuantSpec", "Recipe", "Step", "Plan", "Match", "Site", "as_plan", "as_recipe", "module_of", "transposed_spec",
+    "stacked_spec", "matrix_spec", "stacked",
     "QParams", "QTensor", "quantize", "dequantize", "fake_quantize", "unpacked_codes", "error_bound",
     "bits_per_element",
     "OBSERVERS", "Observer", "register_observer", "make_observer", "init_stats", "observe", "merge_stats",
