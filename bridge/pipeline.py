@@ -57,6 +57,9 @@ def plan(model: nn.Module, recipe, *, tree: Mapping | None = None) -> qt.Plan:
     quantizable = set(weight_paths(model))
     matches = {}
     for path, m in resolved.items():
+        if m.spec is not None and m.module_type == "Router" and m.rule == "default" and not given:
+            m = qt.Match(None, "skipped (default: a mixture-of-experts router stays in float; a rule selects it)",
+                         m.module_type)
         if m.spec is not None and path not in quantizable:
             if given or m.rule != "default":
                 what = f"a tensor of a {m.module_type}" if m.module_type else "a tensor"

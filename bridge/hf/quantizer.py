@@ -35,7 +35,8 @@ from ..modules import QModule
 from ..modules import actquant, kvcache, online
 from ..modules.actquant import PREFIX, abstract_qparams, activation_specs
 from ..pipeline import plan as model_plan
-from ..tree import REBUILD_HOOKS, replace_module, submodule
+from ..modules.experts import QExperts
+from ..tree import REBUILD_HOOKS, float_slot, qtensor_at, replace_module, submodule
 from . import checks, offload
 from .config import QTransformConfig
 from .dequantize import dequantize_model
@@ -80,7 +81,7 @@ class QTransformHfQuantizer(HfQuantizer):
             cfg.entries = {}
             for path, spec in self.plan.specs.items():
                 if should_convert_module(qt.module_of(path), skip):
-                    w = submodule(model, path)[0].weight
+                    w = float_slot(model, path)
                     cfg.entries[path] = Entry(spec, tuple(w.shape), w.dtype)
         if not cfg.entries:
             raise ValueError("QTransformConfig: no module to quantize (empty recipe match or empty checkpoint config)")
@@ -90,9 +91,9 @@ class QTransformHfQuantizer(HfQuantizer):
             except AttributeError:
                 raise CheckpointError(f"config.json: quantized tensor {path!r} names no module of "
                                       f"{type(model).__name__}") from None
-            if not isinstance(module, QModule) and tuple(module.weight.shape) != e.shape:
+            if not isinstance(module, (QModule, QExperts)) and tuple(float_slot(model, path).shape) != e.shape:
                 raise CheckpointError(f"config.json: quantized tensor {path!r} has shape {list(e.shape)}, "
-                                      f"the model's is {list(module.weight.shape)}")
+                                      f"the model's is {list(float_slot(model, path).shape)}")
             replace_module(model, path, abstract_qtensor(e.shape, e.dtype, e.spec))
             if dtype is not None:
                 submodule(model, path)[0].compute_dtype = dtype
@@ -134,7 +135,7 @@ class QTransformHfQuantizer(HfQuantizer):
     def _process_model_after_weight_loading(self, model, **kwargs):
         for path, e in self.quantization_config.entries.items():
             module = submodule(model, path)[0]
-            q = module.qweight
+            q = qtensor_at(model, path)
             held = offload.offloaded_names(module)  # on meta between forwards, read by accelerate's hooks
             bad = [n for n, b in module._buffers.items() if b is not None and b.is_meta and n not in held]
             if bad:

@@ -24,6 +24,7 @@ from __future__ import annotations
 from torch import nn
 
 from ..modules import QModule, quantized_class
+from ..modules.experts import QExperts, expert_weights, is_experts
 
 __all__ = ["extract", "module_types", "weight_paths", "tie_groups"]
 
@@ -43,21 +44,47 @@ def extract(model: nn.Module) -> dict:
         prefix = f"{name}." if name else ""
         out[prefix + "weight"] = m.qweight
         skip.update(prefix + n for n in m._qnames)
+    for name, m in model.named_modules():
+        if isinstance(m, QExperts):
+            prefix = f"{name}." if name else ""
+            for w in m.quantized_names:
+                out[prefix + w] = m.qtensor(w)
+                skip.update(prefix + n for n in m._qmeta[w][3])
     for path, t in model.state_dict(keep_vars=True).items():
         if path not in skip:
             out[path] = t.detach()
     return out
 
 
+def _routers(model: nn.Module) -> set[str]:
+    """Module paths of the routers of mixture-of-experts layers: ``nn.Linear`` siblings of an experts module
+    that score the experts (``num_experts`` outputs) or gate a shared expert (one output)."""
+    out = set()
+    for name, m in model.named_modules():
+        if is_experts(m) and "." in name:
+            parent = name.rpartition(".")[0]
+            for child, c in model.get_submodule(parent).named_children():
+                if isinstance(c, nn.Linear) and c.out_features in (m.num_experts, 1) or (
+                        isinstance(c, QModule) and c.weight_shape[0] in (m.num_experts, 1) and not c.transposed):
+                    out.add(f"{parent}.{child}")
+    return out
+
+
 def module_types(model: nn.Module) -> dict[str, str]:
-    """``{path: module class name}`` for every state-dict path (quantized modules by their float name)."""
+    """``{path: module class name}`` for every state-dict path (quantized modules by their float name); the
+    stacked weights of experts modules are ``"Experts"``, the routers of their layers ``"Router"``."""
     _check(model)
     owners = {}
+    routers = _routers(model)
     for name, m in model.named_modules():
         prefix = f"{name}." if name else ""
         kind = type(m).__name__
         if isinstance(m, QModule):
             kind = "Conv1D" if m.transposed else kind.removeprefix("Q")
+        if name in routers:
+            kind = "Router"
+        for w in expert_weights(m):
+            owners[prefix + w] = "Experts"
         local = [n for n, p in m._parameters.items() if p is not None]
         local += [n for n, b in m._buffers.items() if b is not None and n not in m._non_persistent_buffers_set]
         for key in local:
@@ -66,10 +93,13 @@ def module_types(model: nn.Module) -> dict[str, str]:
 
 
 def weight_paths(model: nn.Module) -> dict[str, nn.Module]:
-    """``{"<module>.weight": module}`` for every module a quantized module can replace."""
+    """``{"<module>.weight": module}`` for every module a quantized module can replace, and
+    ``{"<experts>.gate_up_proj": experts module, ...}`` for the stacked weights of experts modules."""
     _check(model)
-    return {(f"{name}." if name else "") + "weight": m for name, m in model.named_modules()
-            if quantized_class(m) is not None}
+    out = {(f"{name}." if name else "") + "weight": m for name, m in model.named_modules()
+           if quantized_class(m) is not None}
+    out.update({(f"{name}." if name else "") + w: m for name, m in model.named_modules() for w in expert_weights(m)})
+    return out
 
 
 def tie_groups(model: nn.Module) -> list[list[str]]:

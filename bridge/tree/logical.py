@@ -32,13 +32,16 @@ from torch import nn
 import qtransform as qt
 
 from ..modules import QLinear, is_conv1d
+from ..modules.experts import stacked_like
 from ..modules.kvcache import attention_modules
 from .extract import module_types, weight_paths
 
 __all__ = ["TYPE_FALLBACK", "stored_transposed", "transposed_spec", "model_plan"]
 
-#: ``{module type: type whose rules it follows when the recipe has no rule for it}``.
-TYPE_FALLBACK = {"Conv1D": "Linear"}
+#: ``{module type: type whose rules it follows when the recipe has no rule for it}``: a ``Linear`` rule
+#: reaches GPT-2's ``Conv1D`` and the stacked ``Experts`` weights of mixture-of-experts layers (each expert is
+#: a linear layer), unless the recipe has a rule of their own (``type_rules={"Experts": None}`` keeps them).
+TYPE_FALLBACK = {"Conv1D": "Linear", "Experts": "Linear"}
 
 
 def stored_transposed(module: nn.Module) -> bool:
@@ -50,6 +53,21 @@ def stored_transposed(module: nn.Module) -> bool:
 transposed_spec = qt.transposed_spec
 
 
+def _stacked(path: str, m: qt.Match, module: nn.Module, stored: tuple[int, ...]) -> qt.QuantSpec:
+    """The stored spec of a stacked experts weight whose recipe spec describes each expert's (out, in) matrix."""
+    name = path.rpartition(".")[2]
+    logical, flip = stacked_like(module, name)
+    spec = m.spec
+    try:
+        qt.bits_per_element(spec, logical[1:])  # the matrix spec fits one expert's (out, in) matrix
+        spec = qt.stacked_spec(qt.transposed_spec(spec, logical[1:]) if flip else spec, stored)
+        qt.bits_per_element(spec, stored)
+    except ValueError as e:
+        raise ValueError(f"{path}: recipe {m.rule} ({m.spec}): {e}; an Experts weight {stored} holds {stored[0]} "
+                         f"matrices {logical[1:]} (out, in), and specs apply to each as to a Linear weight") from None
+    return spec
+
+
 def model_plan(model: nn.Module, recipe: qt.Recipe, tree: Mapping[str, torch.Tensor]) -> qt.Plan:
     """``recipe`` resolved for ``model``'s tree ``tree`` (its :func:`~bridge.extract`), with module
     types (``Linear`` rules reaching ``Conv1D``) and the specs of stored-transposed weights turned to
@@ -59,11 +77,14 @@ def model_plan(model: nn.Module, recipe: qt.Recipe, tree: Mapping[str, torch.Ten
     named = {t for t, _ in recipe.type_rules}
     lookup = {p: TYPE_FALLBACK[t] if t in TYPE_FALLBACK and t not in named else t for p, t in types.items()}
     resolved = recipe.plan(tree, types=lookup, attention=attention_modules(model))
-    transposed = {p for p, m in weight_paths(model).items() if stored_transposed(m)}
+    owners = weight_paths(model)
+    transposed = {p for p, m in owners.items() if stored_transposed(m)}
     matches = {}
     for path, m in resolved.items():
         spec = m.spec
-        if spec is not None and path in transposed and tree[path].dim() == 2:
+        if spec is not None and types.get(path) == "Experts" and path in owners:
+            spec = _stacked(path, m, owners[path], tuple(tree[path].shape))
+        elif spec is not None and path in transposed and tree[path].dim() == 2:
             logical = tuple(tree[path].shape[::-1])
             try:
                 qt.bits_per_element(spec, logical)

@@ -37,9 +37,10 @@ from qtransform import QTensor
 
 from ..modules import QModule, actquant, kvcache, quantized_class
 from ..modules import online as online_mod
+from ..modules.experts import QExperts, expert_weights
 from .quantized import Quantized
 
-__all__ = ["to_module", "submodule", "replace_module", "meta_skeleton", "REBUILD_HOOKS"]
+__all__ = ["to_module", "submodule", "replace_module", "meta_skeleton", "REBUILD_HOOKS", "float_slot", "qtensor_at"]
 
 
 def _check_hook(name: str, hook) -> None:
@@ -58,6 +59,22 @@ def submodule(model: nn.Module, path: str) -> tuple[nn.Module, str]:
     return (model.get_submodule(parent) if parent else model), name
 
 
+def float_slot(model: nn.Module, path: str) -> torch.Tensor:
+    """The float tensor at weight path ``path`` (a module's ``weight``, an experts module's stacked weight)."""
+    module, leaf = submodule(model, path)
+    return getattr(module, leaf)
+
+
+def qtensor_at(model: nn.Module, path: str) -> QTensor:
+    """The quantized tensor a quantized module holds at weight path ``path`` (no copy)."""
+    module, leaf = submodule(model, path)
+    if isinstance(module, QExperts):
+        return module.qtensor(leaf)
+    if not isinstance(module, QModule) or leaf != "weight":
+        raise ValueError(f"{path}: not a quantized weight ({type(module).__name__}.{leaf})")
+    return module.qweight
+
+
 def meta_skeleton(model: nn.Module) -> nn.Module:
     """A deep copy of ``model`` whose parameters and buffers are on ``meta`` (ties preserved)."""
     memo = {}
@@ -72,6 +89,13 @@ def check_replacement(model: nn.Module, path: str, q: QTensor):
     """Raise ``ValueError`` naming ``path`` unless :func:`replace_module` can put ``q`` there; returns
     ``(module, quantized class)``."""
     module, leaf = submodule(model, path)
+    if leaf in expert_weights(module):
+        if module is model:
+            raise ValueError(f"{path}: the root module itself cannot be replaced; wrap it in a container")
+        shape = module._shape(leaf) if isinstance(module, QExperts) else tuple(getattr(module, leaf).shape)
+        if tuple(q.shape) != tuple(shape):
+            raise ValueError(f"{path}: quantized tensor has shape {tuple(q.shape)}, the experts weight is {tuple(shape)}")
+        return module, QExperts
     cls = quantized_class(module)
     if cls is None or leaf != "weight":
         raise ValueError(f"{path}: only the weight of Linear, Conv2d, ConvTranspose2d, Embedding, EmbeddingBag "
@@ -87,6 +111,16 @@ def check_replacement(model: nn.Module, path: str, q: QTensor):
 def replace_module(model: nn.Module, path: str, q: QTensor, kernel: str = "auto") -> None:
     """Make the module owning ``path`` (its weight) a quantized module holding ``q`` (in place)."""
     module, cls = check_replacement(model, path, q)
+    if cls is QExperts:
+        leaf = path.rpartition(".")[2]
+        if not isinstance(module, QExperts):
+            new = QExperts(module)
+            new.train(module.training)
+            parent, name = submodule(model, path.rpartition(".")[0])
+            parent._modules[name] = new
+            module = new
+        module.set_qtensor(leaf, q)
+        return
     if isinstance(module, QModule):
         module.set_qweight(q)
         return
@@ -124,6 +158,8 @@ def _assign(model: nn.Module, values: Mapping[str, torch.Tensor], original: nn.M
     for path, b in list(model.named_buffers(remove_duplicate=False)):
         owner, name = submodule(model, path)
         if isinstance(owner, QModule) and name in owner._qnames:
+            continue
+        if isinstance(owner, QExperts) and any(name in meta[3] for meta in owner._qmeta.values()):
             continue
         v = values.get(path)
         if v is None and b.is_meta:

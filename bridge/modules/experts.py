@@ -1,0 +1,207 @@
+"""Mixture-of-experts: transformers' experts modules and ``QExperts``, their quantized form.
+
+transformers 5 holds the experts of a mixture-of-experts layer (Mixtral, Qwen2/3-MoE, DeepSeek-V3, OLMoE,
+GPT-OSS...) in one module with stacked 3-D weights and a standard interface (its
+``use_experts_implementation`` decorator): ``gate_up_proj`` ``(experts, 2·inter, hidden)`` (or ``up_proj``
+without a gate), ``down_proj`` ``(experts, hidden, inter)``, stored ``(experts, in, out)`` where
+``is_transposed``, optional ``*_bias`` ``(experts, out)``, ``_apply_gate``/``act_fn`` between them and an
+optional ``post_expert_norm``; ``forward(hidden_states (tokens, hidden), top_k_index, top_k_weights)``.
+:func:`is_experts` recognises such a module and :func:`expert_weights` names its weights (the tree paths
+``<module>.gate_up_proj``... of module type ``"Experts"``).
+
+:func:`routed_forward` is the one routed computation (transformers' eager loop: each expert that tokens
+reached runs on its tokens, outputs weighted and summed in a fixed order) over weights given by a
+function, with an optional *tap* that sees every expert's input to each projection (calibration: the
+statistics of expert ``e`` come from the tokens routed to it, or from all tokens with ``all_tokens``).
+``QExperts`` replaces the experts module: each quantized weight is a stacked QTensor (one
+quantized matrix per expert, :mod:`qtransform.tensor.stacked`) held in buffers named by the native
+layout (``gate_up_proj``, ``gate_up_proj_scale``...); a forward dequantizes only the experts its tokens
+reached. It replaces transformers' ``eager``/``grouped_mm``/``batched_mm`` implementations by this loop.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import qtransform as qt
+from qtransform import QTensor
+
+from ..checkpoint.layout import NATIVE, dtype_name
+
+__all__ = ["EXPERT_WEIGHTS", "is_experts", "expert_weights", "routed_forward", "QExperts", "stacked_like"]
+
+#: The 3-D weights of a standard experts module, in forward order.
+EXPERT_WEIGHTS = ("gate_up_proj", "up_proj", "down_proj")
+_FLAGS = ("has_gate", "has_bias", "is_transposed", "has_post_expert_norm")
+
+
+def is_experts(module: nn.Module) -> bool:
+    """Whether ``module`` is a transformers experts module with the standard interface (or its ``QExperts``)."""
+    if isinstance(module, QExperts):
+        return True
+    if not all(hasattr(module, f) for f in _FLAGS) or not isinstance(getattr(module, "num_experts", None), int):
+        return False
+    first = "gate_up_proj" if module.has_gate else "up_proj"
+    return all(isinstance(getattr(module, n, None), torch.Tensor) and getattr(module, n).dim() == 3
+               for n in (first, "down_proj"))
+
+
+def expert_weights(module: nn.Module) -> tuple[str, ...]:
+    """The names of the stacked weights of an experts module (``gate_up_proj``/``up_proj``, ``down_proj``)."""
+    if not is_experts(module):
+        return ()
+    return tuple(n for n in EXPERT_WEIGHTS if n != ("up_proj" if module.has_gate else "gate_up_proj"))
+
+
+def stacked_like(module: nn.Module, name: str) -> tuple[tuple[int, ...], bool]:
+    """``((experts, out, in) logical shape, stored transposed)`` of weight ``name`` of an experts module."""
+    shape = module._shape(name) if isinstance(module, QExperts) else tuple(getattr(module, name).shape)
+    return ((shape[0], shape[2], shape[1]) if module.is_transposed else shape), bool(module.is_transposed)
+
+
+def routed_forward(module: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                   top_k_weights: torch.Tensor, *, matrix: Callable, tap: Callable | None = None,
+                   all_tokens: bool = False) -> torch.Tensor:
+    """The experts' routed output ``(tokens, hidden)``.
+
+    ``matrix(name, e, dtype)`` gives expert ``e``'s weight ``name`` as stored (``(out, in)``, or ``(in, out)``
+    where ``module.is_transposed``); ``tap(name, e, x)``, when given, sees the input ``x`` of projection
+    ``name`` of expert ``e``: the rows of the tokens routed to it, or every token with ``all_tokens`` (the
+    output stays the routed one). Token ids of ``num_experts`` and above (expert-parallel sentinels) are skipped.
+    """
+    names = expert_weights(module)
+    up, down = names[0], names[-1]
+    final = torch.zeros_like(hidden_states)
+    n = module.num_experts
+    with torch.no_grad():
+        hit = torch.unique(top_k_index[top_k_index < n]).tolist()
+    experts = range(n) if all_tokens and tap is not None else hit
+    for e in experts:
+        pos, tok = torch.where((top_k_index == e).T)  # eager's order: by top-k slot, then token
+        x = hidden_states if all_tokens and tap is not None else hidden_states[tok]
+        y = _project(module, up, e, x, matrix, tap)
+        y = module._apply_gate(y) if module.has_gate else module.act_fn(y)
+        y = _project(module, down, e, y, matrix, tap)
+        if module.has_post_expert_norm:
+            y = module.post_expert_norm(y)
+        if all_tokens and tap is not None:
+            if e not in hit:
+                continue
+            y = y[tok]
+        y = y * top_k_weights[tok, pos, None]
+        final.index_add_(0, tok, y.to(final.dtype))
+    return final
+
+
+def _project(module, name, e, x, matrix, tap):
+    if tap is not None:
+        tap(name, e, x)
+    w = matrix(name, e, x.dtype)
+    bias = getattr(module, f"{name}_bias")[e].to(x.dtype) if module.has_bias else None
+    return F.linear(x, w.t() if module.is_transposed else w, bias)
+
+
+class QExperts(nn.Module):
+    """A transformers experts module with quantized stacked weights (see the module docstring).
+
+    Weights the recipe leaves in float stay ``nn.Parameter``s; biases, the activation, the gate function
+    and a post-expert norm are the float module's. ``qtensor(name)`` rebuilds a quantized weight (no copy).
+    """
+
+    def __init__(self, module: nn.Module):
+        super().__init__()
+        if not is_experts(module) or isinstance(module, QExperts):
+            raise TypeError(f"QExperts: expected a transformers experts module, got {type(module).__name__}")
+        for key, value in vars(module).items():  # flags, sizes, config, gate constants (GPT-OSS's alpha/limit)
+            if not key.startswith("_") and not isinstance(value, (torch.Tensor, nn.Module)) and key != "training":
+                setattr(self, key, value)
+        self._gate_fn = type(module)._apply_gate if module.has_gate else None
+        self.float_class = type(module).__name__
+        for name, child in module.named_children():
+            self.add_module(name, child)
+        for name, p in module.named_parameters(recurse=False):
+            self.register_parameter(name, p)
+        self._qmeta: dict[str, tuple] = {}  # name -> (spec, width, dtype, qnames)
+        self.compute_dtype = module.down_proj.dtype
+
+    def _apply_gate(self, y: torch.Tensor) -> torch.Tensor:
+        return self._gate_fn(self, y)
+
+    @property
+    def quantized_names(self) -> tuple[str, ...]:
+        return tuple(self._qmeta)
+
+    def set_qtensor(self, name: str, q: QTensor) -> None:
+        """Hold weight ``name`` quantized as the stacked QTensor ``q`` (its shape must be the weight's)."""
+        if name not in expert_weights(self):
+            raise ValueError(f"QExperts: {name!r} is not one of its weights {list(expert_weights(self))}")
+        if not isinstance(q, QTensor):
+            raise TypeError(f"QExperts.{name}: expected a QTensor, got {type(q).__name__}")
+        want = self._shape(name)
+        if tuple(q.shape) != want:
+            raise ValueError(f"QExperts.{name}: quantized weight has shape {tuple(q.shape)}, the experts need {want}")
+        if name in self._parameters:
+            del self._parameters[name]
+        for old in self._qmeta.get(name, (None, None, None, ()))[3]:
+            self._buffers.pop(old, None)
+        parts = NATIVE.parts(name, q)
+        for key, t in parts.items():
+            self.register_buffer(key, t)
+        self._qmeta[name] = (q.spec, q.width, q.dtype, tuple(parts))
+
+    def _shape(self, name):
+        if name in self._qmeta:
+            return tuple(self.qtensor(name).shape)
+        return tuple(getattr(self, name).shape)
+
+    def qtensor(self, name: str) -> QTensor:
+        """Weight ``name`` as a stacked QTensor over this module's buffers (no copy)."""
+        if name not in self._qmeta:
+            raise ValueError(f"QExperts: {name!r} is not quantized (quantized: {list(self._qmeta)})")
+        spec, width, dtype, _ = self._qmeta[name]
+        return NATIVE.assemble(name, self._buffers, spec=spec, width=width, dtype=dtype)
+
+    def matrix(self, name: str, e: int, dtype: torch.dtype) -> torch.Tensor:
+        """Expert ``e``'s weight ``name`` in float ``dtype``, as stored (dequantized when quantized)."""
+        if name in self._qmeta:
+            return qt.dequantize(qt.stacked.take(self.qtensor(name), slice(e, e + 1)), dtype=dtype)[0]
+        return getattr(self, name)[e].to(dtype)
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
+        return routed_forward(self, hidden_states, top_k_index, top_k_weights, matrix=self.matrix)
+
+    def _apply(self, fn, recurse=True):
+        held = {n: self._buffers.pop(n) for meta in self._qmeta.values() for n in meta[3]}
+        dev = next(iter(held.values())).device if held else None
+        probe = fn(torch.empty(0, dtype=torch.float32, device=dev or "cpu"))
+        try:
+            super()._apply(fn, recurse)
+        finally:
+            for n, b in held.items():  # quantized buffers move, never cast
+                self._buffers[n] = b.to(device=probe.device)
+        if probe.dtype != torch.float32:
+            self.compute_dtype = probe.dtype
+        return self
+
+    def prepare(self) -> "QExperts":
+        """Nothing to pack ahead (each forward dequantizes the experts it reaches); for the loaders' symmetry."""
+        return self
+
+    def extra_repr(self) -> str:
+        parts = [f"num_experts={self.num_experts}", f"from={self.float_class}"]
+        for name in expert_weights(self):
+            if name in self._qmeta:
+                q = self.qtensor(name)
+                try:
+                    bits = f" [{q.bits_per_element():.3f} bits/element]"
+                except RuntimeError:
+                    bits = ""
+                parts.append(f"{name}={q.spec}{bits}")
+            else:
+                w = getattr(self, name)
+                parts.append(f"{name}=float {dtype_name(w.dtype)}")
+        return ", ".join(parts)
