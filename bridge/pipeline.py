@@ -72,7 +72,8 @@ def plan(model: nn.Module, recipe, *, tree: Mapping | None = None) -> qt.Plan:
         matches[path] = m
     groups = resolved.groups if resolved.groups is not None else model_groups(model)
     layout = resolved.layout if resolved.layout is not None else model_layout(model)
-    return qt.Plan(resolved.recipe, matches, attention=resolved.attention, groups=groups, layout=layout)
+    return qt.Plan(resolved.recipe, matches, attention=resolved.attention, groups=groups, layout=layout,
+                   transposed_experts=resolved.transposed_experts)
 
 
 _FACTS = {"groups": smoothing_groups, "layout": residual_layout}

@@ -22,6 +22,7 @@ import qtransform as qt
 
 from ..modules import kvcache
 from ..tree import tie_groups
+from .experts import expert_sites, tapping
 
 __all__ = ["fold_sites", "run_batch", "first_tensor", "to_device", "untied", "takes", "evaluating"]
 
@@ -107,31 +108,43 @@ def run_batch(model: nn.Module, params: Mapping[str, torch.Tensor], batch) -> An
 
 
 def fold_sites(model: nn.Module, sites: Mapping[qt.Site, Any], run_all: Callable[[], Any], *,
-               where: str, parallel: qt.Parallel = qt.SERIAL, owners: Mapping | None = None) -> dict[qt.Site, Any]:
+               where: str, parallel: qt.Parallel = qt.SERIAL, owners: Mapping | None = None,
+               all_experts: bool = False) -> dict[qt.Site, Any]:
     """Hooks on the sites' modules of ``model`` fold what passes into each site's statistics while
     ``run_all()`` runs forward passes (it returns how many, or anything when it cannot be empty).
     ``parallel``: ``run_all`` ran this rank's share; the statistics are reduced over the ranks (to ``owners``
     only, when given: ``{site: rank}``) before a site is called unreached (a rank's share may miss a module
-    that the whole data reaches, such as an expert)."""
+    that the whole data reaches).
+
+    The site of a stacked experts weight (``Site("<experts>.gate_up_proj")``, :mod:`.experts`) gets a tuple of
+    statistics, one per expert, each folded from the tokens routed to that expert (every token with
+    ``all_experts``); an expert no token reached keeps empty statistics (not an error: the steps fall back)."""
     bad = [s for s in sites if not isinstance(s, qt.Site) or s.role not in qt.spec.SITE_ROLES]
     if bad:
         raise ValueError(f"{where}: {bad[0]!r} is not a Site(module, role) with role in {list(qt.spec.SITE_ROLES)}")
     modules = dict(model.named_modules())
-    missing = sorted({s.module for s in sites if s.module not in modules})
+    routed = expert_sites(model, sites)
+    missing = sorted({s.module for s in sites if s.module not in modules and s not in routed})
     if missing:
         raise ValueError(f"{where}: site module(s) {missing[:5]} are not modules of {type(model).__name__}")
-    stats = dict(sites)
-    ours: set = set()  # sites whose statistics this fold made: donated to the next update (no second copy)
+    stats = {s: v for s, v in sites.items() if s not in routed}
+    stats.update({(s, e): sites[s] for s, (m, _) in routed.items() for e in range(modules[m].num_experts)})
+    ours: set = set()  # keys whose statistics this fold made: donated to the next update (no second copy)
+
+    def observe(key, t, what):
+        stats[key] = qt.observe(stats[key], t.detach(), path=what, donate=key in ours)
+        ours.add(key)
 
     def folder(site):
         def fold(x):
             t = first_tensor(x)
             if t is None:
                 raise ValueError(f"{where}: {site.role} of {site.module!r} holds no tensor")
-            stats[site] = qt.observe(stats[site], t.detach(), path=f"{site.module} ({site.role})",
-                                     donate=site in ours)
-            ours.add(site)
+            observe(site, t, f"{site.module} ({site.role})")
         return fold
+
+    def fold_expert(site, e, x):
+        observe((site, e), x, f"{site.module} (expert {e} {site.role})")
 
     def kv_callback(module):
         folds = {r: folder(qt.Site(module, r)) for r in qt.spec.KV_ROLES if qt.Site(module, r) in stats}
@@ -153,20 +166,29 @@ def fold_sites(model: nn.Module, sites: Mapping[qt.Site, Any], run_all: Callable
     kv = {s.module for s in sites if s.role in qt.spec.KV_ROLES}
     with contextlib.ExitStack() as stack:
         for site in sites:
-            if site.role not in qt.spec.KV_ROLES:
+            if site.role not in qt.spec.KV_ROLES and site not in routed:
                 stack.callback(hook(site).remove)
         if kv:
             stack.enter_context(kvcache.observing(model, {m: kv_callback(m) for m in kv}))
+        if routed:
+            stack.enter_context(tapping(model, routed, fold_expert, all_tokens=all_experts))
         with torch.no_grad():
             seen = run_all()
     if seen == 0:
         raise ValueError(f"{where}: no batches (the calibration data is empty or already consumed)")
+    if owners is not None:
+        owners = {**owners, **{k: owners[k[0]] for k in stats if type(k) is tuple and k[0] in owners}}
     stats = parallel.reduce_stats(stats, owners)
-    unreached = [f"{s.module} ({s.role})" for s, st in stats.items() if qt.observers.is_empty(st)]
+    unreached = [f"{s.module} ({s.role})" for s, st in stats.items()
+                 if type(s) is not tuple and qt.observers.is_empty(st)]
     if unreached:
         raise ValueError(f"{where}: no activation reached site(s) {unreached[:5]}: the forward pass never runs "
                          "those modules")
-    return stats
+    out = {s: v for s, v in stats.items() if type(s) is not tuple}
+    for s, (m, _) in routed.items():
+        if (s, 0) in stats:
+            out[s] = tuple(stats[(s, e)] for e in range(modules[m].num_experts))
+    return out
 
 
 @contextlib.contextmanager

@@ -94,4 +94,5 @@ def model_plan(model: nn.Module, recipe: qt.Recipe, tree: Mapping[str, torch.Ten
                                  f"{logical} as for Linear") from None
             spec = transposed_spec(spec, logical)
         matches[path] = qt.Match(spec, m.rule, types.get(path))
-    return qt.Plan(recipe, matches, attention=resolved.attention)
+    flipped = [p for p, m in owners.items() if types.get(p) == "Experts" and stacked_like(m, p.rpartition(".")[2])[1]]
+    return qt.Plan(recipe, matches, attention=resolved.attention, transposed_experts=flipped)

@@ -20,7 +20,10 @@ qtransform checkpoints do not store: the solver gives it, the step refuses it), 
 (``"clip"``: each group's clipping searched for the smallest error weighted by its inputs' energy;
 ``"minmax"``: the textbook ranges, from ``observer``; ``"hqq"``), ``observer`` (the range observer of
 ``init="minmax"``: ``"minmax"``, ``"mse"``...), ``true_sequential`` (False), ``groups`` (replaces
-the plan's ``Plan.groups``; without either, every linear gets its own Hessian).
+the plan's ``Plan.groups``; without either, every linear gets its own Hessian), ``expert_min_tokens`` (8) and
+``expert_fallback`` (``"rtn"``): the stacked weights of a mixture-of-experts layer are solved expert by expert,
+each from the Hessian of the tokens routed to it; an expert with fewer tokens gets the data-free fit, and
+``Fit.info`` lists every expert's tokens and what was done (:mod:`.experts`).
 
 ``init="clip"`` against ``init="minmax"``, true-sequential and llm-compressor's GPTQ, in perplexity and
 time: ``bench/bench_gptq.py`` (``docs/gptq.md``, ``docs/performance.md``).
@@ -34,9 +37,10 @@ from typing import Any, Mapping
 import torch
 
 from ..observers import finalize_stats, init_stats
-from ..spec import Site, module_of, transposed_spec
+from ..spec import Site, transposed_spec
 from ..tensor import QParams, dequantize, quantize
 from .base import BlockInputs, Fit, register_algorithm
+from .experts import FALLBACKS, experts_cost, fit_experts
 from .gptq_math import INITS, gptq_many
 from .options import option, options_checker
 from .rtn import check_range_observer
@@ -64,6 +68,8 @@ class Options:
     observer: Any = option(None, doc="init='minmax': the range observer")
     true_sequential: bool = option(False, doc="groups solved in order, Hessians collected anew")
     groups: list | None = option(None, doc="smoothing groups replacing the plan's (Plan.groups)")
+    expert_min_tokens: int = option(8, ge=1, doc="experts with fewer calibration tokens fall back")
+    expert_fallback: str = option("rtn", choices=FALLBACKS, doc="the data-free fit of such an expert")
 
     def __post_init__(self):
         if self.act_order and not self.static_groups:
@@ -83,10 +89,13 @@ check_options = options_checker("gptq", Options)
 
 
 def linear_weights(params: Mapping[str, torch.Tensor], plan, paths) -> list[str]:
-    """The paths among ``paths`` that GPTQ solves: quantized 2-D linear weights."""
+    """The paths among ``paths`` that GPTQ solves: quantized 2-D linear weights and stacked experts weights."""
     out = []
     for p in paths:
         match = plan.get(p)
+        if match is not None and match.spec is not None and match.module_type == "Experts" and params[p].dim() == 3:
+            out.append(p)
+            continue
         if match is None or match.spec is None or not p.endswith(".weight") or params[p].dim() != 2:
             continue
         if match.module_type is None or match.module_type in _LINEAR_TYPES:
@@ -106,7 +115,30 @@ def _stages(weights: list[str], groups, true_sequential: bool) -> list[list[list
     return [[s] for s in sets] if true_sequential else [sets]
 
 
-def _solve_set(paths: list[str], H: torch.Tensor, params, plan, options) -> tuple[dict, dict, dict]:
+def _solve_experts(path: str, stats, params, plan, options) -> tuple[dict, dict, dict]:
+    """GPTQ of each expert of a stacked experts weight from its own tokens' Hessian (see :mod:`.experts`)."""
+    solver = {k: v for k, v in options.items() if not k.startswith("expert_")}
+
+    def solve(W, H, spec, at):
+        r = gptq_many([W], H, [spec], paths=[at], **solver)[0]
+        losses.append(r.loss)
+        return r.weight, r.qparams
+
+    losses: list = []
+    empty = [s.count is None or int(s.count) == 0 for s in stats]
+    hessians = [None if e else finalize_stats(s, path=f"{path}[expert {i}]") for i, (s, e) in enumerate(zip(stats, empty))]
+    tokens = [0 if e else int(s.count) for s, e in zip(stats, empty)]
+    new, qp, info = fit_experts(params[path], hessians, tokens, plan.specs[path], solve, path=path,
+                                transposed=path in plan.transposed_experts, min_tokens=options["expert_min_tokens"],
+                                fallback=options["expert_fallback"])
+    info["gptq_loss"] = float(f"{sum(losses):.6g}")
+    return {path: new}, {path: qp}, {path: info}
+
+
+def _solve_set(paths: list[str], H, params, plan, options) -> tuple[dict, dict, dict]:
+    if len(paths) == 1 and plan[paths[0]].module_type == "Experts":
+        return _solve_experts(paths[0], H, params, plan, options)
+    options = {k: v for k, v in options.items() if not k.startswith("expert_")}
     weights, specs, flips = [], [], []
     for p in paths:
         w, spec, flip = params[p], plan.specs[p], plan[p].module_type == "Conv1D"
@@ -138,6 +170,8 @@ def _transposed_qparams(qp: QParams, stored_spec, path) -> QParams:
 def solve_cost(paths: list[str], params, plan) -> float:
     """The cost model of one shared solve: ``d_in³`` (the inverse Hessian's factorisation) plus ``d_out·d_in²``
     (the column loop) summed over the linears sharing the Hessian."""
+    if len(paths) == 1 and plan[paths[0]].module_type == "Experts":
+        return experts_cost(params[paths[0]].shape, paths[0] in plan.transposed_experts)
     d_in = d_out = 0
     for p in paths:
         out, inn = params[p].shape
@@ -152,13 +186,14 @@ def _solve_stage(stage, sites, block, changed, params, plan, solver, context) ->
     (``block.parallel.owners`` by :func:`solve_cost`; rank 0 in one process) that gets its Hessian alone and
     solves it; on several ranks the results travel packed (the quantized tensor) to every rank."""
     par = block.parallel
-    key = {Site(module_of(s[0]), "input"): s for s in stage}
+    key = {Site(plan.site_module(s[0]), "input"): s for s in stage}
     owners = par.owners({site: solve_cost(s, params, plan) for site, s in key.items()})
     stats = block.site_stats(changed, sites, owners=owners) if par.world > 1 else block.site_stats(changed, sites)
     out = {}
     for site in context.track([k for k in key if owners[k] == par.rank], desc=f"gptq {block.name}"):
         s = key[site]
-        H = finalize_stats(stats.pop(site), path=s[0])  # each Hessian freed once used
+        H = stats.pop(site)  # each Hessian freed once used
+        H = H if isinstance(H, tuple) else finalize_stats(H, path=s[0])  # experts: one per expert
         new, qps, more = _solve_set(s, H, params, plan, solver)
         out[site] = {p: (new[p], qps[p], more[p]) for p in s}
     if par.world > 1:
@@ -170,10 +205,11 @@ def _solve_stage(stage, sites, block, changed, params, plan, solver, context) ->
 
 def step(params, plan, *, context, damp: float = 0.01, block_size: int = 128, act_order: bool = True,
          static_groups: bool = True, init: str = "clip", observer: Any = None, true_sequential: bool = False,
-         groups=None) -> Fit:
+         groups=None, expert_min_tokens: int = 8, expert_fallback: str = "rtn") -> Fit:
     """The ``gptq`` step on one block (``context.block``); see the module docstring."""
     check_options(damp=damp, block_size=block_size, act_order=act_order, static_groups=static_groups, init=init,
-                  observer=observer, true_sequential=true_sequential, groups=groups)
+                  observer=observer, true_sequential=true_sequential, groups=groups,
+                  expert_min_tokens=expert_min_tokens, expert_fallback=expert_fallback)
     block = context.block
     if block is None:
         raise ValueError("gptq runs block by block on calibration data (a calibrator's blockwise)")
@@ -181,12 +217,12 @@ def step(params, plan, *, context, damp: float = 0.01, block_size: int = 128, ac
     if not weights:
         return Fit()
     solver = dict(damp=float(damp), block_size=block_size, act_order=act_order, static_groups=static_groups,
-                  init=init, observer=observer)
+                  init=init, observer=observer, expert_min_tokens=expert_min_tokens, expert_fallback=expert_fallback)
     groups = plan.groups if groups is None else groups  # the plan's where the model is known; none is fine
     mine = [g for g in groups or () if all(lin.startswith(block.name + ".") for lin in g["linears"])]
     changed, qparams, info = {}, {}, {}
     for stage in _stages(weights, mine, true_sequential):
-        sites = {Site(module_of(s[0]), "input"): init_stats(observer="hessian") for s in stage}
+        sites = {Site(plan.site_module(s[0]), "input"): init_stats(observer="hessian") for s in stage}
         for p, (w, qp, more) in _solve_stage(stage, sites, block, changed, params, plan, solver, context).items():
             changed[p], qparams[p], info[p] = w, qp, more
     return Fit(params=changed, qparams=qparams, info=info)

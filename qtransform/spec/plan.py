@@ -68,17 +68,20 @@ class Plan(Mapping):
       (:mod:`qtransform.algorithms.smoothing`), read by ``smoothquant``, ``awq`` and ``gptq``; ``None``:
       unknown;
     * ``layout``: the residual-stream layout (a :class:`qtransform.rotation.ResidualLayout` or its dict),
-      read by ``rotate`` and ``spinquant``; ``None``: unknown.
+      read by ``rotate`` and ``spinquant``; ``None``: unknown;
+    * ``transposed_experts``: the paths of the stacked ``"Experts"`` weights stored ``(experts, in, out)`` (transformers'
+      ``is_transposed`` experts, GPT-OSS); the others are ``(experts, out, in)``.
 
     A step that needs a fact the plan does not have refuses to run, naming itself (see
     :func:`qtransform.check_steps`); the recipe, and so checkpoints, keep only what the user chose.
     """
 
     def __init__(self, recipe, matches: Mapping[str, Match], *, attention: Iterable[str] = (),
-                 groups: Iterable[Mapping] | None = None, layout=None):
+                 groups: Iterable[Mapping] | None = None, layout=None, transposed_experts: Iterable[str] = ()):
         self.recipe = recipe
         self._matches = dict(matches)
         self.attention = _paths(attention)
+        self.transposed_experts = frozenset(_paths(transposed_experts))
         self.groups = _groups(groups)
         if isinstance(layout, (str, bytes)) or not (layout is None or isinstance(layout, Mapping)
                                                     or hasattr(layout, "to_dict")):
@@ -94,11 +97,11 @@ class Plan(Mapping):
         >>> p.replace(groups=[{"prev": "ln", "linears": ["fc"]}]).groups, p.groups
         (({'prev': 'ln', 'linears': ['fc']},), None)
         """
-        unknown = sorted(set(changes) - {"recipe", "matches", "attention", "groups", "layout"})
+        unknown = sorted(set(changes) - {"recipe", "matches", "attention", "groups", "layout", "transposed_experts"})
         if unknown:
             raise TypeError(f"Plan.replace: unknown field(s) {unknown}")
         now = dict(recipe=self.recipe, matches=self._matches, attention=self.attention, groups=self.groups,
-                   layout=self.layout)
+                   layout=self.layout, transposed_experts=self.transposed_experts)
         now.update(changes)
         return Plan(now.pop("recipe"), now.pop("matches"), **now)
 
@@ -112,13 +115,28 @@ class Plan(Mapping):
         """``{path: spec}`` of the paths to quantize, in tree order."""
         return self._specs
 
+    def site_module(self, path: str) -> str:
+        """The module path of the activation sites of weight ``path``: its module (:func:`module_of`), or the
+        path itself for a stacked ``"Experts"`` weight (each projection of a mixture-of-experts layer sees its
+        own input, per expert).
+
+        >>> import torch, qtransform as qt
+        >>> p = qt.Recipe(default=qt.QuantSpec(format="int8")).plan(
+        ...     {"mlp.experts.down_proj": torch.ones(4, 8, 8), "fc.weight": torch.ones(8, 8)},
+        ...     types={"mlp.experts.down_proj": "Experts"})
+        >>> p.site_module("mlp.experts.down_proj"), p.site_module("fc.weight")
+        ('mlp.experts.down_proj', 'fc')
+        """
+        m = self._matches.get(path)
+        return path if m is not None and m.module_type == "Experts" else module_of(path)
+
     def sites(self, role: str = "input") -> dict[Site, tuple[str, ...]]:
         """``{Site(module, role): (quantized paths of that module, ...)}`` in tree order."""
         if role not in ROLES:
             raise ValueError(f"Plan.sites: role must be one of {list(ROLES)}, got {role!r}")
         out: dict[Site, tuple[str, ...]] = {}
         for path in self._specs:
-            site = Site(module_of(path), role)
+            site = Site(self.site_module(path), role)
             out[site] = out.get(site, ()) + (path,)
         return out
 
@@ -139,7 +157,7 @@ class Plan(Mapping):
                 if spec is not None:
                     out[Site(module, role)] = spec
         for path in self._specs:
-            module, kind = module_of(path), self._matches[path].module_type
+            module, kind = self.site_module(path), self._matches[path].module_type
             for role in ROLES:
                 if role == "input" and kind in ("Embedding", "EmbeddingBag"):
                     continue
