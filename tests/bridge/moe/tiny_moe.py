@@ -6,11 +6,9 @@ experts count (``num_local_experts``, ``num_experts``, ``n_routed_experts``, ``m
 import so a new transformers release adds its MoE types itself; the others (seq2seq, vision,
 multimodal sub-configs) are in ``NOT_CAUSAL_LM``.
 
-``tiny_moe_config`` shrinks the family's default config generically: every field whose
-name says it is a size (hidden, intermediate, heads, ranks, vocab, layers, experts, top-k,
-windows, per-layer lists) is set small; ``_OVERRIDES`` holds the few per-type fixes a
-generic rule cannot find. ``build_tiny_moe`` builds an ``eval()`` model with deterministic
-random weights that are all finite and not constant.
+``tiny_moe_config`` sets every size field of the family's default config small by its name;
+``_OVERRIDES`` has the few per-type fixes. ``build_tiny_moe``: an ``eval()`` model with
+deterministic random weights, all finite and none constant.
 """
 
 from __future__ import annotations
@@ -51,7 +49,7 @@ def _moe_types() -> tuple[tuple[str, ...], dict[str, str]]:
 
 MOE_MODEL_TYPES, NOT_CAUSAL_LM = _moe_types()
 
-# Per-type fixes where the generic shrinking is not enough (value: fields to set last).
+# Per-type fixes where the generic shrinking is not enough (fields given to the constructor).
 _OVERRIDES: dict[str, dict] = {
     "doge": {"is_moe": True},  # MoE (product-key "CDMoE") off by default
     "dots3_note_text": {"per_layer_config": {}},  # else sliding layers get 64 heads, rank 1024
