@@ -15,6 +15,7 @@ steps, with a :class:`~bridge.calibrate.ModelCalibrator` for the steps that need
 
 from __future__ import annotations
 
+import inspect
 from collections import Counter
 from typing import Callable, Iterable, Mapping
 
@@ -62,8 +63,20 @@ def plan(model: nn.Module, recipe, *, tree: Mapping | None = None) -> qt.Plan:
         raise ValueError(f"the recipe quantizes mixture-of-experts weights that qtransform cannot: {refused[:3]}"
                          + (f" and {len(refused) - 3} more" if len(refused) > 3 else "")
                          + "; keep them in float explicitly (type_rules={'Experts': None}, or exclude=[their paths])")
+    keep, casts = _kept_in_float32(model), _casting_callers(model)
     matches = {}
     for path, m in resolved.items():
+        kept = next((k for k in keep if f".{k}." in f".{qt.module_of(path)}."), None)
+        if m.spec is not None and kept is not None and not m.rule.startswith("rules[") and not given:
+            m = qt.Match(None, f"skipped ({type(model).__name__} keeps {kept} in float32: _keep_in_fp32_modules; "
+                         "a glob rule selects it)", m.module_type)
+        caller = casts.get(qt.module_of(path))
+        if m.spec is not None and caller is not None and not given:
+            if m.rule.startswith("rules["):
+                raise ValueError(f"{path}: recipe {m.rule} selects a weight whose caller ({caller}.forward) casts its "
+                                 "input to the weight's dtype, which a quantized module stores as integer codes; "
+                                 "keep it in float")
+            m = qt.Match(None, f"skipped ({caller}.forward casts its input to this weight's dtype)", m.module_type)
         if m.spec is not None and m.module_type == "Router" and m.rule == "default" and not given:
             m = qt.Match(None, "skipped (default: a mixture-of-experts router stays in float; a rule selects it)",
                          m.module_type)
@@ -81,6 +94,34 @@ def plan(model: nn.Module, recipe, *, tree: Mapping | None = None) -> qt.Plan:
     layout = resolved.layout if resolved.layout is not None else model_layout(model)
     return qt.Plan(resolved.recipe, matches, attention=resolved.attention, groups=groups, layout=layout,
                    transposed_experts=resolved.transposed_experts)
+
+
+def _kept_in_float32(model: nn.Module) -> tuple[str, ...]:
+    """The module names a transformers model keeps in float32 (``_keep_in_fp32_modules``, e.g. DeepSeek-V3.2's
+    ``indexer.weights_proj``, whose caller casts its input to the weight's dtype)."""
+    names = []
+    for attr in ("_keep_in_fp32_modules", "_keep_in_fp32_modules_strict"):
+        value = getattr(model, attr, None)
+        names += [v for v in (value or ()) if isinstance(v, str)]
+    return tuple(dict.fromkeys(names))
+
+
+def _casting_callers(model: nn.Module) -> dict[str, str]:
+    """``{module path: caller class}`` for the linear children whose parent's ``forward`` casts their input to
+    ``self.<child>.weight.dtype`` (DeepSeek-V3.2-style indexers' ``weights_proj``): quantized, that dtype would be
+    the codes' (an integer), so such a weight stays in float."""
+    out, sources = {}, {}
+    for name, m in model.named_modules():
+        cls = type(m)
+        if cls not in sources:
+            try:
+                sources[cls] = inspect.getsource(cls.forward)
+            except (OSError, TypeError):
+                sources[cls] = ""
+        for child, _ in m.named_children():
+            if f"self.{child}.weight.dtype" in sources[cls]:
+                out[f"{name}.{child}" if name else child] = cls.__name__
+    return out
 
 
 _FACTS = {"groups": smoothing_groups, "layout": residual_layout}

@@ -194,6 +194,7 @@ def attach_config(model: nn.Module, quantized: dict, plan: qt.Plan | None = None
             config.tie_word_embeddings = False
     if not quantized:
         return
+    config._is_quantized = True  # what transformers' own quantizers set (Jamba's Mamba mixer calls dt_proj then)
     cfg = getattr(config, "quantization_config", None)
     if not isinstance(cfg, QTransformConfig):
         cfg = QTransformConfig()
