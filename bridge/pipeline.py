@@ -208,7 +208,7 @@ def check_calibration(recipe, *, calibrated: bool) -> None:
 
 def quantize_params(model: nn.Module, recipe, *, calibration: Iterable | None = None,
                     qparams: Mapping | None = None, progress: Callable | None = None, generator=None,
-                    act_observer=None) -> Quantized:
+                    act_observer=None, all_experts: bool = False) -> Quantized:
     """Run the pipeline up to the quantized tree (the model is not changed).
 
     Args:
@@ -221,6 +221,8 @@ def quantize_params(model: nn.Module, recipe, *, calibration: Iterable | None = 
         act_observer: the observer of static activation specs (``"minmax"``, the default;
             ``"percentile"``, ``"mse"``... or ``{"name": ..., **options}``), folded over ``calibration``
             with the weights quantized.
+        all_experts: calibrate every expert of a mixture-of-experts layer on every token (the layer's output stays
+            the routed one; see :class:`~bridge.calibrate.ModelCalibrator`).
     """
     params = extract(model)
     p = plan(model, recipe, tree=params)
@@ -234,7 +236,8 @@ def quantize_params(model: nn.Module, recipe, *, calibration: Iterable | None = 
     qt.check_steps(p.steps, calibrated=calibration is not None)  # a step needing data is named first
     check_facts(model, p)
     observer = dict(act_observer) if isinstance(act_observer, Mapping) else {"name": act_observer}
-    calibrator = None if calibration is None else ModelCalibrator(model, calibration, progress=progress)
+    calibrator = None if calibration is None else ModelCalibrator(model, calibration, progress=progress,
+                                                                  all_experts=all_experts)
     qtree, fit = qt.quantize_tree(params, p, qparams=qparams, calibrator=calibrator, progress=progress,
                                   generator=generator, with_info=True)
     acts = {}
@@ -247,7 +250,7 @@ def quantize_params(model: nn.Module, recipe, *, calibration: Iterable | None = 
 
 def quantize(model: nn.Module, recipe, *, inplace: bool = False, kernel: str = "auto",
              calibration: Iterable | None = None, qparams: Mapping | None = None, progress: Callable | None = None,
-             generator=None, act_observer=None) -> nn.Module:
+             generator=None, act_observer=None, all_experts: bool = False) -> nn.Module:
     """``extract -> plan -> steps -> quantize_tree -> to_module`` in one call (:func:`quantize_params`, then
     :func:`bridge.to_module` of its result, as the ``qtransform`` command does).
 
@@ -258,5 +261,5 @@ def quantize(model: nn.Module, recipe, *, inplace: bool = False, kernel: str = "
     apart. A recipe that selects no tensor is a ``ValueError`` naming its rules.
     """
     r = quantize_params(model, recipe, calibration=calibration, qparams=qparams, progress=progress,
-                        generator=generator, act_observer=act_observer)
+                        generator=generator, act_observer=act_observer, all_experts=all_experts)
     return to_module(model, r, inplace=inplace, kernel=kernel)
