@@ -81,3 +81,23 @@ def test_every_expert_is_quantized_or_refused_by_name(model_type):
 def test_the_walk_covers_the_families_the_issue_names():
     for t in ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "gpt_oss", "olmoe"):
         assert t in MOE_MODEL_TYPES
+
+
+@pytest.mark.parametrize("model_type", ["mixtral", "gpt_oss", "qwen2_moe"])
+def test_dequantize_gives_the_float_experts_back(model_type):
+    model = build_tiny_moe(model_type)
+    qmodel = bridge.quantize(model, qt.get_preset("int8-channel").recipe, kernel="dequant")
+    ids = _tokens(model.config.vocab_size)
+    with torch.no_grad():
+        want = qmodel(ids).logits
+    qtree = bridge.extract(qmodel)
+    from bridge.hf.dequantize import dequantize_model
+
+    fmodel = dequantize_model(qmodel)
+    experts = [m for m in fmodel.modules() if type(m).__name__.endswith("Experts")]
+    assert experts and not any(isinstance(m, bridge.QExperts) for m in fmodel.modules())
+    for path, v in qtree.items():
+        if isinstance(v, qt.QTensor) and path in expert_tensors(model):
+            assert torch.equal(fmodel.get_parameter(path), qt.dequantize(v))
+    with torch.no_grad():
+        torch.testing.assert_close(fmodel(ids).logits, want, rtol=1e-4, atol=1e-5)
