@@ -13,9 +13,11 @@ from bridge.app.streaming import to_host
 
 from .tiny_moe import build_tiny_moe
 
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device here (make test-gpu on a GPU machine)")
 IDS = torch.tensor([[3, 7, 1, 9, 22, 5, 14, 2, 8, 31, 4, 6]])
 
 
+@needs_cuda
 @pytest.mark.cuda
 @pytest.mark.parametrize("model_type", ["mixtral", "gpt_oss"])
 def test_qexperts_forward_on_cuda_equals_cpu(model_type):
@@ -26,6 +28,7 @@ def test_qexperts_forward_on_cuda_equals_cpu(model_type):
     torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-4)
 
 
+@needs_cuda
 @pytest.mark.cuda
 def test_gptq_per_expert_on_cuda_matches_cpu_but_at_near_ties():
     model = build_tiny_moe("qwen3_moe")
