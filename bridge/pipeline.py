@@ -90,6 +90,13 @@ def plan(model: nn.Module, recipe, *, tree: Mapping | None = None) -> qt.Plan:
         if m.spec is not None:
             _check_grid(path, m, tuple(tree[path].shape))
         matches[path] = m
+    resolve = getattr(resolved.recipe, "resolve_activation", None)
+    outputs = [p for p, m in matches.items() if m.spec is not None and m.module_type == "Experts" and resolve
+               and resolve(p, "output").spec is not None]
+    if outputs:
+        raise ValueError(f"{outputs[0]}: the recipe quantizes the output of a stacked experts weight; experts take input "
+                         "quantizers only (their outputs are summed over the routed experts): drop the output spec for "
+                         f"them (act_rules={{'*.experts.*:output': None}})")
     groups = resolved.groups if resolved.groups is not None else model_groups(model)
     layout = resolved.layout if resolved.layout is not None else model_layout(model)
     return qt.Plan(resolved.recipe, matches, attention=resolved.attention, groups=groups, layout=layout,

@@ -67,3 +67,14 @@ def test_qexperts_keep_their_codes_through_to_and_state_dict():
     with pytest.raises(ValueError, match="the experts need"):
         experts.set_qtensor("down_proj", qt.quantize(torch.zeros(2, 3, 4), qt.choose_qparams(
             torch.zeros(2, 3, 4), qt.stacked_spec(qt.QuantSpec(format="int8"), (2, 3, 4)))))
+
+
+def test_an_output_quantizer_on_experts_is_refused_by_name():
+    model = build_tiny_moe("mixtral")
+    spec = qt.QuantSpec(format="int8", dynamic=True, granularity=qt.PerChannel(0))
+    recipe = qt.Recipe(type_rules={"Linear": qt.QuantSpec(format="int8")}, exclude=["lm_head*"], output=spec)
+    with pytest.raises(ValueError, match=r"model.layers.0.mlp.experts.gate_up_proj: the recipe quantizes the output"):
+        bridge.plan(model, recipe)
+    ok = qt.Recipe(type_rules={"Linear": qt.QuantSpec(format="int8")}, exclude=["lm_head*"], output=spec,
+                   act_rules={"*.experts.*:output": None})
+    assert bridge.plan(model, ok).activations
