@@ -25,6 +25,7 @@ them, are refused by name (:class:`~bridge.CheckpointError` naming the file and 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import torch
@@ -35,6 +36,7 @@ from ...checkpoint import metadata, store
 from ...checkpoint.metadata import CheckpointError, Entry, Metadata
 from ...checkpoint.tree_io import CONFIG
 from . import config as ct_config
+from .. import experts
 from ..base import Importer, Source, verify_shards
 from .model import matches, skeleton
 from .tensors import from_ct, reciprocal
@@ -155,6 +157,7 @@ class CompressedTensorsImporter(Importer):
                     add_activation(qt.Site(mname, role), qc["kv_cache_scheme"])
         _check_leftovers(located, handles, claimed, hint_weights, entries, root)
         tree.update({n: read(n) for n in located if n not in claimed})
+        tree, entries = experts.fuse(tree, entries, plain, where=root)  # per-expert weights: our stacked experts
         aliases = {a: t for a, t in (hint.get("aliases") or {}).items() if t in tree and a not in tree}
         tree.update({a: tree[t] for a, t in aliases.items()})
         hmeta = self._hint_meta(hint)
@@ -282,6 +285,12 @@ def _check_leftovers(located, handles, claimed: set, hinted: dict, entries: dict
                               "not stored as quantized (a scale deleted or renamed)")
 
 
+#: A per-expert projection of a mixture-of-experts checkpoint (``...experts.3.gate_proj``, Mixtral's ``w1``...):
+#: no module of the transformers model (its experts are one module), selected by ``"Linear"`` targets as vLLM does.
+_PIECE = re.compile(r"^.+\.experts\.\d+\.[A-Za-z0-9_]+$")
+_EXPERT_LINEAR = torch.nn.Linear(1, 1, device="meta")
+
+
 def _resolver(qc: dict, config: dict, root: Path):
     """``scheme_of(module name)``: the ``config_groups`` scheme that selects a module holding quantization
     tensors (names and regexes first; class names on the model built on the ``meta`` device)."""
@@ -297,6 +306,8 @@ def _resolver(qc: dict, config: dict, root: Path):
                     raise CheckpointError(f"{root}: config_groups target module classes: {why}")
                 built["modules"] = dict(model.named_modules())
             module = built["modules"].get(mname)
+            if module is None and _PIECE.match(mname):  # one expert's projection: a Linear, as vLLM's FusedMoE reads it
+                module = _EXPERT_LINEAR
             named = [g for g in groups.values() if module is not None and matches(mname, module, g.get("targets", []))]
         if not named or matches(mname, module, ignore):
             raise CheckpointError(f"{root}: {mname} has quantization tensors but no config_groups scheme selects it")
