@@ -43,6 +43,7 @@ import qtransform as qt
 from ...checkpoint import metadata, store
 from ...checkpoint.metadata import Entry
 from ...modules.actquant import PREFIX
+from ...tree import module_types
 from . import config as ct_config
 from .. import experts as moe
 from ..base import Exporter, Source, Support, copy_extras, judged_spec, write_config
@@ -69,7 +70,7 @@ class _Plan(NamedTuple):
     kv: dict | None                            # the kv_cache_scheme
     specs: dict[str, qt.QuantSpec]             # exported spec per weight path
     activations: dict[qt.Site, qt.QuantSpec]   # exported activation specs
-    linears: list[str]                         # every nn.Linear of the model (for "Linear" targets)
+    linears: list[str]                         # every nn.Linear and router of the model (for "Linear" targets)
     problems: list[str]
     untie: bool = False                        # the output embedding is quantized: transformers must not tie it
     arch: str = ""                             # the model class (for configs that do not name it)
@@ -201,7 +202,8 @@ def _plan(source: Source, allow_nearest: bool) -> _Plan:
                             f"{len(kv_specs)} key/value sites with {len(set(kv_specs.values()))} spec(s)")
         else:
             kv = ct_config.activation_args(next(iter(kv_specs.values())), "key")
-    linears = sorted(moe.export_name(n, naming) for n, m in modules.items() if isinstance(m, nn.Linear))
+    routers = {p.rpartition(".")[0] for p, kind in module_types(model).items() if kind == "Router"}
+    linears = sorted(moe.export_name(n, naming) for n, m in modules.items() if isinstance(m, nn.Linear) or n in routers)
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     head_name = next((n for n, m in modules.items() if head is not None and m is head), None)
     untie = bool(source.config.get("tie_word_embeddings")) and f"{head_name}.weight" in specs
