@@ -39,7 +39,7 @@ import qtransform as qt
 from ..checkpoint.metadata import CheckpointError, Entry
 from ..modules.experts import expert_weights, is_experts
 
-__all__ = ["Naming", "NAMINGS", "ExpertsInfo", "experts_modules", "naming_of", "export_name", "import_name",
+__all__ = ["Naming", "NAMINGS", "ExpertsInfo", "experts_modules", "routers", "naming_of", "export_name", "import_name",
            "refusal", "pieces", "row_block", "take_rows", "cat_rows", "fuse", "ignore_pattern"]
 
 
@@ -76,6 +76,22 @@ def experts_modules(model: nn.Module) -> dict[str, ExpertsInfo]:
     return {n: ExpertsInfo(expert_weights(m), bool(getattr(m, "is_transposed", False)),
                            bool(getattr(m, "has_bias", False)))
             for n, m in model.named_modules() if is_experts(m)}
+
+
+def routers(model: nn.Module) -> list[str]:
+    """Module names of the routers beside each experts module: siblings whose 2-D ``weight`` scores the experts (one
+    row per expert) or gates a shared expert (one row); transformers 5's are ``nn.Linear`` or a router class."""
+    out = []
+    for name, m in model.named_modules():
+        if not is_experts(m) or "." not in name:
+            continue
+        parent = name.rpartition(".")[0]
+        count = getattr(m, "num_experts", None)
+        for child, c in model.get_submodule(parent).named_children():
+            w = getattr(c, "weight", None)
+            if c is not m and isinstance(w, torch.Tensor) and w.dim() == 2 and w.shape[0] in (count, 1):
+                out.append(f"{parent}.{child}")
+    return out
 
 
 def naming_of(config: dict) -> Naming | None:

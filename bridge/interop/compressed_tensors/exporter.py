@@ -43,7 +43,6 @@ import qtransform as qt
 from ...checkpoint import metadata, store
 from ...checkpoint.metadata import Entry
 from ...modules.actquant import PREFIX
-from ...tree import module_types
 from . import config as ct_config
 from .. import experts as moe
 from ..base import Exporter, Source, Support, copy_extras, judged_spec, write_config
@@ -202,7 +201,7 @@ def _plan(source: Source, allow_nearest: bool) -> _Plan:
                             f"{len(kv_specs)} key/value sites with {len(set(kv_specs.values()))} spec(s)")
         else:
             kv = ct_config.activation_args(next(iter(kv_specs.values())), "key")
-    routers = {p.rpartition(".")[0] for p, kind in module_types(model).items() if kind == "Router"}
+    routers = set(moe.routers(model))  # float in vLLM's MoE models; named in ignore all the same
     linears = sorted(moe.export_name(n, naming) for n, m in modules.items() if isinstance(m, nn.Linear) or n in routers)
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     head_name = next((n for n, m in modules.items() if head is not None and m is head), None)
