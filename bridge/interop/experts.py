@@ -147,14 +147,14 @@ def row_block(spec: qt.QuantSpec) -> int | None:
 def refusal(path: str, info: ExpertsInfo, naming: Naming | None, spec: qt.QuantSpec | None, shape, *,
             target: str) -> str | None:
     """Why the stacked weight ``path`` (``spec`` ``None``: float) cannot be written per expert, or ``None``."""
-    if naming is None:
-        return (f"{path}: mixture-of-experts weights of this model type: {target} export knows per-expert names "
-                f"for the model types {sorted(NAMINGS)} only")
     if info.transposed:
         return (f"{path}: experts stored transposed (experts, in, out) (GPT-OSS): {target} has no per-expert form "
                 "for them here")
     if info.has_bias:
         return f"{path}: experts with biases: {target} export writes per-expert weights without biases only"
+    if naming is None:
+        return (f"{path}: mixture-of-experts weights of this model type: {target} export knows per-expert names "
+                f"for the model types {sorted(NAMINGS)} only")
     if spec is not None and path.endswith(".gate_up_proj"):
         m = qt.matrix_spec(spec, tuple(shape))
         block, half = row_block(m), shape[1] // 2
