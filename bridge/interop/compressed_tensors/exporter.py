@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import NamedTuple
+from typing import Iterator, NamedTuple
 
 import torch
 from torch import nn
@@ -267,18 +267,19 @@ def _act_tensors(source: Source, site: qt.Site, spec: qt.QuantSpec) -> dict[str,
     return out
 
 
-def _tensor_groups(source: Source, plan: _Plan) -> list[dict[str, torch.Tensor]]:
-    """The tensors to write, one group per layer (kept in one shard)."""
-    groups, claimed = [], set()
+def _tensor_groups(source: Source, plan: _Plan) -> Iterator[dict[str, torch.Tensor]]:
+    """The tensors to write, one group per layer (kept in one shard), made as the shards are written: a layer's
+    compressed form (one expert's projection for experts) is built when its shard is."""
+    claimed = set()
     for name, layer in plan.layers.items():
         if layer.weight is not None:
             parts = to_ct(layer.weight, _kind(layer), args=layer.mapping.args, where=f"{name}.weight")
-            groups.append({f"{name}.{k}": v for k, v in parts.items()})
+            yield {f"{name}.{k}": v for k, v in parts.items()}
             claimed.add(f"{name}.weight")
     for site, spec in plan.activations.items():
         if not spec.dynamic:
             acts = _act_tensors(source, site, spec)
-            groups.append(acts)
+            yield acts
             claimed |= {f"{site.module}.{PREFIX[site.role]}{f}" for f in qt.QParams.FIELDS}
     tied = bool(source.config.get("tie_word_embeddings", True)) and not plan.untie
     experts = {moe.import_name(x, plan.naming) for x in plan.experts} if plan.naming is not None else set()
@@ -288,10 +289,9 @@ def _tensor_groups(source: Source, plan: _Plan) -> list[dict[str, torch.Tensor]]
         if path in source.meta.aliases and (tied or isinstance(leaf, qt.QTensor)):
             continue  # transformers ties it on load (save_pretrained stores tied tensors once too)
         if path.rpartition(".")[0] in experts and leaf.dim() == 3:  # float experts: per-expert weights too
-            groups.append({f"{name}.weight": t for name, t in moe.pieces(path, leaf, plan.naming)})
+            yield {f"{name}.weight": t for name, t in moe.pieces(path, leaf, plan.naming)}
             continue
-        groups.append({moe.export_name(path, plan.naming): leaf})
-    return groups
+        yield {moe.export_name(path, plan.naming): leaf}
 
 
 def _hint(source: Source, plan: _Plan) -> str:

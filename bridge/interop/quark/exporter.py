@@ -144,42 +144,44 @@ class QuarkExporter(Exporter):
         linear = [name(n) for n, t in types.items() if t is torch.nn.Linear] + [name(n) for n in experts]
         meta = source.meta
         layers = {m: dict(_EMPTY) for m in linear}
-        groups, consumed, entries = [], set(), {}
-        for path, entry in meta.entries.items():
-            m = _module(path)
-            layers[name(m)]["weight"] = qc.tensor_config(judged_spec(path, entry), "weight")
-            consumed.add(path)
-            if m not in experts:
-                groups.append({f"{name(m)}.{k}": v for k, v in to_quark(source.tree[path], path).items()})
-                entries[name(path)] = entry
-                continue
-            for piece, q in moe.pieces(path, source.tree[path], naming):
-                groups.append({f"{piece}.{k}": v for k, v in to_quark(q, f"{piece}.weight").items()})
-                entries[f"{piece}.weight"] = metadata.Entry(q.spec, tuple(q.shape), q.dtype)
-        for site, spec in meta.activations.items():
-            names = {f: f"{site.module}.{PREFIX[site.role]}{f}" for f in qt.QParams.FIELDS}
-            consumed |= set(names.values())
-            if site.role in _KV_PROJ:
-                proj, role = f"{site.module}.{_KV_PROJ[site.role]}", "output"
-            else:
-                proj, role = name(site.module), site.role
-            layers[proj][f"{role}_tensors"] = qc.tensor_config(spec, site.role)
-            groups.append(_activation_tensors(source.tree, names, spec, f"{proj}.{role}_"))
-        seen = {}
-        for path, leaf in source.tree.items():
-            if path in consumed:
-                continue
-            if _module(path) in experts and naming is not None and leaf.dim() == 3:  # float experts, per expert too
-                groups.append({f"{piece}.weight": t for piece, t in moe.pieces(path, leaf, naming)})
-                continue
-            key = (leaf.untyped_storage().data_ptr(), leaf.storage_offset(), tuple(leaf.shape), leaf.dtype)
-            groups.append({name(path): leaf.clone() if leaf.numel() and key in seen else leaf})
-            seen.setdefault(key, path)
+        consumed, entries, seen = set(), {}, {}
+
+        def produce():  # the tensors, one layer (one expert's projection) at a time: written as they come
+            for path, entry in meta.entries.items():
+                m = _module(path)
+                layers[name(m)]["weight"] = qc.tensor_config(judged_spec(path, entry), "weight")
+                consumed.add(path)
+                if m not in experts:
+                    yield {f"{name(m)}.{k}": v for k, v in to_quark(source.tree[path], path).items()}
+                    entries[name(path)] = entry
+                    continue
+                for piece, q in moe.pieces(path, source.tree[path], naming):
+                    yield {f"{piece}.{k}": v for k, v in to_quark(q, f"{piece}.weight").items()}
+                    entries[f"{piece}.weight"] = metadata.Entry(q.spec, tuple(q.shape), q.dtype)
+            for site, spec in meta.activations.items():
+                names = {f: f"{site.module}.{PREFIX[site.role]}{f}" for f in qt.QParams.FIELDS}
+                consumed.update(names.values())
+                if site.role in _KV_PROJ:
+                    proj, role = f"{site.module}.{_KV_PROJ[site.role]}", "output"
+                else:
+                    proj, role = name(site.module), site.role
+                layers[proj][f"{role}_tensors"] = qc.tensor_config(spec, site.role)
+                yield _activation_tensors(source.tree, names, spec, f"{proj}.{role}_")
+            for path, leaf in source.tree.items():
+                if path in consumed:
+                    continue
+                if _module(path) in experts and naming is not None and leaf.dim() == 3:  # float experts: per expert
+                    yield {f"{piece}.weight": t for piece, t in moe.pieces(path, leaf, naming)}
+                    continue
+                key = (leaf.untyped_storage().data_ptr(), leaf.storage_offset(), tuple(leaf.shape), leaf.dtype)
+                yield {name(path): leaf.clone() if leaf.numel() and key in seen else leaf}
+                seen.setdefault(key, path)
+
+        store.write_shards(out, produce(), file_metadata={"format": "pt"})
         config = dict(source.config)
         if not config.get("architectures"):  # vLLM picks the model class by it
             config["architectures"] = [arch]
         config["quantization_config"] = quantization_config(layers, linear, meta._replace(entries=entries))
-        store.write_shards(out, groups, file_metadata={"format": "pt"})
         write_config(out, config)
         copy_extras(source, out)
 
@@ -193,8 +195,8 @@ def _experts_problems(source: Source, experts: dict, naming) -> list[str]:
         paths = [f"{module}.{w}" for w in info.weights if f"{module}.{w}" in source.meta.entries]
         specs = {judged_spec(p, source.meta.entries[p]) for p in paths}
         if len(specs) > 1:
-            out.append(f"{module}: its experts' projections are quantized with different specs ({sorted(map(str, specs))}"
-                       "); vLLM takes one Quark layer config per experts module")
+            out.append(f"{module}: its experts' projections are quantized with different specs "
+                       f"({sorted(map(str, specs))}); vLLM takes one Quark layer config per experts module")
         for path in paths:
             entry = source.meta.entries[path]
             why = moe.refusal(path, info, naming, entry.spec, entry.shape, target="Quark")
