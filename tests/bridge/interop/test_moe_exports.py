@@ -29,6 +29,7 @@ import transformers as tf
 import bridge
 import qtransform as qt
 from bridge import interop
+from bridge.app.imported import load_imported
 from bridge.interop import experts as moe
 
 IDS = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(3))
@@ -90,6 +91,8 @@ def _imports_back(arch, q, ckpt, out, to):
     _same_tree(interop.IMPORTERS[to].read(out), interop.read_source(ckpt))
     loaded = bridge.load(out, like=_model(arch, seed=1))
     assert torch.equal(loaded(IDS).logits, q(IDS).logits)
+    built = load_imported(out)  # the command's way: the model from the export's own config.json
+    assert type(built) is type(loaded) and torch.equal(built(IDS).logits, q(IDS).logits)
 
 
 # (name, shape, safetensors dtype) of layer 1, expert 3: written literally from the facts above
@@ -229,3 +232,16 @@ def test_gguf_refuses_mixture_of_experts_by_name(tmp_path):
     bridge.save(bridge.quantize(_model("mixtral"), qt.get_preset("int4-g32").recipe), tmp_path / "ckpt")
     with pytest.raises(ValueError, match="architecture .mixtral. is a mixture-of-experts model .4 experts."):
         interop.export(tmp_path / "ckpt", to="gguf", out=tmp_path / "gguf", allow_nearest=True)
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe"])
+def test_transformers_from_pretrained_reads_the_compressed_tensors_export(arch, tmp_path):
+    """transformers' compressed-tensors loader decompresses the per-expert tensors and fuses them (its conversion
+    mapping; int8 layers are decompressed on load): every weight is our dequantized weight, bit for bit."""
+    _, ckpt, out = _export(arch, "int8-channel", "compressed-tensors", tmp_path)
+    model = tf.AutoModelForCausalLM.from_pretrained(out).eval()
+    model(IDS)  # compressed-tensors decompresses the int8 layers on the first forward
+    state = model.state_dict()
+    for path, leaf in interop.read_source(ckpt).tree.items():
+        want = qt.dequantize(leaf) if isinstance(leaf, qt.QTensor) else leaf
+        assert torch.equal(state[path], want), path
