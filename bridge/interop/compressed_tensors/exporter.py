@@ -16,6 +16,14 @@ and generation files. What maps to what (:mod:`.config`):
 * ``mxfp4``, ``mxfp6_e2m3``, ``mxfp8_e4m3`` and ``nvfp4`` are ``mxfp4-pack-quantized``,
   ``mxfp6-pack-quantized``, ``mxfp8-quantized`` and ``nvfp4-pack-quantized``.
 
+Mixture-of-experts weights (the stacked ``<experts>.gate_up_proj`` / ``down_proj`` of transformers 5) are written
+one 2-D layer per expert and projection under the original checkpoint names that transformers' ``save_pretrained``
+and vLLM's fused-MoE loaders use (Mixtral ``block_sparse_moe.experts.{e}.w1``/``w3``/``w2``, Qwen-MoE
+``mlp.experts.{e}.gate_proj``/``up_proj``/``down_proj``: :mod:`bridge.interop.experts`); a ``"Linear"`` target covers
+them (vLLM gives FusedMoE layers the ``Linear`` scheme), float experts and routers are named in ``ignore``.
+Experts stored transposed (GPT-OSS), of model types without known per-expert names, whose scale blocks straddle
+the gate/up boundary, or whose projections differ in scheme, are refused by path.
+
 All of these are exact: the codes and scales are ours, bit for bit. Float zero points (HQQ), fp8
 e5m2 and the other element types compressed-tensors lacks are ``"nearest"``: with
 ``allow_nearest`` the weight is dequantized and re-quantized to :func:`.config.nearest` (its

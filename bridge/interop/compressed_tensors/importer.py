@@ -13,7 +13,9 @@ tensor stores the same bits (the same compressed-tensors args, the tensors read 
 the importer takes it, so calibration-only fields (``symmetric_range``, ``pad``...), unsigned
 formats, the recipe and tied paths come back as they were: export then import gives the same tree.
 Act-order permutations (``weight_g_idx`` other than ``i // group_size``) have no equivalent in our
-checkpoints and are refused.
+checkpoints and are refused. Per-expert weights of mixture-of-experts checkpoints (``...experts.{e}.gate_proj``,
+Mixtral's ``w1``; quantized or float) are selected by ``"Linear"`` targets and stacked back into our experts paths
+(:func:`bridge.interop.experts.fuse`).
 
 Before anything is built, :func:`~bridge.interop.compressed_tensors.validate.check_config` checks the config's
 keys and types, the digests our exporter writes into the shards are verified (``verify=False`` skips them),

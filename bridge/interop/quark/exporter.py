@@ -17,6 +17,10 @@ The export is a transformers checkpoint directory: ``config.json`` (the model's 
 * ``qtransform``: our own metadata (specs, logical dtypes, recipe), which Quark and vLLM ignore and
   :class:`~bridge.interop.quark.QuarkImporter` uses to give back the very same specs.
 
+Mixture-of-experts weights are written per expert and projection under the original checkpoint names
+(:mod:`bridge.interop.experts`); each experts module has one layer config, found by its name as vLLM's Quark MoE
+method looks it up (``layer_quant_config`` pattern, else the global config).
+
 Quark quantizes ``nn.Linear`` layers only: quantized embeddings, transformers' ``Conv1D`` (GPT-2) and
 fused attention projections without ``k_proj``/``v_proj`` for a KV cache are refused by tree path.
 """

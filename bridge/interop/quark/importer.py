@@ -9,7 +9,9 @@ config has a weight spec and the checkpoint holds ``<layer>.weight_scale``; its 
 (:func:`~bridge.interop.quark.tensors.from_quark`). Static activation scales become
 ``<layer>.input_scale`` / ``output_scale`` (and zero points); the outputs of the
 ``export.kv_cache_group`` projections ``k_proj`` / ``v_proj`` become the attention module's
-``k_scale`` / ``v_scale``. Everything else (biases, norms, embeddings, unquantized layers) is copied.
+``k_scale`` / ``v_scale``. Everything else (biases, norms, embeddings, unquantized layers) is copied. Per-expert
+weights (``...experts.{e}.gate_proj``, Mixtral's ``w1``) take their experts module's config (as vLLM resolves a
+FusedMoE layer's) and are stacked back into our experts paths (:func:`bridge.interop.experts.fuse`).
 
 A checkpoint that :class:`~bridge.interop.quark.QuarkExporter` wrote carries our specs under
 ``quantization_config["qtransform"]``: where one decodes like the spec read from Quark's fields,
