@@ -61,7 +61,7 @@ def _skeleton(config_json: str, paths: tuple[str, ...]) -> tuple[dict, str | Non
     out = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     out_name = next((n for n, m in model.named_modules() if m is out), None) if out is not None else None
     tied = bool(getattr(model.config, "tie_word_embeddings", False))
-    return types, (out_name if tied else None), type(model).__name__, moe.experts_modules(model)
+    return types, (out_name if tied else None), type(model).__name__, moe.experts_modules(model), moe.routers(model)
 
 
 def skeleton(source: Source) -> tuple[dict, str | None, str]:
@@ -73,11 +73,12 @@ def skeleton(source: Source) -> tuple[dict, str | None, str]:
     return _skeleton(json.dumps(source.config, sort_keys=True, default=str), paths)[:3]
 
 
-def experts_of(source: Source) -> dict:
-    """``{experts module name: ExpertsInfo}`` of the model :func:`skeleton` builds (:mod:`bridge.interop.experts`)."""
+def experts_of(source: Source) -> tuple[dict, list[str]]:
+    """``({experts module name: ExpertsInfo}, router module names)`` of the model :func:`skeleton` builds
+    (:mod:`bridge.interop.experts`)."""
     paths = tuple(sorted(p for p in list(source.tree) + list(source.meta.entries)
                          if p.endswith((".weight", ".bias"))))
-    return _skeleton(json.dumps(source.config, sort_keys=True, default=str), paths)[3]
+    return _skeleton(json.dumps(source.config, sort_keys=True, default=str), paths)[3:]
 
 
 def _module(path: str) -> str:
@@ -107,7 +108,7 @@ class QuarkExporter(Exporter):
             return out + [f"{source.directory}: {e}" if source.config else
                           f"{source.directory}: no transformers config.json (Quark exports transformers models)"]
         linear = {n for n, t in types.items() if t is torch.nn.Linear}
-        experts, naming = experts_of(source), moe.naming_of(source.config)
+        (experts, _), naming = experts_of(source), moe.naming_of(source.config)
         out += _experts_problems(source, experts, naming)
         for path, entry in source.meta.entries.items():
             m = _module(path)
@@ -141,11 +142,12 @@ class QuarkExporter(Exporter):
     # ------------------------------------------------------------------ writing
     def write(self, source: Source, out: Path, *, allow_nearest: bool = False) -> None:
         types, _, arch = skeleton(source)
-        experts, naming = experts_of(source), moe.naming_of(source.config)
+        (experts, routers), naming = experts_of(source), moe.naming_of(source.config)
         name = functools.partial(moe.export_name, naming=naming)
         # experts modules stand beside the linear layers: one layer config each (vLLM resolves a FusedMoE layer's by
-        # its name), their weights written per expert
-        linear = [name(n) for n, t in types.items() if t is torch.nn.Linear] + [name(n) for n in experts]
+        # its name), their weights written per expert; routers too (float: excluded by name)
+        linear = [name(n) for n, t in types.items() if t is torch.nn.Linear or n in routers] + \
+            [name(n) for n in experts]
         meta = source.meta
         layers = {m: dict(_EMPTY) for m in linear}
         consumed, entries, seen = set(), {}, {}

@@ -197,6 +197,16 @@ def test_quark_writes_experts_per_expert_and_reads_them_back(arch, name, tmp_pat
     _imports_back(arch, q, ckpt, out, "quark")
 
 
+def test_quark_float_experts_are_written_per_expert_and_excluded(tmp_path):
+    q, ckpt, out = _export("qwen2_moe", "int4-g32-no-experts", "quark", tmp_path)
+    assert _stored(out)["model.layers.0.mlp.experts.1.up_proj.weight"] == ((32, 64), "F32")
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    for module in ("model.layers.0.mlp.experts", "model.layers.1.mlp.gate", "model.layers.0.mlp.shared_expert_gate"):
+        assert any(fnmatch_any(module, p) for p in qc["exclude"]), module
+    assert not any(fnmatch_any("model.layers.0.mlp.shared_expert.up_proj", p) for p in qc["exclude"])
+    _imports_back("qwen2_moe", q, ckpt, out, "quark")
+
+
 def fnmatch_any(name, pattern):
     import fnmatch
 
