@@ -7,7 +7,8 @@ of this one, named alike inside: ``exporter.py`` (its :class:`Exporter`), ``impo
 :class:`Importer`, where it has one), ``tensors.py`` (a quantized tensor as the target stores it, and
 back) and the target's own helpers (``config.py``, ``model.py``, ``arch.py``, ``graph.py``); its
 ``__init__`` registers both, and importing this package imports every target.
-:mod:`.hf_model` builds the transformers model a checkpoint's ``config.json`` describes, for all of them.
+:mod:`.hf_model` builds the transformers model a checkpoint's ``config.json`` describes, for all of them;
+:mod:`.experts` writes mixture-of-experts weights per expert under the original checkpoint names, and back.
 """
 
 from .base import (EXPORTERS, EXTRA_FILES, IMPORTERS, SUPPORT_KINDS, Exporter, Importer, Source, Support,

@@ -28,11 +28,12 @@ from ..checkpoint import checksum, store
 from ..checkpoint.layout import dtype_from_name
 from ..checkpoint.metadata import CheckpointError, Metadata
 from ..checkpoint.tree_io import CONFIG, TOKENIZER_FILES, load_tree, read_metadata
+from ..modules.experts import EXPERT_WEIGHTS
 
 __all__ = ["Source", "Support", "Exporter", "EXPORTERS", "register_exporter", "Importer", "IMPORTERS",
            "register_importer", "detect_format", "read_source", "read_imported", "verify_digests", "verify_shards",
            "export",
-           "EXTRA_FILES", "copy_extras", "write_config", "SUPPORT_KINDS"]
+           "EXTRA_FILES", "copy_extras", "write_config", "SUPPORT_KINDS", "judged_spec"]
 
 #: What :meth:`Exporter.support` answers: the target holds the spec bit for bit, holds the nearest
 #: format it has (extra error, said in the note), or cannot hold it.
@@ -89,7 +90,7 @@ class Exporter(abc.ABC):
         Targets with whole-model conditions (an architecture, online rotations) extend it."""
         out = []
         for path, entry in source.meta.entries.items():
-            out += self._judge(path, entry.spec, "weight", allow_nearest)
+            out += self._judge(path, judged_spec(path, entry), "weight", allow_nearest)
         for site, spec in source.meta.activations.items():
             out += self._judge(f"{site.module}:{site.role}", spec, site.role, allow_nearest)
         for site in source.meta.online:
@@ -105,6 +106,15 @@ class Exporter(abc.ABC):
             extra = " (pass allow_nearest=True / --allow-nearest to accept it)" if s.kind == "nearest" else ""
             return [f"{where}: {spec}: {s.note or 'not expressible'}{extra}"]
         return []
+
+
+def judged_spec(path: str, entry) -> qt.QuantSpec:
+    """The spec a target is asked about for the tree entry ``path``: a stacked experts weight (a 3-D
+    ``<experts>.gate_up_proj``/``up_proj``/``down_proj``, :mod:`bridge.modules.experts`) by the spec of one
+    expert's matrix (:func:`qtransform.matrix_spec`), which is what per-expert exports write."""
+    if len(entry.shape) == 3 and path.rpartition(".")[2] in EXPERT_WEIGHTS:
+        return qt.matrix_spec(entry.spec, tuple(entry.shape))
+    return entry.spec
 
 
 class Importer(abc.ABC):

@@ -16,6 +16,14 @@ and generation files. What maps to what (:mod:`.config`):
 * ``mxfp4``, ``mxfp6_e2m3``, ``mxfp8_e4m3`` and ``nvfp4`` are ``mxfp4-pack-quantized``,
   ``mxfp6-pack-quantized``, ``mxfp8-quantized`` and ``nvfp4-pack-quantized``.
 
+Mixture-of-experts weights (the stacked ``<experts>.gate_up_proj`` / ``down_proj`` of transformers 5) are written
+one 2-D layer per expert and projection under the original checkpoint names that transformers' ``save_pretrained``
+and vLLM's fused-MoE loaders use (Mixtral ``block_sparse_moe.experts.{e}.w1``/``w3``/``w2``, Qwen-MoE
+``mlp.experts.{e}.gate_proj``/``up_proj``/``down_proj``: :mod:`bridge.interop.experts`); a ``"Linear"`` target covers
+them (vLLM gives FusedMoE layers the ``Linear`` scheme), float experts and routers are named in ``ignore``.
+Experts stored transposed (GPT-OSS), of model types without known per-expert names, whose scale blocks straddle
+the gate/up boundary, or whose projections differ in scheme, are refused by path.
+
 All of these are exact: the codes and scales are ours, bit for bit. Float zero points (HQQ), fp8
 e5m2 and the other element types compressed-tensors lacks are ``"nearest"``: with
 ``allow_nearest`` the weight is dequantized and re-quantized to :func:`.config.nearest` (its
@@ -33,7 +41,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import NamedTuple
+from typing import Iterator, NamedTuple
 
 import torch
 from torch import nn
@@ -44,7 +52,8 @@ from ...checkpoint import metadata, store
 from ...checkpoint.metadata import Entry
 from ...modules.actquant import PREFIX
 from . import config as ct_config
-from ..base import Exporter, Source, Support, copy_extras, write_config
+from .. import experts as moe
+from ..base import Exporter, Source, Support, copy_extras, judged_spec, write_config
 from .importer import GLOBAL_SCALES_KEY, HINT_KEY
 from .model import QUANTIZABLE, is_cached_attention, skeleton
 from .tensors import to_ct
@@ -68,10 +77,13 @@ class _Plan(NamedTuple):
     kv: dict | None                            # the kv_cache_scheme
     specs: dict[str, qt.QuantSpec]             # exported spec per weight path
     activations: dict[qt.Site, qt.QuantSpec]   # exported activation specs
-    linears: list[str]                         # every nn.Linear of the model (for "Linear" targets)
+    linears: list[str]                         # every nn.Linear and router of the model (for "Linear" targets)
     problems: list[str]
     untie: bool = False                        # the output embedding is quantized: transformers must not tie it
     arch: str = ""                             # the model class (for configs that do not name it)
+    claimed: frozenset = frozenset()           # tree paths the layers write (experts: as per-expert pieces)
+    experts: tuple = ()                        # checkpoint names of the experts modules
+    naming: moe.Naming | None = None           # per-expert names of this model type (bridge.interop.experts)
 
 
 def _model_dtype(config: dict) -> torch.dtype | None:
@@ -85,6 +97,45 @@ def _fits(src: torch.dtype, dst: torch.dtype) -> bool:
     return src == dst or dst == torch.float32 or (src == torch.float16 and dst == torch.float32)
 
 
+def _weight_layer(path: str, q: qt.QTensor, mdtype, allow_nearest: bool, problems: list) -> tuple | None:
+    """``(_Layer, exported spec)`` of one 2-D quantized weight (re-quantized to the nearest spec, scales rounded to
+    the model's dtype with ``allow_nearest``), or ``None`` with the reason appended to ``problems``."""
+    spec = ct_config.nearest(q.spec)
+    mapping = ct_config.weight_mapping(spec)
+    cols = q.shape[-1]
+    size = mapping.args.get("group_size")
+    if size and cols % size:
+        problems.append(f"{path}: group size {size} does not divide the {cols} input features "
+                        "(compressed-tensors needs whole groups)")
+        return None
+    if spec != q.spec:  # re-quantized; integer zero points: the MSE-searched range (10.6 % rather than
+        w = qt.dequantize(q)  # 11.7 % weight error from HQQ's 7.1 % on SmolLM2, where min/max is worse)
+        q = qt.quantize(w, qt.choose_qparams(w, spec, observer="mse" if spec.fmt.family == "int" else None))
+    if mdtype is not None and q.qparams.scale.is_floating_point() and mapping.kind in ("pack", "int", "float") \
+            and not _fits(q.qparams.scale.dtype, mdtype):
+        if not allow_nearest:
+            problems.append(f"{path}: {q.qparams.scale.dtype} scales in a {mdtype} model (compressed-tensors "
+                            "holds scales in the model's dtype; quantize the model in float32, or pass "
+                            f"allow_nearest=True / --allow-nearest to round them to {mdtype})")
+            return None
+        spec = spec.replace(scale_dtype=str(mdtype).removeprefix("torch."))
+        qp = qt.QParams(spec=spec, **{**q.qparams.tensors(), "scale": q.qparams.scale.to(mdtype)})
+        q = qt.QTensor(codes=q.codes, qparams=qp, width=q.width, dtype=q.dtype)
+    return _Layer(q, mapping, None, None), spec
+
+
+def _experts_schemes(layers: dict, experts: dict, naming) -> list[str]:
+    """vLLM's fused-MoE loaders take one scheme for all projections of an experts module: refuse others by name."""
+    out = []
+    for module in experts:
+        prefix = moe.export_name(module, naming) + "."
+        args = {json.dumps(layer.mapping.args, sort_keys=True) for n, layer in layers.items() if n.startswith(prefix)}
+        if len(args) > 1:
+            out.append(f"{module}: its experts' projections are quantized with {len(args)} different schemes; vLLM's "
+                       "fused-MoE loaders take one scheme for gate, up and down")
+    return out
+
+
 def _plan(source: Source, allow_nearest: bool) -> _Plan:
     """Everything the export writes, or the reasons it cannot (``problems``, one line per path)."""
     problems: list[str] = []
@@ -93,10 +144,26 @@ def _plan(source: Source, allow_nearest: bool) -> _Plan:
         return _Plan({}, None, {}, {}, [], [f"{source.directory}: {why}"])
     modules = dict(model.named_modules())
     mdtype = _model_dtype(source.config)
-    layers, specs = {}, {}
+    experts = moe.experts_modules(model)
+    naming = moe.naming_of(source.config)
+    layers, specs, claimed = {}, {}, set()
     for path, entry in source.meta.entries.items():
         mname, _, leaf = path.rpartition(".")
         module = modules.get(mname)
+        if mname in experts:
+            why = moe.refusal(path, experts[mname], naming, entry.spec, entry.shape, target="compressed-tensors")
+            if why is not None:
+                problems.append(why)
+                continue
+            s = ct_config.judge(judged_spec(path, entry), "weight")
+            if s.kind == "no" or (s.kind == "nearest" and not allow_nearest):
+                continue  # reported by Exporter.problems
+            for piece, q in moe.pieces(path, source.tree[path], naming):
+                layer = _weight_layer(f"{piece}.weight", q, mdtype, allow_nearest, problems)
+                if layer is not None:
+                    layers[piece], specs[f"{piece}.weight"] = layer
+            claimed.add(path)
+            continue
         if leaf != "weight" or not isinstance(module, QUANTIZABLE):
             kind = "no module" if module is None else type(module).__name__
             problems.append(f"{path}: {kind} weight; compressed-tensors quantizes the weights of nn.Linear and "
@@ -105,30 +172,12 @@ def _plan(source: Source, allow_nearest: bool) -> _Plan:
         s = ct_config.judge(entry.spec, "weight")
         if s.kind == "no" or (s.kind == "nearest" and not allow_nearest):
             continue  # reported by Exporter.problems
-        spec = ct_config.nearest(entry.spec)
-        mapping = ct_config.weight_mapping(spec)
-        cols = entry.shape[-1]
-        size = mapping.args.get("group_size")
-        if size and cols % size:
-            problems.append(f"{path}: group size {size} does not divide the {cols} input features "
-                            "(compressed-tensors needs whole groups)")
-            continue
-        q = source.tree[path]
-        if spec != entry.spec:  # re-quantized; integer zero points: the MSE-searched range (10.6 % rather than
-            w = qt.dequantize(q)  # 11.7 % weight error from HQQ's 7.1 % on SmolLM2, where min/max is worse)
-            q = qt.quantize(w, qt.choose_qparams(w, spec, observer="mse" if spec.fmt.family == "int" else None))
-        if mdtype is not None and q.qparams.scale.is_floating_point() and mapping.kind in ("pack", "int", "float") \
-                and not _fits(q.qparams.scale.dtype, mdtype):
-            if not allow_nearest:
-                problems.append(f"{path}: {q.qparams.scale.dtype} scales in a {mdtype} model (compressed-tensors "
-                                "holds scales in the model's dtype; quantize the model in float32, or pass "
-                                f"allow_nearest=True / --allow-nearest to round them to {mdtype})")
-                continue
-            spec = spec.replace(scale_dtype=str(mdtype).removeprefix("torch."))
-            qp = qt.QParams(spec=spec, **{**q.qparams.tensors(), "scale": q.qparams.scale.to(mdtype)})
-            q = qt.QTensor(codes=q.codes, qparams=qp, width=q.width, dtype=q.dtype)
-        layers[mname] = _Layer(q, mapping, None, None)
-        specs[path] = spec
+        layer = _weight_layer(path, source.tree[path], mdtype, allow_nearest, problems)
+        if layer is not None:
+            name = moe.export_name(mname, naming)
+            layers[name], specs[f"{name}.weight"] = layer
+            claimed.add(path)
+    problems += _experts_schemes(layers, experts, naming)
     acts, kv_specs = {}, {}
     for site, spec in source.meta.activations.items():
         s = ct_config.judge(spec, site.role)
@@ -144,9 +193,10 @@ def _plan(source: Source, allow_nearest: bool) -> _Plan:
         elif not isinstance(module, nn.Linear):
             problems.append(f"{site.module}:{site.role}: compressed-tensors quantizes activations of nn.Linear only")
         else:
-            old = layers.get(site.module, _Layer(None, None, None, None))
+            name = moe.export_name(site.module, naming)
+            old = layers.get(name, _Layer(None, None, None, None))
             args = ct_config.activation_args(spec, site.role)
-            layers[site.module] = old._replace(**{"inputs" if site.role == "input" else "outputs": args})
+            layers[name] = old._replace(**{"inputs" if site.role == "input" else "outputs": args})
         acts[site] = spec
     kv = None
     if kv_specs:
@@ -159,11 +209,13 @@ def _plan(source: Source, allow_nearest: bool) -> _Plan:
                             f"{len(kv_specs)} key/value sites with {len(set(kv_specs.values()))} spec(s)")
         else:
             kv = ct_config.activation_args(next(iter(kv_specs.values())), "key")
-    linears = sorted(n for n, m in modules.items() if isinstance(m, nn.Linear))
+    routers = set(moe.routers(model))  # float in vLLM's MoE models; named in ignore all the same
+    linears = sorted(moe.export_name(n, naming) for n, m in modules.items() if isinstance(m, nn.Linear) or n in routers)
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     head_name = next((n for n, m in modules.items() if head is not None and m is head), None)
     untie = bool(source.config.get("tie_word_embeddings")) and f"{head_name}.weight" in specs
-    return _Plan(layers, kv, specs, acts, linears, problems, untie, type(model).__name__)
+    return _Plan(layers, kv, specs, acts, linears, problems, untie, type(model).__name__, frozenset(claimed),
+                 tuple(moe.export_name(n, naming) for n in experts), naming)
 
 
 def _kind(layer: _Layer) -> str:
@@ -185,12 +237,21 @@ def _groups(plan: _Plan) -> tuple[dict, list[str], str]:
         by_scheme.setdefault(key, []).append(name)
     groups, ignore = {}, []
     keys = sorted(by_scheme)
-    only = len(keys) == 1 and set(by_scheme[keys[0]]) <= set(plan.linears)
+    owner = {f"{x}.": x for x in plan.experts}
+
+    def experts_of(name):  # the experts module (checkpoint name) of a per-expert piece, or None
+        return next((x for p, x in owner.items() if name.startswith(p)), None)
+
+    def targets_of(names):  # per-expert pieces as one regex per experts module (which vLLM matches too)
+        return sorted({moe.ignore_pattern(x, plan.naming) if (x := experts_of(n)) else n for n in names})
+    only = len(keys) == 1 and {n for n in by_scheme[keys[0]] if experts_of(n) is None} <= set(plan.linears)
     for i, key in enumerate(keys):
-        targets = ["Linear"] if only else sorted(by_scheme[key])
+        targets = ["Linear"] if only else targets_of(by_scheme[key])
         groups[f"group_{i}"] = {"targets": targets, **schemes[key]}
-    if only:
-        ignore = sorted(set(plan.linears) - set(by_scheme[keys[0]]))
+    if only:  # vLLM gives FusedMoE layers the "Linear" scheme: float experts must be ignored by name
+        quantized = {experts_of(n) for n in by_scheme[keys[0]]}
+        ignore = sorted(set(plan.linears) - set(by_scheme[keys[0]])) + \
+            [moe.ignore_pattern(x, plan.naming) for x in plan.experts if x not in quantized]
     formats = {s["format"] for s in schemes.values()} - {"dense"}
     top = formats.pop() if len(formats) == 1 else "mixed-precision" if formats else "dense"
     return groups, ignore, top
@@ -214,33 +275,37 @@ def _act_tensors(source: Source, site: qt.Site, spec: qt.QuantSpec) -> dict[str,
     return out
 
 
-def _tensor_groups(source: Source, plan: _Plan) -> list[dict[str, torch.Tensor]]:
-    """The tensors to write, one group per layer (kept in one shard)."""
-    groups, claimed = [], set()
+def _tensor_groups(source: Source, plan: _Plan) -> Iterator[dict[str, torch.Tensor]]:
+    """The tensors to write, one group per layer (kept in one shard), made as the shards are written: a layer's
+    compressed form (one expert's projection for experts) is built when its shard is."""
+    claimed = set()
     for name, layer in plan.layers.items():
         if layer.weight is not None:
             parts = to_ct(layer.weight, _kind(layer), args=layer.mapping.args, where=f"{name}.weight")
-            groups.append({f"{name}.{k}": v for k, v in parts.items()})
+            yield {f"{name}.{k}": v for k, v in parts.items()}
             claimed.add(f"{name}.weight")
     for site, spec in plan.activations.items():
         if not spec.dynamic:
             acts = _act_tensors(source, site, spec)
-            groups.append(acts)
+            yield acts
             claimed |= {f"{site.module}.{PREFIX[site.role]}{f}" for f in qt.QParams.FIELDS}
     tied = bool(source.config.get("tie_word_embeddings", True)) and not plan.untie
+    experts = {moe.import_name(x, plan.naming) for x in plan.experts} if plan.naming is not None else set()
     for path, leaf in source.tree.items():
-        if path in claimed or path in source.meta.entries:
+        if path in claimed or path in source.meta.entries or path in plan.claimed:
             continue
         if path in source.meta.aliases and (tied or isinstance(leaf, qt.QTensor)):
             continue  # transformers ties it on load (save_pretrained stores tied tensors once too)
-        groups.append({path: leaf})
-    return groups
+        if path.rpartition(".")[0] in experts and leaf.dim() == 3:  # float experts: per-expert weights too
+            yield {f"{name}.weight": t for name, t in moe.pieces(path, leaf, plan.naming)}
+            continue
+        yield {moe.export_name(path, plan.naming): leaf}
 
 
 def _hint(source: Source, plan: _Plan) -> str:
     """Our metadata of the exported tree (``qtransform_config``), for the importer."""
-    entries = {p: Entry(spec, source.meta.entries[p].shape, source.meta.entries[p].dtype)
-               for p, spec in plan.specs.items()}
+    entries = {f"{n}.weight": Entry(plan.specs[f"{n}.weight"], tuple(layer.weight.shape), layer.weight.dtype)
+               for n, layer in plan.layers.items() if layer.weight is not None}
     d = metadata.encode(entries, recipe=source.meta.recipe, recipe_name=source.meta.recipe_name,
                         rules=source.meta.rules, aliases=source.meta.aliases, skip_modules=source.meta.skip_modules,
                         activations=plan.activations)

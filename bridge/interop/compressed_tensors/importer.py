@@ -13,7 +13,9 @@ tensor stores the same bits (the same compressed-tensors args, the tensors read 
 the importer takes it, so calibration-only fields (``symmetric_range``, ``pad``...), unsigned
 formats, the recipe and tied paths come back as they were: export then import gives the same tree.
 Act-order permutations (``weight_g_idx`` other than ``i // group_size``) have no equivalent in our
-checkpoints and are refused.
+checkpoints and are refused. Per-expert weights of mixture-of-experts checkpoints (``...experts.{e}.gate_proj``,
+Mixtral's ``w1``; quantized or float) are selected by ``"Linear"`` targets and stacked back into our experts paths
+(:func:`bridge.interop.experts.fuse`).
 
 Before anything is built, :func:`~bridge.interop.compressed_tensors.validate.check_config` checks the config's
 keys and types, the digests our exporter writes into the shards are verified (``verify=False`` skips them),
@@ -25,6 +27,7 @@ them, are refused by name (:class:`~bridge.CheckpointError` naming the file and 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import torch
@@ -35,6 +38,7 @@ from ...checkpoint import metadata, store
 from ...checkpoint.metadata import CheckpointError, Entry, Metadata
 from ...checkpoint.tree_io import CONFIG
 from . import config as ct_config
+from .. import experts
 from ..base import Importer, Source, verify_shards
 from .model import matches, skeleton
 from .tensors import from_ct, reciprocal
@@ -155,6 +159,7 @@ class CompressedTensorsImporter(Importer):
                     add_activation(qt.Site(mname, role), qc["kv_cache_scheme"])
         _check_leftovers(located, handles, claimed, hint_weights, entries, root)
         tree.update({n: read(n) for n in located if n not in claimed})
+        tree, entries = experts.fuse(tree, entries, plain, where=root)  # per-expert weights: our stacked experts
         aliases = {a: t for a, t in (hint.get("aliases") or {}).items() if t in tree and a not in tree}
         tree.update({a: tree[t] for a, t in aliases.items()})
         hmeta = self._hint_meta(hint)
@@ -282,6 +287,12 @@ def _check_leftovers(located, handles, claimed: set, hinted: dict, entries: dict
                               "not stored as quantized (a scale deleted or renamed)")
 
 
+#: A per-expert projection of a mixture-of-experts checkpoint (``...experts.3.gate_proj``, Mixtral's ``w1``...):
+#: no module of the transformers model (its experts are one module), selected by ``"Linear"`` targets as vLLM does.
+_PIECE = re.compile(r"^.+\.experts\.\d+\.[A-Za-z0-9_]+$")
+_EXPERT_LINEAR = torch.nn.Linear(1, 1, device="meta")
+
+
 def _resolver(qc: dict, config: dict, root: Path):
     """``scheme_of(module name)``: the ``config_groups`` scheme that selects a module holding quantization
     tensors (names and regexes first; class names on the model built on the ``meta`` device)."""
@@ -297,6 +308,8 @@ def _resolver(qc: dict, config: dict, root: Path):
                     raise CheckpointError(f"{root}: config_groups target module classes: {why}")
                 built["modules"] = dict(model.named_modules())
             module = built["modules"].get(mname)
+            if module is None and _PIECE.match(mname):  # one expert's projection: a Linear, as vLLM's FusedMoE reads it
+                module = _EXPERT_LINEAR
             named = [g for g in groups.values() if module is not None and matches(mname, module, g.get("targets", []))]
         if not named or matches(mname, module, ignore):
             raise CheckpointError(f"{root}: {mname} has quantization tensors but no config_groups scheme selects it")

@@ -7,6 +7,8 @@ order, and the tokenizer.
   transformers' GGUF loader and llama.cpp read: ``<arch>.context_length``, ``embedding_length``,
   ``block_count``, ``feed_forward_length``, ``attention.head_count(_kv)``,
   ``attention.layer_norm_rms_epsilon``, ``rope.freq_base``, ``rope.dimension_count``, ``vocab_size``.
+  Mixture-of-experts models (a config with an expert count: Mixtral, Qwen2/3-MoE...) are refused by name:
+  llama.cpp's 3-D ``blk.N.ffn_{gate,up,down}_exps`` tensors are not written here.
 * **Names**: the ``gguf`` package's tensor-name map (``model.layers.3.self_attn.q_proj.weight`` ->
   ``blk.3.attn_q.weight``), as transformers uses it to load GGUF files.
 * **Q/K rows**: llama.cpp's ``llama`` architecture applies rotary embeddings to interleaved pairs,
@@ -35,6 +37,8 @@ __all__ = ["ARCHES", "arch_of", "arch_problems", "write_arch", "tensor_name_map"
 
 #: transformers ``model_type`` -> GGUF architecture.
 ARCHES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2"}
+#: ``config.json`` keys of a mixture-of-experts model's expert count (Mixtral, Qwen-MoE/OLMoE, DeepSeek).
+_EXPERT_COUNTS = ("num_local_experts", "num_experts", "n_routed_experts")
 #: Architectures whose Q/K rows llama.cpp's converter permutes.
 _PERMUTED = ("llama",)
 
@@ -58,6 +62,11 @@ def _head_dim(config: dict) -> int:
 def arch_problems(config: dict) -> list[str]:
     """Why a model of transformers ``config`` cannot become a GGUF file here (empty: it can)."""
     kind = config.get("model_type")
+    experts = next((config[k] for k in _EXPERT_COUNTS if config.get(k)), None)
+    if experts is not None:
+        return [f"architecture {kind!r} is a mixture-of-experts model ({experts} experts): this GGUF exporter writes "
+                "no expert tensors (llama.cpp's blk.N.ffn_gate_exps / ffn_up_exps / ffn_down_exps with "
+                "expert_count metadata); export it to compressed-tensors or quark, which write experts per expert"]
     if kind not in ARCHES:
         return [f"architecture {kind!r}: GGUF export supports {sorted(ARCHES)}"]
     out = []

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import qtransform as qt
 
+from ...modules.experts import EXPERT_WEIGHTS
 from ..base import Exporter, Source, Support, copy_extras, write_config
 from . import tensors as onnx_tensors
 
@@ -52,6 +53,10 @@ class OnnxExporter(Exporter):
             return out + [f"{source.directory}: no transformers config.json (the ONNX export traces a transformers "
                           "model's forward)"]
         weights = {p.rpartition(".")[0] for p in source.tree if p.endswith(".weight")}
+        for path, leaf in source.tree.items():  # transformers' experts run a grouped_mm op ONNX has no function for
+            if path.rpartition(".")[2] in EXPERT_WEIGHTS and getattr(leaf, "ndim", len(leaf.shape)) == 3:
+                out.append(f"{path}: mixture-of-experts weights; transformers' experts forward (grouped_mm) has no "
+                           "ONNX conversion here (export to compressed-tensors or quark instead)")
         for path, entry in source.meta.entries.items():
             if entry.spec.fmt.family == "int" and onnx_tensors.judge(entry.spec).kind == "exact":
                 q = source.tree.get(path)

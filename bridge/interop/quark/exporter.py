@@ -17,6 +17,10 @@ The export is a transformers checkpoint directory: ``config.json`` (the model's 
 * ``qtransform``: our own metadata (specs, logical dtypes, recipe), which Quark and vLLM ignore and
   :class:`~bridge.interop.quark.QuarkImporter` uses to give back the very same specs.
 
+Mixture-of-experts weights are written per expert and projection under the original checkpoint names
+(:mod:`bridge.interop.experts`); each experts module has one layer config, found by its name as vLLM's Quark MoE
+method looks it up (``layer_quant_config`` pattern, else the global config).
+
 Quark quantizes ``nn.Linear`` layers only: quantized embeddings, transformers' ``Conv1D`` (GPT-2) and
 fused attention projections without ``k_proj``/``v_proj`` for a KV cache are refused by tree path.
 """
@@ -35,7 +39,8 @@ import qtransform as qt
 from ...checkpoint import metadata, store
 from ...modules.actquant import PREFIX
 from . import config as qc
-from ..base import Exporter, Source, Support, copy_extras, write_config
+from .. import experts as moe
+from ..base import Exporter, Source, Support, copy_extras, judged_spec, write_config
 from ..hf_model import transformers_model
 from .tensors import shape_problem, symmetric_zero, to_quark
 
@@ -56,7 +61,7 @@ def _skeleton(config_json: str, paths: tuple[str, ...]) -> tuple[dict, str | Non
     out = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     out_name = next((n for n, m in model.named_modules() if m is out), None) if out is not None else None
     tied = bool(getattr(model.config, "tie_word_embeddings", False))
-    return types, (out_name if tied else None), type(model).__name__
+    return types, (out_name if tied else None), type(model).__name__, moe.experts_modules(model), moe.routers(model)
 
 
 def skeleton(source: Source) -> tuple[dict, str | None, str]:
@@ -65,7 +70,15 @@ def skeleton(source: Source) -> tuple[dict, str | None, str]:
     that has all its weights), built on the ``meta`` device (no memory); ``ValueError`` when none does."""
     paths = tuple(sorted(p for p in list(source.tree) + list(source.meta.entries)
                          if p.endswith((".weight", ".bias"))))
-    return _skeleton(json.dumps(source.config, sort_keys=True, default=str), paths)
+    return _skeleton(json.dumps(source.config, sort_keys=True, default=str), paths)[:3]
+
+
+def experts_of(source: Source) -> tuple[dict, list[str]]:
+    """``({experts module name: ExpertsInfo}, router module names)`` of the model :func:`skeleton` builds
+    (:mod:`bridge.interop.experts`)."""
+    paths = tuple(sorted(p for p in list(source.tree) + list(source.meta.entries)
+                         if p.endswith((".weight", ".bias"))))
+    return _skeleton(json.dumps(source.config, sort_keys=True, default=str), paths)[3:]
 
 
 def _module(path: str) -> str:
@@ -95,8 +108,12 @@ class QuarkExporter(Exporter):
             return out + [f"{source.directory}: {e}" if source.config else
                           f"{source.directory}: no transformers config.json (Quark exports transformers models)"]
         linear = {n for n, t in types.items() if t is torch.nn.Linear}
+        (experts, _), naming = experts_of(source), moe.naming_of(source.config)
+        out += _experts_problems(source, experts, naming)
         for path, entry in source.meta.entries.items():
             m = _module(path)
+            if m in experts:
+                continue  # _experts_problems
             if not path.endswith(".weight") or m not in linear:
                 kind = types[m].__name__ if m in types else "no module of the model"
                 out.append(f"{path}: a quantized {kind} weight; Quark quantizes the weights of nn.Linear layers only")
@@ -125,38 +142,78 @@ class QuarkExporter(Exporter):
     # ------------------------------------------------------------------ writing
     def write(self, source: Source, out: Path, *, allow_nearest: bool = False) -> None:
         types, _, arch = skeleton(source)
-        linear = [n for n, t in types.items() if t is torch.nn.Linear]
+        (experts, routers), naming = experts_of(source), moe.naming_of(source.config)
+        name = functools.partial(moe.export_name, naming=naming)
+        # experts modules stand beside the linear layers: one layer config each (vLLM resolves a FusedMoE layer's by
+        # its name), their weights written per expert; routers too (float: excluded by name)
+        linear = [name(n) for n, t in types.items() if t is torch.nn.Linear or n in routers] + \
+            [name(n) for n in experts]
         meta = source.meta
         layers = {m: dict(_EMPTY) for m in linear}
-        groups, consumed = [], set()
-        for path, entry in meta.entries.items():
-            m = _module(path)
-            layers[m]["weight"] = qc.tensor_config(entry.spec, "weight")
-            groups.append({f"{m}.{k}": v for k, v in to_quark(source.tree[path], path).items()})
-            consumed.add(path)
-        for site, spec in meta.activations.items():
-            names = {f: f"{site.module}.{PREFIX[site.role]}{f}" for f in qt.QParams.FIELDS}
-            consumed |= set(names.values())
-            if site.role in _KV_PROJ:
-                proj, role = f"{site.module}.{_KV_PROJ[site.role]}", "output"
-            else:
-                proj, role = site.module, site.role
-            layers[proj][f"{role}_tensors"] = qc.tensor_config(spec, site.role)
-            groups.append(_activation_tensors(source.tree, names, spec, f"{proj}.{role}_"))
-        seen = {}
-        for path, leaf in source.tree.items():
-            if path in consumed:
-                continue
-            key = (leaf.untyped_storage().data_ptr(), leaf.storage_offset(), tuple(leaf.shape), leaf.dtype)
-            groups.append({path: leaf.clone() if leaf.numel() and key in seen else leaf})
-            seen.setdefault(key, path)
+        consumed, entries, seen = set(), {}, {}
+
+        def produce():  # the tensors, one layer (one expert's projection) at a time: written as they come
+            for path, entry in meta.entries.items():
+                m = _module(path)
+                layers[name(m)]["weight"] = qc.tensor_config(judged_spec(path, entry), "weight")
+                consumed.add(path)
+                if m not in experts:
+                    yield {f"{name(m)}.{k}": v for k, v in to_quark(source.tree[path], path).items()}
+                    entries[name(path)] = entry
+                    continue
+                for piece, q in moe.pieces(path, source.tree[path], naming):
+                    yield {f"{piece}.{k}": v for k, v in to_quark(q, f"{piece}.weight").items()}
+                    entries[f"{piece}.weight"] = metadata.Entry(q.spec, tuple(q.shape), q.dtype)
+            for site, spec in meta.activations.items():
+                names = {f: f"{site.module}.{PREFIX[site.role]}{f}" for f in qt.QParams.FIELDS}
+                consumed.update(names.values())
+                if site.role in _KV_PROJ:
+                    proj, role = f"{site.module}.{_KV_PROJ[site.role]}", "output"
+                else:
+                    proj, role = name(site.module), site.role
+                layers[proj][f"{role}_tensors"] = qc.tensor_config(spec, site.role)
+                yield _activation_tensors(source.tree, names, spec, f"{proj}.{role}_")
+            for path, leaf in source.tree.items():
+                if path in consumed:
+                    continue
+                if _module(path) in experts and naming is not None and leaf.dim() == 3:  # float experts: per expert
+                    yield {f"{piece}.weight": t for piece, t in moe.pieces(path, leaf, naming)}
+                    continue
+                key = (leaf.untyped_storage().data_ptr(), leaf.storage_offset(), tuple(leaf.shape), leaf.dtype)
+                yield {name(path): leaf.clone() if leaf.numel() and key in seen else leaf}
+                seen.setdefault(key, path)
+
+        store.write_shards(out, produce(), file_metadata={"format": "pt"})
         config = dict(source.config)
         if not config.get("architectures"):  # vLLM picks the model class by it
             config["architectures"] = [arch]
-        config["quantization_config"] = quantization_config(layers, linear, meta)
-        store.write_shards(out, groups, file_metadata={"format": "pt"})
+        config["quantization_config"] = quantization_config(layers, linear, meta._replace(entries=entries))
         write_config(out, config)
         copy_extras(source, out)
+
+
+def _experts_problems(source: Source, experts: dict, naming) -> list[str]:
+    """Why the quantized experts of ``source`` cannot be written per expert in Quark's layout (one line per path):
+    no per-expert names, a transposed layout, gate/up scale blocks that straddle, a piece Quark cannot pack, or
+    projections of one experts module with different specs (vLLM takes one layer config per FusedMoE layer)."""
+    out = []
+    for module, info in experts.items():
+        paths = [f"{module}.{w}" for w in info.weights if f"{module}.{w}" in source.meta.entries]
+        specs = {judged_spec(p, source.meta.entries[p]) for p in paths}
+        if len(specs) > 1:
+            out.append(f"{module}: its experts' projections are quantized with different specs "
+                       f"({sorted(map(str, specs))}); vLLM takes one Quark layer config per experts module")
+        for path in paths:
+            entry = source.meta.entries[path]
+            why = moe.refusal(path, info, naming, entry.spec, entry.shape, target="Quark")
+            if why is None:
+                split = 2 if path.endswith(".gate_up_proj") else 1
+                shape = (entry.shape[1] // split, entry.shape[2])
+                bad = shape_problem(judged_spec(path, entry), shape)
+                why = None if bad is None else f"{path}: one expert's {shape[0]}x{shape[1]} matrix: {bad}"
+            if why is not None:
+                out.append(why)
+    return out
 
 
 def _activation_tensors(tree: dict, names: dict, spec: qt.QuantSpec, prefix: str) -> dict:

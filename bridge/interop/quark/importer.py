@@ -9,7 +9,9 @@ config has a weight spec and the checkpoint holds ``<layer>.weight_scale``; its 
 (:func:`~bridge.interop.quark.tensors.from_quark`). Static activation scales become
 ``<layer>.input_scale`` / ``output_scale`` (and zero points); the outputs of the
 ``export.kv_cache_group`` projections ``k_proj`` / ``v_proj`` become the attention module's
-``k_scale`` / ``v_scale``. Everything else (biases, norms, embeddings, unquantized layers) is copied.
+``k_scale`` / ``v_scale``. Everything else (biases, norms, embeddings, unquantized layers) is copied. Per-expert
+weights (``...experts.{e}.gate_proj``, Mixtral's ``w1``) take their experts module's config (as vLLM resolves a
+FusedMoE layer's) and are stacked back into our experts paths (:func:`bridge.interop.experts.fuse`).
 
 A checkpoint that :class:`~bridge.interop.quark.QuarkExporter` wrote carries our specs under
 ``quantization_config["qtransform"]``: where one decodes like the spec read from Quark's fields,
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 import fnmatch
 import json
+import re
 from pathlib import Path
 
 import torch
@@ -39,11 +42,15 @@ from ...checkpoint.layout import dtype_from_name, dtype_name
 from ...checkpoint.tree_io import CONFIG
 from . import config as qc
 from ...checkpoint.metadata import CheckpointError
+from .. import experts
 from ..base import Importer, Source, verify_shards
 from .tensors import from_quark, symmetric_zero
 from .validate import check_config
 
 __all__ = ["QuarkImporter", "resolve_layer"]
+
+#: A per-expert projection (``model.layers.0.mlp.experts.3.gate_proj``, Mixtral's ``...experts.3.w1``).
+_PIECE = re.compile(r"^(?P<module>.+\.experts)\.\d+\.[A-Za-z0-9_]+$")
 
 _KV = {"k_proj": ("key", "k_scale"), "v_proj": ("value", "v_scale")}
 _PART_SUFFIXES = (".weight_scale", ".weight_zero_point", ".input_zero_point", ".output_zero_point")
@@ -208,7 +215,8 @@ class QuarkImporter(Importer):
         tree, entries, acts, consumed = {}, {}, {}, set()
         for wname in [n for n in tensors if n.endswith(".weight") and f"{n}_scale" in tensors]:
             layer = wname[: -len(".weight")]
-            cfg = resolve_layer(qcfg, layer)
+            piece = _PIECE.match(layer)  # one expert's projection: its experts module's config, as vLLM resolves it
+            cfg = resolve_layer(qcfg, piece["module"] if piece else layer)
             if cfg is None or cfg.get("weight") is None:
                 raise CheckpointError(f"{at(wname)}: stored with a weight_scale, but the Quark config ({cfile}) "
                                       f"leaves {layer} unquantized")
@@ -267,6 +275,7 @@ class QuarkImporter(Importer):
         for name, t in tensors.items():
             if name not in consumed:
                 tree[name] = t
+        tree, entries = experts.fuse(tree, entries, config, where=root)  # per-expert weights: our stacked experts
         meta = metadata.Metadata(
             entries=entries, recipe=hint.recipe if hint else None, recipe_name=hint.recipe_name if hint else None,
             version=metadata.VERSION_ACTIVATIONS if acts else metadata.VERSION, activations=acts)
