@@ -55,7 +55,7 @@ def identity(stored: dict) -> "Renames":
     """The stored tensors taken by their own names (no model to map them to)."""
     r = Renames.__new__(Renames)
     r.model, r.converters, r.entries, r.unused = None, {}, dict(stored), []
-    r.names = {n: n for n in stored}
+    r.names, r.broken = {n: n for n in stored}, {}
     return r
 
 
@@ -89,9 +89,14 @@ class Renames:
                     self.entries[target], self.names[target] = stored[name], name
             else:
                 groups.setdefault(target, {}).setdefault(pattern, []).append(name)
+        self.broken = {}  # {first target: (its sources, why they do not convert)} (a missing or extra expert...)
         for first, sources in groups.items():
-            out = self._convert(first, sources, lambda n: torch.empty(stored[n].shape, dtype=stored[n].dtype,
-                                                                     device="meta"))
+            try:
+                out = self._convert(first, sources, lambda n: torch.empty(stored[n].shape, dtype=stored[n].dtype,
+                                                                         device="meta"))
+            except (RuntimeError, ValueError, IndexError) as e:
+                self.broken[first] = (sources, f"{type(e).__name__}: {e}")
+                continue
             for path, t in out.items():
                 self.entries[path] = Built(t.dtype, tuple(t.shape), sources, first)
 

@@ -147,13 +147,20 @@ class Source:
                                   "of the model of config.json")
 
     def _missing(self, path: str, shape, built: Built | None = None) -> str:
-        """The error of a model tensor not (wholly) stored: the stored tensors it is made of that are missing."""
+        """The error of a model tensor not (wholly) stored: the stored tensors it is made of (the names
+        ``save_pretrained`` gives them) that no shard holds, or those collected for it that are not the model's."""
         names = self.view.saved_names(path, tuple(shape))
         absent = [n for n in names if n not in self.tensors]
-        what = f"the model of config.json has tensor {path!r} of shape {list(shape)}"
+        sources, why = (built.sources, None) if built is not None else self.view.broken.get(path, ({}, None))
+        got = [n for ns in sources.values() for n in ns]
+        what = f"{self.root}: the model of config.json has tensor {path!r} of shape {list(shape)}"
         if built is not None:
-            got = [n for ns in built.sources.values() for n in ns]
-            what += f", built from the stored tensors {got[:4] + ['...'] * (len(got) > 4)} with shape {list(built.shape)}"
+            what += f", {len(got)} stored tensors give it shape {list(built.shape)}"
         if names != [path] and absent:
-            return f"{self.root}: {what}; it is stored as {len(names)} tensors, of which no shard holds {absent[:5]}"
-        return f"{self.root}: {what}, which no shard holds" if built is None else f"{self.root}: {what}"
+            return f"{what}; it is stored as {len(names)} tensors, of which no shard holds {absent[:5]}"
+        extra = [n for n in got if n not in names]
+        if names != [path] and extra:
+            return f"{what}; the shards also hold {extra[:5]}, which are not tensors of the model of config.json"
+        if why is not None:
+            return f"{what}; its stored tensors {got[:3] + ['...'] * (len(got) > 3)} do not convert to it ({why})"
+        return f"{what}, which no shard holds" if built is None else what
