@@ -164,8 +164,8 @@ class BlockRun:
 
     # -- streams -------------------------------------------------------------------------------------------
     def _read(self, path: str) -> torch.Tensor:
-        return self.src.read(self.stored[path]).to(self.device, torch.float32 if self.src.tensors[
-            self.stored[path]].dtype.is_floating_point else None)
+        return self.src.read(self.stored[path]).to(self.device, torch.float32 if self.src.entry(
+            self.stored[path]).dtype.is_floating_point else None)
 
     def _capture(self, quantized: bool) -> list:
         """The first block's inputs, the prefix (embeddings) run with the recipe's steps without data applied
@@ -235,7 +235,7 @@ class BlockRun:
 
     def _plain(self, path: str, t: torch.Tensor) -> torch.Tensor:
         t = t.to("cpu")
-        return cast_leaf(t, self.dtypes[path]) if path in self.dtypes else t.to(self.src.tensors[self.stored[path]].dtype)
+        return cast_leaf(t, self.dtypes[path]) if path in self.dtypes else t.to(self.src.entry(self.stored[path]).dtype)
 
     def _put_quantized(self, path: str, w: torch.Tensor, q) -> None:
         q = cast_leaf(q, self.dtypes.get(path, q.dtype))

@@ -31,7 +31,7 @@ from . import skeleton as skel
 from .memory import reuse_freed_memory
 from .ranks import NoFiles, barrier, drop_scratch, on_rank0, scratch, to_rank0
 from .shards import ShardFiles, ShardPlan
-from .source import Source
+from .source import Built, Source
 from .workdir import WorkDir, calibration_digest, fingerprint
 
 __all__ = ["quantize_checkpoint", "Streamed", "stored_dtypes_of"]
@@ -55,12 +55,14 @@ class Streamed(NamedTuple):
 
 def stored_dtypes_of(source: Source, model, dtype="auto") -> dict[str, torch.dtype]:
     """``{path: dtype}`` the float tensors of ``model`` are stored in: as in ``source`` (``"auto"``; a tied
-    path not stored takes its twin's) or ``dtype`` for all."""
+    path not stored takes its twin's; a tensor built from several stored ones, the dtype they convert to) or
+    ``dtype`` for all."""
+    source.map_to(model)
     shapes, tied = skel.model_tensors(model)
     out = {}
     for path in shapes:
         name = path if path in source else tied.get(path)
-        stored = source.tensors[name].dtype if name in source else None
+        stored = source.entry(name).dtype if name in source else None
         if stored in FLOAT_DTYPES:
             out[path] = stored if dtype == "auto" else dtype
     return out
@@ -139,6 +141,7 @@ def quantize_checkpoint(source, out, recipe, *, calibration: Iterable | None = N
                          f"{method!r}); a streamed run reads float checkpoints: quantize it without --stream (its "
                          "values are dequantized first)")
     model = skel.build(src.root, model_class)
+    src.map_to(model)  # stored names -> the model's (transformers' conversion mapping: stacked experts...)
     shapes, tied = skel.model_tensors(model)
     src.check_against(shapes, tied)
     p = _recipe_of(model, recipe, calibration)
@@ -290,8 +293,7 @@ class _TensorRun:
         todo = self.progress(windows, desc=f"tensors ({size} at a time)", total=len(windows)) \
             if self.progress else windows
         for window in todo:
-            owners = par.owners({q: float(self.src.tensors[self._tied[q]].end - self.src.tensors[self._tied[q]].begin)
-                                 for q in window})
+            owners = par.owners({q: float(self.src.nbytes(self._tied[q])) for q in window})
             mine = {q: self._quantize(q, self._read(q).float()) for q in window if owners[q] == par.rank}
             parts = to_rank0(par, mine)
             if writer:
@@ -308,13 +310,14 @@ class _TensorRun:
     def _read(self, path: str):
         """The quantized tensors' values (read ahead); ``None`` for a tensor copied as stored."""
         name = self._tied[path]
-        if path in self.p.specs or self.dtypes.get(path, self.src.tensors[name].dtype) != self.src.tensors[name].dtype:
+        e = self.src.entry(name)
+        if path in self.p.specs or isinstance(e, Built) or self.dtypes.get(path, e.dtype) != e.dtype:
             return self.src.read(name)
         return None
 
     def _one(self, path: str, t) -> None:
         if t is None:  # stored unchanged: copied from the input's bytes
-            s = self.src.tensors[self._tied[path]]
+            s = self.src.entry(self._tied[path])
             self.files.put_raw(path, self.src.root / s.file, s.begin, s.end, s.dtype, s.shape)
         elif path in self.p.specs:
             w = t.float()

@@ -4,9 +4,11 @@ dropped leaves nothing resident), never the whole model.
 
 Every problem is found before anything is written: no ``config.json``, no shard, an index naming a file
 that is not there or a tensor its file does not hold, a tensor stored twice, a header out of its file's
-bounds (a truncated shard), a dtype qtransform does not read; :func:`check_against` compares the tensors with
-the model built from ``config.json`` (a missing tensor, a shape that disagrees, a tensor the model does not
-have), naming the file and the tensor.
+bounds (a truncated shard), a dtype qtransform does not read. :meth:`Source.map_to` takes the stored tensors as
+the tensors of the model built from ``config.json`` through transformers' conversion mapping (renamed tensors,
+experts stored one by one and stacked in the model: :mod:`.renames`); from then on ``in``, :meth:`~Source.entry`
+and :meth:`~Source.read` take model paths. :meth:`~Source.check_against` compares them with the model (a missing
+tensor, a shape that disagrees, a tensor the model does not have), naming the file and the tensor.
 """
 
 from __future__ import annotations
@@ -20,8 +22,9 @@ import torch
 
 from ..checkpoint import CheckpointError, checksum, stfile
 from ..checkpoint.store import INDEX, ST_DTYPES, read_index
+from .renames import Built, Renames, identity
 
-__all__ = ["Source", "Stored"]
+__all__ = ["Source", "Stored", "Built"]
 
 _DTYPES = {name: dtype for dtype, name in ST_DTYPES.items()}
 
@@ -37,7 +40,8 @@ class Stored(NamedTuple):
 
 
 class Source:
-    """The tensors of the safetensors checkpoint in ``directory`` (see the module docstring)."""
+    """The tensors of the safetensors checkpoint in ``directory`` (see the module docstring): ``tensors``
+    ``{stored name: Stored}``; ``view`` (:class:`~.renames.Renames`) its tensors as the model's."""
 
     def __init__(self, directory):
         self.root = Path(directory)
@@ -56,6 +60,14 @@ class Source:
                     raise CheckpointError(f"{self.root / INDEX}: tensor {name!r} is mapped to {f}, but "
                                           + (f"it is stored in {got.file}" if got else "no shard holds it"))
         self.bytes = sum(s.end - s.begin for s in self.tensors.values())
+        self.view = identity(self.tensors)
+        self.mapped = None
+
+    def map_to(self, model) -> None:
+        """Take the stored tensors as ``model``'s (transformers' conversion mapping of the model; its parameters
+        may be on ``meta``): ``in``, :meth:`entry`, :meth:`read` then take the model's paths."""
+        if self.mapped is not model:
+            self.view, self.mapped = Renames(self.tensors, model), model
 
     def _read_header(self, f: str) -> None:
         path = self.root / f
@@ -85,10 +97,24 @@ class Source:
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise CheckpointError(f"{self.root / 'config.json'}: malformed JSON ({e})") from None
 
-    def __contains__(self, name: str) -> bool:
-        return name in self.tensors
+    def __contains__(self, path: str) -> bool:
+        return path in self.view.entries
 
-    def read(self, name: str) -> torch.Tensor:
+    def entry(self, path: str) -> Stored | Built:
+        """Where the tensor ``path`` comes from: a stored tensor, or :class:`Built` from several."""
+        return self.view.entries[path]
+
+    def nbytes(self, path: str) -> int:
+        e = self.entry(path)
+        return e.nbytes if isinstance(e, Built) else e.end - e.begin
+
+    def read(self, path: str) -> torch.Tensor:
+        """A fresh tensor holding the tensor ``path`` (its stored dtype; a built one from its stored tensors)."""
+        if isinstance(self.entry(path), Built):
+            return self.view.read(path, self.read_stored)
+        return self.read_stored(self.view.names[path])
+
+    def read_stored(self, name: str) -> torch.Tensor:
         """A fresh tensor holding the stored tensor ``name`` (its stored dtype)."""
         s = self.tensors[name]
         out = torch.empty(s.end - s.begin, dtype=torch.uint8)
@@ -104,16 +130,37 @@ class Source:
     def check_against(self, expected: dict[str, tuple], tied: dict[str, str]) -> None:
         """The stored tensors are exactly the model's: ``expected`` ``{path: shape}`` of its parameters and
         persistent buffers, ``tied`` ``{path: path stored instead}`` for tied weights (one may be absent)."""
-        where = lambda n: self.root / self.tensors[n].file  # noqa: E731
         for path, shape in expected.items():
-            name = path if path in self.tensors else tied.get(path)
-            if name is None or name not in self.tensors:
-                raise CheckpointError(f"{self.root}: the model of config.json has tensor {path!r} of shape "
-                                      f"{list(shape)}, which no shard holds")
-            if self.tensors[name].shape != tuple(shape):
-                raise CheckpointError(f"{where(name)}: tensor {name!r} has shape {list(self.tensors[name].shape)}, "
-                                      f"the model of config.json has {list(shape)}")
-        extra = sorted(n for n in self.tensors if n not in expected)
+            name = path if path in self else tied.get(path)
+            if name is None or name not in self:
+                raise CheckpointError(self._missing(path, shape))
+            e = self.entry(name)
+            if e.shape != tuple(shape):
+                if isinstance(e, Built):
+                    raise CheckpointError(self._missing(path, shape, e))
+                raise CheckpointError(f"{self.root / e.file}: tensor {self.view.names[name]!r} has shape "
+                                      f"{list(e.shape)}, the model of config.json has {list(shape)}")
+        used = self.view.consumed(p if p in self else tied.get(p) for p in expected)
+        extra = [n for n in self.tensors if n not in used]
         if extra:
-            raise CheckpointError(f"{where(extra[0])}: tensor(s) {extra[:5]} are not tensors of the model of "
-                                  "config.json")
+            raise CheckpointError(f"{self.root / self.tensors[extra[0]].file}: tensor(s) {extra[:5]} are not tensors "
+                                  "of the model of config.json")
+
+    def _missing(self, path: str, shape, built: Built | None = None) -> str:
+        """The error of a model tensor not (wholly) stored: the stored tensors it is made of (the names
+        ``save_pretrained`` gives them) that no shard holds, or those collected for it that are not the model's."""
+        names = self.view.saved_names(path, tuple(shape))
+        absent = [n for n in names if n not in self.tensors]
+        sources, why = (built.sources, None) if built is not None else self.view.broken.get(path, ({}, None))
+        got = [n for ns in sources.values() for n in ns]
+        what = f"{self.root}: the model of config.json has tensor {path!r} of shape {list(shape)}"
+        if built is not None:
+            what += f", {len(got)} stored tensors give it shape {list(built.shape)}"
+        if names != [path] and absent:
+            return f"{what}; it is stored as {len(names)} tensors, of which no shard holds {absent[:5]}"
+        extra = [n for n in got if n not in names]
+        if names != [path] and extra:
+            return f"{what}; the shards also hold {extra[:5]}, which are not tensors of the model of config.json"
+        if why is not None:
+            return f"{what}; its stored tensors {got[:3] + ['...'] * (len(got) > 3)} do not convert to it ({why})"
+        return f"{what}, which no shard holds" if built is None else what
