@@ -146,8 +146,11 @@ def measure(kind: str, shape: dict, *, n_cal: int, n_eval: int, peer_python: str
     ev = torch.randint(0, vocab, (n_eval, seq), generator=g)
     routed = _routed(model, ev)
     res, seconds, load = {}, {}, {}
+    minmax = qt.Recipe(type_rules={"Linear": spec}, exclude=["lm_head*"], steps=[qt.Step("gptq", init="minmax")])
     for key, recipe, kw in (("rtn", rtn, {}), ("gptq", gptq, dict(calibration=cal)),
-                            ("gptq_all", gptq, dict(calibration=cal, all_experts=True))):
+                            ("gptq_all", gptq, dict(calibration=cal, all_experts=True)),
+                            ("gptq_minmax", minmax, dict(calibration=cal)),
+                            ("gptq_minmax_all", minmax, dict(calibration=cal, all_experts=True))):
         load[key] = os.getloadavg()[0]
         t = time.perf_counter()
         res[key] = bridge.quantize_params(model, recipe, **kw)
@@ -175,7 +178,8 @@ def measure(kind: str, shape: dict, *, n_cal: int, n_eval: int, peer_python: str
             row[f"{k}_over_rtn_median"], row[f"{k}_over_rtn_worst"] = median_ratio(errs[k][path], errs["rtn"][path])
         for k in errs:
             row[f"{k}_error_median"] = statistics.median([e for e in errs[k][path] if e is not None])
-        for mine, theirs in (("gptq", "llmc"), ("gptq_all", "llmc_all"), ("gptq", "llmc_all")):
+        for mine, theirs in (("gptq", "llmc"), ("gptq_all", "llmc_all"), ("gptq", "llmc_all"),
+                             ("gptq_minmax", "llmc"), ("gptq_minmax_all", "llmc_all")):
             if theirs in errs:
                 row[f"{mine}_over_{theirs}_median"], row[f"{mine}_over_{theirs}_worst"] = median_ratio(
                     errs[mine][path], errs[theirs][path])
@@ -276,17 +280,20 @@ def _peer_tables(q: list[dict], fmt) -> str:
               if "error" in p}
     ok = [r for r in q if "gptq_over_llmc_median" in r or "gptq_all_over_llmc_all_median" in r]
     t = markdown(["model", "tensor", "ours GPTQ / llmc GPTQ (routed) median", "worst",
-                  "ours all / llmc all-experts median", "worst", "llmc routed / RTN", "llmc all / RTN"],
-                 [[r["model"], r["tensor"].replace("model.layers.", "L"), fmt(r.get("gptq_over_llmc_median", "-")),
-                   fmt(r.get("gptq_over_llmc_worst", "-")), fmt(r.get("gptq_all_over_llmc_all_median", "-")),
-                   fmt(r.get("gptq_all_over_llmc_all_worst", "-")), fmt(r.get("llmc_over_rtn_median", "-")),
-                   fmt(r.get("llmc_all_over_rtn_median", "-"))] for r in ok])
+                  "ours all / llmc all-experts median", "worst", "ours GPTQ (routed) / llmc all-experts",
+                  "ours minmax / llmc (routed)", "ours minmax all / llmc all", "llmc routed / RTN", "llmc all / RTN"],
+                 [[r["model"], r["tensor"].replace("model.layers.", "L")] + [fmt(r.get(k, "-")) for k in (
+                     "gptq_over_llmc_median", "gptq_over_llmc_worst", "gptq_all_over_llmc_all_median",
+                     "gptq_all_over_llmc_all_worst", "gptq_over_llmc_all_median", "gptq_minmax_over_llmc_median",
+                     "gptq_minmax_all_over_llmc_all_median", "llmc_over_rtn_median", "llmc_all_over_rtn_median")]
+                  for r in ok])
     firsts = {r["model"]: r for r in q}.values()
-    keys = ["rtn", "gptq", "gptq_all", "llmc", "llmc_all"]
+    keys = ["rtn", "gptq", "gptq_all", "gptq_minmax", "gptq_minmax_all", "llmc", "llmc_all"]
     t += "\n\n" + markdown(["model (quantize seconds, load average at start)", "ours RTN", "ours GPTQ",
-                             "ours GPTQ all-experts", "llmc GPTQ routed", "llmc GPTQ all-experts"],
+                             "ours GPTQ all-experts", "ours GPTQ minmax", "ours GPTQ minmax all-experts",
+                             "llmc GPTQ routed", "llmc GPTQ all-experts"],
                             [[f"{r['model']} ({r['threads']} threads)"] + [
-                                f"{r['seconds'][k]:.1f} ({r['load'][k]:.1f})" if k in r["seconds"] else "-"
+                                f"{r['seconds'][k]:.2f} ({r['load'][k]:.1f})" if k in r["seconds"] else "-"
                                 for k in keys] for r in firsts])
     p = next((p for r in q for p in r.get("peer", {}).values() if "versions" in p), None)
     if p:

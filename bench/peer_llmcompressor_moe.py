@@ -80,11 +80,13 @@ def main() -> None:
     import transformers
     from datasets import Dataset
     from llmcompressor import oneshot
-    from llmcompressor.modeling.moe.linearize import load_quantizable_moe
+    from llmcompressor.modeling.moe.linearize import linearize_moe
     from llmcompressor.modifiers.quantization import GPTQModifier
 
-    with load_quantizable_moe():
-        model = transformers.AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.float32)
+    # linearized after loading: its load_quantizable_moe patches transformers' modules, which imports every
+    # transformers model (aria's image processor needs torchvision, absent here) for Qwen3-MoE
+    model = transformers.AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.float32)
+    linearize_moe(model)
     model.eval()
     linears = expert_linears(model)
     if not linears:

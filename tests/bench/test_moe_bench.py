@@ -99,8 +99,8 @@ def test_measure_rows_on_a_minimal_model():
     for r in rows:
         assert r["experts"] == 4 and r["tokens_min"] <= r["tokens_median"] <= r["tokens_max"]
         assert r["tokens_max"] <= 2 * 32  # an expert sees each calibration token at most once
-        assert set(r["seconds"]) == {"rtn", "gptq", "gptq_all"}
-        for k in ("rtn", "gptq", "gptq_all"):
+        assert set(r["seconds"]) == {"rtn", "gptq", "gptq_all", "gptq_minmax", "gptq_minmax_all"}
+        for k in ("rtn", "gptq", "gptq_all", "gptq_minmax", "gptq_minmax_all"):
             assert 0 < r[f"{k}_error_median"] < 0.1  # int4 g32 on random weights: a few percent at most
         assert r["gptq_over_rtn_median"] <= r["gptq_over_rtn_worst"]
 
