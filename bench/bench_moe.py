@@ -7,12 +7,23 @@ time and peak memory of quantizing a Qwen3-MoE-shaped block with 64 experts on t
    each expert's layer output error measured on 8x128 *other* tokens, routed by the float model:
    ``||X_e (W_e - Q_e)^T||^2 / ||X_e W_e^T||^2`` for ``gate_up_proj`` and ``down_proj`` (down's input from the
    float gate_up). Reported per model and projection: the median over experts of GPTQ's error / RTN's (goal < 1),
-   and the calibration tokens per expert (fewest, median, most).
+   and the calibration tokens per expert (fewest, median, most). Ours also with ``init="minmax"`` (the GPTQ
+   textbook ranges, llm-compressor's).
+   With ``--peer-python`` (``make bench-gptq-peer``): llm-compressor's GPTQ (``bench/peer_llmcompressor_moe.py``)
+   on the same weights (``save_pretrained``; its float weights checked equal to ours, stacked back gate rows then
+   up) and tokens, int4 symmetric g32 (the same grid: ``amax / 7.5``, codes -8..7), routers and ``lm_head`` float,
+   once routed (``moe_calibrate_all_experts=False``) and once all-experts (its default), its fake-quantized expert
+   weights measured the same way: the median over experts of ours / its, and each method's quantize seconds
+   (same threads, one after the other, load average at each start). Options that differ: ours ``init="clip"``
+   (clipping searched) against its min/max ranges (hence the minmax rows), ours ``expert_min_tokens=8`` (an
+   expert with fewer routed tokens gets RTN; llm-compressor has no such fallback); damping 0.01, block 128, static act-order
+   on both.
 2. ``block``: one Qwen3-30B-A3B-shaped layer (hidden 2048, 64 experts of 768, top 8; vocabulary cut to 2048) in
    bf16, GPTQ int4 g128 (``gptq4-g128``'s spec) on 8x512 tokens and RTN, each in its own process under
    ``/usr/bin/time -v``: wall seconds and peak RSS.
 
-    .venv/bin/python bench/bench_moe.py [--quick]    (results: bench/results/moe.{json,md})
+    .venv/bin/python bench/bench_moe.py [--quick] [--peer-python /tmp/qtransform-llmc/bin/python] [--no-block]
+    (results: bench/results/moe.{json,md}; moe_quick with --quick)
 
 No MoE checkpoint can be downloaded here (no hub access), so no real model is measured.
 """
