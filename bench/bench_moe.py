@@ -274,7 +274,9 @@ def main() -> None:
                     fmt(r["gptq_over_rtn_median"]), fmt(r["gptq_over_rtn_worst"]), fmt(r["gptq_all_over_rtn_median"])]
                    for r in q])
     text = t1 + "\n\n" + _peer_tables(q, fmt)
-    if b:
+    if not b:
+        text += "\n\n(the 64-expert Qwen3-30B-A3B-shaped layer not measured: --no-block)"
+    else:
         text += "\n\n" + markdown(["Qwen3-30B-A3B-shaped layer (64 experts), bf16", "quantize s", "process s",
                                     "peak RSS GB", "load"],
                                    [[r["method"], r["quantize_seconds"], r["process_seconds"], r["peak_rss_gb"],
