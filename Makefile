@@ -116,10 +116,10 @@ bench-stream: $(STAMP)
 bench-distributed: $(STAMP)
 	HF_HUB_OFFLINE=1 $(BIN)/python bench/bench_distributed.py
 
-## mixture-of-experts (issue 32): GPTQ per expert vs round to nearest on random tiny Qwen3-MoE and Mixtral, tokens per
+## mixture-of-experts (issue 32): GPTQ per expert vs round to nearest and llm-compressor on random tiny Qwen3-MoE and Mixtral, tokens per
 ## expert, time and peak RSS of a Qwen3-30B-A3B-shaped layer with 64 experts (bench/results/moe.{json,md})
-bench-moe: $(STAMP)
-	HF_HUB_OFFLINE=1 $(BIN)/python bench/bench_moe.py
+bench-moe: $(STAMP) $(PEER)/bin/python
+	HF_HUB_OFFLINE=1 $(BIN)/python bench/bench_moe.py --peer-python $(PEER)/bin/python
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -7,12 +7,23 @@ time and peak memory of quantizing a Qwen3-MoE-shaped block with 64 experts on t
    each expert's layer output error measured on 8x128 *other* tokens, routed by the float model:
    ``||X_e (W_e - Q_e)^T||^2 / ||X_e W_e^T||^2`` for ``gate_up_proj`` and ``down_proj`` (down's input from the
    float gate_up). Reported per model and projection: the median over experts of GPTQ's error / RTN's (goal < 1),
-   and the calibration tokens per expert (fewest, median, most).
+   and the calibration tokens per expert (fewest, median, most). Ours also with ``init="minmax"`` (the GPTQ
+   textbook ranges, llm-compressor's).
+   With ``--peer-python`` (``make bench-gptq-peer``): llm-compressor's GPTQ (``bench/peer_llmcompressor_moe.py``)
+   on the same weights (``save_pretrained``; its float weights checked equal to ours, stacked back gate rows then
+   up) and tokens, int4 symmetric g32 (the same grid: ``amax / 7.5``, codes -8..7), routers and ``lm_head`` float,
+   once routed (``moe_calibrate_all_experts=False``) and once all-experts (its default), its fake-quantized expert
+   weights measured the same way: the median over experts of ours / its, and each method's quantize seconds
+   (same threads, one after the other, load average at each start). Options that differ: ours ``init="clip"``
+   (clipping searched) against its min/max ranges (hence the minmax rows), ours ``expert_min_tokens=8`` (an
+   expert with fewer routed tokens gets RTN; llm-compressor has no such fallback); damping 0.01, block 128, static act-order
+   on both.
 2. ``block``: one Qwen3-30B-A3B-shaped layer (hidden 2048, 64 experts of 768, top 8; vocabulary cut to 2048) in
    bf16, GPTQ int4 g128 (``gptq4-g128``'s spec) on 8x512 tokens and RTN, each in its own process under
    ``/usr/bin/time -v``: wall seconds and peak RSS.
 
-    .venv/bin/python bench/bench_moe.py [--quick]    (results: bench/results/moe.{json,md})
+    .venv/bin/python bench/bench_moe.py [--quick] [--peer-python /tmp/qtransform-llmc/bin/python] [--no-block]
+    (results: bench/results/moe.{json,md}; moe_quick with --quick)
 
 No MoE checkpoint can be downloaded here (no hub access), so no real model is measured.
 """
@@ -27,6 +38,7 @@ import re
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 import torch
@@ -76,13 +88,27 @@ def _routed(model, ids):
 
 
 def _errors(model, qtree, routed) -> dict:
+    """:func:`errors_of` of our quantized tree (each experts weight dequantized)."""
     import qtransform as qt
 
+    return errors_of(model, {f"{n}.{p}": qt.dequantize(qtree[f"{n}.{p}"]) for n in routed for p in PROJS}, routed)
+
+
+PROJS = ("gate_up_proj", "down_proj")
+
+
+def errors_of(model, weights: dict, routed) -> dict:
+    """``{experts path.proj: [error of expert e, or None where no held-out token reached it]}`` of the stacked
+    ``(E, out, in)`` weights ``weights[path.proj]`` against the model's float ones, on the routed inputs:
+    ``||X_e (W_e - Q_e)^T||^2 / ||X_e W_e^T||^2``."""
+    params = dict(model.named_parameters())
     out = {}
     for name, per in routed.items():
-        for j, proj in enumerate(("gate_up_proj", "down_proj")):
-            w = dict(model.named_parameters())[f"{name}.{proj}"].detach().float()
-            q = qt.dequantize(qtree[f"{name}.{proj}"]).float()
+        for j, proj in enumerate(PROJS):
+            w = params[f"{name}.{proj}"].detach().float()
+            q = weights[f"{name}.{proj}"].float()
+            if q.shape != w.shape:
+                raise ValueError(f"{name}.{proj}: quantized shape {tuple(q.shape)} != float {tuple(w.shape)}")
             errs = []
             for e, xs in enumerate(per):
                 x = xs[j]
@@ -95,41 +121,107 @@ def _errors(model, qtree, routed) -> dict:
     return out
 
 
-def quality(quick: bool) -> list[dict]:
+def median_ratio(a: list, b: list) -> tuple[float, float]:
+    """(median, max) over experts of ``a[e] / b[e]``, the experts where both are measured and ``b[e] > 0``."""
+    ratios = [x / y for x, y in zip(a, b) if x is not None and y]
+    if not ratios:
+        raise ValueError("no expert has both errors measured")
+    return statistics.median(ratios), max(ratios)
+
+
+SHAPES = {"qwen3_moe": dict(layers=4, hidden=256, experts=16, inter=128, top=4),
+          "mixtral": dict(layers=4, hidden=256, experts=8, inter=256, top=2)}
+
+
+def quality(quick: bool, peer_python: str | None = None, threads: int = 2) -> list[dict]:
+    n_cal, n_eval = (4, 2) if quick else (16, 8)
+    rows = []
+    for kind, shape in SHAPES.items():
+        rows += measure(kind, shape, n_cal=n_cal, n_eval=n_eval, peer_python=peer_python, threads=threads)
+    return rows
+
+
+def measure(kind: str, shape: dict, *, n_cal: int, n_eval: int, peer_python: str | None = None, threads: int = 2,
+            vocab: int = 1024, seq: int = 128) -> list[dict]:
+    """One random model of ``kind``/``shape``: RTN, GPTQ and all-experts GPTQ (ours), and llm-compressor's GPTQ
+    routed and all-experts where ``peer_python`` is given; one row per experts weight."""
     import bridge
     import qtransform as qt
 
     spec = qt.QuantSpec(format="int4", granularity=qt.PerGroup(32))
     rtn = qt.Recipe(type_rules={"Linear": spec}, exclude=["lm_head*"])
     gptq = qt.Recipe(type_rules={"Linear": spec}, exclude=["lm_head*"], steps=["gptq"])
-    rows = []
-    shapes = {"qwen3_moe": dict(layers=4, hidden=256, experts=16, inter=128, top=4),
-              "mixtral": dict(layers=4, hidden=256, experts=8, inter=256, top=2)}
-    n_cal, n_eval = (4, 2) if quick else (16, 8)
-    for kind, shape in shapes.items():
-        model = _model(kind, vocab=1024, dtype=torch.float32, **shape)
-        g = torch.Generator().manual_seed(1)
-        cal = [torch.randint(0, 1024, (1, 128), generator=g) for _ in range(n_cal)]
-        ev = torch.randint(0, 1024, (n_eval, 128), generator=g)
-        routed = _routed(model, ev)
-        res = {"rtn": bridge.quantize_params(model, rtn)}
+    model = _model(kind, vocab=vocab, dtype=torch.float32, **shape)
+    g = torch.Generator().manual_seed(1)
+    cal = [torch.randint(0, vocab, (1, seq), generator=g) for _ in range(n_cal)]
+    ev = torch.randint(0, vocab, (n_eval, seq), generator=g)
+    routed = _routed(model, ev)
+    res, seconds, load = {}, {}, {}
+    minmax = qt.Recipe(type_rules={"Linear": spec}, exclude=["lm_head*"], steps=[qt.Step("gptq", init="minmax")])
+    for key, recipe, kw in (("rtn", rtn, {}), ("gptq", gptq, dict(calibration=cal)),
+                            ("gptq_all", gptq, dict(calibration=cal, all_experts=True)),
+                            ("gptq_minmax", minmax, dict(calibration=cal)),
+                            ("gptq_minmax_all", minmax, dict(calibration=cal, all_experts=True))):
+        load[key] = os.getloadavg()[0]
         t = time.perf_counter()
-        res["gptq"] = bridge.quantize_params(model, gptq, calibration=cal)
-        seconds = time.perf_counter() - t
-        res["gptq_all"] = bridge.quantize_params(model, gptq, calibration=cal, all_experts=True)
-        errs = {k: _errors(model, r.qtree, routed) for k, r in res.items()}
-        for path in errs["rtn"]:
-            tokens = res["gptq"].info[path]["experts"]["tokens"]
-            row = {"model": kind, "tensor": path, "experts": len(tokens),
-                   "tokens_min": min(tokens), "tokens_median": statistics.median(tokens), "tokens_max": max(tokens),
-                   "fell_back": res["gptq"].info[path]["experts"]["fallback"].get("rtn", []), "gptq_seconds": seconds}
-            for k in ("gptq", "gptq_all"):
-                ratios = [a / b for a, b in zip(errs[k][path], errs["rtn"][path]) if a is not None and b]
-                row[f"{k}_over_rtn_median"] = statistics.median(ratios)
-                row[f"{k}_over_rtn_worst"] = max(ratios)
-            row["rtn_error_median"] = statistics.median([e for e in errs["rtn"][path] if e is not None])
-            rows.append(row)
+        res[key] = bridge.quantize_params(model, recipe, **kw)
+        seconds[key] = time.perf_counter() - t
+    errs = {k: _errors(model, r.qtree, routed) for k, r in res.items()}
+    peer = {}
+    if peer_python:
+        for key, all_experts in (("llmc", False), ("llmc_all", True)):
+            load[key] = os.getloadavg()[0]
+            out = run_peer(peer_python, model, torch.cat(cal), threads=threads, all_experts=all_experts)
+            if "error" in out:
+                peer[key] = out
+                continue
+            errs[key] = errors_of(model, out.pop("weights"), routed)
+            seconds[key] = out["seconds"]
+            peer[key] = out
+    rows = []
+    for path in errs["rtn"]:
+        tokens = res["gptq"].info[path]["experts"]["tokens"]
+        row = {"model": kind, "tensor": path, "experts": len(tokens),
+               "tokens_min": min(tokens), "tokens_median": statistics.median(tokens), "tokens_max": max(tokens),
+               "fell_back": res["gptq"].info[path]["experts"]["fallback"].get("rtn", []),
+               "gptq_seconds": seconds["gptq"], "seconds": dict(seconds), "load": dict(load), "threads": threads}
+        for k in [k for k in errs if k != "rtn"]:
+            row[f"{k}_over_rtn_median"], row[f"{k}_over_rtn_worst"] = median_ratio(errs[k][path], errs["rtn"][path])
+        for k in errs:
+            row[f"{k}_error_median"] = statistics.median([e for e in errs[k][path] if e is not None])
+        for mine, theirs in (("gptq", "llmc"), ("gptq_all", "llmc_all"), ("gptq", "llmc_all"),
+                             ("gptq_minmax", "llmc"), ("gptq_minmax_all", "llmc_all")):
+            if theirs in errs:
+                row[f"{mine}_over_{theirs}_median"], row[f"{mine}_over_{theirs}_worst"] = median_ratio(
+                    errs[mine][path], errs[theirs][path])
+        if peer:
+            row["peer"] = {k: {n: v for n, v in p.items()} for k, p in peer.items()}
+        rows.append(row)
     return rows
+
+
+def run_peer(python: str, model, tokens: torch.Tensor, *, threads: int, all_experts: bool) -> dict:
+    """llm-compressor's GPTQ (``peer_llmcompressor_moe.py`` under ``python``) on ``model`` saved with
+    ``save_pretrained`` (per-expert keys) and ``tokens`` ``(n, seq)``: ``{"seconds", "versions", "weights":
+    {experts path.proj: (E, out, in)}, "grid_error", "grid_max"}``, or ``{"error": its stderr's tail}``. Refuses
+    (ValueError) when the float weights it loaded are not ours in the same stacked order."""
+    with tempfile.TemporaryDirectory() as d:
+        model.save_pretrained(os.path.join(d, "model"))
+        torch.save(tokens.clone(), os.path.join(d, "calib.pt"))
+        out = os.path.join(d, "result.pt")
+        cmd = [python, str(HERE / "peer_llmcompressor_moe.py"), "--model", os.path.join(d, "model"), "--tokens",
+               os.path.join(d, "calib.pt"), "--threads", str(threads), "--out", out] + (["--all-experts"] * all_experts)
+        done = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+        if done.returncode or not os.path.exists(out):
+            print(f"llm-compressor (all_experts={all_experts}) failed ({done.returncode}): {done.stderr[-2000:]}",
+                  flush=True)
+            return {"error": done.stderr[-2000:], "returncode": done.returncode}
+        res = torch.load(out)
+    params = dict(model.named_parameters())
+    for k, w in res.pop("float").items():
+        if not torch.equal(w, params[k].detach().float()):
+            raise ValueError(f"{k}: llm-compressor's float expert weights {tuple(w.shape)} are not ours in our order")
+    return res
 
 
 _WORKER = r'''
@@ -167,9 +259,13 @@ def block(quick: bool) -> list[dict]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--peer-python", default=None, help="python of a virtualenv with llmcompressor (make bench-gptq-peer)")
+    ap.add_argument("--no-block", action="store_true", help="skip the 64-expert layer's time and memory")
     a = ap.parse_args()
-    q = quality(a.quick)
-    b = block(a.quick)
+    torch.set_num_threads(a.threads)
+    q = quality(a.quick, a.peer_python, a.threads)
+    b = [] if a.no_block else block(a.quick)
     fmt = lambda v: f"{v:.3f}" if isinstance(v, float) else str(v)  # noqa: E731
     t1 = markdown(["model", "tensor", "experts", "tokens min/median/max", "fell back", "GPTQ/RTN median", "worst",
                    "all-experts GPTQ/RTN median"],
@@ -177,11 +273,50 @@ def main() -> None:
                     f"{r['tokens_min']}/{r['tokens_median']:g}/{r['tokens_max']}", r["fell_back"] or "-",
                     fmt(r["gptq_over_rtn_median"]), fmt(r["gptq_over_rtn_worst"]), fmt(r["gptq_all_over_rtn_median"])]
                    for r in q])
-    t2 = markdown(["Qwen3-30B-A3B-shaped layer (64 experts), bf16", "quantize s", "process s", "peak RSS GB", "load"],
-                  [[r["method"], r["quantize_seconds"], r["process_seconds"], r["peak_rss_gb"], f"{r['load']:.1f}"]
-                   for r in b])
-    write("moe_quick" if a.quick else "moe", q + b, t1 + "\n\n" + t2, {"quality": q, "block": b})
+    text = t1 + "\n\n" + _peer_tables(q, fmt)
+    if not b:
+        text += "\n\n(the 64-expert Qwen3-30B-A3B-shaped layer not measured: --no-block)"
+    else:
+        text += "\n\n" + markdown(["Qwen3-30B-A3B-shaped layer (64 experts), bf16", "quantize s", "process s",
+                                    "peak RSS GB", "load"],
+                                   [[r["method"], r["quantize_seconds"], r["process_seconds"], r["peak_rss_gb"],
+                                     f"{r['load']:.1f}"] for r in b])
+    write("moe_quick" if a.quick else "moe", q + b, text, {"quality": q, "block": b})
     print(json.dumps({"ok": True}))
+
+
+def _peer_tables(q: list[dict], fmt) -> str:
+    """Ours against llm-compressor (per experts weight), and the quantize seconds of each method per model."""
+    if not any("peer" in r for r in q):
+        return "(no llm-compressor run: --peer-python not given)"
+    failed = {(r["model"], k): p["error"].strip().splitlines()[-1] for r in q for k, p in r.get("peer", {}).items()
+              if "error" in p}
+    ok = [r for r in q if "gptq_over_llmc_median" in r or "gptq_all_over_llmc_all_median" in r]
+    t = markdown(["model", "tensor", "ours GPTQ / llmc GPTQ (routed) median", "worst",
+                  "ours all / llmc all-experts median", "worst", "ours GPTQ (routed) / llmc all-experts",
+                  "ours minmax / llmc (routed)", "ours minmax all / llmc all", "llmc routed / RTN", "llmc all / RTN"],
+                 [[r["model"], r["tensor"].replace("model.layers.", "L")] + [fmt(r.get(k, "-")) for k in (
+                     "gptq_over_llmc_median", "gptq_over_llmc_worst", "gptq_all_over_llmc_all_median",
+                     "gptq_all_over_llmc_all_worst", "gptq_over_llmc_all_median", "gptq_minmax_over_llmc_median",
+                     "gptq_minmax_all_over_llmc_all_median", "llmc_over_rtn_median", "llmc_all_over_rtn_median")]
+                  for r in ok])
+    firsts = {r["model"]: r for r in q}.values()
+    keys = ["rtn", "gptq", "gptq_all", "gptq_minmax", "gptq_minmax_all", "llmc", "llmc_all"]
+    t += "\n\n" + markdown(["model (quantize seconds, load average at start)", "ours RTN", "ours GPTQ",
+                             "ours GPTQ all-experts", "ours GPTQ minmax", "ours GPTQ minmax all-experts",
+                             "llmc GPTQ routed", "llmc GPTQ all-experts"],
+                            [[f"{r['model']} ({r['threads']} threads)"] + [
+                                f"{r['seconds'][k]:.2f} ({r['load'][k]:.1f})" if k in r["seconds"] else "-"
+                                for k in keys] for r in firsts])
+    p = next((p for r in q for p in r.get("peer", {}).values() if "versions" in p), None)
+    if p:
+        t += (f"\n\nllm-compressor {p['versions']['llmcompressor']} (compressed-tensors "
+              f"{p['versions']['compressed_tensors']}, transformers {p['versions']['transformers']}, torch "
+              f"{p['versions']['torch']}); its expert weights read fake-quantized after oneshot, on its int4 grid to "
+              f"{max(x.get('grid_error', 0) for r in q for x in r.get('peer', {}).values()):.1e}.")
+    for (model, k), err in failed.items():
+        t += f"\n\nllm-compressor {k} on {model} failed: {err}"
+    return t
 
 
 if __name__ == "__main__":
