@@ -17,7 +17,15 @@ operation that commutes with a positive per-channel scale:
 half of ``[gate; up]`` (Phi-3). ``inspect`` is the module whose output a search over the whole
 sub-layer would measure (AWQ); ``local`` says it computes each token's output from that token alone (an MLP, a
 linear: a search may sample its rows; attention may not); ``when`` a config attribute and the values for which
-the group exists.
+the group exists, and ``present`` a module (relative to the block) without which the block has no such group:
+a model mixing dense and mixture-of-experts blocks (DeepSeek-V3's first layers, Qwen-MoE's ``mlp_only_layers``)
+gets, per block, the groups of the MLP it has.
+
+Mixture-of-experts blocks: the norm before the MLP feeds the router, the stacked experts weights and the shared
+experts. ``stacked`` names the linears that are stacked experts weights (tree paths of the 3-D tensors
+themselves, ``mlp.experts.gate_up_proj``), ``routers`` the float linears reading the same input (a router
+``(experts, hidden)``, Qwen2-MoE's ``shared_expert_gate``): scaled exactly, never quantized. The experts' down
+projections are in no group (each expert's hidden activation is its own; they are not smoothed).
 
 Norm classes the groups may fold into compute ``weight * normalized(x) (+ bias)``
 (:data:`FOLDABLE_NORMS`); Gemma's ``(1 + weight)`` RMSNorm, for one, does not.
@@ -40,6 +48,9 @@ class GroupTemplate(NamedTuple):
     heads: bool = False
     when: tuple[str, tuple] | None = None
     local: bool = False
+    present: str | None = None
+    stacked: tuple[str, ...] = ()
+    routers: tuple[str, ...] = ()
 
 
 class Arch(NamedTuple):
@@ -54,7 +65,9 @@ class Arch(NamedTuple):
 
 
 #: Norm classes computing ``weight * normalized(x) (+ bias)``: a scale folds into their weight and bias.
-FOLDABLE_NORMS = frozenset({"LayerNorm", "LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Phi3RMSNorm"})
+FOLDABLE_NORMS = frozenset({"LayerNorm", "LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Phi3RMSNorm",
+                            "MixtralRMSNorm", "Qwen2MoeRMSNorm", "Qwen3MoeRMSNorm", "OlmoeRMSNorm",
+                            "DeepseekV3RMSNorm"})
 
 _QKV = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
 
@@ -64,6 +77,23 @@ _LLAMA_GROUPS = (
     GroupTemplate("post_attention_layernorm", ("mlp.gate_proj", "mlp.up_proj"), inspect="mlp", local=True),
     GroupTemplate("mlp.up_proj", ("mlp.down_proj",)),
 )
+
+_ATTENTION = _LLAMA_GROUPS[:2]
+_DENSE_MLP = tuple(t._replace(present="mlp.gate_proj") for t in _LLAMA_GROUPS[2:])
+_EXPERTS = "mlp.experts.gate_up_proj"
+
+
+def _moe(shared: str | None = None, gate: str | None = None) -> tuple[GroupTemplate, ...]:
+    """The MLP groups of a mixture-of-experts block: router, experts and (``shared``) a shared expert with
+    (``gate``) its float gate; the dense MLP's in blocks without experts."""
+    extra = (f"{shared}.gate_proj", f"{shared}.up_proj") if shared else ()
+    routers = ("mlp.gate",) + ((gate,) if gate else ())
+    groups = (GroupTemplate("post_attention_layernorm", ("mlp.gate", _EXPERTS, *extra, *routers[1:]), inspect="mlp",
+                            local=True, present="mlp.experts", stacked=(_EXPERTS,), routers=routers),)
+    if shared:
+        groups += (GroupTemplate(f"{shared}.up_proj", (f"{shared}.down_proj",), present=shared),)
+    return _ATTENTION + groups + _DENSE_MLP
+
 
 ARCHS: tuple[Arch, ...] = (
     Arch("llama", ("llama",), "model.layers", _LLAMA_GROUPS),
@@ -80,6 +110,10 @@ ARCHS: tuple[Arch, ...] = (
         GroupTemplate("attn.c_attn", ("attn.c_proj",), rows="v", heads=True),
         GroupTemplate("ln_2", ("mlp.c_fc",), inspect="mlp.c_fc", local=True),
     )),
+    Arch("mixtral", ("mixtral",), "model.layers", _moe()),
+    Arch("qwen2_moe", ("qwen2_moe",), "model.layers", _moe("mlp.shared_expert", "mlp.shared_expert_gate")),
+    Arch("qwen3_moe", ("qwen3_moe",), "model.layers", _moe()),
+    Arch("olmoe", ("olmoe",), "model.layers", _moe()),  # q/k norms over whole projections: after the linears
     Arch("phi3", ("phi3",), "model.layers", (
         GroupTemplate("input_layernorm", ("self_attn.qkv_proj",), inspect="self_attn"),
         GroupTemplate("self_attn.qkv_proj", ("self_attn.o_proj",), rows="v", heads=True),
