@@ -24,7 +24,7 @@ import qtransform as qt
 
 from .arch import model_groups, model_layout, residual_layout, smoothing_groups
 from .calibrate import ModelCalibrator
-from .tree import Quantized, extract, model_plan, to_module, weight_paths
+from .tree import Quantized, extract, model_plan, to_module, unsupported_experts, weight_paths
 
 __all__ = ["plan", "nothing_selected", "check_calibration", "Quantized", "quantize_params", "quantize"]
 
@@ -55,6 +55,13 @@ def plan(model: nn.Module, recipe, *, tree: Mapping | None = None) -> qt.Plan:
         raise ValueError(f"Recipe.kv_cache quantizes the key/value cache, but the plan names no attention module of "
                          f"{type(model).__name__} (modules that call transformers' attention functions)")
     quantizable = set(weight_paths(model))
+    unsupported = unsupported_experts(model)
+    refused = [f"{p} ({unsupported[p]}; selected by {m.rule})" for p, m in resolved.items()
+               if p in unsupported and m.spec is not None]
+    if refused:
+        raise ValueError(f"the recipe quantizes mixture-of-experts weights that qtransform cannot: {refused[:3]}"
+                         + (f" and {len(refused) - 3} more" if len(refused) > 3 else "")
+                         + "; keep them in float explicitly (type_rules={'Experts': None}, or exclude=[their paths])")
     matches = {}
     for path, m in resolved.items():
         if m.spec is not None and m.module_type == "Router" and m.rule == "default" and not given:

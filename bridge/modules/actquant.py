@@ -52,7 +52,7 @@ ROLES = ("input", "output")
 KV_ROLES = qt.spec.KV_ROLES
 #: The observer of dynamic quantizers (min/max of each input), made once: ``torch.compile`` traces
 #: its statistics but not the observer registry's lookup.
-_DYNAMIC_OBSERVER = qt.make_observer("minmax")
+DYNAMIC_OBSERVER = _DYNAMIC_OBSERVER = qt.make_observer("minmax")
 
 #: Stored-name prefix of each role's QParams fields: ``input_scale``, ``k_scale``...
 PREFIX = {"input": "input_", "output": "output_", "key": "k_", "value": "v_"}
@@ -162,6 +162,8 @@ def activation_specs(model: nn.Module) -> dict[qt.Site, qt.QuantSpec]:
     (for checkpoints)."""
     out = {}
     for name, m in model.named_modules():
+        if callable(getattr(m, "input_specs", None)):  # QExperts: one input quantizer per projection
+            out.update({qt.Site(f"{name}.{leaf}", "input"): spec for leaf, spec in m.input_specs().items()})
         for role in PREFIX:
             spec = getattr(m, f"{role}_spec", None)
             if isinstance(spec, qt.QuantSpec):

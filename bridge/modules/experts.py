@@ -31,6 +31,7 @@ import qtransform as qt
 from qtransform import QTensor
 
 from ..checkpoint.layout import NATIVE, dtype_name
+from . import actquant
 
 __all__ = ["EXPERT_WEIGHTS", "is_experts", "expert_weights", "routed_forward", "QExperts", "stacked_like"]
 
@@ -65,13 +66,14 @@ def stacked_like(module: nn.Module, name: str) -> tuple[tuple[int, ...], bool]:
 
 def routed_forward(module: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                    top_k_weights: torch.Tensor, *, matrix: Callable, tap: Callable | None = None,
-                   all_tokens: bool = False) -> torch.Tensor:
+                   all_tokens: bool = False, inputs: Callable | None = None) -> torch.Tensor:
     """The experts' routed output ``(tokens, hidden)``.
 
     ``matrix(name, e, dtype)`` gives expert ``e``'s weight ``name`` as stored (``(out, in)``, or ``(in, out)``
     where ``module.is_transposed``); ``tap(name, e, x)``, when given, sees the input ``x`` of projection
     ``name`` of expert ``e``: the rows of the tokens routed to it, or every token with ``all_tokens`` (the
-    output stays the routed one). Token ids of ``num_experts`` and above (expert-parallel sentinels) are skipped.
+    output stays the routed one). ``inputs(name, x)``, when given, replaces each projection's input (activation
+    quantization). Token ids of ``num_experts`` and above (expert-parallel sentinels) are skipped.
     """
     names = expert_weights(module)
     up, down = names[0], names[-1]
@@ -83,9 +85,9 @@ def routed_forward(module: nn.Module, hidden_states: torch.Tensor, top_k_index: 
     for e in experts:
         pos, tok = torch.where((top_k_index == e).T)  # eager's order: by top-k slot, then token
         x = hidden_states if all_tokens and tap is not None else hidden_states[tok]
-        y = _project(module, up, e, x, matrix, tap)
+        y = _project(module, up, e, x, matrix, tap, inputs)
         y = module._apply_gate(y) if module.has_gate else module.act_fn(y)
-        y = _project(module, down, e, y, matrix, tap)
+        y = _project(module, down, e, y, matrix, tap, inputs)
         if module.has_post_expert_norm:
             y = module.post_expert_norm(y)
         if all_tokens and tap is not None:
@@ -97,9 +99,11 @@ def routed_forward(module: nn.Module, hidden_states: torch.Tensor, top_k_index: 
     return final
 
 
-def _project(module, name, e, x, matrix, tap):
+def _project(module, name, e, x, matrix, tap, inputs):
     if tap is not None:
         tap(name, e, x)
+    if inputs is not None:
+        x = inputs(name, x)
     w = matrix(name, e, x.dtype)
     bias = getattr(module, f"{name}_bias")[e].to(x.dtype) if module.has_bias else None
     return F.linear(x, w.t() if module.is_transposed else w, bias)
@@ -126,6 +130,7 @@ class QExperts(nn.Module):
         for name, p in module.named_parameters(recurse=False):
             self.register_parameter(name, p)
         self._qmeta: dict[str, tuple] = {}  # name -> (spec, width, dtype, qnames)
+        self._act: dict[str, qt.QuantSpec] = {}  # name -> input quantizer spec
         self.compute_dtype = module.down_proj.dtype
 
     def _apply_gate(self, y: torch.Tensor) -> torch.Tensor:
@@ -172,7 +177,53 @@ class QExperts(nn.Module):
         return getattr(self, name)[e].to(dtype)
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
-        return routed_forward(self, hidden_states, top_k_index, top_k_weights, matrix=self.matrix)
+        return routed_forward(self, hidden_states, top_k_index, top_k_weights, matrix=self.matrix,
+                              inputs=self._quant_input if self._act else None)
+
+    # ------------------------------------------------------------------ activation quantizers
+    def in_features(self, name: str) -> int:
+        """The input width of projection ``name`` of every expert."""
+        shape = self._shape(name)
+        return shape[1] if self.is_transposed else shape[2]
+
+    def set_input_quant(self, name: str, quant) -> None:
+        """Quantize the input of projection ``name`` (each expert's routed rows, a (tokens, features) matrix):
+        ``None``, a dynamic QuantSpec or static QParams (one for all experts), as
+        :func:`bridge.modules.actquant.attach`; static tensors are buffers ``<name>_input_scale``..."""
+        if name not in expert_weights(self):
+            raise ValueError(f"QExperts: {name!r} is not one of its weights {list(expert_weights(self))}")
+        holder = nn.Module()  # the checks and stored form of a linear's input quantizer
+        actquant.attach(holder, "input", quant)
+        for f in qt.QParams.FIELDS:
+            self._buffers.pop(f"{name}_input_{f}", None)
+        self._act.pop(name, None)
+        if holder.input_spec is not None:
+            self._act[name] = holder.input_spec
+        for key, t in holder._buffers.items():
+            self.register_buffer(f"{name}_{key}", t)
+
+    def input_specs(self) -> dict[str, qt.QuantSpec]:
+        """``{projection name: spec}`` of the input quantizers."""
+        return dict(self._act)
+
+    def abstract_input(self, name: str, spec: qt.QuantSpec) -> qt.QParams:
+        """Static QParams of ``spec`` for the input of ``name`` on ``meta`` (values to be loaded)."""
+        holder = nn.Module()
+        holder.in_features = holder.out_features = self.in_features(name)
+        return actquant.abstract_qparams(holder, "input", spec)
+
+    def _quant_input(self, name: str, x: torch.Tensor) -> torch.Tensor:
+        spec = self._act.get(name)
+        if spec is None:
+            return x
+        with actquant.value_checks(x):
+            if spec.dynamic:
+                qp = qt.choose_qparams(x.detach(), spec, observer=actquant.DYNAMIC_OBSERVER)
+            else:
+                fields = {f: self._buffers[f"{name}_input_{f}"] for f in qt.QParams.FIELDS
+                          if f"{name}_input_{f}" in self._buffers}
+                qp = qt.QParams(spec=spec, **fields)
+            return qt.fake_quantize(x, qp)
 
     def _apply(self, fn, recurse=True):
         held = {n: self._buffers.pop(n) for meta in self._qmeta.values() for n in meta[3]}
@@ -204,4 +255,6 @@ class QExperts(nn.Module):
             else:
                 w = getattr(self, name)
                 parts.append(f"{name}=float {dtype_name(w.dtype)}")
+            if name in self._act:
+                parts.append(f"{name}.input={self._act[name]}")
         return ", ".join(parts)

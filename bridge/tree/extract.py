@@ -26,7 +26,7 @@ from torch import nn
 from ..modules import QModule, quantized_class
 from ..modules.experts import QExperts, expert_weights, is_experts
 
-__all__ = ["extract", "module_types", "weight_paths", "tie_groups"]
+__all__ = ["extract", "module_types", "weight_paths", "tie_groups", "unsupported_experts"]
 
 
 def _check(model):
@@ -56,11 +56,45 @@ def extract(model: nn.Module) -> dict:
     return out
 
 
+_EXPERT_COUNTS = ("num_experts", "num_local_experts", "n_routed_experts", "num_routed_experts", "n_shared_experts",
+                  "total_experts")
+
+
+def _moe_like(m: nn.Module) -> bool:
+    return any(isinstance(getattr(m, a, None), int) for a in _EXPERT_COUNTS) or "Expert" in type(m).__name__
+
+
+def unsupported_experts(model: nn.Module) -> dict[str, str]:
+    """``{path: why}`` for the expert weights of ``model`` that qtransform cannot quantize: stacked (3-D) weights
+    of a module without transformers' standard experts interface (``bridge.modules.experts``: JetMoe's parallel
+    experts, Llama 4's, Longcat's with zero experts...) and embeddings used as experts (Doge). A recipe that
+    selects them is refused by name (``bridge.plan``); they can be kept in float explicitly."""
+    _check(model)
+    out = {}
+    for name, m in model.named_modules():
+        prefix = f"{name}." if name else ""
+        if is_experts(m) or isinstance(m, (nn.modules.conv._ConvNd, QModule)) or not _moe_like(m):
+            continue
+        for key, p in m.named_parameters(recurse=False):
+            if p.is_floating_point() and p.dim() >= 3:
+                out[prefix + key] = (f"a {tuple(p.shape)} stack of expert weights in {type(m).__name__}, which lacks "
+                                     "transformers' standard experts interface (use_experts_implementation)")
+        for child, c in m.named_children():
+            if isinstance(c, nn.Embedding) and c.num_embeddings == getattr(m, "num_experts", None):
+                out[f"{prefix}{child}.weight"] = (f"an embedding of {c.num_embeddings} expert vectors in "
+                                                  f"{type(m).__name__} (product-key experts)")
+    return out
+
+
 def _routers(model: nn.Module) -> set[str]:
     """Module paths of the routers of mixture-of-experts layers: ``nn.Linear`` siblings of an experts module
     that score the experts (``num_experts`` outputs) or gate a shared expert (one output)."""
     out = set()
     for name, m in model.named_modules():
+        n = getattr(m, "num_experts", None)
+        if isinstance(n, int) and not is_experts(m) and _moe_like(m):  # a block holding its router (Doge)
+            out.update(f"{name}.{child}" if name else child for child, c in m.named_children()
+                       if isinstance(c, nn.Linear) and c.out_features == n)
         if is_experts(m) and "." in name:
             parent = name.rpartition(".")[0]
             for child, c in model.get_submodule(parent).named_children():
@@ -74,7 +108,7 @@ def module_types(model: nn.Module) -> dict[str, str]:
     """``{path: module class name}`` for every state-dict path (quantized modules by their float name); the
     stacked weights of experts modules are ``"Experts"``, the routers of their layers ``"Router"``."""
     _check(model)
-    owners = {}
+    owners = {p: "Experts" for p in unsupported_experts(model)}
     routers = _routers(model)
     for name, m in model.named_modules():
         prefix = f"{name}." if name else ""

@@ -32,7 +32,7 @@ from torch import nn
 import qtransform as qt
 
 from ..modules import QLinear, is_conv1d
-from ..modules.experts import stacked_like
+from ..modules.experts import is_experts, stacked_like
 from ..modules.kvcache import attention_modules
 from .extract import module_types, weight_paths
 
@@ -82,7 +82,7 @@ def model_plan(model: nn.Module, recipe: qt.Recipe, tree: Mapping[str, torch.Ten
     matches = {}
     for path, m in resolved.items():
         spec = m.spec
-        if spec is not None and types.get(path) == "Experts" and path in owners:
+        if spec is not None and types.get(path) == "Experts" and path in owners and is_experts(owners[path]):
             spec = _stacked(path, m, owners[path], tuple(tree[path].shape))
         elif spec is not None and path in transposed and tree[path].dim() == 2:
             logical = tuple(tree[path].shape[::-1])
@@ -94,5 +94,5 @@ def model_plan(model: nn.Module, recipe: qt.Recipe, tree: Mapping[str, torch.Ten
                                  f"{logical} as for Linear") from None
             spec = transposed_spec(spec, logical)
         matches[path] = qt.Match(spec, m.rule, types.get(path))
-    flipped = [p for p, m in owners.items() if types.get(p) == "Experts" and stacked_like(m, p.rpartition(".")[2])[1]]
+    flipped = [p for p, m in owners.items() if types.get(p) == "Experts" and is_experts(m) and stacked_like(m, p.rpartition(".")[2])[1]]
     return qt.Plan(recipe, matches, attention=resolved.attention, transposed_experts=flipped)

@@ -40,7 +40,8 @@ from ..modules import online as online_mod
 from ..modules.experts import QExperts, expert_weights
 from .quantized import Quantized
 
-__all__ = ["to_module", "submodule", "replace_module", "meta_skeleton", "REBUILD_HOOKS", "float_slot", "qtensor_at"]
+__all__ = ["to_module", "submodule", "replace_module", "meta_skeleton", "REBUILD_HOOKS", "float_slot", "qtensor_at",
+           "experts_slot"]
 
 
 def _check_hook(name: str, hook) -> None:
@@ -73,6 +74,17 @@ def qtensor_at(model: nn.Module, path: str) -> QTensor:
     if not isinstance(module, QModule) or leaf != "weight":
         raise ValueError(f"{path}: not a quantized weight ({type(module).__name__}.{leaf})")
     return module.qweight
+
+
+def experts_slot(model: nn.Module, path: str) -> tuple[nn.Module | None, str]:
+    """``(experts module, weight name)`` when ``path`` names a stacked experts weight of ``model`` (the module
+    path of its activation sites), else ``(None, "")``."""
+    parent, _, leaf = path.rpartition(".")
+    try:
+        module = model.get_submodule(parent)
+    except AttributeError:
+        return None, ""
+    return (module, leaf) if leaf in expert_weights(module) else (None, "")
 
 
 def meta_skeleton(model: nn.Module) -> nn.Module:
@@ -193,6 +205,12 @@ def _check_activations(model: nn.Module, quantized: Mapping, activations: Mappin
         if not isinstance(site, qt.Site) or site.role not in qt.spec.SITE_ROLES:
             raise TypeError(f"activations: keys must be qtransform.Site(module, role) with role in "
                             f"{list(qt.spec.SITE_ROLES)}, got {site!r}")
+        owner, leaf = experts_slot(model, site.module)
+        if owner is not None:
+            if site.role != "input" or not isinstance(quant, (qt.QuantSpec, qt.QParams)):
+                raise ValueError(f"activations[{site}]: a stacked experts weight takes an input quantizer (a dynamic "
+                                 f"QuantSpec or static QParams), got role {site.role!r} with {type(quant).__name__}")
+            continue
         try:
             module = model.get_submodule(site.module)
         except AttributeError:
@@ -269,7 +287,10 @@ def to_module(model: nn.Module, qtree: Any, *, inplace: bool = False, kernel: st
     if untied:  # the rebuild hooks (transformers' tie map and config) see which names were untied
         target._qt_untied = sorted(untied)
     for site, quant in (activations or {}).items():
-        if site.role in qt.spec.KV_ROLES:
+        owner, leaf = experts_slot(target, site.module)
+        if owner is not None:
+            owner.set_input_quant(leaf, quant)
+        elif site.role in qt.spec.KV_ROLES:
             actquant.attach(target.get_submodule(site.module), site.role, quant)
         else:
             target.get_submodule(site.module).set_activation(site.role, quant)

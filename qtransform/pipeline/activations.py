@@ -8,7 +8,9 @@ at that site, the model's tensors taken from ``params`` (the bridge passes the w
 will run: quantized and dequantized). A static spec applies to the activation's (tokens,
 features) matrix (every leading axis flattened into tokens; convolution activations keep their
 ``(N, C, H, W)`` layout): per tensor, per feature (``PerChannel(-1)``) or per group of features;
-per token (``PerChannel(0)``) only dynamically. The key/value sites of the plan's attention modules
+per token (``PerChannel(0)``) only dynamically. The input of a stacked experts weight (one site per projection of a
+mixture-of-experts layer) gets one static quantizer for all its experts, from the statistics of every expert's
+routed tokens pooled. The key/value sites of the plan's attention modules
 (``Site(module, "key")``) are calibrated per tensor on the keys and values as the cache stores them.
 
 >>> import torch, qtransform as qt
@@ -22,10 +24,11 @@ per token (``PerChannel(0)``) only dynamically. The key/value sites of the plan'
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Mapping
 
 from ..granularity import PerChannel
-from ..observers import compute_qparams, init_stats
+from ..observers import compute_qparams, init_stats, is_empty, merge_stats
 from ..spec import ROLES, Plan, QuantSpec, Site
 from ..tensor import QParams
 
@@ -49,6 +52,17 @@ def _stats_spec(spec: QuantSpec, conv: bool) -> QuantSpec:
     if not conv and isinstance(g, PerChannel) and g.axis == 1:
         return dataclasses.replace(spec, granularity=PerChannel(-1))
     return spec
+
+
+def pooled(stats, *, path: str):
+    """One statistics of a site: a stacked experts weight's per-expert tuple (:class:`Plan.site_module`) merged
+    over the experts that tokens reached (one static quantizer serves every expert's input), else as it is."""
+    if not isinstance(stats, tuple):
+        return stats
+    seen = [s for s in stats if not is_empty(s)]
+    if not seen:
+        raise ValueError(f"{path}: no calibration token reached any of its {len(stats)} experts")
+    return functools.reduce(lambda a, b: merge_stats(a, b, path=path), seen)
 
 
 def activation_quantizers(params: Mapping[str, Any], plan: Plan, calibrator=None, *, observer=None,
@@ -77,6 +91,6 @@ def activation_quantizers(params: Mapping[str, Any], plan: Plan, calibrator=None
              for s, spec in static.items()}
     stats = calibrator.site_stats(dict(params), empty, **({"online": dict(online)} if online else {}))
     for s, spec in static.items():
-        qp = compute_qparams(stats[s], path=f"{s.module} ({s.role})")
+        qp = compute_qparams(pooled(stats[s], path=f"{s.module} ({s.role})"), path=f"{s.module} ({s.role})")
         out[s] = QParams(spec=spec, **qp.tensors())
     return {s: out[s] for s in sites}
