@@ -9,6 +9,10 @@ A :class:`ResidualLayout` names, by tree path, what touches the residual stream 
 * ``writers``: linears whose ``(d, in)`` outputs are added to the stream (attention and MLP
   output projections), with their biases;
 * ``heads``: value/output projection pairs, for the per-head rotation;
+* stacked experts weights of a mixture-of-experts layer (``(experts, out, in)``, their tree paths themselves)
+  are readers and writers like any linear, each expert rotated by one batched product: the experts'
+  ``gate_up_proj`` reads the stream (``W_e R1``), their ``down_proj`` writes it (``R1ᵀ W_e``, its bias
+  ``<path>_bias`` ``b_e R1``); a router is a reader;
 * ``down``: the weights of the linears reading the MLP's hidden activation (down projections), where
   an online rotation (``R4``) may go, and ``attention``: the attention modules with their head width,
   whose queries and keys an online rotation (``R3``) may rotate (:mod:`qtransform.rotation.online`).
@@ -118,6 +122,9 @@ def _strs(value, where: str) -> tuple[str, ...]:
 
 
 def _bias(path: str) -> str:
+    """The bias of a weight path: ``<module>.bias``, or ``<path>_bias`` for a stacked experts weight."""
+    if not path.endswith(".weight") and path != "weight":
+        return f"{path}_bias"
     return path.rpartition(".")[0] + ".bias" if "." in path else "bias"
 
 
@@ -138,14 +145,15 @@ def _check(params: Mapping, layout: ResidualLayout, R1: torch.Tensor, R2) -> int
     if not isinstance(R1, torch.Tensor) or R1.dim() != 2 or R1.shape[0] != R1.shape[1]:
         raise ValueError(f"rotate: R1 must be a square matrix, got {getattr(R1, 'shape', type(R1).__name__)}")
     d = R1.shape[0]
-    wants = [(p, "embedding", -1) for p in layout.embeddings]
-    wants += [(r, f"reader of {n.weight}", -1) for n in layout.norms for r in n.readers]
-    wants += [(w, "writer", 0) for w in layout.writers]
-    for path, where, axis in wants:
+    wants = [(p, "embedding", -1, (2,)) for p in layout.embeddings]
+    wants += [(r, f"reader of {n.weight}", -1, (2, 3)) for n in layout.norms for r in n.readers]
+    wants += [(w, "writer", -2, (2, 3)) for w in layout.writers]  # 3-D: stacked experts (experts, out, in)
+    for path, where, axis, dims in wants:
         t = _get(params, path, where)
-        if t.dim() != 2 or t.shape[axis] != d:
-            raise ValueError(f"rotate: {where} {path!r} has shape {tuple(t.shape)}; its axis {axis} must be the "
-                             f"residual width {d} (R1 is {d}x{d})")
+        if t.dim() not in dims or t.shape[axis] != d:
+            raise ValueError(f"rotate: {where} {path!r} has shape {tuple(t.shape)}; it must be "
+                             f"{' or '.join(f'{k}-D' for k in dims)} with axis {axis} the residual width {d} "
+                             f"(R1 is {d}x{d})")
     for n in layout.norms:
         g = _get(params, n.weight, "norm weight")
         if tuple(g.shape) != (d,):
@@ -215,7 +223,7 @@ def rotate(params: Mapping[str, torch.Tensor], layout: ResidualLayout, R1: torch
         put(p, lambda t: t @ R)
     for r in {r for n in layout.norms for r in n.readers}:
         put(r, lambda t: t @ R)
-    for w in layout.writers:
+    for w in layout.writers:  # a stacked (experts, d, in) weight: one batched product
         put(w, lambda t: R.T @ t)
         if isinstance(out.get(_bias(w)), torch.Tensor):
             put(_bias(w), lambda t: t @ R)
