@@ -9,7 +9,8 @@ attention modules with their head width (queries and keys, ``R3``). Only pre-nor
 subtracts the mean, which no rotation of the stream commutes with. Mixture-of-experts families (Mixtral,
 Qwen2-MoE, Qwen3-MoE, OLMoE) rotate too: the norm before the MLP feeds the router, the experts' stacked
 ``gate_up_proj`` and the shared experts; the experts' stacked ``down_proj`` and the shared expert's down
-projection write the stream. Only the shared experts' and dense MLPs' down projections take an online ``R4``:
+projection write the stream. DeepSeek-V3's latent attention has no value -> output head pair (no ``R2``, so
+no SpinQuant, which learns it); its latent norms read no stream and are left alone. Only the shared experts' and dense MLPs' down projections take an online ``R4``:
 an experts module computes each expert's hidden activation inside its forward, where no hook reaches.
 
 >>> import transformers as tf
@@ -35,7 +36,7 @@ from .groups import find_arch, smoothing_groups
 __all__ = ["ROTATABLE", "residual_layout", "model_layout"]
 
 #: Families whose blocks are pre-norm with RMSNorm (weight only): their stream can be rotated.
-ROTATABLE = ("llama", "mistral", "qwen2", "phi3", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
+ROTATABLE = ("llama", "mistral", "qwen2", "phi3", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3")
 
 
 def residual_layout(model: nn.Module) -> ResidualLayout:
@@ -54,6 +55,8 @@ def residual_layout(model: nn.Module) -> ResidualLayout:
         prev = modules[g["prev"]]
         stacked = set(g.get("stacked", ()))
         if not hasattr(prev, "in_features") and not hasattr(prev, "nf"):  # a norm and the linears it feeds
+            if g["prev"].rpartition(".")[0].rpartition(".")[0] != arch.blocks:
+                continue  # a norm inside a sub-layer (DeepSeek's latent norms) reads no stream: not rotated
             norms.append(NormReaders(f"{g['prev']}.weight", tuple(l if l in stacked else f"{l}.weight"
                                                                   for l in g["linears"])))
         elif "head_dim" in g:
@@ -63,6 +66,8 @@ def residual_layout(model: nn.Module) -> ResidualLayout:
         else:  # up -> down: the MLP's output writes the stream
             writers += [f"{l}.weight" for l in g["linears"]]
             down += [f"{l}.weight" for l in g["linears"]]
+    for i in range(len(modules[arch.blocks])):
+        writers += [f"{arch.blocks}.{i}.{w}.weight" for w in arch.writers]
     for name, m in modules.items():  # the experts' outputs write the stream, each expert's (hidden, inter) rows
         names = expert_weights(m)
         if names and m.is_transposed:

@@ -55,13 +55,15 @@ class GroupTemplate(NamedTuple):
 
 class Arch(NamedTuple):
     """A model family: ``model_types`` (``config.model_type``), the ``blocks`` ``nn.ModuleList`` path,
-    its smoothing ``groups`` and ``requires``, config attributes that must hold (``(name, value)``)."""
+    its smoothing ``groups`` and ``requires``, config attributes that must hold (``(name, value)``);
+    ``writers``: linears writing the residual stream that no group names as a value -> output pair (rotations)."""
 
     name: str
     model_types: tuple[str, ...]
     blocks: str
     groups: tuple[GroupTemplate, ...]
     requires: tuple[tuple[str, Any], ...] = ()
+    writers: tuple[str, ...] = ()
 
 
 #: Norm classes computing ``weight * normalized(x) (+ bias)``: a scale folds into their weight and bias.
@@ -83,16 +85,30 @@ _DENSE_MLP = tuple(t._replace(present="mlp.gate_proj") for t in _LLAMA_GROUPS[2:
 _EXPERTS = "mlp.experts.gate_up_proj"
 
 
-def _moe(shared: str | None = None, gate: str | None = None) -> tuple[GroupTemplate, ...]:
-    """The MLP groups of a mixture-of-experts block: router, experts and (``shared``) a shared expert with
-    (``gate``) its float gate; the dense MLP's in blocks without experts."""
+def _moe(shared: str | None = None, gate: str | None = None, attention=_ATTENTION) -> tuple[GroupTemplate, ...]:
+    """The groups of a mixture-of-experts block: ``attention``'s, router, experts and (``shared``) a shared expert
+    with (``gate``) its float gate; the dense MLP's in blocks without experts."""
     extra = (f"{shared}.gate_proj", f"{shared}.up_proj") if shared else ()
     routers = ("mlp.gate",) + ((gate,) if gate else ())
     groups = (GroupTemplate("post_attention_layernorm", ("mlp.gate", _EXPERTS, *extra, *routers[1:]), inspect="mlp",
                             local=True, present="mlp.experts", stacked=(_EXPERTS,), routers=routers),)
     if shared:
         groups += (GroupTemplate(f"{shared}.up_proj", (f"{shared}.down_proj",), present=shared),)
-    return _ATTENTION + groups + _DENSE_MLP
+    return attention + groups + _DENSE_MLP
+
+
+#: Multi-head latent attention (DeepSeek-V3): the norm feeds the query (low-rank or not) and the compressed
+#: key/value projections; each low-rank latent has its own norm. No value -> output group: the values come out
+#: of ``kv_b_proj`` mixed with the keys' no-rope part.
+_MLA = (
+    GroupTemplate("input_layernorm", ("self_attn.q_a_proj", "self_attn.kv_a_proj_with_mqa"), inspect="self_attn",
+                  present="self_attn.q_a_proj"),
+    GroupTemplate("input_layernorm", ("self_attn.q_proj", "self_attn.kv_a_proj_with_mqa"), inspect="self_attn",
+                  present="self_attn.q_proj"),
+    GroupTemplate("self_attn.q_a_layernorm", ("self_attn.q_b_proj",), inspect="self_attn",
+                  present="self_attn.q_a_layernorm"),
+    GroupTemplate("self_attn.kv_a_layernorm", ("self_attn.kv_b_proj",), inspect="self_attn"),
+)
 
 
 ARCHS: tuple[Arch, ...] = (
@@ -114,6 +130,8 @@ ARCHS: tuple[Arch, ...] = (
     Arch("qwen2_moe", ("qwen2_moe",), "model.layers", _moe("mlp.shared_expert", "mlp.shared_expert_gate")),
     Arch("qwen3_moe", ("qwen3_moe",), "model.layers", _moe()),
     Arch("olmoe", ("olmoe",), "model.layers", _moe()),  # q/k norms over whole projections: after the linears
+    Arch("deepseek_v3", ("deepseek_v3",), "model.layers", _moe("mlp.shared_experts", attention=_MLA),
+         writers=("self_attn.o_proj",)),
     Arch("phi3", ("phi3",), "model.layers", (
         GroupTemplate("input_layernorm", ("self_attn.qkv_proj",), inspect="self_attn"),
         GroupTemplate("self_attn.qkv_proj", ("self_attn.o_proj",), rows="v", heads=True),

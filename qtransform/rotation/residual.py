@@ -121,9 +121,9 @@ def _strs(value, where: str) -> tuple[str, ...]:
     return tuple(value)
 
 
-def _bias(path: str) -> str:
+def _bias(path: str, stacked: bool = False) -> str:
     """The bias of a weight path: ``<module>.bias``, or ``<path>_bias`` for a stacked experts weight."""
-    if not path.endswith(".weight") and path != "weight":
+    if stacked:
         return f"{path}_bias"
     return path.rpartition(".")[0] + ".bias" if "." in path else "bias"
 
@@ -150,10 +150,13 @@ def _check(params: Mapping, layout: ResidualLayout, R1: torch.Tensor, R2) -> int
     wants += [(w, "writer", -2, (2, 3)) for w in layout.writers]  # 3-D: stacked experts (experts, out, in)
     for path, where, axis, dims in wants:
         t = _get(params, path, where)
-        if t.dim() not in dims or t.shape[axis] != d:
+        if t.dim() not in dims:
             raise ValueError(f"rotate: {where} {path!r} has shape {tuple(t.shape)}; it must be "
-                             f"{' or '.join(f'{k}-D' for k in dims)} with axis {axis} the residual width {d} "
-                             f"(R1 is {d}x{d})")
+                             f"{' or '.join(f'{k}-D' for k in dims)} (3-D: stacked experts)")
+        if t.shape[axis] != d:
+            shown = axis if axis == -1 else t.dim() + axis
+            raise ValueError(f"rotate: {where} {path!r} has shape {tuple(t.shape)}; its axis {shown} must be the "
+                             f"residual width {d} (R1 is {d}x{d})")
     for n in layout.norms:
         g = _get(params, n.weight, "norm weight")
         if tuple(g.shape) != (d,):
@@ -224,9 +227,10 @@ def rotate(params: Mapping[str, torch.Tensor], layout: ResidualLayout, R1: torch
     for r in {r for n in layout.norms for r in n.readers}:
         put(r, lambda t: t @ R)
     for w in layout.writers:  # a stacked (experts, d, in) weight: one batched product
+        b = _bias(w, out[w].dim() == 3)
         put(w, lambda t: R.T @ t)
-        if isinstance(out.get(_bias(w)), torch.Tensor):
-            put(_bias(w), lambda t: t @ R)
+        if isinstance(out.get(b), torch.Tensor):
+            put(b, lambda t: t @ R)
     if R2 is not None:
         for i, h in enumerate(layout.heads):
             S = (R2 if R2.dim() == 2 else R2[i]).to(dtype)
