@@ -21,8 +21,6 @@ from typing import Iterable
 
 from torch import nn
 
-import qtransform as qt
-
 from ..modules.experts import expert_weights
 from ..tree import stored_transposed
 from .tables import ARCHS, FOLDABLE_NORMS, Arch, GroupTemplate

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 from torch import nn
 
-import qtransform as qt
 from qtransform.rotation import HeadPair, NormReaders, QueryKey, ResidualLayout
 
 from ..modules import kvcache
