@@ -9,7 +9,7 @@ TORCH   := torch==2.13.0
 STAMP   := $(VENV)/.installed
 PYTEST  := $(BIN)/python -m pytest
 
-.PHONY: install test quick test-long test-llamacpp demo bench bench-gptq bench-gptq-peer bench-awq bench-rotation bench-e2e bench-stream bench-distributed test-gpu bench-gpu clean
+.PHONY: install test quick test-long test-llamacpp demo bench bench-gptq bench-gptq-peer bench-awq bench-rotation bench-e2e bench-stream bench-distributed bench-moe test-gpu bench-gpu clean
 
 $(STAMP): pyproject.toml Makefile .ci/constraints.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -115,6 +115,11 @@ bench-stream: $(STAMP)
 ## bench/results/distributed.{json,md}; `--quick` for a smoke run)
 bench-distributed: $(STAMP)
 	HF_HUB_OFFLINE=1 $(BIN)/python bench/bench_distributed.py
+
+## mixture-of-experts (issue 32): GPTQ per expert vs round to nearest on random tiny Qwen3-MoE and Mixtral, tokens per
+## expert, time and peak RSS of a Qwen3-30B-A3B-shaped layer with 64 experts (bench/results/moe.{json,md})
+bench-moe: $(STAMP)
+	HF_HUB_OFFLINE=1 $(BIN)/python bench/bench_moe.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -15,6 +15,7 @@ steps, with a :class:`~bridge.calibrate.ModelCalibrator` for the steps that need
 
 from __future__ import annotations
 
+import inspect
 from collections import Counter
 from typing import Callable, Iterable, Mapping
 
@@ -62,8 +63,20 @@ def plan(model: nn.Module, recipe, *, tree: Mapping | None = None) -> qt.Plan:
         raise ValueError(f"the recipe quantizes mixture-of-experts weights that qtransform cannot: {refused[:3]}"
                          + (f" and {len(refused) - 3} more" if len(refused) > 3 else "")
                          + "; keep them in float explicitly (type_rules={'Experts': None}, or exclude=[their paths])")
+    keep, casts = _kept_in_float32(model), _casting_callers(model)
     matches = {}
     for path, m in resolved.items():
+        kept = next((k for k in keep if f".{k}." in f".{qt.module_of(path)}."), None)
+        if m.spec is not None and kept is not None and not m.rule.startswith("rules[") and not given:
+            m = qt.Match(None, f"skipped ({type(model).__name__} keeps {kept} in float32: _keep_in_fp32_modules; "
+                         "a glob rule selects it)", m.module_type)
+        caller = casts.get(qt.module_of(path))
+        if m.spec is not None and caller is not None and not given:
+            if m.rule.startswith("rules["):
+                raise ValueError(f"{path}: recipe {m.rule} selects a weight whose caller ({caller}.forward) casts its "
+                                 "input to the weight's dtype, which a quantized module stores as integer codes; "
+                                 "keep it in float")
+            m = qt.Match(None, f"skipped ({caller}.forward casts its input to this weight's dtype)", m.module_type)
         if m.spec is not None and m.module_type == "Router" and m.rule == "default" and not given:
             m = qt.Match(None, "skipped (default: a mixture-of-experts router stays in float; a rule selects it)",
                          m.module_type)
@@ -77,10 +90,45 @@ def plan(model: nn.Module, recipe, *, tree: Mapping | None = None) -> qt.Plan:
         if m.spec is not None:
             _check_grid(path, m, tuple(tree[path].shape))
         matches[path] = m
+    resolve = getattr(resolved.recipe, "resolve_activation", None)
+    outputs = [p for p, m in matches.items() if m.spec is not None and m.module_type == "Experts" and resolve
+               and resolve(p, "output").spec is not None]
+    if outputs:
+        raise ValueError(f"{outputs[0]}: the recipe quantizes the output of a stacked experts weight; experts take input "
+                         "quantizers only (their outputs are summed over the routed experts): drop the output spec for "
+                         f"them (act_rules={{'*.experts.*:output': None}})")
     groups = resolved.groups if resolved.groups is not None else model_groups(model)
     layout = resolved.layout if resolved.layout is not None else model_layout(model)
     return qt.Plan(resolved.recipe, matches, attention=resolved.attention, groups=groups, layout=layout,
                    transposed_experts=resolved.transposed_experts)
+
+
+def _kept_in_float32(model: nn.Module) -> tuple[str, ...]:
+    """The module names a transformers model keeps in float32 (``_keep_in_fp32_modules``, e.g. DeepSeek-V3.2's
+    ``indexer.weights_proj``, whose caller casts its input to the weight's dtype)."""
+    names = []
+    for attr in ("_keep_in_fp32_modules", "_keep_in_fp32_modules_strict"):
+        value = getattr(model, attr, None)
+        names += [v for v in (value or ()) if isinstance(v, str)]
+    return tuple(dict.fromkeys(names))
+
+
+def _casting_callers(model: nn.Module) -> dict[str, str]:
+    """``{module path: caller class}`` for the linear children whose parent's ``forward`` casts their input to
+    ``self.<child>.weight.dtype`` (DeepSeek-V3.2-style indexers' ``weights_proj``): quantized, that dtype would be
+    the codes' (an integer), so such a weight stays in float."""
+    out, sources = {}, {}
+    for name, m in model.named_modules():
+        cls = type(m)
+        if cls not in sources:
+            try:
+                sources[cls] = inspect.getsource(cls.forward)
+            except (OSError, TypeError):
+                sources[cls] = ""
+        for child, _ in m.named_children():
+            if f"self.{child}.weight.dtype" in sources[cls]:
+                out[f"{name}.{child}" if name else child] = cls.__name__
+    return out
 
 
 _FACTS = {"groups": smoothing_groups, "layout": residual_layout}
@@ -167,7 +215,7 @@ def check_calibration(recipe, *, calibrated: bool) -> None:
 
 def quantize_params(model: nn.Module, recipe, *, calibration: Iterable | None = None,
                     qparams: Mapping | None = None, progress: Callable | None = None, generator=None,
-                    act_observer=None) -> Quantized:
+                    act_observer=None, all_experts: bool = False) -> Quantized:
     """Run the pipeline up to the quantized tree (the model is not changed).
 
     Args:
@@ -180,6 +228,8 @@ def quantize_params(model: nn.Module, recipe, *, calibration: Iterable | None = 
         act_observer: the observer of static activation specs (``"minmax"``, the default;
             ``"percentile"``, ``"mse"``... or ``{"name": ..., **options}``), folded over ``calibration``
             with the weights quantized.
+        all_experts: calibrate every expert of a mixture-of-experts layer on every token (the layer's output stays
+            the routed one; see :class:`~bridge.calibrate.ModelCalibrator`).
     """
     params = extract(model)
     p = plan(model, recipe, tree=params)
@@ -193,7 +243,8 @@ def quantize_params(model: nn.Module, recipe, *, calibration: Iterable | None = 
     qt.check_steps(p.steps, calibrated=calibration is not None)  # a step needing data is named first
     check_facts(model, p)
     observer = dict(act_observer) if isinstance(act_observer, Mapping) else {"name": act_observer}
-    calibrator = None if calibration is None else ModelCalibrator(model, calibration, progress=progress)
+    calibrator = None if calibration is None else ModelCalibrator(model, calibration, progress=progress,
+                                                                  all_experts=all_experts)
     qtree, fit = qt.quantize_tree(params, p, qparams=qparams, calibrator=calibrator, progress=progress,
                                   generator=generator, with_info=True)
     acts = {}
@@ -206,7 +257,7 @@ def quantize_params(model: nn.Module, recipe, *, calibration: Iterable | None = 
 
 def quantize(model: nn.Module, recipe, *, inplace: bool = False, kernel: str = "auto",
              calibration: Iterable | None = None, qparams: Mapping | None = None, progress: Callable | None = None,
-             generator=None, act_observer=None) -> nn.Module:
+             generator=None, act_observer=None, all_experts: bool = False) -> nn.Module:
     """``extract -> plan -> steps -> quantize_tree -> to_module`` in one call (:func:`quantize_params`, then
     :func:`bridge.to_module` of its result, as the ``qtransform`` command does).
 
@@ -217,5 +268,5 @@ def quantize(model: nn.Module, recipe, *, inplace: bool = False, kernel: str = "
     apart. A recipe that selects no tensor is a ``ValueError`` naming its rules.
     """
     r = quantize_params(model, recipe, calibration=calibration, qparams=qparams, progress=progress,
-                        generator=generator, act_observer=act_observer)
+                        generator=generator, act_observer=act_observer, all_experts=all_experts)
     return to_module(model, r, inplace=inplace, kernel=kernel)

@@ -164,6 +164,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also quantize the key/value cache in FORMAT (fp8_e4m3, int8...), static per-tensor scales "
                         "calibrated from data (needs --calib)")
     q.add_argument("--calib-batch", type=_at_least(1), default=4, metavar="B", help="calibration sequences per forward pass")
+    q.add_argument("--calibrate-all-experts", action="store_true",
+                   help="mixture-of-experts models: every expert's statistics see every calibration token (the layer's "
+                        "output stays the routed one); default: the tokens routed to it")
     q.add_argument("--out", help="output directory (default out/<model>-<recipe>)")
     q.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
     q.add_argument("--plot", action="store_true", help="write report.png next to the checkpoint")

@@ -149,7 +149,8 @@ def cmd_quantize(a) -> int:
     tq = time.perf_counter()
     try:
         with torch.no_grad():
-            result = pipeline.quantize_params(model, plan, calibration=calibration, progress=outputs.progress_bar())
+            result = pipeline.quantize_params(model, plan, calibration=calibration, progress=outputs.progress_bar(),
+                                              all_experts=a.calibrate_all_experts)
     except (TypeError, ValueError) as e:  # a step refusing the recipe's specs or options
         raise UserError(f"recipe {label}: {e}") from None
     seconds_q = time.perf_counter() - tq

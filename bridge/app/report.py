@@ -279,6 +279,17 @@ def table(rows: list[list[str]]) -> list[str]:
     return out
 
 
+def experts_lines(values: dict) -> list[str]:
+    """Per stacked experts weight: its experts' calibration tokens (fewest, most, each in report.json) and which
+    experts fell back to a data-free fit."""
+    rows = [["tensor", "experts", "tokens min", "tokens max", "fell back"]]
+    for path, v in values.items():
+        tokens = v.get("tokens", [])
+        fell = "; ".join(f"{how}: {es}" for how, es in sorted(v.get("fallback", {}).items())) or "-"
+        rows.append([path, str(len(tokens)), str(min(tokens, default=0)), str(max(tokens, default=0)), fell])
+    return ["", f"experts: {len(values)} stacked weights, each expert fitted from the tokens routed to it"] + table(rows)
+
+
 def step_info_lines(info: dict, n: int = 5) -> list[str]:
     """What the steps reported per tensor (``Fit.info``): for each numeric name, the ``n`` largest
     values (GPTQ's layer losses); for other values, how many tensors got each."""
@@ -288,6 +299,9 @@ def step_info_lines(info: dict, n: int = 5) -> list[str]:
             by_name.setdefault(name, {})[path] = v
     lines = []
     for name, values in sorted(by_name.items()):
+        if name == "experts":
+            lines += experts_lines(values)
+            continue
         numbers = {p: v for p, v in values.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
         if len(numbers) == len(values):
             top = sorted(numbers.items(), key=lambda kv: kv[1], reverse=True)[:n]

@@ -176,7 +176,8 @@ def cmd_streamed(a, recipe, label: str, out: Path, source, t0: float) -> int:
         done = quantize_checkpoint(source.directory, out, recipe, calibration=calibration, overwrite=a.overwrite,
                                    resume=a.resume, dtype=dtype_of(a), device=a.device or "cpu",
                                    max_memory=a.max_memory, recipe_name=label, tokenizer=tokenizer,
-                                   progress=outputs.progress_bar(), on_tensor=on_tensor, before_publish=before_publish)
+                                   progress=outputs.progress_bar(), on_tensor=on_tensor, before_publish=before_publish,
+                                   all_experts=a.calibrate_all_experts)
     except CheckpointError as e:
         raise UserError(f"cannot load model {name}: {str(e).splitlines()[0]}") from None
     except FileExistsError as e:

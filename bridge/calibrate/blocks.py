@@ -139,7 +139,7 @@ def _quantized(params: dict, paths, plan: qt.Plan, qparams: Mapping) -> dict:
 
 
 def _capture(model: nn.Module, block: str, modules, sites, run_all,
-             parallel: qt.Parallel = qt.SERIAL) -> tuple[dict, dict]:
+             parallel: qt.Parallel = qt.SERIAL, all_experts: bool = False) -> tuple[dict, dict]:
     """Run ``run_all()`` once with pre-hooks recording the inputs of ``modules`` (paths inside ``block``; the
     arguments the module is called with, before any online rotation of its input) and folding ``sites``; returns ``({module: [(args, kwargs) per batch]}, {Site: statistics})``."""
     names = dict(model.named_modules())
@@ -150,7 +150,7 @@ def _capture(model: nn.Module, block: str, modules, sites, run_all,
     handles = [names[m].register_forward_pre_hook(lambda mod, a, k, m=m: seen[m].append((a, dict(k))),
                                                   with_kwargs=True, prepend=True) for m in modules]
     try:
-        stats = fold_sites(model, sites, run_all, where=f"block {block}", parallel=parallel)
+        stats = fold_sites(model, sites, run_all, where=f"block {block}", parallel=parallel, all_experts=all_experts)
     finally:
         for h in handles:
             h.remove()
@@ -159,7 +159,7 @@ def _capture(model: nn.Module, block: str, modules, sites, run_all,
 
 def blockwise(model: nn.Module, params: Mapping, plan: qt.Plan, batches, fit_block: Callable, *,
               qparams: Mapping | None = None, blocks: str | None = None, progress: Callable | None = None,
-              tokens: int | None = None, parallel: qt.Parallel = qt.SERIAL) -> qt.Fit:
+              tokens: int | None = None, parallel: qt.Parallel = qt.SERIAL, all_experts: bool = False) -> qt.Fit:
     """Run ``fit_block(block, params) -> Fit`` block by block (see the module docstring); returns the
     blocks' fits combined.
 
@@ -169,6 +169,7 @@ def blockwise(model: nn.Module, params: Mapping, plan: qt.Plan, batches, fit_blo
     ``tokens``: only whole batches evenly spread over the data until that many tokens are run
     (:func:`spread`; ``None``: all). ``parallel``: the ranks sharing the work; each keeps its share of the
     spread batches (:func:`bridge.distributed.share`) and the blocks' statistics reduce over all.
+    ``all_experts``: the statistics of every expert see every token (:func:`.sites.fold_sites`).
     """
     names = find_blocks(model, blocks)
     current = dict(params)
@@ -178,7 +179,7 @@ def blockwise(model: nn.Module, params: Mapping, plan: qt.Plan, batches, fit_blo
     order = progress(names, desc="blocks", total=len(names)) if progress is not None else names
     for name in order:
         fit, inputs = fit_block_on(model, name, current, inputs, plan, fit_block, prior, total.qparams,
-                                   parallel=parallel)
+                                   parallel=parallel, all_experts=all_experts)
         current.update(fit.params)
         total = total.then(fit)
         for p in fit.params:  # what was fitted before described the old tensor
@@ -195,7 +196,7 @@ def my_share(inputs: list, parallel: qt.Parallel) -> list:
 
 def fit_block_on(model: nn.Module, name: str, current: Mapping, inputs: list, plan: qt.Plan, fit_block: Callable,
                  prior: Mapping, fitted: Mapping | None = None, *,
-                 parallel: qt.Parallel = qt.SERIAL) -> tuple[qt.Fit, list]:
+                 parallel: qt.Parallel = qt.SERIAL, all_experts: bool = False) -> tuple[qt.Fit, list]:
     """One block of :func:`blockwise`: ``fit_block`` on block ``name`` of ``model`` with its ``inputs`` and the
     tree ``current``; returns the fit and the next block's inputs (this block's outputs with its tensors
     quantized: the fit's qparams, else ``fitted`` ones of earlier blocks' steps, else ``prior`` ones for
@@ -212,10 +213,11 @@ def fit_block_on(model: nn.Module, name: str, current: Mapping, inputs: list, pl
             return [torch.func.functional_call(module, local, args, kwargs) for args, kwargs in inputs]
 
     def site_stats(tensors, sites, owners=None):
-        return fold_sites(model, sites, lambda: run(tensors), where=f"block {name}", parallel=parallel, owners=owners)
+        return fold_sites(model, sites, lambda: run(tensors), where=f"block {name}", parallel=parallel, owners=owners,
+                          all_experts=all_experts)
 
     def capture(tensors, modules, sites=None):
-        return _capture(model, name, tuple(modules), dict(sites or {}), lambda: run(tensors), parallel)
+        return _capture(model, name, tuple(modules), dict(sites or {}), lambda: run(tensors), parallel, all_experts)
 
     def call(path, tensors, args, kwargs):
         if path != name and not path.startswith(name + "."):

@@ -48,10 +48,13 @@ class ModelCalibrator:
             rank runs its contiguous share of the batches and the statistics reduce over all, so every rank
             gets what one process would; a step minimising the model's loss (SpinQuant) runs every batch on
             every rank (the same result, no speed-up).
+        all_experts: the statistics of each expert of a mixture-of-experts layer see every calibration token
+            (llm-compressor's calibrate-all-experts), not only the tokens routed to it; the layer's output (what
+            the next layers see) stays the routed one. Default: routed tokens only.
     """
 
     def __init__(self, model: nn.Module, batches: Iterable, *, blocks: str | None = None,
-                 progress: Callable | None = None, parallel: qt.Parallel | None = None):
+                 progress: Callable | None = None, parallel: qt.Parallel | None = None, all_experts: bool = False):
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         if isinstance(batches, (torch.Tensor, Mapping)) or not isinstance(batches, Iterable):
@@ -61,7 +64,10 @@ class ModelCalibrator:
             find_blocks(model, blocks)  # a wrong path fails here, before any work
         if parallel is not None and not isinstance(parallel, qt.Parallel):
             raise TypeError(f"parallel must be a qtransform.Parallel, got {type(parallel).__name__}")
+        if not isinstance(all_experts, bool):
+            raise TypeError(f"all_experts must be a bool, got {type(all_experts).__name__}")
         self.model, self.batches, self.blocks, self.progress = model, batches, blocks, progress
+        self.all_experts = all_experts
         first = next(model.parameters(), None)  # where shared results land (the model's device)
         self.parallel = current(device=None if first is None else first.device) if parallel is None else parallel
 
@@ -92,13 +98,15 @@ class ModelCalibrator:
             return seen
 
         with evaluating(self.model), installed(self.model, online):
-            return fold_sites(self.model, sites, run_all, where="calibration", parallel=self.parallel)
+            return fold_sites(self.model, sites, run_all, where="calibration", parallel=self.parallel,
+                              all_experts=self.all_experts)
 
     def blockwise(self, params: Mapping[str, torch.Tensor], plan: qt.Plan, fit_block, *,
                   qparams: Mapping | None = None, tokens: int | None = None, online: Mapping | None = None) -> qt.Fit:
         with evaluating(self.model), installed(self.model, online):
             return blockwise(self.model, params, plan, self._batches(), fit_block, qparams=qparams,
-                             blocks=self.blocks, progress=self.progress, tokens=tokens, parallel=self.parallel)
+                             blocks=self.blocks, progress=self.progress, tokens=tokens, parallel=self.parallel,
+                             all_experts=self.all_experts)
 
     def model_loss(self, plan: qt.Plan, *, online: Mapping | None = None) -> CalibrationLoss:
         return CalibrationLoss(self.model, self._batches(), plan, online=online)

@@ -15,8 +15,9 @@ from __future__ import annotations
 import contextlib
 from typing import Callable, Mapping
 
-import qtransform as qt
 from torch import nn
+
+import qtransform as qt
 
 from ..modules.experts import QExperts, expert_weights, routed_forward
 

@@ -29,7 +29,7 @@ from ..checkpoint import checksum, metadata
 from ..checkpoint.layout import LAYOUTS
 from ..checkpoint.metadata import CheckpointError
 from ..checkpoint.store import FLOAT_DTYPES, ST_DTYPES
-from ..modules.actquant import PREFIX
+from ..tree import site_buffers
 
 __all__ = ["check_checkpoint", "written_by_qtransform", "patch_transformers_loader"]
 
@@ -77,9 +77,7 @@ def check_checkpoint(model, cfg, files, *, verify: bool = True) -> None:
     for path, e in cfg.entries.items():
         exact.update(layout.expected(path, e.spec, e.shape, e.dtype))
     for site, spec in getattr(cfg, "activations", {}).items():  # static quantizers: buffers on the skeleton
-        module = model.get_submodule(site.module)
-        exact.update({f"{site.module}.{n}": (tuple(b.shape), b.dtype) for n, b in module._buffers.items()
-                      if b is not None and n.startswith(PREFIX[site.role])})
+        exact.update({k: (tuple(b.shape), b.dtype) for k, b in site_buffers(model, site).items()})
     plain = {n: t for n, t in model.state_dict().items() if n not in exact}
     tied = {**(getattr(model, "all_tied_weights_keys", None) or {}), **cfg.aliases}
     strict = _strict_names(model)

@@ -41,6 +41,7 @@ from qtransform.rotation import OnlineRotation, apply_online
 from ..modules import (QConv2d, QConvTranspose2d, QEmbedding, QEmbeddingBag, QLinear, QModule, actquant, is_conv1d,
                        kvcache)
 from ..modules import online
+from ..modules.experts import QExperts
 from ..tree import submodule
 from .offload import offloaded_names
 
@@ -179,10 +180,17 @@ def dequantize_model(model: nn.Module, dtype: torch.dtype | None = None) -> nn.M
         raise TypeError(f"dequantize: model must be a torch.nn.Module, got {type(model).__name__}")
     dtype = _check_dtype(dtype)
     quantized = {name: m for name, m in model.named_modules() if isinstance(m, QModule)}
+    experts = {name: m for name, m in model.named_modules() if isinstance(m, QExperts)}
     rotations = online.online_rotations(model)
     _check(model, quantized, rotations)
+    for path, m in experts.items():
+        held = [n for meta in m._qmeta.values() for n in meta[3] if n in offloaded_names(m) or m._buffers[n].is_meta]
+        if held:
+            raise ValueError(f"dequantize: {path}.{held[0]} is offloaded or not loaded")
     inputs = {site.module: rot for site, rot in rotations.items() if site.role == "input"}
     new = {path: float_module(m, dtype, rotation=inputs.get(path)) for path, m in quantized.items()}
+    new.update({path: m.to_float(dtype) for path, m in experts.items()})
+    quantized = {**quantized, **experts}
     folded = {}
     for path, rot in inputs.items():  # float linears the recipe left alone that take a rotation
         if path not in quantized:

@@ -33,10 +33,10 @@ from ..checkpoint.layout import NATIVE, abstract_qtensor, check_like
 from ..checkpoint.metadata import CheckpointError, Entry
 from ..modules import QModule
 from ..modules import actquant, kvcache, online
-from ..modules.actquant import PREFIX, abstract_qparams, activation_specs
+from ..modules.actquant import abstract_qparams, activation_specs
 from ..pipeline import plan as model_plan
 from ..modules.experts import QExperts
-from ..tree import REBUILD_HOOKS, float_slot, qtensor_at, replace_module, submodule
+from ..tree import REBUILD_HOOKS, experts_slot, float_slot, qtensor_at, replace_module, site_buffers, submodule
 from . import checks, offload
 from .config import QTransformConfig
 from .dequantize import dequantize_model
@@ -100,6 +100,10 @@ class QTransformHfQuantizer(HfQuantizer):
         attention = set(kvcache.attention_modules(model)) if any(
             s.role in qt.spec.KV_ROLES for s in cfg.activations) else set()
         for site, spec in cfg.activations.items():
+            owner, leaf = experts_slot(model, site.module)
+            if isinstance(owner, QExperts) and site.role == "input":  # a projection of quantized experts
+                owner.set_input_quant(leaf, spec if spec.dynamic else owner.abstract_input(leaf, spec))
+                continue
             try:
                 module = model.get_submodule(site.module)
             except AttributeError:
@@ -144,13 +148,11 @@ class QTransformHfQuantizer(HfQuantizer):
             check_like(path, q, abstract_qtensor(e.shape, e.dtype, e.spec), where="checkpoint")
             module.prepare()  # the kernel chosen and packed at load, outside any compiled forward
         for site in self.quantization_config.activations:
-            module = model.get_submodule(site.module)
-            held = offload.offloaded_names(module)
-            bad = [n for n, b in module._buffers.items()
-                   if b is not None and b.is_meta and n.startswith(PREFIX[site.role]) and n not in held]
+            owner = experts_slot(model, site.module)[0] or model.get_submodule(site.module)
+            held = offload.offloaded_names(owner)
+            bad = [k for k, b in site_buffers(model, site).items() if b.is_meta and k.rpartition(".")[2] not in held]
             if bad:
-                raise CheckpointError(f"checkpoint: activation quantizer tensor(s) {[site.module + '.' + n for n in bad]} "
-                                      "are missing")
+                raise CheckpointError(f"checkpoint: activation quantizer tensor(s) {bad} are missing")
         return model
 
     def is_serializable(self):
@@ -194,6 +196,7 @@ def attach_config(model: nn.Module, quantized: dict, plan: qt.Plan | None = None
             config.tie_word_embeddings = False
     if not quantized:
         return
+    config._is_quantized = True  # what transformers' own quantizers set (Jamba's Mamba mixer calls dt_proj then)
     cfg = getattr(config, "quantization_config", None)
     if not isinstance(cfg, QTransformConfig):
         cfg = QTransformConfig()

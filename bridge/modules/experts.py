@@ -125,6 +125,7 @@ class QExperts(nn.Module):
                 setattr(self, key, value)
         self._gate_fn = type(module)._apply_gate if module.has_gate else None
         self.float_class = type(module).__name__
+        self._float_type = type(module)
         for name, child in module.named_children():
             self.add_module(name, child)
         for name, p in module.named_parameters(recurse=False):
@@ -237,6 +238,25 @@ class QExperts(nn.Module):
         if probe.dtype != torch.float32:
             self.compute_dtype = probe.dtype
         return self
+
+    def to_float(self, dtype: torch.dtype | None = None) -> nn.Module:
+        """The float experts module this replaced (its class, built from ``config``), with the quantized weights
+        dequantized to ``dtype`` (default: ``compute_dtype``); biases, activation and norm shared."""
+        meta = [n for meta in self._qmeta.values() for n in meta[3] if self._buffers[n].is_meta]
+        if meta:
+            raise ValueError(f"QExperts: {meta[0]} is on the meta device (not loaded)")
+        with torch.device("meta"):
+            new = self._float_type(self.config)
+        dtype = dtype or self.compute_dtype
+        for name in expert_weights(self):
+            w = qt.dequantize(self.qtensor(name), dtype=dtype) if name in self._qmeta else getattr(self, name)
+            new._parameters[name] = w if isinstance(w, nn.Parameter) else nn.Parameter(w, requires_grad=False)
+        for key, p in self._parameters.items():
+            if key not in expert_weights(self):
+                new._parameters[key] = p
+        for key, child in self.named_children():
+            new._modules[key] = child
+        return new.train(self.training)
 
     def prepare(self) -> "QExperts":
         """Nothing to pack ahead (each forward dequantizes the experts it reaches); for the loaders' symmetry."""

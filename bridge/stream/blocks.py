@@ -84,7 +84,7 @@ class _Calibrator:
         inputs = self.run.inputs(k, tokens)
         with installed(self.run.model, online):
             fit, nxt = fit_block_on(self.run.model, self.name, params, inputs, plan, fit_block, dict(qparams or {}),
-                                    parallel=self.run.parallel)
+                                    parallel=self.run.parallel, all_experts=self.run.all_experts)
         self.run.carry(k, nxt)
         return fit
 
@@ -101,7 +101,8 @@ class _Calibrator:
             return len(inputs)
 
         with installed(self.run.model, online):
-            stats = fold_sites(self.run.model, sites, run_all, where=f"block {self.name}", parallel=self.run.parallel)
+            stats = fold_sites(self.run.model, sites, run_all, where=f"block {self.name}", parallel=self.run.parallel,
+                               all_experts=self.run.all_experts)
 
         self.run.carry(k, [_join(first_tensor(o), _split(a, kw)[1], a, kw) for (a, kw), o in zip(inputs, outs)])
         return stats
@@ -118,10 +119,12 @@ class BlockRun:
     saves_each = True
 
     def __init__(self, src, tied, model, p, layout, dtypes, files, calibration, *, device, budget, work,
-                 progress=None, on_tensor=None, act_observer=None, parallel: qt.Parallel = qt.SERIAL):
+                 progress=None, on_tensor=None, act_observer=None, parallel: qt.Parallel = qt.SERIAL,
+                 all_experts: bool = False):
         self.src, self.model, self.p, self.layout, self.dtypes, self.files = src, model, p, layout, dtypes, files
         self.calibration, self.device, self.work, self.progress = calibration, device, Path(work), progress
         self.on_tensor, self.act_observer, self.parallel = on_tensor, act_observer, parallel
+        self.all_experts = all_experts
         self.names = find_blocks(model)
         paths = list(model.state_dict(keep_vars=True))
         self.stored = {path: path if path in src else tied[path] for path in paths}

@@ -95,7 +95,7 @@ def quantize_checkpoint(source, out, recipe, *, calibration: Iterable | None = N
                         max_shard_size="2GB", recipe_name: str | None = None, tokenizer=None, model_class=None,
                         progress: Callable | None = None, act_observer=None, on_tensor: Callable | None = None,
                         before_publish: Callable[[Path, Streamed], None] | None = None,
-                        parallel: qt.Parallel | None = None) -> Streamed:
+                        parallel: qt.Parallel | None = None, all_experts: bool = False) -> Streamed:
     """Quantize the checkpoint in directory ``source`` with ``recipe`` into directory ``out``, streamed (see
     the module docstring); the same checkpoint as :func:`bridge.save` of the model quantized in memory.
 
@@ -119,6 +119,8 @@ def quantize_checkpoint(source, out, recipe, *, calibration: Iterable | None = N
             ``torch.distributed`` group, else one process). Every rank passes the same arguments (the whole
             calibration: each runs its share); rank 0 alone writes ``out``, calls ``on_tensor``,
             ``progress`` and ``before_publish`` (see :mod:`bridge.stream.ranks`).
+        all_experts: calibrate every expert of a mixture-of-experts layer on every token (the routed output
+            still feeds the next block; :class:`~bridge.calibrate.ModelCalibrator`).
     """
     t0 = time.perf_counter()
     _check_dtype(dtype)
@@ -170,7 +172,7 @@ def quantize_checkpoint(source, out, recipe, *, calibration: Iterable | None = N
         else:
             run = BlockRun(src, tied, model, p, layout, dtypes, files, calibration, device=dev, budget=budget,
                            work=scratch(work.path, par, fresh=manifest is None), progress=progress,
-                           on_tensor=on_tensor, act_observer=act_observer, parallel=par)
+                           on_tensor=on_tensor, act_observer=act_observer, parallel=par, all_experts=all_experts)
         saved = time.monotonic()
         for unit in run.units(done):
             done.add(unit)

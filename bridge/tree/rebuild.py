@@ -41,7 +41,7 @@ from ..modules.experts import QExperts, expert_weights
 from .quantized import Quantized
 
 __all__ = ["to_module", "submodule", "replace_module", "meta_skeleton", "REBUILD_HOOKS", "float_slot", "qtensor_at",
-           "experts_slot"]
+           "experts_slot", "site_buffers"]
 
 
 def _check_hook(name: str, hook) -> None:
@@ -85,6 +85,17 @@ def experts_slot(model: nn.Module, path: str) -> tuple[nn.Module | None, str]:
     except AttributeError:
         return None, ""
     return (module, leaf) if leaf in expert_weights(module) else (None, "")
+
+
+def site_buffers(model: nn.Module, site: qt.Site) -> dict[str, torch.Tensor]:
+    """``{state-dict key: buffer}`` of the static activation quantizer at ``site`` (``<module>.input_scale``...;
+    ``<experts>.down_proj_input_scale``... for a projection of an experts module)."""
+    owner, leaf = experts_slot(model, site.module)
+    if owner is not None:
+        base, prefix = site.module.rpartition(".")[0], f"{leaf}_{actquant.PREFIX[site.role]}"
+    else:
+        owner, base, prefix = model.get_submodule(site.module), site.module, actquant.PREFIX[site.role]
+    return {f"{base}.{n}" if base else n: b for n, b in owner._buffers.items() if b is not None and n.startswith(prefix)}
 
 
 def meta_skeleton(model: nn.Module) -> nn.Module:
