@@ -144,9 +144,9 @@ def _rows(kind: str, prev: nn.Module, reader: nn.Module, where: str) -> list[int
 def _resolve(model: nn.Module, block: str, t: GroupTemplate) -> dict:
     prev = model.get_submodule(f"{block}.{t.prev}")
     linears = [f"{block}.{rel}" for rel in t.linears]
-    layouts = {bool(_stacked(model, f"{block}.{rel}").is_transposed) if rel in t.stacked
-               else stored_transposed(model.get_submodule(f"{block}.{rel}")) for rel in t.linears}
+    layouts = {stored_transposed(model.get_submodule(f"{block}.{rel}")) for rel in t.linears if rel not in t.stacked}
     layouts |= {stored_transposed(prev)} if _is_linear(prev) else set()
+    experts = {bool(_stacked(model, f"{block}.{rel}").is_transposed) for rel in t.stacked}  # their own layout
     if len(layouts) != 1:
         raise ValueError(f"{block}.{t.prev}: the group mixes weights stored (out, in) and (in, out)")
     g: dict = {"prev": f"{block}.{t.prev}", "linears": linears}
@@ -156,6 +156,10 @@ def _resolve(model: nn.Module, block: str, t: GroupTemplate) -> dict:
         g["head_dim"] = _head_dim(model, _module(model, f"{block}.{t.prev}".rpartition(".")[0]))
     if layouts == {True}:
         g["transposed"] = True
+    if len(experts) > 1:
+        raise ValueError(f"{block}.{t.prev}: the group's experts weights mix (experts, out, in) and (experts, in, out)")
+    if experts == {True}:
+        g["stacked_transposed"] = True
     if t.inspect is not None:
         g["inspect"] = f"{block}.{t.inspect}"
         if t.local:

@@ -35,7 +35,8 @@ from .groups import find_arch, smoothing_groups
 __all__ = ["ROTATABLE", "residual_layout", "model_layout"]
 
 #: Families whose blocks are pre-norm with RMSNorm (weight only): their stream can be rotated.
-ROTATABLE = ("llama", "mistral", "qwen2", "phi3", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3")
+ROTATABLE = ("llama", "mistral", "qwen2", "phi3", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3",
+             "gpt_oss")  # gpt_oss: refused by name below (its experts are stored (experts, in, out))
 
 
 def residual_layout(model: nn.Module) -> ResidualLayout:

@@ -69,7 +69,7 @@ class Arch(NamedTuple):
 #: Norm classes computing ``weight * normalized(x) (+ bias)``: a scale folds into their weight and bias.
 FOLDABLE_NORMS = frozenset({"LayerNorm", "LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Phi3RMSNorm",
                             "MixtralRMSNorm", "Qwen2MoeRMSNorm", "Qwen3MoeRMSNorm", "OlmoeRMSNorm",
-                            "DeepseekV3RMSNorm"})
+                            "DeepseekV3RMSNorm", "GptOssRMSNorm"})
 
 _QKV = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
 
@@ -85,12 +85,13 @@ _DENSE_MLP = tuple(t._replace(present="mlp.gate_proj") for t in _LLAMA_GROUPS[2:
 _EXPERTS = "mlp.experts.gate_up_proj"
 
 
-def _moe(shared: str | None = None, gate: str | None = None, attention=_ATTENTION) -> tuple[GroupTemplate, ...]:
-    """The groups of a mixture-of-experts block: ``attention``'s, router, experts and (``shared``) a shared expert
-    with (``gate``) its float gate; the dense MLP's in blocks without experts."""
+def _moe(shared: str | None = None, gate: str | None = None, attention=_ATTENTION,
+         router: str = "mlp.gate") -> tuple[GroupTemplate, ...]:
+    """The groups of a mixture-of-experts block: ``attention``'s, ``router``, experts and (``shared``) a shared
+    expert with (``gate``) its float gate; the dense MLP's in blocks without experts."""
     extra = (f"{shared}.gate_proj", f"{shared}.up_proj") if shared else ()
-    routers = ("mlp.gate",) + ((gate,) if gate else ())
-    groups = (GroupTemplate("post_attention_layernorm", ("mlp.gate", _EXPERTS, *extra, *routers[1:]), inspect="mlp",
+    routers = (router,) + ((gate,) if gate else ())
+    groups = (GroupTemplate("post_attention_layernorm", (router, _EXPERTS, *extra, *routers[1:]), inspect="mlp",
                             local=True, present="mlp.experts", stacked=(_EXPERTS,), routers=routers),)
     if shared:
         groups += (GroupTemplate(f"{shared}.up_proj", (f"{shared}.down_proj",), present=shared),)
@@ -130,6 +131,9 @@ ARCHS: tuple[Arch, ...] = (
     Arch("qwen2_moe", ("qwen2_moe",), "model.layers", _moe("mlp.shared_expert", "mlp.shared_expert_gate")),
     Arch("qwen3_moe", ("qwen3_moe",), "model.layers", _moe()),
     Arch("olmoe", ("olmoe",), "model.layers", _moe()),  # q/k norms over whole projections: after the linears
+    # GPT-OSS: experts stored (experts, in, out) with biases, a router with a bias, attention sinks (the
+    # attention output stays a combination of value rows: v -> o holds)
+    Arch("gpt_oss", ("gpt_oss",), "model.layers", _moe(router="mlp.router")),
     Arch("deepseek_v3", ("deepseek_v3",), "model.layers", _moe("mlp.shared_experts", attention=_MLA),
          writers=("self_attn.o_proj",)),
     Arch("phi3", ("phi3",), "model.layers", (

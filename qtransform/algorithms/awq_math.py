@@ -40,7 +40,8 @@ from ..observers import choose_qparams
 from ..spec import QuantSpec
 from ..tensor import blocks, fake_quantize
 from .hqq_math import optimize as hqq_optimize
-from .smoothing import GroupShape, SmoothGroup, group_shape, logical_weight, quantized_linears, to_input, weight_path
+from .smoothing import (GroupShape, SmoothGroup, group_shape, logical_weight, member_transposed, quantized_linears,
+                        to_input, weight_path)
 
 __all__ = ["QUANTIZERS", "candidate_scales", "weight_mean", "input_mean", "quantize_weight", "scaled_weights",
            "ScaleChoice", "search_scales"]
@@ -86,7 +87,7 @@ def weight_mean(params: Mapping[str, torch.Tensor], group: SmoothGroup, specs: M
             p = blocks.tiling(w.shape, spec, path=weight_path(group, lin))
             amax = blocks.view(a, p).amax(dim=blocks.reduce_dims(p), keepdim=True)
             a = blocks.unview(blocks.view(a, p) / amax.clamp(min=1e-12), p)
-        a = logical_weight(a, group.transposed)
+        a = logical_weight(a, member_transposed(group, lin))
         if spec is None:
             a = a / a.amax(-1, keepdim=True).clamp(min=1e-12)
         cols.append(a.reshape(-1, a.shape[-1]))  # a stacked weight: every expert's rows
@@ -115,7 +116,7 @@ def scaled_weights(params: Mapping[str, torch.Tensor], group: SmoothGroup, s: to
             continue
         path = weight_path(group, lin)
         w = params[path]
-        f = (s[:, None] if group.transposed else s[None, :]).to(device=w.device, dtype=torch.float32)
+        f = (s[:, None] if member_transposed(group, lin) else s[None, :]).to(device=w.device, dtype=torch.float32)
         q = quantize_weight(w.detach().to(torch.float32) * f, spec, quantizer, path=path)
         out[path] = (q / f).to(w.dtype)
     return out

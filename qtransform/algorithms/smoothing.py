@@ -44,7 +44,7 @@ from typing import Any, Mapping, NamedTuple, Sequence
 import torch
 
 __all__ = ["SmoothGroup", "as_groups", "block_groups", "group_shape", "GroupShape", "logical_weight", "weight_absmax",
-           "weight_path", "input_module", "quantized_linears", "to_prev", "to_input", "fold"]
+           "weight_path", "member_transposed", "input_module", "quantized_linears", "to_prev", "to_input", "fold"]
 
 
 class SmoothGroup(NamedTuple):
@@ -62,6 +62,8 @@ class SmoothGroup(NamedTuple):
         local: ``inspect`` computes each token's output from that token alone (an MLP; not attention),
             so a search may evaluate it on a sample of rows.
         stacked: the members of ``linears`` that are stacked experts weights (tree paths of the 3-D tensors).
+        stacked_transposed: the stacked members are stored ``(experts, in, out)`` (GPT-OSS); ``transposed``
+            says it of the other members.
         routers: the members of ``linears`` that read the input in float (routers): scaled, never quantized.
     """
 
@@ -74,6 +76,7 @@ class SmoothGroup(NamedTuple):
     local: bool = False
     stacked: tuple[str, ...] = ()
     routers: tuple[str, ...] = ()
+    stacked_transposed: bool = False
 
     @classmethod
     def from_value(cls, value: Any, *, where: str = "group") -> "SmoothGroup":
@@ -127,7 +130,11 @@ class SmoothGroup(NamedTuple):
         if members["stacked"] and all(lin in members["stacked"] for lin in linears):
             raise ValueError(f"{where}: its linears are all stacked experts weights; the group needs a member that "
                              "sees every token of its input (the router)")
-        return cls(prev, tuple(linears), rows, head_dim, transposed, inspect, local, **members)
+        stacked_transposed = d.get("stacked_transposed", False)
+        if not isinstance(stacked_transposed, bool):
+            raise TypeError(f"{where}: 'stacked_transposed' must be a bool, got {stacked_transposed!r}")
+        return cls(prev, tuple(linears), rows, head_dim, transposed, inspect, local, **members,
+                   stacked_transposed=stacked_transposed)
 
     def to_dict(self) -> dict:
         """JSON-able form (``from_value(g.to_dict()) == g``); defaults left out."""
@@ -145,6 +152,8 @@ class SmoothGroup(NamedTuple):
         for key in ("stacked", "routers"):
             if getattr(self, key):
                 d[key] = list(getattr(self, key))
+        if self.stacked_transposed:
+            d["stacked_transposed"] = True
         return d
 
 
@@ -190,6 +199,11 @@ def weight_path(group: SmoothGroup, member: str) -> str:
     return member if member in group.stacked else f"{member}.weight"
 
 
+def member_transposed(group: SmoothGroup, member: str) -> bool:
+    """Whether a member's weight is stored ``(in, out)`` (``(experts, in, out)`` for a stacked one)."""
+    return group.stacked_transposed if member in group.stacked else group.transposed
+
+
 def input_module(group: SmoothGroup) -> str:
     """The member whose input statistics are the group's: the first that is not a stacked experts weight."""
     return next(lin for lin in group.linears if lin not in group.stacked)
@@ -222,7 +236,7 @@ def group_shape(params: Mapping[str, torch.Tensor], group: SmoothGroup) -> Group
         if w.dim() != want:
             what = "a stacked experts weight must be 3-D" if want == 3 else "a smoothing group's linear must be 2-D"
             raise ValueError(f"{weight_path(group, lin)}: {what}, got shape {tuple(w.shape)}")
-        ins.append(logical_weight(w, group.transposed).shape[-1])
+        ins.append(logical_weight(w, member_transposed(group, lin)).shape[-1])
     if len(set(ins)) != 1:
         raise ValueError(f"smoothing group of {group.prev!r}: its linears {list(group.linears)} read "
                          f"different widths {ins}; they must share one input")
@@ -259,7 +273,7 @@ def weight_absmax(params: Mapping[str, torch.Tensor], group: SmoothGroup) -> tor
     ``j`` (float32)."""
     cols = []
     for lin in quantized_linears(group):
-        w = logical_weight(params[weight_path(group, lin)], group.transposed).detach()
+        w = logical_weight(params[weight_path(group, lin)], member_transposed(group, lin)).detach()
         cols.append(w.abs().reshape(-1, w.shape[-1]).amax(0).float())
     return torch.stack(cols).amax(0)
 
@@ -322,7 +336,7 @@ def fold(params: Mapping[str, torch.Tensor], group: SmoothGroup, s: torch.Tensor
             factors[f"{group.prev}.bias"] = inv
     cols = to_input(s, group, shape)
     for lin in group.linears:  # a stacked weight's experts broadcast
-        factors[weight_path(group, lin)] = cols[:, None] if group.transposed else cols[None, :]
+        factors[weight_path(group, lin)] = cols[:, None] if member_transposed(group, lin) else cols[None, :]
     for path, f in factors.items():
         t = params[path]
         dt = _compute_dtype(t)

@@ -44,8 +44,8 @@ from ..granularity import PerChannel, PerTensor
 from ..observers import Observer, choose_qparams
 from ..spec import QuantSpec
 from ..tensor import fake_quantize
-from .smoothing import (SmoothGroup, as_groups, fold, group_shape, logical_weight, quantized_linears, to_input, to_prev,
-                        weight_absmax, weight_path)
+from .smoothing import (SmoothGroup, as_groups, fold, group_shape, logical_weight, member_transposed, quantized_linears,
+                        to_input, to_prev, weight_absmax, weight_path)
 
 __all__ = ["RowSample", "RowSampleStats", "Rows", "sample_stats", "check_activation", "layer_errors", "EPS", "scales",
            "smooth", "search", "Choice"]
@@ -159,8 +159,8 @@ def layer_errors(sample: Rows, params: Mapping[str, torch.Tensor], group: Smooth
         raise ValueError(f"smoothing group of {group.prev!r}: candidates of shape {tuple(candidates.shape)}, "
                          f"expected (A, {shape.prev})")
     static = not activation.dynamic
-    weights = {lin: logical_weight(params[weight_path(group, lin)], group.transposed).detach().to(torch.float32)
-               for lin in quantized_linears(group)}  # routers read the input in float: no error of theirs
+    weights = {lin: logical_weight(params[weight_path(group, lin)], member_transposed(group, lin)).detach().to(
+        torch.float32) for lin in quantized_linears(group)}  # routers read the input in float: no error of theirs
     refs = {lin: x @ w.transpose(-2, -1) for lin, w in weights.items()}  # stacked: every row through every expert
     s_in = to_input(candidates.to(torch.float32), group, shape)
     errors = []
@@ -171,8 +171,8 @@ def layer_errors(sample: Rows, params: Mapping[str, torch.Tensor], group: Smooth
         for lin, w in weights.items():
             ws = w * s
             spec = weight_specs.get(lin)
-            stored = logical_weight(ws, group.transposed)
-            wq = logical_weight(_fq(stored, spec), group.transposed)
+            stored = logical_weight(ws, member_transposed(group, lin))
+            wq = logical_weight(_fq(stored, spec), member_transposed(group, lin))
             err = err + (xq @ wq.transpose(-2, -1) - refs[lin]).double().pow(2).sum()
         errors.append(err)
     return torch.stack(errors)

@@ -25,7 +25,9 @@ from tiny_moe import build_tiny_moe, tiny_moe_config  # noqa: E402
 
 MOE = ("mixtral", "qwen2_moe", "qwen3_moe")
 #: Also OLMoE and DeepSeek-V3 (latent attention, a dense first block, shared experts, a float32 router).
-TABLES = MOE + ("olmoe", "deepseek_v3")
+ROTATED = MOE + ("olmoe", "deepseek_v3")
+#: And GPT-OSS (experts stored (experts, in, out) with biases, a router with a bias): smoothing only.
+TABLES = ROTATED + ("gpt_oss",)
 
 
 def _outliers(model, seed: int = 0):
@@ -98,19 +100,27 @@ def test_dense_and_moe_blocks_get_their_own_groups():
 def test_scaling_alone_keeps_the_logits(arch):
     model = _double(build_tiny_moe(arch))
     before = _logits(model, IDS)
-    params = dict(model.state_dict())
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    params = dict(state)
     g = torch.Generator().manual_seed(0)
     for grp in as_groups(smoothing_groups(model)):
         s = torch.rand(group_shape(params, grp).prev, generator=g, dtype=torch.float64) * 4 + 0.25
         params.update(fold(params, grp, s))
-    router = "model.layers.1.mlp.gate.weight"
-    assert not torch.equal(params[router], model.state_dict()[router])  # the router was scaled too
+    router = f"model.layers.1.mlp.{'router' if arch == 'gpt_oss' else 'gate'}.weight"
+    assert not torch.equal(params[router], state[router])  # the router was scaled too
     model.load_state_dict(params)
     after = _logits(model, IDS)
     assert torch.allclose(after, before, atol=1e-6 * before.abs().max(), rtol=0)
+    model.load_state_dict({**params, **{k: v for k, v in state.items() if ".experts." in k}})
+    assert not torch.allclose(_logits(model, IDS), before, atol=1e-3 * before.abs().max(), rtol=0)  # sensitive
 
 
-@pytest.mark.parametrize("arch", TABLES)
+def test_transposed_experts_are_refused_by_rotations_by_name():
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp\.experts stores its experts weights \(experts, in, "):
+        residual_layout(build_tiny_moe("gpt_oss"))
+
+
+@pytest.mark.parametrize("arch", ROTATED)
 def test_rotation_alone_keeps_the_logits(arch):
     model = _double(build_tiny_moe(arch))
     before = _logits(model, IDS)
@@ -153,7 +163,8 @@ PRESETS = ("w8a8-int8-sq", "gptq-w8a8", "awq4-g64", "awq4-g128", "awq3-g64", "aw
 #: Every preset on Mixtral; one of each algorithm on the other families (time).
 CASES = ([("mixtral", n) for n in PRESETS] + [(a, n) for a in MOE[1:] for n in ("w8a8-int8-sq", "awq4-g64",
                                                                                 "awq-gptq4-g128", "quarot-w4a8")]
-         + [("olmoe", "awq4-g64"), ("deepseek_v3", "w8a8-int8-sq"), ("deepseek_v3", "quarot-w4a8")])
+         + [("olmoe", "awq4-g64"), ("deepseek_v3", "w8a8-int8-sq"), ("deepseek_v3", "quarot-w4a8"),
+            ("gpt_oss", "awq4-g64")])
 
 
 @pytest.mark.parametrize("arch,name", CASES)
@@ -164,10 +175,11 @@ def test_presets_beat_round_to_nearest_and_keep_routers_float(arch, name):
     err, q, result = _error(arch, recipe, calib, ref)
     rtn, _, _ = _error(arch, dataclasses.replace(recipe, steps=()), calib, ref)
     assert err < rtn, f"{name} on {arch}: relative error {err:.3g}, round to nearest {rtn:.3g}"
+    name = "router" if arch == "gpt_oss" else "gate"
     for i in [i for i in range(2) if hasattr(q.model.layers[i].mlp, "experts")]:
-        gate = q.model.layers[i].mlp.gate
+        gate = getattr(q.model.layers[i].mlp, name)
         assert isinstance(gate.weight, torch.nn.Parameter) and gate.weight.is_floating_point()
-        assert not isinstance(result.qtree[f"model.layers.{i}.mlp.gate.weight"], qt.QTensor)
+        assert not isinstance(result.qtree[f"model.layers.{i}.mlp.{name}.weight"], qt.QTensor)
     assert isinstance(result.qtree["model.layers.1.mlp.experts.gate_up_proj"], qt.QTensor)
 
 
