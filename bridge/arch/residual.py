@@ -11,7 +11,8 @@ Qwen2-MoE, Qwen3-MoE, OLMoE) rotate too: the norm before the MLP feeds the route
 ``gate_up_proj`` and the shared experts; the experts' stacked ``down_proj`` and the shared expert's down
 projection write the stream. DeepSeek-V3's latent attention has no value -> output head pair (no ``R2``, so
 no SpinQuant, which learns it); its latent norms read no stream and are left alone. Only the shared experts' and dense MLPs' down projections take an online ``R4``:
-an experts module computes each expert's hidden activation inside its forward, where no hook reaches.
+an experts module computes each expert's hidden activation inside its forward, where no hook reaches. GPT-OSS's
+experts, stored ``(experts, in, out)``, are named in the layout's ``transposed`` (rotated on the other side).
 
 >>> import transformers as tf
 >>> m = tf.LlamaForCausalLM(tf.LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
@@ -36,7 +37,7 @@ __all__ = ["ROTATABLE", "residual_layout", "model_layout"]
 
 #: Families whose blocks are pre-norm with RMSNorm (weight only): their stream can be rotated.
 ROTATABLE = ("llama", "mistral", "qwen2", "phi3", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3",
-             "gpt_oss")  # gpt_oss: refused by name below (its experts are stored (experts, in, out))
+             "gpt_oss")
 
 
 def residual_layout(model: nn.Module) -> ResidualLayout:
@@ -68,13 +69,13 @@ def residual_layout(model: nn.Module) -> ResidualLayout:
             down += [f"{l}.weight" for l in g["linears"]]
     for i in range(len(modules[arch.blocks])):
         writers += [f"{arch.blocks}.{i}.{w}.weight" for w in arch.writers]
+    transposed = []
     for name, m in modules.items():  # the experts' outputs write the stream, each expert's (hidden, inter) rows
         names = expert_weights(m)
-        if names and m.is_transposed:
-            raise ValueError(f"rotations: {name} stores its experts weights (experts, in, out); only (experts, out, "
-                             "in) experts are rotated")
         if names:
             writers.append(f"{name}.{names[-1]}")
+            if m.is_transposed:  # GPT-OSS: (experts, in, out)
+                transposed += [f"{name}.{n}" for n in names]
     head = model.get_output_embeddings() if callable(getattr(model, "get_output_embeddings", None)) else None
     final = modules.get(arch.blocks.rpartition(".")[0] + ".norm")
     if head is None or final is None:
@@ -88,7 +89,7 @@ def residual_layout(model: nn.Module) -> ResidualLayout:
     attention = tuple(QueryKey(p, modules[p].head_dim) for p in kvcache.attention_modules(model)
                       if isinstance(getattr(modules[p], "head_dim", None), int))
     return ResidualLayout(embeddings=embeddings, norms=tuple(norms), writers=tuple(writers), heads=tuple(heads),
-                          down=tuple(down), attention=attention)
+                          down=tuple(down), attention=attention, transposed=tuple(transposed))
 
 
 def model_layout(model: nn.Module) -> ResidualLayout | None:

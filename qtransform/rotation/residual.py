@@ -13,6 +13,8 @@ A :class:`ResidualLayout` names, by tree path, what touches the residual stream 
   are readers and writers like any linear, each expert rotated by one batched product: the experts'
   ``gate_up_proj`` reads the stream (``W_e R1``), their ``down_proj`` writes it (``R1ᵀ W_e``, its bias
   ``<path>_bias`` ``b_e R1``); a router is a reader;
+* ``transposed``: the readers and writers stored ``(in, out)`` (``(experts, in, out)``: GPT-OSS's experts):
+  rotated on the other side (a reader ``R1ᵀ W``, a writer ``W R1``);
 * ``down``: the weights of the linears reading the MLP's hidden activation (down projections), where
   an online rotation (``R4``) may go, and ``attention``: the attention modules with their head width,
   whose queries and keys an online rotation (``R3``) may rotate (:mod:`qtransform.rotation.online`).
@@ -79,6 +81,7 @@ class ResidualLayout(NamedTuple):
     heads: tuple[HeadPair, ...] = ()
     down: tuple[str, ...] = ()
     attention: tuple[QueryKey, ...] = ()
+    transposed: tuple[str, ...] = ()
 
     def to_dict(self) -> dict:
         """Plain JSON-able data (a step option), :meth:`from_value`'s inverse."""
@@ -88,7 +91,8 @@ class ResidualLayout(NamedTuple):
                 "heads": [{"v": h.v, "o": h.o, "head_dim": h.head_dim, **({"rows": list(h.rows)} if h.rows else {})}
                           for h in self.heads],
                 "down": list(self.down),
-                "attention": [{"module": a.module, "head_dim": a.head_dim} for a in self.attention]}
+                "attention": [{"module": a.module, "head_dim": a.head_dim} for a in self.attention],
+                **({"transposed": list(self.transposed)} if self.transposed else {})}
 
     @classmethod
     def from_value(cls, value, *, where: str = "layout") -> "ResidualLayout":
@@ -109,7 +113,8 @@ class ResidualLayout(NamedTuple):
                                             tuple(h["rows"]) if h.get("rows") else None)
                                    for h in value.get("heads", ())),
                        down=_strs(value.get("down", ()), f"{where}.down"),
-                       attention=tuple(QueryKey(a["module"], int(a["head_dim"])) for a in value.get("attention", ())))
+                       attention=tuple(QueryKey(a["module"], int(a["head_dim"])) for a in value.get("attention", ())),
+                       transposed=_strs(value.get("transposed", ()), f"{where}.transposed"))
         except (KeyError, TypeError) as e:
             raise ValueError(f"{where}: malformed norms/heads/attention entry ({e!r}); see ResidualLayout.to_dict()"
                              ) from None
@@ -145,9 +150,10 @@ def _check(params: Mapping, layout: ResidualLayout, R1: torch.Tensor, R2) -> int
     if not isinstance(R1, torch.Tensor) or R1.dim() != 2 or R1.shape[0] != R1.shape[1]:
         raise ValueError(f"rotate: R1 must be a square matrix, got {getattr(R1, 'shape', type(R1).__name__)}")
     d = R1.shape[0]
+    flip = set(layout.transposed)  # stored (in, out): the residual axis is the other one
     wants = [(p, "embedding", -1, (2,)) for p in layout.embeddings]
-    wants += [(r, f"reader of {n.weight}", -1, (2, 3)) for n in layout.norms for r in n.readers]
-    wants += [(w, "writer", -2, (2, 3)) for w in layout.writers]  # 3-D: stacked experts (experts, out, in)
+    wants += [(r, f"reader of {n.weight}", -2 if r in flip else -1, (2, 3)) for n in layout.norms for r in n.readers]
+    wants += [(w, "writer", -1 if w in flip else -2, (2, 3)) for w in layout.writers]  # 3-D: stacked experts
     for path, where, axis, dims in wants:
         t = _get(params, path, where)
         if t.dim() not in dims:
@@ -194,7 +200,8 @@ def fuse_norms(params: Mapping[str, torch.Tensor], layout: ResidualLayout, *,
             continue
         for r in n.readers:
             w = _get(out, r, f"reader of {n.weight}")
-            out[r] = (w.to(dtype) * g.to(dtype)).to(w.dtype)
+            f = g.to(dtype)[:, None] if r in layout.transposed else g.to(dtype)
+            out[r] = (w.to(dtype) * f).to(w.dtype)
         out[n.weight] = torch.ones_like(g)
     return out
 
@@ -225,10 +232,10 @@ def rotate(params: Mapping[str, torch.Tensor], layout: ResidualLayout, R1: torch
     for p in layout.embeddings:
         put(p, lambda t: t @ R)
     for r in {r for n in layout.norms for r in n.readers}:
-        put(r, lambda t: t @ R)
+        put(r, (lambda t: R.T @ t) if r in layout.transposed else (lambda t: t @ R))
     for w in layout.writers:  # a stacked (experts, d, in) weight: one batched product
         b = _bias(w, out[w].dim() == 3)
-        put(w, lambda t: R.T @ t)
+        put(w, (lambda t: t @ R) if w in layout.transposed else (lambda t: R.T @ t))
         if isinstance(out.get(b), torch.Tensor):
             put(b, lambda t: t @ R)
     if R2 is not None:

@@ -25,9 +25,8 @@ from tiny_moe import build_tiny_moe, tiny_moe_config  # noqa: E402
 
 MOE = ("mixtral", "qwen2_moe", "qwen3_moe")
 #: Also OLMoE and DeepSeek-V3 (latent attention, a dense first block, shared experts, a float32 router).
-ROTATED = MOE + ("olmoe", "deepseek_v3")
-#: And GPT-OSS (experts stored (experts, in, out) with biases, a router with a bias): smoothing only.
-TABLES = ROTATED + ("gpt_oss",)
+#: And GPT-OSS (experts stored (experts, in, out) with biases, a router with a bias, attention sinks).
+TABLES = MOE + ("olmoe", "deepseek_v3", "gpt_oss")
 
 
 def _outliers(model, seed: int = 0):
@@ -115,12 +114,7 @@ def test_scaling_alone_keeps_the_logits(arch):
     assert not torch.allclose(_logits(model, IDS), before, atol=1e-3 * before.abs().max(), rtol=0)  # sensitive
 
 
-def test_transposed_experts_are_refused_by_rotations_by_name():
-    with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp\.experts stores its experts weights \(experts, in, "):
-        residual_layout(build_tiny_moe("gpt_oss"))
-
-
-@pytest.mark.parametrize("arch", ROTATED)
+@pytest.mark.parametrize("arch", TABLES)
 def test_rotation_alone_keeps_the_logits(arch):
     model = _double(build_tiny_moe(arch))
     before = _logits(model, IDS)
@@ -133,7 +127,10 @@ def test_rotation_alone_keeps_the_logits(arch):
     rotated = qt.rotate(params, layout, R1, R2)
     up = "model.layers.1.mlp.experts.gate_up_proj"
     g = params["model.layers.1.post_attention_layernorm.weight"]
-    assert torch.allclose(rotated[up], params[up] * g @ R1)  # every expert, as one matrix each would be
+    if arch == "gpt_oss":  # stored (experts, hidden, 2 inter): rotated on its first matrix axis
+        assert torch.allclose(rotated[up], R1.T @ (params[up] * g[:, None]))
+    else:  # every expert, as one matrix each would be
+        assert torch.allclose(rotated[up], params[up] * g @ R1)
     model.load_state_dict(rotated)
     after = _logits(model, IDS)
     assert torch.allclose(after, before, atol=1e-6 * before.abs().max(), rtol=0)
@@ -164,7 +161,7 @@ PRESETS = ("w8a8-int8-sq", "gptq-w8a8", "awq4-g64", "awq4-g128", "awq3-g64", "aw
 CASES = ([("mixtral", n) for n in PRESETS] + [(a, n) for a in MOE[1:] for n in ("w8a8-int8-sq", "awq4-g64",
                                                                                 "awq-gptq4-g128", "quarot-w4a8")]
          + [("olmoe", "awq4-g64"), ("deepseek_v3", "w8a8-int8-sq"), ("deepseek_v3", "quarot-w4a8"),
-            ("gpt_oss", "awq4-g64")])
+            ("gpt_oss", "awq4-g64"), ("gpt_oss", "quarot-w4a8")])
 
 
 @pytest.mark.parametrize("arch,name", CASES)
