@@ -21,8 +21,7 @@ from typing import Iterable
 
 from torch import nn
 
-import qtransform as qt
-
+from ..modules.experts import expert_weights
 from ..tree import stored_transposed
 from .tables import ARCHS, FOLDABLE_NORMS, Arch, GroupTemplate
 
@@ -42,6 +41,24 @@ def _is_linear(m: nn.Module) -> bool:
     return isinstance(m, nn.Linear) or stored_transposed(m)
 
 
+def _is_router(m: nn.Module) -> bool:
+    """A float linear reading the MLP's input: an ``nn.Linear`` or a router module with a 2-D ``weight``."""
+    w = getattr(m, "weight", None)
+    return isinstance(m, nn.Linear) or (isinstance(w, nn.Parameter) and w.dim() == 2 and not _is_linear(m))
+
+
+def _stacked(model: nn.Module, path: str) -> nn.Module | None:
+    """The experts module holding the stacked weight at ``path`` (``None``: not one)."""
+    parent, _, leaf = path.rpartition(".")
+    m = _module(model, parent)
+    return m if m is not None and leaf in expert_weights(m) else None
+
+
+def _applies(model: nn.Module, block: str, t: GroupTemplate) -> bool:
+    """Whether the block has the group (``present``: the module it needs exists)."""
+    return t.present is None or _module(model, f"{block}.{t.present}") is not None
+
+
 def _missing(model: nn.Module, arch: Arch) -> str | None:
     """Why ``arch`` does not fit ``model`` (``None``: it fits)."""
     cfg = getattr(model, "config", None)
@@ -51,13 +68,22 @@ def _missing(model: nn.Module, arch: Arch) -> str | None:
     blocks = _module(model, arch.blocks)
     if not isinstance(blocks, nn.ModuleList) or not len(blocks):
         return f"no module list {arch.blocks!r}"
-    first = f"{arch.blocks}.0"
     for t in arch.groups:
+        first = next((f"{arch.blocks}.{i}" for i in range(len(blocks)) if _applies(model, f"{arch.blocks}.{i}", t)),
+                     None)
+        if first is None:  # e.g. dense MLP groups of a model whose every block has experts
+            continue
         for rel in (t.prev, *t.linears):
+            if rel in t.stacked:
+                if _stacked(model, f"{first}.{rel}") is None:
+                    return f"{first}.{rel} is not a stacked weight of an experts module"
+                continue
             m = _module(model, f"{first}.{rel}")
             if m is None:
                 return f"no module {first}.{rel}"
-            if rel in t.linears and not _is_linear(m):
+            if rel in t.routers and not _is_router(m):
+                return f"{first}.{rel} is a {type(m).__name__}, not a router (a module with a 2-D weight)"
+            if rel in t.linears and rel not in t.routers and not _is_linear(m):
                 return f"{first}.{rel} is a {type(m).__name__}, not a linear layer"
         prev = _module(model, f"{first}.{t.prev}")
         if not _is_linear(prev) and type(prev).__name__ not in FOLDABLE_NORMS:
@@ -118,8 +144,9 @@ def _rows(kind: str, prev: nn.Module, reader: nn.Module, where: str) -> list[int
 def _resolve(model: nn.Module, block: str, t: GroupTemplate) -> dict:
     prev = model.get_submodule(f"{block}.{t.prev}")
     linears = [f"{block}.{rel}" for rel in t.linears]
-    mods = [model.get_submodule(p) for p in linears] + ([prev] if _is_linear(prev) else [])
-    layouts = {stored_transposed(m) for m in mods}
+    layouts = {stored_transposed(model.get_submodule(f"{block}.{rel}")) for rel in t.linears if rel not in t.stacked}
+    layouts |= {stored_transposed(prev)} if _is_linear(prev) else set()
+    experts = {bool(_stacked(model, f"{block}.{rel}").is_transposed) for rel in t.stacked}  # their own layout
     if len(layouts) != 1:
         raise ValueError(f"{block}.{t.prev}: the group mixes weights stored (out, in) and (in, out)")
     g: dict = {"prev": f"{block}.{t.prev}", "linears": linears}
@@ -129,16 +156,24 @@ def _resolve(model: nn.Module, block: str, t: GroupTemplate) -> dict:
         g["head_dim"] = _head_dim(model, _module(model, f"{block}.{t.prev}".rpartition(".")[0]))
     if layouts == {True}:
         g["transposed"] = True
+    if len(experts) > 1:
+        raise ValueError(f"{block}.{t.prev}: the group's experts weights mix (experts, out, in) and (experts, in, out)")
+    if experts == {True}:
+        g["stacked_transposed"] = True
     if t.inspect is not None:
         g["inspect"] = f"{block}.{t.inspect}"
         if t.local:
             g["local"] = True
+    for key in ("stacked", "routers"):
+        if getattr(t, key):
+            g[key] = [f"{block}.{rel}" for rel in getattr(t, key)]
     return g
 
 
 def smoothing_groups(model: nn.Module, *, kinds: Iterable[str] = KINDS) -> list[dict]:
     """``model``'s smoothing groups, block by block in table order, as plain dicts
-    (``{"prev", "linears", "rows"?, "head_dim"?, "transposed"?}``: ``Plan.groups``).
+    (``{"prev", "linears", "rows"?, "head_dim"?, "transposed"?, "inspect"?, "local"?, "stacked"?, "routers"?}``:
+    ``Plan.groups``); a block gets the groups whose ``present`` module it has (dense or experts MLP).
 
     ``kinds``: ``"norm"`` (a norm feeds the linears) and/or ``"linear"`` (a linear's output: v -> o,
     up -> down, fc1 -> fc2). ``ValueError`` for an unsupported architecture (see :func:`find_arch`).
@@ -154,6 +189,8 @@ def smoothing_groups(model: nn.Module, *, kinds: Iterable[str] = KINDS) -> list[
         block = f"{arch.blocks}.{i}"
         for t in arch.groups:
             if t.when is not None and getattr(cfg, t.when[0], None) not in t.when[1]:
+                continue
+            if not _applies(model, block, t):
                 continue
             kind = "linear" if _is_linear(model.get_submodule(f"{block}.{t.prev}")) else "norm"
             if kind in kinds:

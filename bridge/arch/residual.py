@@ -6,7 +6,13 @@ which output projection; the layout adds the stream's other ends: the input embe
 (the output projection and the MLP's down projection of every block) and the final norm with the
 output head; and where online rotations may go: the down projections (their input, ``R4``) and the
 attention modules with their head width (queries and keys, ``R3``). Only pre-norm RMSNorm families qualify (Llama, Mistral, Qwen2, Phi-3): a LayerNorm
-subtracts the mean, which no rotation of the stream commutes with.
+subtracts the mean, which no rotation of the stream commutes with. Mixture-of-experts families (Mixtral,
+Qwen2-MoE, Qwen3-MoE, OLMoE) rotate too: the norm before the MLP feeds the router, the experts' stacked
+``gate_up_proj`` and the shared experts; the experts' stacked ``down_proj`` and the shared expert's down
+projection write the stream. DeepSeek-V3's latent attention has no value -> output head pair (no ``R2``, so
+no SpinQuant, which learns it); its latent norms read no stream and are left alone. Only the shared experts' and dense MLPs' down projections take an online ``R4``:
+an experts module computes each expert's hidden activation inside its forward, where no hook reaches. GPT-OSS's
+experts, stored ``(experts, in, out)``, are named in the layout's ``transposed`` (rotated on the other side).
 
 >>> import transformers as tf
 >>> m = tf.LlamaForCausalLM(tf.LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
@@ -20,17 +26,18 @@ from __future__ import annotations
 
 from torch import nn
 
-import qtransform as qt
 from qtransform.rotation import HeadPair, NormReaders, QueryKey, ResidualLayout
 
 from ..modules import kvcache
+from ..modules.experts import expert_weights
 
 from .groups import find_arch, smoothing_groups
 
 __all__ = ["ROTATABLE", "residual_layout", "model_layout"]
 
 #: Families whose blocks are pre-norm with RMSNorm (weight only): their stream can be rotated.
-ROTATABLE = ("llama", "mistral", "qwen2", "phi3")
+ROTATABLE = ("llama", "mistral", "qwen2", "phi3", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3",
+             "gpt_oss")
 
 
 def residual_layout(model: nn.Module) -> ResidualLayout:
@@ -47,8 +54,12 @@ def residual_layout(model: nn.Module) -> ResidualLayout:
     path = {id(m): n for n, m in modules.items()}
     for g in groups:
         prev = modules[g["prev"]]
+        stacked = set(g.get("stacked", ()))
         if not hasattr(prev, "in_features") and not hasattr(prev, "nf"):  # a norm and the linears it feeds
-            norms.append(NormReaders(f"{g['prev']}.weight", tuple(f"{l}.weight" for l in g["linears"])))
+            if g["prev"].rpartition(".")[0].rpartition(".")[0] != arch.blocks:
+                continue  # a norm inside a sub-layer (DeepSeek's latent norms) reads no stream: not rotated
+            norms.append(NormReaders(f"{g['prev']}.weight", tuple(l if l in stacked else f"{l}.weight"
+                                                                  for l in g["linears"])))
         elif "head_dim" in g:
             rows = tuple(g["rows"]) if "rows" in g else None
             heads.append(HeadPair(f"{g['prev']}.weight", f"{g['linears'][0]}.weight", g["head_dim"], rows))
@@ -56,6 +67,15 @@ def residual_layout(model: nn.Module) -> ResidualLayout:
         else:  # up -> down: the MLP's output writes the stream
             writers += [f"{l}.weight" for l in g["linears"]]
             down += [f"{l}.weight" for l in g["linears"]]
+    for i in range(len(modules[arch.blocks])):
+        writers += [f"{arch.blocks}.{i}.{w}.weight" for w in arch.writers]
+    transposed = []
+    for name, m in modules.items():  # the experts' outputs write the stream, each expert's (hidden, inter) rows
+        names = expert_weights(m)
+        if names:
+            writers.append(f"{name}.{names[-1]}")
+            if m.is_transposed:  # GPT-OSS: (experts, in, out)
+                transposed += [f"{name}.{n}" for n in names]
     head = model.get_output_embeddings() if callable(getattr(model, "get_output_embeddings", None)) else None
     final = modules.get(arch.blocks.rpartition(".")[0] + ".norm")
     if head is None or final is None:
@@ -69,7 +89,7 @@ def residual_layout(model: nn.Module) -> ResidualLayout:
     attention = tuple(QueryKey(p, modules[p].head_dim) for p in kvcache.attention_modules(model)
                       if isinstance(getattr(modules[p], "head_dim", None), int))
     return ResidualLayout(embeddings=embeddings, norms=tuple(norms), writers=tuple(writers), heads=tuple(heads),
-                          down=tuple(down), attention=attention)
+                          down=tuple(down), attention=attention, transposed=tuple(transposed))
 
 
 def model_layout(model: nn.Module) -> ResidualLayout | None:

@@ -25,6 +25,12 @@ tokens, evenly spaced; attention on whole sequences. A linear in no group (GPT-2
 MLP output) is clipped only. The chosen ``α`` is reported per linear (``Fit.info``: ``awq_alpha``,
 ``"none"`` where no scaling beat the unscaled weights).
 
+Mixture-of-experts layers: the group of the MLP's norm holds the router, the stacked experts weights and the
+shared experts (:mod:`.smoothing`); its search measures the routed MoE block's output with the experts
+fake-quantized (every token is computed from itself alone: its rows are sampled), the routers scaled but
+float. The stacked experts weights are not clipped (their routed inputs per expert are not recorded here):
+the fit after the step quantizes them; their down projections are not scaled.
+
 Options (defaults): ``grid`` (20), ``duo_scaling`` (False), ``clip`` (True), ``quantizer`` (``"rtn"``),
 ``tokens`` (2048), ``rows`` (512), ``groups`` (replaces the plan's ``Plan.groups``, which ``bridge.plan`` fills
 from its architecture tables; a model without a table and no option is an error naming it).
@@ -49,7 +55,8 @@ from .gptq import linear_weights
 from .hqq_math import check_spec, optimize as hqq_optimize
 from .options import option, options_checker
 from .smoothquant_math import sample_stats
-from .smoothing import SmoothGroup, as_groups, block_groups, fold, group_shape, to_input
+from .smoothing import (SmoothGroup, as_groups, block_groups, fold, group_shape, input_module, quantized_linears,
+                        to_input, weight_path)
 
 __all__ = ["step", "Options", "check_options", "DEFAULT_TOKENS"]
 
@@ -91,7 +98,7 @@ def _tokens(**options):
 
 
 def _specs(plan, group: SmoothGroup) -> dict:
-    return {lin: plan.specs.get(f"{lin}.weight") for lin in group.linears}
+    return {lin: plan.specs.get(weight_path(group, lin)) for lin in quantized_linears(group)}
 
 
 def _check_hqq(plan, paths) -> None:
@@ -146,19 +153,23 @@ def step(params, plan, *, context, groups=None, grid: int = 20, duo_scaling: boo
                          "and call their modules (bridge.quantize(..., calibration=...))")
     weights = linear_weights(params, plan, block.paths)
     if quantizer == "hqq":
-        _check_hqq(plan, weights)
+        _check_hqq(plan, [p for p in weights if params[p].dim() != 3])
     mine = [g for g in block_groups(as_groups(groups), block.name, step="awq", online=context.online)
             if any(s is not None for s in _specs(plan, g).values())]
     if not weights:
         return Fit()
     targets = {g.prev: ([g.inspect] if g.inspect else list(g.linears)) for g in mine}
     modules = sorted({m for t in targets.values() for m in t})
-    source = {module_of(p): module_of(p) for p in weights}  # whose recorded input each linear reads
-    source.update({lin: g.linears[0] for g in mine for lin in g.linears})  # a group's linears share one
+    # stacked experts weights are scaled with their group; no clipping (each expert's routed inputs are not
+    # recorded here): the fit that follows quantizes them
+    clipped = [p for p in weights if params[p].dim() != 3]
+    source = {module_of(p): module_of(p) for p in clipped}  # whose recorded input each linear reads
+    source.update({lin: input_module(g) for g in mine for lin in g.linears if lin not in g.stacked})  # one shared
     stride = max(1, -(-block_tokens(block) // _KEPT))  # rows kept for the means and Gram matrices
     sites = {Site(m, "input"): sample_stats(stride) for m in set(source.values())}
     captured, stats = block.capture({}, modules, sites)
     seen = {lin: stats[Site(m, "input")].rows for lin, m in source.items()}
+    seen.update({lin: seen[input_module(g)] for g in mine for lin in g.stacked})
     original = dict(params)
     local = {m for g in mine for m in targets[g.prev] if g.local or not g.inspect}  # token-local: sampled rows
     local -= {m for g in mine for m in targets[g.prev] if g.inspect and not g.local}
@@ -177,11 +188,11 @@ def step(params, plan, *, context, groups=None, grid: int = 20, duo_scaling: boo
 
     chosen, info = [], {}
     for g in context.track(mine, desc=f"awq {block.name}"):
-        choice = search_scales(runner(targets[g.prev]), original, g, seen[g.linears[0]].abs().mean(0),
+        choice = search_scales(runner(targets[g.prev]), original, g, seen[input_module(g)].abs().mean(0),
                                specs=_specs(plan, g), grid=grid, duo_scaling=duo_scaling, quantizer=quantizer,
                                reduce=reduce, part=part(targets[g.prev]))
-        for lin in g.linears:
-            info[f"{lin}.weight"] = {"awq_alpha": "none" if choice.index == 0 else f"{choice.alpha:g}"}
+        for lin in quantized_linears(g):
+            info[weight_path(g, lin)] = {"awq_alpha": "none" if choice.index == 0 else f"{choice.alpha:g}"}
         if choice.index:
             chosen.append((g, choice.scales))
     current, changed, in_scale = dict(params), {}, {}
@@ -190,8 +201,8 @@ def step(params, plan, *, context, groups=None, grid: int = 20, duo_scaling: boo
         current.update(new)
         changed.update(new)
         s_in = to_input(s, g, group_shape(original, g))
-        in_scale.update({lin: s_in for lin in g.linears})
-    qparams = _fit_weights(current, plan, weights, seen, source, in_scale, clip, quantizer, par)
+        in_scale.update({lin: s_in for lin in g.linears if lin not in g.stacked})
+    qparams = _fit_weights(current, plan, clipped, seen, source, in_scale, clip, quantizer, par)
     return Fit(params=changed, qparams=qparams, info=info)
 
 

@@ -40,7 +40,8 @@ from ..observers import choose_qparams
 from ..spec import QuantSpec
 from ..tensor import blocks, fake_quantize
 from .hqq_math import optimize as hqq_optimize
-from .smoothing import GroupShape, SmoothGroup, group_shape, logical_weight, to_input
+from .smoothing import (GroupShape, SmoothGroup, group_shape, logical_weight, member_transposed, quantized_linears,
+                        to_input, weight_path)
 
 __all__ = ["QUANTIZERS", "candidate_scales", "weight_mean", "input_mean", "quantize_weight", "scaled_weights",
            "ScaleChoice", "search_scales"]
@@ -78,18 +79,18 @@ def weight_mean(params: Mapping[str, torch.Tensor], group: SmoothGroup, specs: M
     """``w̄``: per producer channel, the mean over all the group's rows of ``|W|`` divided by the largest
     magnitude of its quantization block (whole rows for unquantized linears)."""
     cols = []
-    for lin in group.linears:
-        w = params[f"{lin}.weight"].detach().to(torch.float32)
+    for lin in quantized_linears(group):
+        w = params[weight_path(group, lin)].detach().to(torch.float32)
         spec = specs.get(lin)
         a = w.abs()
         if spec is not None:
-            p = blocks.tiling(w.shape, spec, path=f"{lin}.weight")
+            p = blocks.tiling(w.shape, spec, path=weight_path(group, lin))
             amax = blocks.view(a, p).amax(dim=blocks.reduce_dims(p), keepdim=True)
             a = blocks.unview(blocks.view(a, p) / amax.clamp(min=1e-12), p)
-        a = logical_weight(a, group.transposed)
+        a = logical_weight(a, member_transposed(group, lin))
         if spec is None:
-            a = a / a.amax(1, keepdim=True).clamp(min=1e-12)
-        cols.append(a)
+            a = a / a.amax(-1, keepdim=True).clamp(min=1e-12)
+        cols.append(a.reshape(-1, a.shape[-1]))  # a stacked weight: every expert's rows
     m = torch.cat(cols).mean(0)
     return input_mean(m, group, shape)
 
@@ -109,14 +110,15 @@ def scaled_weights(params: Mapping[str, torch.Tensor], group: SmoothGroup, s: to
     """``{linear.weight: Q(W · diag(s)) · diag(1/s)}`` for the group's quantized linears (stored layout and
     dtype); ``s`` has the linears' input channels."""
     out = {}
-    for lin in group.linears:
+    for lin in quantized_linears(group):
         spec = specs.get(lin)
         if spec is None:
             continue
-        w = params[f"{lin}.weight"]
-        f = (s[:, None] if group.transposed else s[None, :]).to(device=w.device, dtype=torch.float32)
-        q = quantize_weight(w.detach().to(torch.float32) * f, spec, quantizer, path=f"{lin}.weight")
-        out[f"{lin}.weight"] = (q / f).to(w.dtype)
+        path = weight_path(group, lin)
+        w = params[path]
+        f = (s[:, None] if member_transposed(group, lin) else s[None, :]).to(device=w.device, dtype=torch.float32)
+        q = quantize_weight(w.detach().to(torch.float32) * f, spec, quantizer, path=path)
+        out[path] = (q / f).to(w.dtype)
     return out
 
 
@@ -172,7 +174,7 @@ def search_scales(run: Callable[[Mapping[str, torch.Tensor]], Sequence], params:
         got = tuple(x_mean.shape) if isinstance(x_mean, torch.Tensor) else type(x_mean).__name__
         raise ValueError(f"awq: group of {group.prev!r}: input means of shape {got}, its linears read "
                          f"{shape.channels} channels")
-    if not any(specs.get(lin) is not None for lin in group.linears):
+    if not any(specs.get(lin) is not None for lin in quantized_linears(group)):
         raise ValueError(f"awq: group of {group.prev!r}: none of its linears {list(group.linears)} is quantized")
     w_mean = weight_mean(params, group, specs, shape) if duo_scaling else None
     alphas, cands = candidate_scales(input_mean(x_mean.float(), group, shape), grid, w_mean=w_mean)

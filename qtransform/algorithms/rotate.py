@@ -22,6 +22,7 @@ import torch
 
 from ..rotation import ResidualLayout, apply_online, has_hadamard, online_hadamard, orthogonal, random_orthogonal
 from ..rotation import rotate as rotate_tree
+from ..formats import get_format
 from ..spec import Site
 from .base import Fit, register_algorithm
 from .options import option, options_checker
@@ -79,11 +80,30 @@ def residual_tensor(params, lay: ResidualLayout) -> torch.Tensor:
     return norm
 
 
+def _experts_down(params, plan, lay: ResidualLayout) -> None:
+    """``ValueError`` for a stacked experts down projection (a 3-D writer) whose input the plan quantizes to
+    fewer than 8 bits: ``R4`` would belong before it, inside the experts module's forward, where no online
+    rotation reaches (QuaRot's 4-bit activations need it; 8-bit ones do without)."""
+    acts = getattr(plan, "activations", None) or {}
+    for w in lay.writers:
+        t = params.get(w)
+        spec = acts.get(Site(w, "input")) if isinstance(t, torch.Tensor) and t.dim() == 3 else None
+        if spec is not None and get_format(spec.format).codec.bits < 8:
+            raise ValueError(f"rotate: {w}: the recipe quantizes this experts down projection's input to "
+                             f"{spec.format}, which needs the online Hadamard rotation R4 before it; an experts "
+                             "module computes each expert's hidden activation inside its forward, where no online "
+                             "rotation reaches. Use 8-bit activations (quarot-w4a8, spinquant-w4a8), or r4=False "
+                             "to quantize it unrotated")
+
+
 def online_r3_r4(params, plan, lay: ResidualLayout, *, r3, r4: bool) -> dict:
     """The online rotations of ``lay``, ``{Site: OnlineRotation}``: ``R4`` before each down projection,
-    ``R3`` on each attention module's queries and keys (``r3=None``: where the plan quantizes the keys)."""
+    ``R3`` on each attention module's queries and keys (``r3=None``: where the plan quantizes the keys).
+    A stacked experts down projection (a 3-D writer, never in ``lay.down``) gets none: with ``r4`` its input
+    must not be quantized below 8 bits (``ValueError`` naming it)."""
     online = {}
     if r4:
+        _experts_down(params, plan, lay)
         for path in lay.down:
             w = params.get(path)
             if not isinstance(w, torch.Tensor) or w.dim() != 2 or not w.is_floating_point():

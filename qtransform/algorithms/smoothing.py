@@ -17,7 +17,16 @@ paths of a flat parameter tree ``{"<module>.weight": tensor, ...}``):
 For any positive ``s`` the float function is unchanged: the linears see ``x / s`` through
 ``W · diag(s)``. :func:`fold` does it, as a pure function returning the changed tensors. Weights
 are read in their logical ``(out, in)`` layout; ``transposed=True`` says they are stored
-``(in, out)`` (GPT-2's ``Conv1D``). Groups are plain data (``to_dict``/``from_value``), so recipes,
+``(in, out)`` (GPT-2's ``Conv1D``).
+
+Mixture-of-experts layers: a member of ``linears`` named in ``stacked`` is the tree path of a stacked experts
+weight itself (``"<block>.mlp.experts.gate_up_proj"``, ``(experts, out, in)``, ``(experts, in, out)`` with
+``transposed``): its input axis is scaled in every expert, and its weight maxima are taken over all experts and
+rows (every expert reads the same producer). Members named in ``routers`` (a router ``(experts, in)``, a shared
+expert's gate) read the same input in float: they are scaled too, so the function stays exactly the same, but
+they are never quantized, so the weight maxima (:func:`weight_absmax`) and the searches leave them out. The
+statistics of a group's input are those of its first member that is not stacked (:func:`input_module`: a
+router sees every token; an experts weight only the tokens routed to each expert). Groups are plain data (``to_dict``/``from_value``), so recipes,
 recipe files and the bridge's architecture tables carry them.
 
 >>> import torch
@@ -35,7 +44,7 @@ from typing import Any, Mapping, NamedTuple, Sequence
 import torch
 
 __all__ = ["SmoothGroup", "as_groups", "block_groups", "group_shape", "GroupShape", "logical_weight", "weight_absmax",
-           "to_prev", "to_input", "fold"]
+           "weight_path", "member_transposed", "input_module", "quantized_linears", "to_prev", "to_input", "fold"]
 
 
 class SmoothGroup(NamedTuple):
@@ -52,6 +61,10 @@ class SmoothGroup(NamedTuple):
             q/k/v, the MLP for gate/up); ``None``: the linears themselves.
         local: ``inspect`` computes each token's output from that token alone (an MLP; not attention),
             so a search may evaluate it on a sample of rows.
+        stacked: the members of ``linears`` that are stacked experts weights (tree paths of the 3-D tensors).
+        stacked_transposed: the stacked members are stored ``(experts, in, out)`` (GPT-OSS); ``transposed``
+            says it of the other members.
+        routers: the members of ``linears`` that read the input in float (routers): scaled, never quantized.
     """
 
     prev: str
@@ -61,6 +74,9 @@ class SmoothGroup(NamedTuple):
     transposed: bool = False
     inspect: str | None = None
     local: bool = False
+    stacked: tuple[str, ...] = ()
+    routers: tuple[str, ...] = ()
+    stacked_transposed: bool = False
 
     @classmethod
     def from_value(cls, value: Any, *, where: str = "group") -> "SmoothGroup":
@@ -100,7 +116,25 @@ class SmoothGroup(NamedTuple):
         local = d.get("local", False)
         if not isinstance(local, bool):
             raise TypeError(f"{where}: 'local' must be a bool, got {local!r}")
-        return cls(prev, tuple(linears), rows, head_dim, transposed, inspect, local)
+        members = {}
+        for key in ("stacked", "routers"):
+            v = d.get(key, ())
+            if isinstance(v, str) or not isinstance(v, Sequence) or not set(v) <= set(linears):
+                raise ValueError(f"{where}: {key!r} must be a list of members of 'linears', got {v!r}")
+            members[key] = tuple(v)
+        if set(members["stacked"]) & set(members["routers"]):
+            raise ValueError(f"{where}: a router is a 2-D float linear, not a stacked experts weight: "
+                             f"{sorted(set(members['stacked']) & set(members['routers']))}")
+        if all(lin in members["routers"] for lin in linears):
+            raise ValueError(f"{where}: its linears are all routers (never quantized): nothing to smooth for")
+        if members["stacked"] and all(lin in members["stacked"] for lin in linears):
+            raise ValueError(f"{where}: its linears are all stacked experts weights; the group needs a member that "
+                             "sees every token of its input (the router)")
+        stacked_transposed = d.get("stacked_transposed", False)
+        if not isinstance(stacked_transposed, bool):
+            raise TypeError(f"{where}: 'stacked_transposed' must be a bool, got {stacked_transposed!r}")
+        return cls(prev, tuple(linears), rows, head_dim, transposed, inspect, local, **members,
+                   stacked_transposed=stacked_transposed)
 
     def to_dict(self) -> dict:
         """JSON-able form (``from_value(g.to_dict()) == g``); defaults left out."""
@@ -115,6 +149,11 @@ class SmoothGroup(NamedTuple):
             d["inspect"] = self.inspect
         if self.local:
             d["local"] = True
+        for key in ("stacked", "routers"):
+            if getattr(self, key):
+                d[key] = list(getattr(self, key))
+        if self.stacked_transposed:
+            d["stacked_transposed"] = True
         return d
 
 
@@ -155,33 +194,54 @@ class GroupShape(NamedTuple):
     n_rep: int
 
 
-def _weight(params: Mapping[str, torch.Tensor], module: str, role: str) -> torch.Tensor:
-    w = params.get(f"{module}.weight")
+def weight_path(group: SmoothGroup, member: str) -> str:
+    """The tree path of a member's weight: ``"<member>.weight"``, or the member itself when stacked."""
+    return member if member in group.stacked else f"{member}.weight"
+
+
+def member_transposed(group: SmoothGroup, member: str) -> bool:
+    """Whether a member's weight is stored ``(in, out)`` (``(experts, in, out)`` for a stacked one)."""
+    return group.stacked_transposed if member in group.stacked else group.transposed
+
+
+def input_module(group: SmoothGroup) -> str:
+    """The member whose input statistics are the group's: the first that is not a stacked experts weight."""
+    return next(lin for lin in group.linears if lin not in group.stacked)
+
+
+def quantized_linears(group: SmoothGroup) -> tuple[str, ...]:
+    """The members that may be quantized (all but the routers)."""
+    return tuple(lin for lin in group.linears if lin not in group.routers)
+
+
+def _weight(params: Mapping[str, torch.Tensor], path: str, role: str) -> torch.Tensor:
+    w = params.get(path)
     if not isinstance(w, torch.Tensor) or not w.is_floating_point():
-        raise ValueError(f"{module}.weight: smoothing group {role} {module!r} has no floating-point weight in "
-                         "the tree")
+        raise ValueError(f"{path}: smoothing group {role} {path.removesuffix('.weight')!r} has no floating-point "
+                         "weight in the tree")
     return w
 
 
 def logical_weight(w: torch.Tensor, transposed: bool) -> torch.Tensor:
-    """A linear weight in its ``(out, in)`` layout."""
-    return w.T if transposed else w
+    """A linear weight in its ``(out, in)`` layout (``(experts, out, in)`` for a stacked one)."""
+    return w.transpose(-2, -1) if transposed else w
 
 
 def group_shape(params: Mapping[str, torch.Tensor], group: SmoothGroup) -> GroupShape:
     """Check ``group`` against the tree and return its channel counts (``ValueError`` naming the path)."""
     ins = []
     for lin in group.linears:
-        w = _weight(params, lin, "linear")
-        if w.dim() != 2:
-            raise ValueError(f"{lin}.weight: a smoothing group's linear must have a 2-D weight, got shape "
-                             f"{tuple(w.shape)}")
-        ins.append(logical_weight(w, group.transposed).shape[1])
+        w = _weight(params, weight_path(group, lin), "linear")
+        want = 3 if lin in group.stacked else 2
+        if w.dim() != want:
+            what = "a stacked experts weight must be 3-D" if want == 3 else "a smoothing group's linear must be 2-D"
+            raise ValueError(f"{weight_path(group, lin)}: {what}, got shape {tuple(w.shape)}")
+        ins.append(logical_weight(w, member_transposed(group, lin)).shape[-1])
     if len(set(ins)) != 1:
         raise ValueError(f"smoothing group of {group.prev!r}: its linears {list(group.linears)} read "
                          f"different widths {ins}; they must share one input")
     c = ins[0]
-    pw = _weight(params, group.prev, "prev")
+    pw = _weight(params, f"{group.prev}.weight", "prev")
     if pw.dim() == 1:  # a norm
         if group.rows is not None or group.head_dim is not None:
             raise ValueError(f"{group.prev}.weight: 'rows' and 'head_dim' apply to a linear prev, not a norm")
@@ -209,9 +269,12 @@ def group_shape(params: Mapping[str, torch.Tensor], group: SmoothGroup) -> Group
 
 
 def weight_absmax(params: Mapping[str, torch.Tensor], group: SmoothGroup) -> torch.Tensor:
-    """``max |W[:, j]|`` over the rows of all the group's linears, per input channel ``j`` (float32)."""
-    cols = [logical_weight(params[f"{lin}.weight"], group.transposed).detach().abs().amax(0).float()
-            for lin in group.linears]
+    """``max |W[:, j]|`` over the rows (and experts) of the group's linears but its routers, per input channel
+    ``j`` (float32)."""
+    cols = []
+    for lin in quantized_linears(group):
+        w = logical_weight(params[weight_path(group, lin)], member_transposed(group, lin)).detach()
+        cols.append(w.abs().reshape(-1, w.shape[-1]).amax(0).float())
     return torch.stack(cols).amax(0)
 
 
@@ -272,8 +335,8 @@ def fold(params: Mapping[str, torch.Tensor], group: SmoothGroup, s: torch.Tensor
         if params.get(f"{group.prev}.bias") is not None:
             factors[f"{group.prev}.bias"] = inv
     cols = to_input(s, group, shape)
-    for lin in group.linears:
-        factors[f"{lin}.weight"] = cols[:, None] if group.transposed else cols[None, :]
+    for lin in group.linears:  # a stacked weight's experts broadcast
+        factors[weight_path(group, lin)] = cols[:, None] if member_transposed(group, lin) else cols[None, :]
     for path, f in factors.items():
         t = params[path]
         dt = _compute_dtype(t)

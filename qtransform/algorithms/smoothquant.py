@@ -12,6 +12,11 @@ scales fold into the tree: the producer's output channels ``÷ s``, the linears'
 ``× s``; the float function is unchanged, and activations become easier to quantize (α → 1
 moves all of the activations' range into the weights, α = 0 the weights' into the activations).
 Over grouped-query heads, ``a`` and ``w`` are first reduced by max over the heads reading a value head.
+In a mixture-of-experts layer the group of the MLP's norm holds the router (its input, every token, gives
+``a``), the stacked experts weights (``w`` over all experts) and the shared experts; the routers are scaled
+exactly but neither counted in ``w`` nor quantized in the search. The experts' down projections are not
+smoothed (their inputs differ per expert: a scale per expert would have to fold into that expert's
+``up`` rows).
 
 As a step (``Step("smoothquant", alpha=0.5)``) it runs block by block on calibration data
 (:class:`~qtransform.BlockInputs`): in each block, the per-channel ranges at the input of every
@@ -44,7 +49,7 @@ from ..observers import finalize_stats, init_stats
 from ..spec import Site
 from .base import BlockInputs, Fit, block_tokens, register_algorithm
 from .options import option, options_checker
-from .smoothing import as_groups, block_groups, fold
+from .smoothing import as_groups, block_groups, fold, input_module, quantized_linears, weight_path
 from .smoothquant_math import EPS, Choice, _group_scales, check_activation, sample_stats, scales, search, smooth
 
 __all__ = ["EPS", "scales", "smooth", "search", "Choice", "Options", "check_options", "step"]
@@ -99,24 +104,25 @@ def step(params, plan, *, context, alpha: Any = 0.5, groups=None, activation=Non
     auto = alpha == "auto"
     if auto:
         stride = max(1, math.ceil(block_tokens(block) / (tokens or 1024)))
-        want = {Site(g.linears[0], "input"): sample_stats(stride) for g in mine}
+        want = {Site(input_module(g), "input"): sample_stats(stride) for g in mine}
     else:
-        want = {Site(g.linears[0], "input"): init_stats(observer="channel") for g in mine}
+        want = {Site(input_module(g), "input"): init_stats(observer="channel") for g in mine}
     stats = block.site_stats({}, want)
     recipe_acts = (getattr(plan, "activations", None) or {}) if auto and activation is None else {}
     current, changed, info = dict(params), {}, {}
     for g in mine:
-        site = Site(g.linears[0], "input")
-        summary = finalize_stats(stats[site], path=g.linears[0])
+        site = Site(input_module(g), "input")
+        summary = finalize_stats(stats[site], path=site.module)
         if auto:
-            specs = {lin: plan.specs.get(f"{lin}.weight") for lin in g.linears}
-            act = activation if activation is not None else recipe_acts.get(site)
+            specs = {lin: plan.specs.get(weight_path(g, lin)) for lin in quantized_linears(g)}
+            act = activation if activation is not None else recipe_acts.get(
+                Site(plan.site_module(weight_path(g, quantized_linears(g)[0])), "input"))
             choice = search(summary, current, g, activation=act, weight_specs=specs, grid=grid or 11)
             s, chosen = choice.scales, choice.alpha
         else:
             s, chosen = _group_scales(current, g, summary.absmax, float(alpha)), float(alpha)
-        for lin in g.linears:  # the report says what each linear got ("none": left unsmoothed)
-            info[f"{lin}.weight"] = {"smoothquant_alpha": "none" if chosen is None else f"{chosen:g}"}
+        for lin in quantized_linears(g):  # the report says what each linear got ("none": left unsmoothed)
+            info[weight_path(g, lin)] = {"smoothquant_alpha": "none" if chosen is None else f"{chosen:g}"}
         if s is None:
             continue
         new = fold(current, g, s)

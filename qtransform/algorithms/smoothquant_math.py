@@ -4,8 +4,9 @@ choosing them on calibration data (:func:`search`) by the quantized layer output
 
 For a :class:`~qtransform.algorithms.smoothing.SmoothGroup` with input rows ``X`` (``(N, C)``, what
 enters its linears) and candidate scales ``S`` (``(A, prev)``, one row per candidate), the error of
-candidate ``a`` is the squared error of the group's outputs when activations and weights are both
-fake-quantized after smoothing, against the float outputs:
+candidate ``a`` is the squared error of the group's outputs (but its float routers'; a stacked experts weight's
+over every row through every expert) when activations and weights are both fake-quantized after smoothing,
+against the float outputs:
 
     ``err[a] = sum over linears ‖ Qa(X / s_a) · Qw(W · diag(s_a))ᵀ − X · Wᵀ ‖²``
 
@@ -43,7 +44,8 @@ from ..granularity import PerChannel, PerTensor
 from ..observers import Observer, choose_qparams
 from ..spec import QuantSpec
 from ..tensor import fake_quantize
-from .smoothing import SmoothGroup, as_groups, fold, group_shape, logical_weight, to_input, to_prev, weight_absmax
+from .smoothing import (SmoothGroup, as_groups, fold, group_shape, logical_weight, member_transposed, quantized_linears,
+                        to_input, to_prev, weight_absmax, weight_path)
 
 __all__ = ["RowSample", "RowSampleStats", "Rows", "sample_stats", "check_activation", "layer_errors", "EPS", "scales",
            "smooth", "search", "Choice"]
@@ -157,9 +159,9 @@ def layer_errors(sample: Rows, params: Mapping[str, torch.Tensor], group: Smooth
         raise ValueError(f"smoothing group of {group.prev!r}: candidates of shape {tuple(candidates.shape)}, "
                          f"expected (A, {shape.prev})")
     static = not activation.dynamic
-    weights = {lin: logical_weight(params[f"{lin}.weight"], group.transposed).detach().to(torch.float32)
-               for lin in group.linears}
-    refs = {lin: x @ w.T for lin, w in weights.items()}
+    weights = {lin: logical_weight(params[weight_path(group, lin)], member_transposed(group, lin)).detach().to(
+        torch.float32) for lin in quantized_linears(group)}  # routers read the input in float: no error of theirs
+    refs = {lin: x @ w.transpose(-2, -1) for lin, w in weights.items()}  # stacked: every row through every expert
     s_in = to_input(candidates.to(torch.float32), group, shape)
     errors = []
     for s in s_in:  # one candidate at a time keeps memory at one layer's size; each step is vectorized
@@ -169,9 +171,9 @@ def layer_errors(sample: Rows, params: Mapping[str, torch.Tensor], group: Smooth
         for lin, w in weights.items():
             ws = w * s
             spec = weight_specs.get(lin)
-            stored = ws.T if group.transposed else ws
-            wq = logical_weight(_fq(stored, spec), group.transposed)
-            err = err + (xq @ wq.T - refs[lin]).double().pow(2).sum()
+            stored = logical_weight(ws, member_transposed(group, lin))
+            wq = logical_weight(_fq(stored, spec), member_transposed(group, lin))
+            err = err + (xq @ wq.transpose(-2, -1) - refs[lin]).double().pow(2).sum()
         errors.append(err)
     return torch.stack(errors)
 

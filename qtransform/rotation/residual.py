@@ -9,6 +9,12 @@ A :class:`ResidualLayout` names, by tree path, what touches the residual stream 
 * ``writers``: linears whose ``(d, in)`` outputs are added to the stream (attention and MLP
   output projections), with their biases;
 * ``heads``: value/output projection pairs, for the per-head rotation;
+* stacked experts weights of a mixture-of-experts layer (``(experts, out, in)``, their tree paths themselves)
+  are readers and writers like any linear, each expert rotated by one batched product: the experts'
+  ``gate_up_proj`` reads the stream (``W_e R1``), their ``down_proj`` writes it (``R1ᵀ W_e``, its bias
+  ``<path>_bias`` ``b_e R1``); a router is a reader;
+* ``transposed``: the readers and writers stored ``(in, out)`` (``(experts, in, out)``: GPT-OSS's experts):
+  rotated on the other side (a reader ``R1ᵀ W``, a writer ``W R1``);
 * ``down``: the weights of the linears reading the MLP's hidden activation (down projections), where
   an online rotation (``R4``) may go, and ``attention``: the attention modules with their head width,
   whose queries and keys an online rotation (``R3``) may rotate (:mod:`qtransform.rotation.online`).
@@ -75,6 +81,7 @@ class ResidualLayout(NamedTuple):
     heads: tuple[HeadPair, ...] = ()
     down: tuple[str, ...] = ()
     attention: tuple[QueryKey, ...] = ()
+    transposed: tuple[str, ...] = ()
 
     def to_dict(self) -> dict:
         """Plain JSON-able data (a step option), :meth:`from_value`'s inverse."""
@@ -84,7 +91,8 @@ class ResidualLayout(NamedTuple):
                 "heads": [{"v": h.v, "o": h.o, "head_dim": h.head_dim, **({"rows": list(h.rows)} if h.rows else {})}
                           for h in self.heads],
                 "down": list(self.down),
-                "attention": [{"module": a.module, "head_dim": a.head_dim} for a in self.attention]}
+                "attention": [{"module": a.module, "head_dim": a.head_dim} for a in self.attention],
+                **({"transposed": list(self.transposed)} if self.transposed else {})}
 
     @classmethod
     def from_value(cls, value, *, where: str = "layout") -> "ResidualLayout":
@@ -105,7 +113,8 @@ class ResidualLayout(NamedTuple):
                                             tuple(h["rows"]) if h.get("rows") else None)
                                    for h in value.get("heads", ())),
                        down=_strs(value.get("down", ()), f"{where}.down"),
-                       attention=tuple(QueryKey(a["module"], int(a["head_dim"])) for a in value.get("attention", ())))
+                       attention=tuple(QueryKey(a["module"], int(a["head_dim"])) for a in value.get("attention", ())),
+                       transposed=_strs(value.get("transposed", ()), f"{where}.transposed"))
         except (KeyError, TypeError) as e:
             raise ValueError(f"{where}: malformed norms/heads/attention entry ({e!r}); see ResidualLayout.to_dict()"
                              ) from None
@@ -117,7 +126,10 @@ def _strs(value, where: str) -> tuple[str, ...]:
     return tuple(value)
 
 
-def _bias(path: str) -> str:
+def _bias(path: str, stacked: bool = False) -> str:
+    """The bias of a weight path: ``<module>.bias``, or ``<path>_bias`` for a stacked experts weight."""
+    if stacked:
+        return f"{path}_bias"
     return path.rpartition(".")[0] + ".bias" if "." in path else "bias"
 
 
@@ -138,13 +150,18 @@ def _check(params: Mapping, layout: ResidualLayout, R1: torch.Tensor, R2) -> int
     if not isinstance(R1, torch.Tensor) or R1.dim() != 2 or R1.shape[0] != R1.shape[1]:
         raise ValueError(f"rotate: R1 must be a square matrix, got {getattr(R1, 'shape', type(R1).__name__)}")
     d = R1.shape[0]
-    wants = [(p, "embedding", -1) for p in layout.embeddings]
-    wants += [(r, f"reader of {n.weight}", -1) for n in layout.norms for r in n.readers]
-    wants += [(w, "writer", 0) for w in layout.writers]
-    for path, where, axis in wants:
+    flip = set(layout.transposed)  # stored (in, out): the residual axis is the other one
+    wants = [(p, "embedding", -1, (2,)) for p in layout.embeddings]
+    wants += [(r, f"reader of {n.weight}", -2 if r in flip else -1, (2, 3)) for n in layout.norms for r in n.readers]
+    wants += [(w, "writer", -1 if w in flip else -2, (2, 3)) for w in layout.writers]  # 3-D: stacked experts
+    for path, where, axis, dims in wants:
         t = _get(params, path, where)
-        if t.dim() != 2 or t.shape[axis] != d:
-            raise ValueError(f"rotate: {where} {path!r} has shape {tuple(t.shape)}; its axis {axis} must be the "
+        if t.dim() not in dims:
+            raise ValueError(f"rotate: {where} {path!r} has shape {tuple(t.shape)}; it must be "
+                             f"{' or '.join(f'{k}-D' for k in dims)} (3-D: stacked experts)")
+        if t.shape[axis] != d:
+            shown = axis if axis == -1 else t.dim() + axis
+            raise ValueError(f"rotate: {where} {path!r} has shape {tuple(t.shape)}; its axis {shown} must be the "
                              f"residual width {d} (R1 is {d}x{d})")
     for n in layout.norms:
         g = _get(params, n.weight, "norm weight")
@@ -183,7 +200,8 @@ def fuse_norms(params: Mapping[str, torch.Tensor], layout: ResidualLayout, *,
             continue
         for r in n.readers:
             w = _get(out, r, f"reader of {n.weight}")
-            out[r] = (w.to(dtype) * g.to(dtype)).to(w.dtype)
+            f = g.to(dtype)[:, None] if r in layout.transposed else g.to(dtype)
+            out[r] = (w.to(dtype) * f).to(w.dtype)
         out[n.weight] = torch.ones_like(g)
     return out
 
@@ -214,11 +232,12 @@ def rotate(params: Mapping[str, torch.Tensor], layout: ResidualLayout, R1: torch
     for p in layout.embeddings:
         put(p, lambda t: t @ R)
     for r in {r for n in layout.norms for r in n.readers}:
-        put(r, lambda t: t @ R)
-    for w in layout.writers:
-        put(w, lambda t: R.T @ t)
-        if isinstance(out.get(_bias(w)), torch.Tensor):
-            put(_bias(w), lambda t: t @ R)
+        put(r, (lambda t: R.T @ t) if r in layout.transposed else (lambda t: t @ R))
+    for w in layout.writers:  # a stacked (experts, d, in) weight: one batched product
+        b = _bias(w, out[w].dim() == 3)
+        put(w, (lambda t: t @ R) if w in layout.transposed else (lambda t: R.T @ t))
+        if isinstance(out.get(b), torch.Tensor):
+            put(b, lambda t: t @ R)
     if R2 is not None:
         for i, h in enumerate(layout.heads):
             S = (R2 if R2.dim() == 2 else R2[i]).to(dtype)
