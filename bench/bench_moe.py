@@ -262,8 +262,14 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--peer-python", default=None, help="python of a virtualenv with llmcompressor (make bench-gptq-peer)")
     ap.add_argument("--no-block", action="store_true", help="skip the 64-expert layer's time and memory")
+    ap.add_argument("--only-block", action="store_true",
+                    help="only the 64-expert layer's time and memory (results: bench/results/moe_block.{json,md})")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
+    if a.only_block:
+        b = block(a.quick)
+        write("moe_block_quick" if a.quick else "moe_block", b, _block_table(b), {"block": b})
+        return
     q = quality(a.quick, a.peer_python, a.threads)
     b = [] if a.no_block else block(a.quick)
     fmt = lambda v: f"{v:.3f}" if isinstance(v, float) else str(v)  # noqa: E731
@@ -277,12 +283,15 @@ def main() -> None:
     if not b:
         text += "\n\n(the 64-expert Qwen3-30B-A3B-shaped layer not measured: --no-block)"
     else:
-        text += "\n\n" + markdown(["Qwen3-30B-A3B-shaped layer (64 experts), bf16", "quantize s", "process s",
-                                    "peak RSS GB", "load"],
-                                   [[r["method"], r["quantize_seconds"], r["process_seconds"], r["peak_rss_gb"],
-                                     f"{r['load']:.1f}"] for r in b])
+        text += "\n\n" + _block_table(b)
     write("moe_quick" if a.quick else "moe", q + b, text, {"quality": q, "block": b})
     print(json.dumps({"ok": True}))
+
+
+def _block_table(b: list[dict]) -> str:
+    return markdown(["Qwen3-30B-A3B-shaped layer (64 experts), bf16", "quantize s", "process s", "peak RSS GB", "load"],
+                    [[r["method"], r["quantize_seconds"], r["process_seconds"], r["peak_rss_gb"], f"{r['load']:.1f}"]
+                     for r in b])
 
 
 def _peer_tables(q: list[dict], fmt) -> str:

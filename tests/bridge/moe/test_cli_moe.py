@@ -62,6 +62,16 @@ def _experts(model) -> dict[str, tuple[int, ...]]:
             for k, p in m.named_parameters(recurse=False) if p.dim() == 3}
 
 
+def _refused(arch: str, preset: str) -> bool:
+    """Refused by name, nothing written: a 4-bit-activation rotation needs an online Hadamard before every
+    expert's down projection (inside the experts' forward), and SpinQuant learns a rotation between value and
+    output heads, which DeepSeek-V3's latent attention does not have."""
+    steps = {s.name for s in qt.get_preset(preset).steps}
+    act = qt.get_preset(preset).recipe.input
+    w4a4 = bool(steps & {"rotate", "spinquant"}) and act is not None and qt.get_format(act.format).codec.bits < 8
+    return w4a4 or ("spinquant" in steps and arch == "deepseek_v3")
+
+
 def test_the_covering_set_covers():
     assert {p for _, p in COVERING} == set(PRESETS) and {a for a, _ in COVERING} == set(ARCHS)
 
@@ -74,8 +84,13 @@ def test_every_preset_on_every_moe_architecture_round_trips(arch, preset, model_
     seen = {}
     on_command_model(monkeypatch, lambda qmodel: seen.update(logits=qmodel(input_ids=IDS).logits))
     calib = ["--calib", "4", "--seq-len", "24"] if _needs_data(preset) else []
-    rc = main(["quantize", "--model", str(model_dirs[arch]), "--recipe", preset, "--out", str(out), "--threads", "1",
-               "--no-eval", *calib])
+    cmd = ["quantize", "--model", str(model_dirs[arch]), "--recipe", preset, "--out", str(out), "--threads", "1",
+           "--no-eval", *calib]
+    if _refused(arch, preset):
+        rc = main(cmd)
+        assert rc == 1 and not out.exists()
+        return
+    rc = main(cmd)
     assert rc == 0
     rep = json.loads((out / "report.json").read_text())
     original = AutoModelForCausalLM.from_pretrained(model_dirs[arch]).eval()
