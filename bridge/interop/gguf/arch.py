@@ -68,7 +68,7 @@ def arch_problems(config: dict) -> list[str]:
     experts = next((config[k] for k in _EXPERT_COUNTS if config.get(k)), None)
     if experts is not None and not gguf_moe.is_moe(config):
         return [f"architecture {kind!r} is a mixture-of-experts model ({experts} experts): this GGUF exporter writes "
-                "expert tensors for the model types {sorted(gguf_moe.MOE_ARCHES)} only (llama.cpp's "
+                f"expert tensors for the model types {sorted(gguf_moe.MOE_ARCHES)} only (llama.cpp's "
                 "blk.N.ffn_gate_exps / ffn_up_exps / ffn_down_exps); export it to compressed-tensors or quark"]
     if kind not in ARCHES:
         return [f"architecture {kind!r}: GGUF export supports {sorted(ARCHES)}"]
