@@ -233,6 +233,30 @@ def _tied_aliases(like: nn.Module, stored: set) -> dict[str, str]:
     return out
 
 
+class _ExpertsInput(nn.Module):
+    """Stands for the input of one stacked projection of an experts module (its width), for buffer shapes."""
+
+    def __init__(self, features: int):
+        super().__init__()
+        self.in_features = self.out_features = features
+
+
+def _experts_input_holder(like: nn.Module, path: str) -> "_ExpertsInput | None":
+    """The input of the experts weight ``path`` (``<experts>.gate_up_proj``), ``None`` if it is not one."""
+    from .modules.experts import expert_weights
+
+    parent, _, weight = path.rpartition(".")
+    try:
+        experts = like.get_submodule(parent)
+    except AttributeError:
+        return None
+    if weight not in expert_weights(experts):
+        return None
+    shape = tuple(getattr(experts, weight).shape) if weight in experts._parameters or weight in experts._buffers \
+        else tuple(experts.qtensor(weight).shape)
+    return _ExpertsInput(shape[1] if getattr(experts, "is_transposed", False) else shape[2])
+
+
 def _activation_parts(like: nn.Module, meta) -> dict:
     """``{Site: {stored name: (shape, dtype)}}`` of the checkpoint's static activation quantizers."""
     out = {}
@@ -240,9 +264,14 @@ def _activation_parts(like: nn.Module, meta) -> dict:
         try:
             module = like.get_submodule(site.module)
         except AttributeError:
-            raise CheckpointError(f"{CONFIG}: activation quantizer of {site.module!r} names no module of "
-                                  f"{type(like).__name__}") from None
-        if not spec.dynamic:
+            module = _experts_input_holder(like, site.module)
+            if module is None:
+                raise CheckpointError(f"{CONFIG}: activation quantizer of {site.module!r} names no module of "
+                                      f"{type(like).__name__}") from None
+        if not spec.dynamic and isinstance(module, _ExpertsInput):  # QExperts' <experts>.gate_up_proj_input_scale
+            parts = static_buffers(module, site.role, spec)
+            out[site] = {f"{site.module}_{n}": v for n, v in parts.items()}
+        elif not spec.dynamic:
             try:
                 parts = static_buffers(module, site.role, spec)
             except ValueError as e:
@@ -326,7 +355,7 @@ def _build(like: nn.Module, meta, tree: dict, act_parts: dict, kernel: str, root
     acts = {}
     for site, spec in meta.activations.items():
         acts[site] = spec if spec.dynamic else qt.QParams(spec=spec, **{
-            n.rpartition(".")[2].removeprefix(PREFIX[site.role]): tree.pop(n) for n in act_parts.get(site, {})})
+            n.rpartition(PREFIX[site.role])[2]: tree.pop(n) for n in act_parts.get(site, {})})
     model = to_module(like, Quantized({}, tree, activations=acts, online=meta.online), kernel=kernel)
     left = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
     if left:
