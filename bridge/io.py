@@ -233,28 +233,18 @@ def _tied_aliases(like: nn.Module, stored: set) -> dict[str, str]:
     return out
 
 
-class _ExpertsInput(nn.Module):
-    """Stands for the input of one stacked projection of an experts module (its width), for buffer shapes."""
-
-    def __init__(self, features: int):
-        super().__init__()
-        self.in_features = self.out_features = features
-
-
-def _experts_input_holder(like: nn.Module, path: str) -> "_ExpertsInput | None":
-    """The input of the experts weight ``path`` (``<experts>.gate_up_proj``), ``None`` if it is not one."""
-    from .modules.experts import expert_weights
-
+def _experts_input(like: nn.Module, path: str) -> nn.Module:
+    """A stand-in (its width) for the input of the experts weight ``path`` (``<experts>.gate_up_proj``)."""
+    from .modules.experts import expert_weights, stacked_like
     parent, _, weight = path.rpartition(".")
-    try:
-        experts = like.get_submodule(parent)
-    except AttributeError:
-        return None
-    if weight not in expert_weights(experts):
-        return None
-    shape = tuple(getattr(experts, weight).shape) if weight in experts._parameters or weight in experts._buffers \
-        else tuple(experts.qtensor(weight).shape)
-    return _ExpertsInput(shape[1] if getattr(experts, "is_transposed", False) else shape[2])
+    experts = dict(like.named_modules()).get(parent)
+    if experts is None or weight not in expert_weights(experts):
+        raise CheckpointError(f"{CONFIG}: activation quantizer of {path!r} names no module of "
+                              f"{type(like).__name__}") from None
+    holder = nn.Module()
+    holder.in_features = holder.out_features = stacked_like(experts, weight)[0][2]
+    holder.experts_input = True  # its buffers are the experts module's <weight>_input_scale...
+    return holder
 
 
 def _activation_parts(like: nn.Module, meta) -> dict:
@@ -264,19 +254,14 @@ def _activation_parts(like: nn.Module, meta) -> dict:
         try:
             module = like.get_submodule(site.module)
         except AttributeError:
-            module = _experts_input_holder(like, site.module)
-            if module is None:
-                raise CheckpointError(f"{CONFIG}: activation quantizer of {site.module!r} names no module of "
-                                      f"{type(like).__name__}") from None
-        if not spec.dynamic and isinstance(module, _ExpertsInput):  # QExperts' <experts>.gate_up_proj_input_scale
-            parts = static_buffers(module, site.role, spec)
-            out[site] = {f"{site.module}_{n}": v for n, v in parts.items()}
-        elif not spec.dynamic:
+            module = _experts_input(like, site.module)
+        if not spec.dynamic:
             try:
                 parts = static_buffers(module, site.role, spec)
             except ValueError as e:
                 raise CheckpointError(f"{CONFIG}: activation quantizer {site.module}:{site.role}: {e}") from None
-            out[site] = {f"{site.module}.{n}": v for n, v in parts.items()}
+            sep = "_" if getattr(module, "experts_input", False) else "."
+            out[site] = {f"{site.module}{sep}{n}": v for n, v in parts.items()}
     return out
 
 
