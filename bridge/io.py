@@ -233,6 +233,20 @@ def _tied_aliases(like: nn.Module, stored: set) -> dict[str, str]:
     return out
 
 
+def _experts_input(like: nn.Module, path: str) -> nn.Module:
+    """A stand-in (its width) for the input of the experts weight ``path`` (``<experts>.gate_up_proj``)."""
+    from .modules.experts import expert_weights, stacked_like
+    parent, _, weight = path.rpartition(".")
+    experts = dict(like.named_modules()).get(parent)
+    if experts is None or weight not in expert_weights(experts):
+        raise CheckpointError(f"{CONFIG}: activation quantizer of {path!r} names no module of "
+                              f"{type(like).__name__}") from None
+    holder = nn.Module()
+    holder.in_features = holder.out_features = stacked_like(experts, weight)[0][2]
+    holder.experts_input = True  # its buffers are the experts module's <weight>_input_scale...
+    return holder
+
+
 def _activation_parts(like: nn.Module, meta) -> dict:
     """``{Site: {stored name: (shape, dtype)}}`` of the checkpoint's static activation quantizers."""
     out = {}
@@ -240,14 +254,14 @@ def _activation_parts(like: nn.Module, meta) -> dict:
         try:
             module = like.get_submodule(site.module)
         except AttributeError:
-            raise CheckpointError(f"{CONFIG}: activation quantizer of {site.module!r} names no module of "
-                                  f"{type(like).__name__}") from None
+            module = _experts_input(like, site.module)
         if not spec.dynamic:
             try:
                 parts = static_buffers(module, site.role, spec)
             except ValueError as e:
                 raise CheckpointError(f"{CONFIG}: activation quantizer {site.module}:{site.role}: {e}") from None
-            out[site] = {f"{site.module}.{n}": v for n, v in parts.items()}
+            sep = "_" if getattr(module, "experts_input", False) else "."
+            out[site] = {f"{site.module}{sep}{n}": v for n, v in parts.items()}
     return out
 
 
@@ -326,7 +340,7 @@ def _build(like: nn.Module, meta, tree: dict, act_parts: dict, kernel: str, root
     acts = {}
     for site, spec in meta.activations.items():
         acts[site] = spec if spec.dynamic else qt.QParams(spec=spec, **{
-            n.rpartition(".")[2].removeprefix(PREFIX[site.role]): tree.pop(n) for n in act_parts.get(site, {})})
+            n.rpartition(PREFIX[site.role])[2]: tree.pop(n) for n in act_parts.get(site, {})})
     model = to_module(like, Quantized({}, tree, activations=acts, online=meta.online), kernel=kernel)
     left = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
     if left:

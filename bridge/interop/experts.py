@@ -40,7 +40,8 @@ from ..checkpoint.metadata import CheckpointError, Entry
 from ..modules.experts import expert_weights, is_experts
 
 __all__ = ["Naming", "NAMINGS", "ExpertsInfo", "experts_modules", "routers", "naming_of", "export_name", "import_name",
-           "refusal", "pieces", "row_block", "take_rows", "cat_rows", "fuse", "ignore_pattern"]
+           "refusal", "pieces", "row_block", "take_rows", "cat_rows", "fuse", "ignore_pattern", "site_weight",
+           "input_pieces", "fuse_inputs"]
 
 
 class Naming(NamedTuple):
@@ -281,3 +282,69 @@ def fuse(tree: dict, entries: dict, config: dict, *, where) -> tuple[dict, dict]
                 stacked = torch.stack(mats)
             out_tree[f"{ours}.{weight}"] = stacked
     return out_tree, out_entries
+
+
+def site_weight(site_module: str, experts) -> tuple[str, str] | None:
+    """``(experts module, weight name)`` of an activation site on a stacked experts weight
+    (``Site("<experts>.gate_up_proj", "input")``), ``None`` for other sites; ``experts``: the experts modules."""
+    module, _, weight = site_module.rpartition(".")
+    return (module, weight) if module in experts and weight in ("gate_up_proj", "up_proj", "down_proj") else None
+
+
+def input_pieces(site_module: str, count: int, naming: Naming) -> list[str]:
+    """The per-expert checkpoint modules (``<experts>.{e}.gate_proj``...) whose inputs are the input of our stacked
+    projection ``site_module``: one static scale of ours is every one of theirs (vLLM reads one per expert)."""
+    module, _, weight = site_module.rpartition(".")
+    base = export_name(module, naming)
+    return [f"{base}.{e}.{proj}" for e in range(count) for proj in _projections(weight, naming)]
+
+
+_PIECE_MODULE = re.compile(r"^(?P<module>.+\.experts)\.(?P<e>\d+)\.(?P<proj>[A-Za-z0-9_]+)$")
+
+
+def fuse_inputs(tree: dict, activations: dict, config: dict, *, prefixes: dict, where) -> tuple[dict, dict]:
+    """The per-expert activation quantizers of an imported checkpoint (sites on ``<experts>.{e}.<proj>``, checkpoint
+    names, their tensors already renamed by :func:`fuse`) as ours: one site per stacked projection
+    (``<experts>.gate_up_proj``), its tensors ``<experts>.gate_up_proj_input_scale``... (``prefixes``: role ->
+    tensor prefix). Every expert must hold the same spec and values (one quantizer is what ``QExperts`` holds):
+    :class:`CheckpointError` naming the first that differs."""
+    naming = naming_of(config)
+    if naming is None:
+        return tree, activations
+    groups: dict[tuple, list] = {}
+    for site in activations:
+        m = _PIECE_MODULE.match(import_name(site.module, naming))
+        if m is None or m["proj"] not in (naming.gate, naming.up, naming.down):
+            continue
+        ours = m["module"]
+        weight = "down_proj" if m["proj"] == naming.down else \
+            "gate_up_proj" if f"{ours}.gate_up_proj" in tree else "up_proj"
+        groups.setdefault((ours, weight, site.role), []).append(site)
+    tree, activations = dict(tree), dict(activations)
+    for (ours, weight, role), sites in sorted(groups.items()):
+        first = sites[0]
+        spec = activations[first]
+        for site in sites:
+            if activations[site] != spec:
+                raise CheckpointError(f"{where}: {site.module}:{role} is {activations[site]}, {first.module}:{role} is "
+                                      f"{spec}: one {role} quantizer per projection of {ours} is what qtransform holds")
+        for f in qt.QParams.FIELDS:
+            names = [import_name(f"{s.module}.{prefixes[role]}{f}", naming) for s in sites]
+            held = [n for n in names if n in tree]
+            if not held:
+                continue
+            if len(held) != len(names):
+                raise CheckpointError(f"{where}: {sorted(set(names) - set(held))[0]} is missing beside {held[0]}")
+            value = tree[held[0]]
+            for n in held:
+                if not torch.equal(tree[n], value):
+                    raise CheckpointError(f"{where}: {n} ({tree[n].flatten().tolist()}) differs from {held[0]} "
+                                          f"({value.flatten().tolist()}): qtransform's experts hold one static {role} "
+                                          f"{f} per projection, vLLM one per expert")
+            for n in held:
+                del tree[n]
+            tree[f"{ours}.{weight}_{prefixes[role]}{f}"] = value
+        for site in sites:
+            del activations[site]
+        activations[qt.Site(f"{ours}.{weight}", role)] = spec
+    return tree, activations

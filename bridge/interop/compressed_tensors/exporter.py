@@ -129,7 +129,8 @@ def _experts_schemes(layers: dict, experts: dict, naming) -> list[str]:
     out = []
     for module in experts:
         prefix = moe.export_name(module, naming) + "."
-        args = {json.dumps(layer.mapping.args, sort_keys=True) for n, layer in layers.items() if n.startswith(prefix)}
+        args = {json.dumps([layer.mapping and layer.mapping.args, layer.inputs], sort_keys=True)
+                for n, layer in layers.items() if n.startswith(prefix)}
         if len(args) > 1:
             out.append(f"{module}: its experts' projections are quantized with {len(args)} different schemes; vLLM's "
                        "fused-MoE loaders take one scheme for gate, up and down")
@@ -190,6 +191,10 @@ def _plan(source: Source, allow_nearest: bool) -> _Plan:
                 problems.append(f"{site.module}:{site.role}: not an attention module whose key/value cache "
                                 "compressed-tensors quantizes")
             kv_specs[site] = spec
+        elif moe.site_weight(site.module, experts) and site.role == "input" and naming is not None:
+            args = ct_config.activation_args(spec, site.role)  # vLLM: one input quantizer per expert and projection
+            for piece in moe.input_pieces(site.module, source.tree[site.module].shape[0], naming):
+                layers[piece] = layers.get(piece, _Layer(None, None, None, None))._replace(inputs=args)
         elif not isinstance(module, nn.Linear):
             problems.append(f"{site.module}:{site.role}: compressed-tensors quantizes activations of nn.Linear only")
         else:
@@ -257,11 +262,12 @@ def _groups(plan: _Plan) -> tuple[dict, list[str], str]:
     return groups, ignore, top
 
 
-def _act_tensors(source: Source, site: qt.Site, spec: qt.QuantSpec) -> dict[str, torch.Tensor]:
-    """compressed-tensors' tensors of a static activation quantizer (``input_scale``... shape ``(1,)``)."""
+def _act_tensors(source: Source, site: qt.Site, spec: qt.QuantSpec, sep: str = ".") -> dict[str, torch.Tensor]:
+    """compressed-tensors' tensors of a static activation quantizer (``input_scale``... shape ``(1,)``), by their
+    tree names (``<module><sep>input_scale``: ``sep`` ``"_"`` for an experts projection's buffers)."""
     out = {}
     for field in ("scale",) if spec.symmetric else ("scale", "zero_point"):
-        name = f"{site.module}.{PREFIX[site.role]}{field}"
+        name = f"{site.module}{sep}{PREFIX[site.role]}{field}"
         if name not in source.tree:
             if field == "scale":
                 raise ValueError(f"{name}: the static {site.role} quantizer's scale is not in the checkpoint")
@@ -285,7 +291,12 @@ def _tensor_groups(source: Source, plan: _Plan) -> Iterator[dict[str, torch.Tens
             yield {f"{name}.{k}": v for k, v in parts.items()}
             claimed.add(f"{name}.weight")
     for site, spec in plan.activations.items():
-        if not spec.dynamic:
+        if not spec.dynamic and plan.naming is not None and site.module in source.meta.entries:  # experts' input
+            acts = _act_tensors(source, site, spec, sep="_")  # the tree's <experts>.gate_up_proj_input_scale...
+            pieces = moe.input_pieces(site.module, source.tree[site.module].shape[0], plan.naming)
+            yield {f"{p}.{n[len(site.module) + 1:]}": t for p in pieces for n, t in acts.items()}
+            claimed |= set(acts)
+        elif not spec.dynamic:
             acts = _act_tensors(source, site, spec)
             yield acts
             claimed |= {f"{site.module}.{PREFIX[site.role]}{f}" for f in qt.QParams.FIELDS}

@@ -160,6 +160,12 @@ class CompressedTensorsImporter(Importer):
         _check_leftovers(located, handles, claimed, hint_weights, entries, root)
         tree.update({n: read(n) for n in located if n not in claimed})
         tree, entries = experts.fuse(tree, entries, plain, where=root)  # per-expert weights: our stacked experts
+        tree, activations = experts.fuse_inputs(tree, activations, plain, prefixes=_ACT_PREFIX, where=root)
+        for site, spec in list(activations.items()):  # experts' inputs: the spec our metadata recorded, same args
+            hs = hint_acts.get(f"{site.module}:{site.role}")
+            if hs is not None and hs != spec and ct_config.judge(hs, site.role).kind == "exact" and _same_args(
+                    ct_config.activation_args(hs, site.role), ct_config.activation_args(spec, site.role)):
+                activations[site] = hs
         aliases = {a: t for a, t in (hint.get("aliases") or {}).items() if t in tree and a not in tree}
         tree.update({a: tree[t] for a, t in aliases.items()})
         hmeta = self._hint_meta(hint)

@@ -7,8 +7,9 @@ order, and the tokenizer.
   transformers' GGUF loader and llama.cpp read: ``<arch>.context_length``, ``embedding_length``,
   ``block_count``, ``feed_forward_length``, ``attention.head_count(_kv)``,
   ``attention.layer_norm_rms_epsilon``, ``rope.freq_base``, ``rope.dimension_count``, ``vocab_size``.
-  Mixture-of-experts models (a config with an expert count: Mixtral, Qwen2/3-MoE...) are refused by name:
-  llama.cpp's 3-D ``blk.N.ffn_{gate,up,down}_exps`` tensors are not written here.
+  Mixture-of-experts models: Qwen2-MoE (``qwen2moe``), Qwen3-MoE (``qwen3moe``) and Mixtral (``llama`` with
+  ``expert_count``), their 3-D ``blk.N.ffn_{gate,up,down}_exps`` tensors and expert keys in :mod:`.moe`; other
+  models with an expert count (GPT-OSS, OLMoE, DeepSeek...) are refused by name.
 * **Names**: the ``gguf`` package's tensor-name map (``model.layers.3.self_attn.q_proj.weight`` ->
   ``blk.3.attn_q.weight``), as transformers uses it to load GGUF files.
 * **Q/K rows**: llama.cpp's ``llama`` architecture applies rotary embeddings to interleaved pairs,
@@ -32,11 +33,13 @@ import torch
 
 import qtransform as qt
 
+from . import moe as gguf_moe
+
 __all__ = ["ARCHES", "arch_of", "arch_problems", "write_arch", "tensor_name_map", "qk_rows", "reorder_rows",
            "write_tokenizer", "hf_names", "HF_PRE_TOKENIZERS", "pre_tokenizer_name"]
 
 #: transformers ``model_type`` -> GGUF architecture.
-ARCHES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2"}
+ARCHES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", **gguf_moe.MOE_ARCHES}
 #: ``config.json`` keys of a mixture-of-experts model's expert count (Mixtral, Qwen-MoE/OLMoE, DeepSeek).
 _EXPERT_COUNTS = ("num_local_experts", "num_experts", "n_routed_experts")
 #: Architectures whose Q/K rows llama.cpp's converter permutes.
@@ -63,10 +66,10 @@ def arch_problems(config: dict) -> list[str]:
     """Why a model of transformers ``config`` cannot become a GGUF file here (empty: it can)."""
     kind = config.get("model_type")
     experts = next((config[k] for k in _EXPERT_COUNTS if config.get(k)), None)
-    if experts is not None:
+    if experts is not None and not gguf_moe.is_moe(config):
         return [f"architecture {kind!r} is a mixture-of-experts model ({experts} experts): this GGUF exporter writes "
-                "no expert tensors (llama.cpp's blk.N.ffn_gate_exps / ffn_up_exps / ffn_down_exps with "
-                "expert_count metadata); export it to compressed-tensors or quark, which write experts per expert"]
+                f"expert tensors for the model types {sorted(gguf_moe.MOE_ARCHES)} only (llama.cpp's "
+                "blk.N.ffn_gate_exps / ffn_up_exps / ffn_down_exps); export it to compressed-tensors or quark"]
     if kind not in ARCHES:
         return [f"architecture {kind!r}: GGUF export supports {sorted(ARCHES)}"]
     out = []
@@ -77,8 +80,10 @@ def arch_problems(config: dict) -> list[str]:
     _, rope = _rope(config)
     if rope != "default":
         out.append(f"rope scaling {rope!r}: this exporter writes unscaled rotary embeddings only")
+    if gguf_moe.is_moe(config):
+        out += gguf_moe.moe_problems(config)
     window = config.get("sliding_window")
-    if kind == "mistral" and window is not None and window < config.get("max_position_embeddings", 0):
+    if kind in ("mistral", "mixtral") and window is not None and window < config.get("max_position_embeddings", 0):
         out.append(f"sliding_window {window} below the context length: llama.cpp's llama architecture has none")
     return out
 
@@ -98,10 +103,12 @@ def write_arch(writer, config: dict, name: str) -> None:
     writer.add_rope_freq_base(theta)
     head_dim = _head_dim(config)
     writer.add_rope_dimension_count(head_dim)
-    if head_dim * heads != int(config["hidden_size"]):
+    if head_dim * heads != int(config["hidden_size"]) or config.get("model_type") == "qwen3_moe":
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
     writer.add_vocab_size(int(config["vocab_size"]))
+    if gguf_moe.is_moe(config):
+        gguf_moe.write_moe_arch(writer, config)
 
 
 def tensor_name_map(arch: str, blocks: int):

@@ -25,7 +25,8 @@ import torch
 import qtransform as qt
 
 from . import arch as gguf_arch, checks, tensors as gguf_tensors
-from ..base import Exporter, Source, Support
+from . import moe as gguf_moe
+from ..base import Exporter, Source, Support, judged_spec
 
 __all__ = ["GGUFExporter", "nearest_type", "REPORT"]
 
@@ -89,15 +90,19 @@ class GGUFExporter(Exporter):
         arch_issues = gguf_arch.arch_problems(config)
         if arch_issues:
             return out + [f"config.json: {p}" for p in arch_issues]
-        names = gguf_arch.hf_names(self._paths(source), gguf_arch.arch_of(config), int(config["num_hidden_layers"]))
-        for path, name in names.items():
+        for path, name, _, _ in _planned(source, self._paths(source)):
             if name is None:
                 out.append(f"{path}: no GGUF tensor name for it in architecture {gguf_arch.arch_of(config)}")
         for path, entry in source.meta.entries.items():
-            exact = gguf_tensors.exact_type(entry.spec) in gguf_tensors.EXACT_TYPES
-            if exact and (len(entry.shape) != 2 or entry.shape[-1] % 32) and not allow_nearest:
+            spec = judged_spec(path, entry)
+            exact = gguf_tensors.exact_type(spec) in gguf_tensors.EXACT_TYPES
+            matrix = len(entry.shape) == 2 or gguf_moe.expert_pieces(path, entry) is not None
+            if exact and (not matrix or entry.shape[-1] % 32) and not allow_nearest:
                 out.append(f"{path}: {entry.spec}: shape {tuple(entry.shape)} is not rows of a multiple of 32 "
                            "(GGUF blocks); pass allow_nearest=True / --allow-nearest to write the nearest type")
+            if path.endswith(".mlp.shared_expert_gate.weight"):
+                out.append(f"{path}: {entry.spec}: llama.cpp reads the shared-expert gate as one float vector "
+                           "(ffn_gate_inp_shexp); leave it float (routers are by default)")
         return out
 
     @staticmethod
@@ -117,11 +122,10 @@ class GGUFExporter(Exporter):
         gguf_arch.write_arch(writer, config, name)
         writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
         tok_note = gguf_arch.write_tokenizer(writer, source.directory, int(config["vocab_size"]))
-        names = gguf_arch.hf_names(self._paths(source), arch, int(config["num_hidden_layers"]))
         report, digests = {}, {}
-        for tree_path, gname in names.items():
-            leaf = source.tree[tree_path]
-            data, qtype, info = _tensor(tree_path, leaf, config, allow_nearest=allow_nearest, k_quants=self.k_quants)
+        for tree_path, gname, leaf, rows in _planned(source, self._paths(source)):
+            data, qtype, info = _tensor(tree_path, leaf, config, allow_nearest=allow_nearest, k_quants=self.k_quants,
+                                        rows=rows)
             raw_dtype = None if qtype in ("F32", "F16") else gguf.GGMLQuantizationType[qtype]
             writer.add_tensor(gname, data, raw_dtype=raw_dtype)
             digests[gname] = checks.digest_entry(qtype, data)
@@ -135,32 +139,58 @@ class GGUFExporter(Exporter):
         (Path(out) / REPORT).write_text(json.dumps(summary, indent=2) + "\n")
 
 
+def _planned(source: Source, paths: list[str]) -> list[tuple[str, str | None, object, slice | None]]:
+    """``(tree path, GGUF name or None, leaf, rows of each expert)`` per tensor: a stacked experts weight as its
+    GGUF pieces (:func:`.moe.expert_pieces`), the shared-expert gate ``(1, H)`` as llama.cpp's vector ``(H,)``."""
+    config = source.config
+    names = gguf_arch.hf_names(paths, gguf_arch.arch_of(config), int(config["num_hidden_layers"]))
+    out = []
+    for path, name in names.items():
+        leaf = source.tree[path]
+        pieces = gguf_moe.expert_pieces(path, leaf) if name is None else None
+        if pieces is not None:
+            out += [(path, n, leaf, rows) for n, rows in pieces]
+            continue
+        if name is not None and name.endswith("ffn_gate_inp_shexp.weight") and not isinstance(leaf, qt.QTensor):
+            leaf = leaf.reshape(-1)
+        out.append((path, name, leaf, None))
+    return out
+
+
 def _float_data(w: torch.Tensor) -> tuple[np.ndarray, str]:
     if w.dim() == 1 or w.dtype not in (torch.float16, torch.bfloat16):
         return w.detach().to(torch.float32).contiguous().numpy(), "F32"
     if w.dtype == torch.float16:
         return w.detach().contiguous().numpy(), "F16"
-    return w.detach().contiguous().view(torch.uint8).numpy().reshape(w.shape[0], -1), "BF16"
+    return w.detach().contiguous().view(torch.uint8).numpy().reshape(*w.shape[:-1], -1), "BF16"
 
 
-def _tensor(path: str, leaf, config: dict, *, allow_nearest: bool, k_quants: bool = False):
-    """``(data, GGUF type, report entry)`` of one tree leaf (rows in llama.cpp's order)."""
+def _tensor(path: str, leaf, config: dict, *, allow_nearest: bool, k_quants: bool = False, rows: slice | None = None):
+    """``(data, GGUF type, report entry)`` of one tree leaf (rows in llama.cpp's order); ``rows``: those rows of
+    each expert of a stacked experts leaf (gate or up of ``gate_up_proj``)."""
     import gguf.quants
 
     index = gguf_arch.qk_rows(path, config, leaf.shape[0]) if len(leaf.shape) == 2 else None
     if not isinstance(leaf, qt.QTensor):
-        data, qtype = _float_data(gguf_arch.reorder_rows(leaf, index))
+        data, qtype = _float_data(gguf_arch.reorder_rows(gguf_moe.take_expert_rows(leaf, rows, path), index))
         return data, qtype, {"kind": "exact"}
-    qtype = gguf_tensors.exact_type(leaf.spec)
-    blocks_fit = len(leaf.shape) == 2 and leaf.shape[1] % 32 == 0
+    stacked = len(leaf.shape) == 3
+    spec = qt.matrix_spec(leaf.spec, tuple(leaf.shape)) if stacked else leaf.spec
+    qtype = gguf_tensors.exact_type(spec)
+    blocks_fit = len(leaf.shape) in (2, 3) and leaf.shape[-1] % 32 == 0
     if qtype is not None and (blocks_fit or qtype not in gguf_tensors.EXACT_TYPES):
+        if stacked:  # expert by expert, each an ordinary matrix: experts the outermost axis
+            leaf = gguf_moe.take_expert_rows(leaf, rows, path)
+            data = np.stack([gguf_tensors.encode(qt.stacked.matrix(leaf, e), qtype, path=f"{path}[{e}]")
+                             for e in range(leaf.shape[0])])
+            return data, qtype, {"kind": "exact", "spec": str(spec)}
         q = gguf_arch.reorder_rows(leaf, index)
         return gguf_tensors.encode(q, qtype, path=path), qtype, {"kind": "exact", "spec": str(leaf.spec)}
     if not allow_nearest:  # problems() refused it already; a direct call gets the same answer
         raise ValueError(f"{path}: {leaf.spec} has no exact GGUF type; pass allow_nearest=True")
-    w = gguf_arch.reorder_rows(qt.dequantize(leaf, dtype=torch.float32), index)
+    w = gguf_arch.reorder_rows(gguf_moe.take_expert_rows(qt.dequantize(leaf, dtype=torch.float32), rows, path), index)
     w2 = w.reshape(-1, w.shape[-1]) if w.dim() != 2 else w
-    qtype = nearest_type(leaf.spec, w2.shape[-1], k_quants=k_quants) if w.dim() >= 2 else "F32"
+    qtype = nearest_type(spec, w2.shape[-1], k_quants=k_quants) if w.dim() >= 2 else "F32"
     if qtype in ("F16", "F32"):
         data = w.numpy().astype(np.float16 if qtype == "F16" else np.float32)
         back = torch.from_numpy(data.astype(np.float32))
@@ -170,9 +200,10 @@ def _tensor(path: str, leaf, config: dict, *, allow_nearest: bool, k_quants: boo
         else:
             data = gguf_tensors.encode(qt.quantize(w2, qt.choose_qparams(w2, gguf_tensors.IMPORT_SPECS[qtype])),
                                       qtype, path=path)
+        data = data.reshape(*w.shape[:-1], -1)
         back = torch.from_numpy(gguf.quants.dequantize(data, gguf.GGMLQuantizationType[qtype]).copy())
     diff = (back.reshape(w.shape) - w).double()
     rms = float(w.double().pow(2).mean().sqrt())
-    info = {"kind": "nearest", "spec": str(leaf.spec),
+    info = {"kind": "nearest", "spec": str(spec),
             "rel_rms_error": float(diff.pow(2).mean().sqrt()) / max(rms, 1e-30), "max_abs_error": float(diff.abs().max())}
     return data, qtype, info

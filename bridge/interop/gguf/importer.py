@@ -25,7 +25,7 @@ import qtransform as qt
 
 from ...checkpoint.metadata import Metadata, entries_of
 from ...checkpoint.metadata import CheckpointError
-from . import arch as gguf_arch, checks, tensors as gguf_tensors
+from . import arch as gguf_arch, checks, moe as gguf_moe, tensors as gguf_tensors
 from ..base import Importer, Source
 
 __all__ = ["GGUFImporter"]
@@ -79,19 +79,26 @@ class GGUFImporter(Importer):
             config = dict(load_gguf_checkpoint(str(path), return_tensors=False)["config"])
         except Exception as e:  # transformers' reading of metadata we checked: still the file's fault
             raise CheckpointError(f"{path}: transformers cannot read its metadata ({type(e).__name__}: {e})") from None
+        config = gguf_moe.moe_config(reader, config, path)
         if gguf_arch.arch_of(config) is None:
             raise ValueError(f"{path}: architecture {config.get('model_type')!r}: GGUF import supports "
                              f"{sorted(gguf_arch.ARCHES)}")
         names = _gguf_to_hf(config)
-        tree, notes = {}, {}
+        tree, notes, expert_parts = {}, {}, {}
         for t in reader.tensors:
             hf = names.get(t.name)
+            if hf is None and gguf_moe.is_moe(config) and gguf_moe.is_expert_tensor(t.name):
+                hf = t.name  # a 3-D expert tensor: fused into the experts' stacked weights below
             if hf is None:
                 raise CheckpointError(f"{path}: tensor {t.name} has no transformers name in architecture "
                                  f"{config['model_type']}")
             shape = tuple(int(n) for n in reversed(t.shape.tolist()))  # GGUF lists ne0 (the row) first
             kind = GGMLQuantizationType(int(t.tensor_type)).name
-            if kind in gguf_tensors.IMPORT_SPECS:
+            if kind in gguf_tensors.IMPORT_SPECS and len(shape) == 3 and hf == t.name:  # experts: one matrix each
+                raw = np.asarray(t.data).reshape(shape[0], shape[1], -1)
+                leaf = qt.stacked.stack([gguf_tensors.decode(raw[e], kind, shape[1:], path=f"{t.name}[{e}]")
+                                         for e in range(shape[0])])
+            elif kind in gguf_tensors.IMPORT_SPECS:
                 leaf = gguf_tensors.decode(np.asarray(t.data), kind, shape, path=t.name)
             elif kind in ("F32", "F16", "BF16"):
                 leaf = torch.from_numpy(np.array(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(shape))
@@ -106,9 +113,15 @@ class GGUFImporter(Importer):
                 raise ValueError(f"{path}: tensor {t.name} ({hf}) is GGUF {kind}, which no qtransform spec holds "
                                  f"exactly (exact: {sorted(gguf_tensors.IMPORT_SPECS)}); pass "
                                  "GGUFImporter(dequantize=True) to read it as float32")
+            if hf == t.name:
+                expert_parts[hf] = leaf
+                continue
+            if t.name.endswith("ffn_gate_inp_shexp.weight") and len(shape) == 1 and not isinstance(leaf, qt.QTensor):
+                leaf = leaf.reshape(1, -1)  # llama.cpp's vector: transformers' (1, hidden) gate
             index = gguf_arch.qk_rows(hf, config, shape[0], inverse=True) if len(shape) == 2 else None
             leaf = gguf_arch.reorder_rows(leaf, index)
             tree[hf] = leaf
+        tree.update(gguf_moe.fuse(expert_parts, path))
         aliases = {}
         if config.get("tie_word_embeddings") and "lm_head.weight" not in tree and "model.embed_tokens.weight" in tree:
             tree["lm_head.weight"] = tree["model.embed_tokens.weight"]
@@ -130,4 +143,6 @@ def _gguf_to_hf(config: dict) -> dict[str, str]:
                  "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight", "input_layernorm.weight",
                  "post_attention_layernorm.weight"]
     hf += [f"model.layers.{i}.{n}" for i in range(blocks) for n in per_layer]
+    if gguf_moe.is_moe(config):
+        hf += gguf_moe.hf_moe_names(config)
     return {g: p for p, g in gguf_arch.hf_names(hf, arch, blocks).items() if g is not None}

@@ -134,6 +134,13 @@ class QuarkExporter(Exporter):
                                f"{_KV_PROJ[site.role]} (Quark stores it as that projection's output scale)")
                 elif proj in outputs:
                     out.append(f"{where}: {proj} also quantizes its output; Quark has one output quantizer per layer")
+            elif (hit := moe.site_weight(site.module, experts)) and site.role == "input" and naming is not None:
+                others = {str(sp) for st, sp in source.meta.activations.items()
+                          if st.role == "input" and st.module.rpartition(".")[0] == hit[0]}
+                if len(others) > 1 or len([st for st in source.meta.activations if st.role == "input" and
+                                           st.module.rpartition(".")[0] == hit[0]]) != len(experts[hit[0]].weights):
+                    out.append(f"{where}: the projections of {hit[0]} have different input quantizers ({sorted(others)}); "
+                               "vLLM takes one Quark layer config per experts module")
             elif site.module not in linear:
                 out.append(f"{where}: an activation quantizer on a {types.get(site.module, type(None)).__name__}; "
                            "Quark quantizes the inputs and outputs of nn.Linear layers only")
@@ -167,6 +174,14 @@ class QuarkExporter(Exporter):
             for site, spec in meta.activations.items():
                 names = {f: f"{site.module}.{PREFIX[site.role]}{f}" for f in qt.QParams.FIELDS}
                 consumed.update(names.values())
+                if moe.site_weight(site.module, experts) and naming is not None:  # vLLM: one input_scale per expert
+                    names = {f: f"{site.module}_{PREFIX[site.role]}{f}" for f in qt.QParams.FIELDS}  # the tree's
+                    consumed.update(names.values())
+                    layers[name(site.module.rpartition(".")[0])]["input_tensors"] = qc.tensor_config(spec, site.role)
+                    count = source.tree[site.module].shape[0]
+                    for piece in moe.input_pieces(site.module, count, naming):
+                        yield _activation_tensors(source.tree, names, spec, f"{piece}.input_")
+                    continue
                 if site.role in _KV_PROJ:
                     proj, role = f"{site.module}.{_KV_PROJ[site.role]}", "output"
                 else:

@@ -267,15 +267,21 @@ class QuarkImporter(Importer):
             tree.update({prefix + f: t for f, t in fields.items()})
             consumed |= {sname, zname}
         _check_leftovers(tensors, consumed, hint, at, cfile)
+        for name, t in tensors.items():
+            if name not in consumed:
+                tree[name] = t
+        tree, entries = experts.fuse(tree, entries, config, where=root)  # per-expert weights: our stacked experts
+        tree, acts = experts.fuse_inputs(tree, acts, config, prefixes={"input": "input_", "output": "output_"},
+                                         where=root)  # per-expert input scales: one quantizer per projection
+        for site, spec in list(acts.items()):
+            known = hint.activations.get(site) if hint is not None else None
+            if known is not None and known != spec and qc.decodes_alike(known, spec):
+                acts[site] = known
         missing = sorted(f"{s.module} ({s.role})" for s, a in (hint.activations if hint else {}).items()
                          if isinstance(a, qt.QuantSpec) and not a.dynamic and s not in acts)
         if missing:
             raise CheckpointError(f"{cfile}: static activation quantizer(s) {missing[:5]} recorded with the export "
                                   "(quantization_config.qtransform) have no stored scale (deleted or renamed?)")
-        for name, t in tensors.items():
-            if name not in consumed:
-                tree[name] = t
-        tree, entries = experts.fuse(tree, entries, config, where=root)  # per-expert weights: our stacked experts
         meta = metadata.Metadata(
             entries=entries, recipe=hint.recipe if hint else None, recipe_name=hint.recipe_name if hint else None,
             version=metadata.VERSION_ACTIVATIONS if acts else metadata.VERSION, activations=acts)
