@@ -115,8 +115,10 @@ class _Sampler:
 
 def _targets(block) -> list[torch.Tensor]:
     """The float block's outputs (float32) on the float chain's inputs, once per batch."""
-    float_inputs = getattr(block, "float_inputs", None)
-    batches = block.inputs if float_inputs is None else float_inputs
+    batches = block.float_inputs
+    if batches is None:
+        raise ValueError(f"block {block.name}: signround needs the float model's block inputs (Block.float_inputs); "
+                         "the calibrator gave none")
     with torch.no_grad():
         return [_first(block.call(block.name, {}, args, kwargs)).detach().to(torch.float32)
                 for args, kwargs in batches]
@@ -142,17 +144,22 @@ def step(params, plan, *, context, iters: int = 200, lr: float | None = None, mi
     state = {p: init(q) for p, q in prep.items()}
     learn_range = {p: minmax and q.ranged for p, q in prep.items()}
     targets = _targets(block)
-    inputs = block.inputs if quantized_inputs or getattr(block, "float_inputs", None) is None else block.float_inputs
+    inputs = block.inputs if quantized_inputs else block.float_inputs
     if len(inputs) != len(targets):
         raise ValueError(f"block {block.name}: {len(inputs)} quantized-chain batches but {len(targets)} float ones")
-    per = max(1, math.ceil(batch_size / max(_rows(*inputs[0]), 1))) if inputs else 1
-    sampler = _Sampler(len(inputs), per, seed)
     par = block.parallel
+    # one sampler over all ranks' batches (each rank holds a contiguous share, in rank order): every rank draws
+    # the same global picks and runs those it holds, so N ranks take the one-process steps
+    counts = [len(inputs)] if par.world == 1 else [int(n) for n in par.gather(len(inputs))]
+    start = sum(counts[:par.rank])
+    rows = [_rows(*inputs[0])] if par.world == 1 else par.gather(_rows(*inputs[0]) if inputs else 1)
+    per = max(1, math.ceil(batch_size / max(max(rows), 1)))
+    sampler = _Sampler(sum(counts), per, seed)
 
     def loss(diff, fixed, picks):
         tensors = {p: learned_fake_quantize(prep[p], Learned(diff[p][0], *(diff[p][1:] or fixed[p])),
                                             zero_point=zero_point) for p in weights}
-        sse = 0.0
+        sse = torch.zeros((), dtype=torch.float32)
         for i in picks:
             args, kwargs = inputs[i]
             out = _first(block.call(block.name, tensors, args, kwargs)).to(torch.float32)
@@ -162,7 +169,7 @@ def step(params, plan, *, context, iters: int = 200, lr: float | None = None, mi
     grad_and_value = torch.func.grad_and_value(loss)
     best_loss, best_state, first_loss = math.inf, state, None
     for t in context.track(range(iters), desc=f"signround {block.name}", total=iters):
-        picks = sampler.next()
+        picks = [i - start for i in sampler.next() if start <= i < start + len(inputs)]
         diff = {p: (s.offset, s.alpha, s.beta) if learn_range[p] else (s.offset,) for p, s in state.items()}
         fixed = {p: (s.alpha, s.beta) for p, s in state.items()}
         grads, sse = grad_and_value(diff, fixed, picks)
@@ -207,6 +214,7 @@ def _tokens(**options):
     return options.get("tokens")
 
 
-register_algorithm("signround", step, needs=BlockInputs(tokens=_tokens), options=Options,
+register_algorithm("signround", step, needs=BlockInputs(tokens=_tokens, float_inputs=lambda **o: True),
+                   options=Options,
                    description="SignRound (AutoRound): rounding offsets and clipping learned by signed gradient "
                                "descent against each block's float output")

@@ -129,7 +129,8 @@ def test_stacked_experts_and_transposed_layouts_tile_like_the_codec():
     spec = qt.stacked_spec(qt.QuantSpec(format="uint4", granularity=qt.PerGroup(32), symmetric=False), w3.shape)
     lq = sm.prepare(w3, spec)
     assert lq.groups.grid == (3, 8, 2)
-    assert torch.equal(sm.learned_fake_quantize(lq, sm.init(lq)), qt.dequantize(qt.quantize(w3, qt.choose_qparams(w3, spec))))
+    rtn = qt.dequantize(qt.quantize(w3, qt.choose_qparams(w3, spec)))
+    assert torch.equal(sm.learned_fake_quantize(lq, sm.init(lq)), rtn)
     wt = torch.randn(64, 8, generator=torch.Generator().manual_seed(7))   # Conv1D: groups along axis 0
     spec_t = qt.QuantSpec(format="int4", granularity=qt.PerGroup(32, axis=0))
     lq = sm.prepare(wt, spec_t)
