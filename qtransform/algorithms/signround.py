@@ -200,12 +200,12 @@ def _reduce(grads: Mapping, sse, count: float, par):
     if par.world == 1:
         return grads, sse, count
     leaves = [(p, k, g) for p, gs in grads.items() for k, g in enumerate(gs)]
-    flat = torch.cat([g.reshape(-1) for _, _, g in leaves] + [sse.detach().reshape(1).to(torch.float32),
-                                                               torch.tensor([count], dtype=torch.float32)])
+    flat = torch.cat([g.reshape(-1).to(torch.float64) for _, _, g in leaves]
+                     + [sse.detach().reshape(1).to(torch.float64), torch.tensor([count], dtype=torch.float64)])
     flat = par.all_sum(flat)
     out, at = {p: list(gs) for p, gs in grads.items()}, 0
     for p, k, g in leaves:
-        out[p][k] = flat[at:at + g.numel()].reshape(g.shape)
+        out[p][k] = flat[at:at + g.numel()].reshape(g.shape).to(g.dtype)
         at += g.numel()
     return {p: tuple(v) for p, v in out.items()}, flat[at], float(flat[at + 1])
 
