@@ -188,9 +188,7 @@ def step(params, plan, *, context, iters: int = 200, lr: float | None = None, mi
     new, qparams, info = {}, {}, {}
     for p in weights:
         new[p], qparams[p] = finalize(prep[p], best_state[p], zero_point=zero_point)
-        info[p] = {"signround_loss": float(f"{best_loss:.6g}") if iters else None,
-                   "rtn_loss": float(f"{first_loss:.6g}") if iters else None}
-        info[p] = {k: v for k, v in info[p].items() if v is not None}
+        info[p] = {"signround_loss": float(f"{best_loss:.6g}"), "rtn_loss": float(f"{first_loss:.6g}")} if iters else {}
     return Fit(params=new, qparams=qparams, info=info)
 
 
