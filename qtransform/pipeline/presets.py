@@ -142,6 +142,10 @@ for _b, _g in ((4, 128), (4, 64), (3, 64)):
     _builtin(f"awq{_b}-g{_g}", lambda b=_b, g=_g: _gptq_spec(b, g),
              f"AWQ uint{_b} asymmetric (integer zero point), group {_g}: activation-aware scales and clipping "
              "(needs --calib)", Step("awq"))
+for _b, _g in ((4, 128), (3, 64), (2, 64)):
+    _builtin(f"signround{_b}-g{_g}", lambda b=_b, g=_g: _gptq_spec(b, g),
+             f"SignRound (AutoRound) uint{_b} asymmetric (integer zero point), group {_g}: rounding and clipping "
+             "learned by signed gradient descent, 200 iterations per block (needs --calib)", Step("signround"))
 _builtin("awq-gptq4-g128", lambda: _gptq_spec(4, 128),
          "AWQ scales, then GPTQ: uint4 asymmetric (integer zero point), group 128 (needs --calib)",
          Step("awq", clip=False), Step("gptq"))

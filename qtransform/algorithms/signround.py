@@ -1,0 +1,218 @@
+"""SignRound (intel's AutoRound): rounding offsets and clipping learned by signed gradient descent against each
+block's float output, block by block (Cheng et al. 2023, "Optimize weight rounding via signed gradient descent
+for the quantization of LLMs").
+
+For each block, with ``X_q`` its inputs on the quantized chain (the earlier blocks quantized) and ``Y`` the float
+block's outputs on the float chain's inputs (computed once)::
+
+    V = 0, alpha = beta = 1                           for every planned linear weight of the block
+    for t in 0 .. iters-1:
+        B    = the next batches of a seeded shuffle (batch_size calibration sequences)
+        L_t  = mean over B of || block(X_q; W~(W, V, alpha, beta)) - Y ||^2     (one torch.func grad call)
+        keep (V, alpha, beta) if L_t is the lowest so far                        (best iterate)
+        lr_t = lr * (1 - t / iters)                                              (linear decay)
+        V     <- clamp(V     - lr_t        * sign(dL/dV),     -0.5, 0.5)
+        alpha <- clamp(alpha - minmax_lr_t * sign(dL/dalpha),  0.5, 1)   (beta alike)
+    W_q = the weight quantized with the best (V, alpha, beta) through the format's codec
+
+``W~`` is :func:`.signround_math.learned_fake_quantize` (straight-through rounding; the zero point's gradient
+per ``zero_point``). All the block's planned linear weights (``nn.Linear``, GPT-2's ``Conv1D``, a
+mixture-of-experts layer's stacked weights: the paths :func:`.gptq.linear_weights` picks) are trained jointly;
+the other tensors of the block are left to the next steps (round to nearest when none fits them).
+``Fit.info`` holds, per weight, ``signround_loss`` (the best iterate's loss) and ``rtn_loss`` (iteration 0's:
+round to nearest), both the block's output MSE on that iteration's batches.
+
+Options (defaults; AutoRound's where it has one): ``iters`` (200), ``lr`` (``None``: ``1 / iters``),
+``minmax_lr`` (``None``: ``lr``), ``batch_size`` (8: calibration sequences per iteration; the step takes whole
+calibration batches, ``ceil(batch_size / rows per batch)`` of them, from a shuffle seeded by ``seed`` that is
+redrawn when used up, like AutoRound's index sampler), ``minmax`` (True: learn ``alpha``, ``beta``; False:
+offsets only), ``zero_point`` (``"ste"``: AutoRound's straight-through integer zero point; ``"round"``: a
+constant), ``best`` (True: keep the iterate of lowest loss; False: the last), ``quantized_inputs`` (True:
+train on the quantized chain's inputs, AutoRound's ``enable_quanted_input``; False: the float chain's),
+``seed`` (0) and ``tokens`` (``None``: all the calibration data given; else whole batches spread over it).
+AutoRound's momentum (0), gradient accumulation (1) and early stop (off) are fixed at its defaults.
+
+On several ranks (``block.parallel``) each rank computes the gradient on its share of the batches and the
+ranks add them before the sign (one ``all_sum`` per iteration), so every rank takes the same step.
+
+Chains: ``["awq", "signround"]`` (AWQ's scales folded first, then SignRound from them) and ``["rotate",
+"signround"]`` (QuaRot's rotations, then SignRound on the rotated weights). ``docs/signround.md``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Mapping
+
+import torch
+
+from .base import BlockInputs, Fit, register_algorithm
+from .gptq import linear_weights
+from .options import option, options_checker
+from .signround_math import ZERO_POINTS, Learned, finalize, init, learned_fake_quantize, prepare, sign_step
+
+__all__ = ["step", "Options", "check_options"]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Options:
+    """``signround``'s options (see the module docstring).
+
+    >>> check_options(iters=-1)
+    Traceback (most recent call last):
+    ...
+    ValueError: signround: iters must be an int >= 0, got -1
+    """
+
+    iters: int = option(200, ge=0, doc="signed gradient steps per block")
+    lr: float | None = option(None, gt=0, doc="the offsets' step size (None: 1 / iters), decayed linearly to 0")
+    minmax_lr: float | None = option(None, gt=0, doc="the clipping factors' step size (None: lr)")
+    batch_size: int = option(8, ge=1, doc="calibration sequences per iteration")
+    minmax: bool = option(True, doc="learn the clipping factors alpha, beta")
+    zero_point: str = option("ste", choices=ZERO_POINTS, doc="integer zero point's gradient: straight-through or none")
+    best: bool = option(True, doc="keep the iterate of lowest loss (False: the last)")
+    quantized_inputs: bool = option(True, doc="train on the quantized chain's block inputs (False: the float chain's)")
+    seed: int = option(0, ge=0, doc="the batches' shuffle")
+    tokens: int | None = option(None, ge=1, doc="calibration tokens used (None: all given)")
+
+
+check_options = options_checker("signround", Options)
+
+
+def _first(out: Any) -> torch.Tensor:
+    """The hidden states of a block's output: the tensor, or the first element of a tuple/list/mapping."""
+    while not isinstance(out, torch.Tensor):
+        if isinstance(out, Mapping):
+            out = next(iter(out.values()))
+        elif isinstance(out, (tuple, list)) and out:
+            out = out[0]
+        else:
+            raise ValueError(f"signround: a block's output holds no tensor: {type(out).__name__}")
+    return out
+
+
+def _rows(args, kwargs) -> int:
+    """Calibration sequences in one batch: the leading size of its hidden states (3-D), else 1."""
+    h = args[0] if args and isinstance(args[0], torch.Tensor) else kwargs.get("hidden_states")
+    return int(h.shape[0]) if isinstance(h, torch.Tensor) and h.dim() >= 3 else 1
+
+
+class _Sampler:
+    """Whole batches, ``per`` at a time, from a seeded shuffle redrawn when fewer than ``per`` are left."""
+
+    def __init__(self, n: int, per: int, seed: int):
+        self.n, self.per = n, min(per, n)
+        self.gen = torch.Generator().manual_seed(seed)
+        self.order, self.at = [], 0
+
+    def next(self) -> list[int]:
+        if self.at + self.per > len(self.order):
+            self.order, self.at = torch.randperm(self.n, generator=self.gen).tolist(), 0
+        self.at += self.per
+        return self.order[self.at - self.per:self.at]
+
+
+def _targets(block) -> list[torch.Tensor]:
+    """The float block's outputs (float32) on the float chain's inputs, once per batch."""
+    batches = block.float_inputs
+    if batches is None:
+        raise ValueError(f"block {block.name}: signround needs the float model's block inputs (Block.float_inputs); "
+                         "the calibrator gave none")
+    with torch.no_grad():
+        return [_first(block.call(block.name, {}, args, kwargs)).detach().to(torch.float32)
+                for args, kwargs in batches]
+
+
+def step(params, plan, *, context, iters: int = 200, lr: float | None = None, minmax_lr: float | None = None,
+         batch_size: int = 8, minmax: bool = True, zero_point: str = "ste", best: bool = True,
+         quantized_inputs: bool = True, seed: int = 0, tokens: int | None = None) -> Fit:
+    """The ``signround`` step on one block (``context.block``); see the module docstring."""
+    check_options(iters=iters, lr=lr, minmax_lr=minmax_lr, batch_size=batch_size, minmax=minmax,
+                  zero_point=zero_point, best=best, quantized_inputs=quantized_inputs, seed=seed, tokens=tokens)
+    block = context.block
+    if block is None:
+        raise ValueError("signround runs block by block on calibration data (a calibrator's blockwise)")
+    if block.call is None:
+        raise ValueError(f"block {block.name}: signround needs Block.call (a differentiable call of the block)")
+    weights = linear_weights(params, plan, block.paths)
+    if not weights:
+        return Fit()
+    lr = 1.0 / max(iters, 1) if lr is None else float(lr)
+    minmax_lr = lr if minmax_lr is None else float(minmax_lr)
+    prep = {p: prepare(params[p], plan.specs[p], path=p) for p in weights}
+    state = {p: init(q) for p, q in prep.items()}
+    learn_range = {p: minmax and q.ranged for p, q in prep.items()}
+    targets = _targets(block)
+    inputs = block.inputs if quantized_inputs else block.float_inputs
+    if len(inputs) != len(targets):
+        raise ValueError(f"block {block.name}: {len(inputs)} quantized-chain batches but {len(targets)} float ones")
+    par = block.parallel
+    # one sampler over all ranks' batches (each rank holds a contiguous share, in rank order): every rank draws
+    # the same global picks and runs those it holds, so N ranks take the one-process steps
+    counts = [len(inputs)] if par.world == 1 else [int(n) for n in par.gather(len(inputs))]
+    start = sum(counts[:par.rank])
+    rows = [_rows(*inputs[0])] if par.world == 1 else par.gather(_rows(*inputs[0]) if inputs else 1)
+    per = max(1, math.ceil(batch_size / max(max(rows), 1)))
+    sampler = _Sampler(sum(counts), per, seed)
+
+    def loss(diff, fixed, picks):
+        tensors = {p: learned_fake_quantize(prep[p], Learned(diff[p][0], *(diff[p][1:] or fixed[p])),
+                                            zero_point=zero_point) for p in weights}
+        sse = torch.zeros((), dtype=torch.float32)
+        for i in picks:
+            args, kwargs = inputs[i]
+            out = _first(block.call(block.name, tensors, args, kwargs)).to(torch.float32)
+            sse = sse + (out - targets[i]).square().sum()
+        return sse
+
+    grad_and_value = torch.func.grad_and_value(loss)
+    best_loss, best_state, first_loss = math.inf, state, None
+    for t in context.track(range(iters), desc=f"signround {block.name}", total=iters):
+        picks = [i - start for i in sampler.next() if start <= i < start + len(inputs)]
+        diff = {p: (s.offset, s.alpha, s.beta) if learn_range[p] else (s.offset,) for p, s in state.items()}
+        fixed = {p: (s.alpha, s.beta) for p, s in state.items()}
+        grads, sse = grad_and_value(diff, fixed, picks)
+        count = float(sum(targets[i].numel() for i in picks))
+        grads, sse, count = _reduce(grads, sse, count, par)
+        value = float(sse) / max(count, 1.0)
+        if first_loss is None:
+            first_loss = value
+        if value < best_loss or not best:
+            best_loss, best_state = value, state
+        decay = 1.0 - t / iters
+        state = {p: sign_step(s, Learned(grads[p][0], *(grads[p][1:] if learn_range[p] else (None, None))),
+                              lr=lr * decay, minmax_lr=minmax_lr * decay) for p, s in state.items()}
+    if not best:
+        best_state = state
+    new, qparams, info = {}, {}, {}
+    for p in weights:
+        new[p], qparams[p] = finalize(prep[p], best_state[p], zero_point=zero_point)
+        info[p] = {"signround_loss": float(f"{best_loss:.6g}"), "rtn_loss": float(f"{first_loss:.6g}")} if iters else {}
+    return Fit(params=new, qparams=qparams, info=info)
+
+
+def _reduce(grads: Mapping, sse, count: float, par):
+    """On several ranks, the gradients, the squared error and the element count summed over them (one
+    ``all_sum`` of one flat tensor); on one, as they are."""
+    if par.world == 1:
+        return grads, sse, count
+    leaves = [(p, k, g) for p, gs in grads.items() for k, g in enumerate(gs)]
+    flat = torch.cat([g.reshape(-1).to(torch.float64) for _, _, g in leaves]
+                     + [sse.detach().reshape(1).to(torch.float64), torch.tensor([count], dtype=torch.float64)])
+    flat = par.all_sum(flat)
+    out, at = {p: list(gs) for p, gs in grads.items()}, 0
+    for p, k, g in leaves:
+        out[p][k] = flat[at:at + g.numel()].reshape(g.shape).to(g.dtype)
+        at += g.numel()
+    return {p: tuple(v) for p, v in out.items()}, flat[at], float(flat[at + 1])
+
+
+def _tokens(**options):
+    return options.get("tokens")
+
+
+register_algorithm("signround", step, needs=BlockInputs(tokens=_tokens, float_inputs=lambda **o: True),
+                   options=Options,
+                   description="SignRound (AutoRound): rounding offsets and clipping learned by signed gradient "
+                               "descent against each block's float output")

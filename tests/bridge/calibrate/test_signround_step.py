@@ -1,0 +1,191 @@
+"""The ``signround`` step through the bridge: it lowers a block's output error below round to nearest's for every
+format family on tiny models of each architecture (Llama, GPT-2's Conv1D, OPT, mixture-of-experts), its offsets
+and factors stay in their ranges, the chains after AWQ and QuaRot run, the preset from the command line saves and
+reloads with identical logits, and bad options are refused by name before any calibration work."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import bridge
+import qtransform as qt
+import tiny_lm
+from bridge.app.cli import main
+from bridge_util import on_command_model, tiny_causal_lm
+
+sr_step = importlib.import_module("qtransform.algorithms.signround")
+sr_math = importlib.import_module("qtransform.algorithms.signround_math")
+U4 = qt.QuantSpec(format="uint4", granularity=qt.PerGroup(32), symmetric=False)
+FAMILIES = {"uint4-asym": U4, "int4-sym": qt.QuantSpec(format="int4", granularity=qt.PerGroup(32)),
+            "nf4": qt.QuantSpec(format="nf4", granularity=qt.PerGroup(32)),
+            "fp4": qt.QuantSpec(format="fp4_e2m1", granularity=qt.PerGroup(32)),
+            "mxfp4": qt.QuantSpec(format="mxfp4"), "nvfp4": qt.QuantSpec(format="nvfp4")}
+FIRST = {"llama": "model.layers.0", "gpt2": "transformer.h.0", "opt": "model.decoder.layers.0",
+         "qwen3_moe": "model.layers.0", "mixtral": "model.layers.0"}
+# every family on Llama, two on each other architecture
+CASES = [("llama", f) for f in FAMILIES] + [("gpt2", "uint4-asym"), ("gpt2", "nvfp4"), ("opt", "int4-sym"),
+                                             ("opt", "mxfp4"), ("qwen3_moe", "uint4-asym"), ("mixtral", "nf4")]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def _model(arch):
+    torch.manual_seed(0)
+    if arch in ("qwen3_moe", "mixtral"):
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "moe"))
+        from tiny_moe import build_tiny_moe
+
+        return build_tiny_moe(arch)
+    return tiny_causal_lm(arch).eval()
+
+
+def _batches(n, seed, vocab=128):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (2, 24), generator=g) for _ in range(n)]
+
+
+def _recipe(spec, *steps):
+    return qt.Recipe(type_rules={"Linear": spec, "Conv1D": spec, "Experts": spec}, exclude=["lm_head*"], steps=steps)
+
+
+def _first_block_output(model, block, ids):
+    """The output of the first block on ``ids`` (its inputs are the embeddings: the same for every model)."""
+    seen = {}
+    h = model.get_submodule(block).register_forward_hook(lambda m, a, out: seen.update(y=out[0] if isinstance(
+        out, tuple) else out))
+    with torch.no_grad():
+        logits = model(ids).logits
+    h.remove()
+    return seen["y"], logits
+
+
+def _errors(model, arch, recipe, calib, ids_list, step):
+    """The first block's output MSE against the float block's, through the rebuilt quantized modules, summed over
+    ``ids_list``: (with ``step``, round to nearest), and the step's result."""
+    result = bridge.quantize_params(model, dataclasses.replace(recipe, steps=(step,)), calibration=calib)
+    learned = bridge.to_module(model, result, kernel="dequant")
+    rtn = bridge.quantize(model, recipe, kernel="dequant")
+    err_sr = err_rtn = 0.0
+    for ids in ids_list:
+        y, _ = _first_block_output(model, FIRST[arch], ids)
+        y_sr, logits = _first_block_output(learned, FIRST[arch], ids)
+        assert torch.isfinite(logits).all()
+        err_sr += float((y_sr - y).pow(2).mean())
+        err_rtn += float((_first_block_output(rtn, FIRST[arch], ids)[0] - y).pow(2).mean())
+    return err_sr, err_rtn, result
+
+
+@pytest.mark.parametrize("arch,family", CASES)
+def test_signround_lowers_the_block_output_error_below_round_to_nearest(arch, family):
+    """On the calibration tokens (the error the step minimises, measured here through the quantized modules)."""
+    model = _model(arch)
+    calib = _batches(4, 1, model.config.vocab_size)
+    err_sr, err_rtn, result = _errors(model, arch, _recipe(FAMILIES[family]), calib, calib,
+                                      qt.Step("signround", iters=30))
+    assert err_sr < 0.9 * err_rtn, (err_sr, err_rtn)
+    # every planned weight of the blocks was trained: its best loss below round to nearest's (iteration 0)
+    planned = [p for p in result.plan.specs if p.startswith(FIRST[arch][:-1])]
+    assert planned and set(result.info) == set(planned)
+    for p in planned:
+        assert result.info[p]["signround_loss"] < result.info[p]["rtn_loss"], p
+        assert result.qtree[p].spec == result.plan.specs[p]
+
+
+@pytest.mark.parametrize("family", ["uint4-asym", "nvfp4"])
+def test_on_held_out_tokens_too(family):
+    model = _model("llama")
+    err_sr, err_rtn, _ = _errors(model, "llama", _recipe(FAMILIES[family]), _batches(4, 1), _batches(2, 99),
+                                 qt.Step("signround", iters=30))
+    assert err_sr < 0.9 * err_rtn, (err_sr, err_rtn)
+
+
+def test_offsets_and_factors_stay_in_range_and_the_result_is_the_codec_grid(monkeypatch):
+    seen = []
+    real = sr_step.finalize
+
+    def spy(lq, t, **kw):
+        seen.append(t)
+        return real(lq, t, **kw)
+
+    monkeypatch.setattr(sr_step, "finalize", spy)
+    model = _model("llama")
+    step = qt.Step("signround", iters=40, lr=0.05, minmax_lr=0.05)  # large steps: pushed against the bounds
+    bridge.quantize_params(model, _recipe(U4, step), calibration=_batches(2, 3))
+    assert len(seen) == 14
+    off = torch.cat([t.offset.reshape(-1) for t in seen])
+    fac = torch.cat([torch.cat([t.alpha.reshape(-1), t.beta.reshape(-1)]) for t in seen])
+    assert float(off.abs().max()) == 0.5 and float(fac.min()) >= 0.5 and float(fac.max()) <= 1.0
+    assert float(fac.min()) < 1.0 and (off != 0).float().mean() > 0.2
+
+
+@pytest.mark.parametrize("first", ["awq", "rotate"])
+def test_chains_after_awq_and_quarot_beat_the_first_step_alone(first):
+    model = _model("llama")
+    calib, held = _batches(4, 1), _batches(1, 99)[0]
+    spec = qt.QuantSpec(format="uint3", granularity=qt.PerGroup(32), symmetric=False)
+    with torch.no_grad():
+        ref = model(held).logits
+
+    def err(*steps):
+        with torch.no_grad():
+            q = bridge.quantize(model, _recipe(spec, *steps), calibration=calib, kernel="dequant")
+            return float((q(held).logits - ref).pow(2).mean())
+
+    alone = err(qt.Step(first))
+    chained = err(qt.Step(first), qt.Step("signround", iters=30))
+    assert chained < alone, (chained, alone)
+
+
+def test_the_preset_from_the_command_line_saves_and_reloads_with_identical_logits(tmp_path, monkeypatch, capsys):
+    from transformers import AutoModelForCausalLM
+
+    src = tmp_path / "llama"
+    _model("llama").save_pretrained(src)
+    tiny_lm.tokenizer().save_pretrained(src)
+    seen = {}
+    ids = _batches(1, 7)[0]
+    on_command_model(monkeypatch, lambda qmodel: seen.update(logits=qmodel(ids).logits.detach()))
+    out = tmp_path / "ckpt"
+    rc = main(["quantize", "--model", str(src), "--recipe", "signround4-g128", "--out", str(out), "--threads", "1",
+               "--no-eval", "--calib", "4", "--seq-len", "16"])
+    assert rc == 0, capsys.readouterr().err
+    rep = json.loads((out / "report.json").read_text())
+    assert {v.keys() >= {"signround_loss", "rtn_loss"} for v in rep["step_info"].values()} == {True}
+    assert "signround_loss" in capsys.readouterr().out
+    loaded = AutoModelForCausalLM.from_pretrained(out).eval()
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, seen["logits"])
+
+
+@pytest.mark.parametrize("options,message", [
+    ({"iters": -1}, "iters must be an int >= 0"), ({"lr": 0.0}, "lr must be"), ({"batch_size": 0}, "batch_size"),
+    ({"zero_point": "floor"}, "zero_point must be one of"), ({"minmax": "yes"}, "minmax must be true or false"),
+    ({"itres": 3}, "itres")])
+def test_bad_options_are_refused_by_name_before_calibration(options, message):
+    calls = []
+
+    def batches():
+        calls.append(1)
+        yield torch.randint(0, 128, (1, 8))
+
+    with pytest.raises((ValueError, TypeError), match=message):
+        bridge.quantize_params(_model("llama"), _recipe(U4, qt.Step("signround", **options)), calibration=batches())
+    assert calls == []
+
+
+def test_a_model_without_calibration_is_refused():
+    with pytest.raises(ValueError, match="signround"):
+        bridge.quantize_params(_model("llama"), _recipe(U4, qt.Step("signround", iters=2)))
