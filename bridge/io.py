@@ -235,16 +235,13 @@ def _tied_aliases(like: nn.Module, stored: set) -> dict[str, str]:
 
 def _experts_input(like: nn.Module, path: str) -> nn.Module:
     """A stand-in (its width) for the input of the experts weight ``path`` (``<experts>.gate_up_proj``)."""
-    from .modules.experts import expert_weights, stacked_like
-    parent, _, weight = path.rpartition(".")
-    experts = dict(like.named_modules()).get(parent)
-    if experts is None or weight not in expert_weights(experts):
+    from .modules.experts import input_holder
+    from .tree.rebuild import experts_slot
+    owner, weight = experts_slot(like, path)
+    if owner is None:
         raise CheckpointError(f"{CONFIG}: activation quantizer of {path!r} names no module of "
                               f"{type(like).__name__}") from None
-    holder = nn.Module()
-    holder.in_features = holder.out_features = stacked_like(experts, weight)[0][2]
-    holder.experts_input = True  # its buffers are the experts module's <weight>_input_scale...
-    return holder
+    return input_holder(owner, weight)
 
 
 def _activation_parts(like: nn.Module, meta) -> dict:
@@ -252,15 +249,14 @@ def _activation_parts(like: nn.Module, meta) -> dict:
     out = {}
     for site, spec in meta.activations.items():
         try:
-            module = like.get_submodule(site.module)
-        except AttributeError:
-            module = _experts_input(like, site.module)
+            module, sep = like.get_submodule(site.module), "."
+        except AttributeError:  # an experts weight: its buffers are the module's <weight>_input_scale...
+            module, sep = _experts_input(like, site.module), "_"
         if not spec.dynamic:
             try:
                 parts = static_buffers(module, site.role, spec)
             except ValueError as e:
                 raise CheckpointError(f"{CONFIG}: activation quantizer {site.module}:{site.role}: {e}") from None
-            sep = "_" if getattr(module, "experts_input", False) else "."
             out[site] = {f"{site.module}{sep}{n}": v for n, v in parts.items()}
     return out
 

@@ -22,7 +22,7 @@ from .granularity import PerBlock, PerChannel, PerGroup, PerTensor
 from .spec import (Match, Plan, QuantSpec, Recipe, Site, Step, as_plan, as_recipe, module_of, transposed_spec,
                    stacked_spec, matrix_spec)
 from .tensor import (QParams, QTensor, bits_per_element, dequantize, error_bound, fake_quantize, quantize,
-                     stacked, unpacked_codes)
+                     stacked, transposed_qparams, unpacked_codes)
 from .observers import (OBSERVERS, HistogramStats, MinMaxStats, Observer, choose_qparams, compute_qparams,
                         finalize_stats, init_stats, make_observer, merge_stats, observe, register_observer)
 from .algorithms import (ALGORITHMS, Algorithm, Block, BlockInputs, Context, Fit, ModelLoss, SiteStats, apply_fit,
@@ -41,7 +41,7 @@ __all__ = [
     "Registry", "data_checks",
     "FORMATS", "Codec", "Format", "get_format", "register_format", "minifloat", "mx_format", "pack", "unpack",
     "PerBlock", "PerChannel", "PerGroup", "PerTensor",
-    "QuantSpec", "Recipe", "Step", "Plan", "Match", "Site", "as_plan", "as_recipe", "module_of", "transposed_spec",
+    "QuantSpec", "Recipe", "Step", "Plan", "Match", "Site", "as_plan", "as_recipe", "module_of", "transposed_spec", "transposed_qparams",
     "stacked_spec", "matrix_spec", "stacked",
     "QParams", "QTensor", "quantize", "dequantize", "fake_quantize", "unpacked_codes", "error_bound",
     "bits_per_element",

@@ -159,7 +159,8 @@ def _capture(model: nn.Module, block: str, modules, sites, run_all,
 
 def blockwise(model: nn.Module, params: Mapping, plan: qt.Plan, batches, fit_block: Callable, *,
               qparams: Mapping | None = None, blocks: str | None = None, progress: Callable | None = None,
-              tokens: int | None = None, parallel: qt.Parallel = qt.SERIAL, all_experts: bool = False) -> qt.Fit:
+              tokens: int | None = None, parallel: qt.Parallel = qt.SERIAL, all_experts: bool = False,
+              float_inputs: bool = False) -> qt.Fit:
     """Run ``fit_block(block, params) -> Fit`` block by block (see the module docstring); returns the
     blocks' fits combined.
 
@@ -170,16 +171,19 @@ def blockwise(model: nn.Module, params: Mapping, plan: qt.Plan, batches, fit_blo
     (:func:`spread`; ``None``: all). ``parallel``: the ranks sharing the work; each keeps its share of the
     spread batches (:func:`bridge.distributed.share`) and the blocks' statistics reduce over all.
     ``all_experts``: the statistics of every expert see every token (:func:`.sites.fold_sites`).
+    ``float_inputs``: also carry the float model's block inputs from block to block (:attr:`qtransform.Block.float_inputs`;
+    the first block's are its quantized-chain inputs: nothing before it is quantized).
     """
     names = find_blocks(model, blocks)
     current = dict(params)
     prior = dict(qparams or {})
     inputs = my_share(spread(capture_inputs(model, current, names[0], batches), tokens), parallel)
+    floats = list(inputs) if float_inputs else None
     total = qt.Fit()
     order = progress(names, desc="blocks", total=len(names)) if progress is not None else names
     for name in order:
-        fit, inputs = fit_block_on(model, name, current, inputs, plan, fit_block, prior, total.qparams,
-                                   parallel=parallel, all_experts=all_experts)
+        fit, inputs, floats = fit_block_on(model, name, current, inputs, plan, fit_block, prior, total.qparams,
+                                           parallel=parallel, all_experts=all_experts, float_inputs=floats)
         current.update(fit.params)
         total = total.then(fit)
         for p in fit.params:  # what was fitted before described the old tensor
@@ -195,45 +199,60 @@ def my_share(inputs: list, parallel: qt.Parallel) -> list:
 
 
 def fit_block_on(model: nn.Module, name: str, current: Mapping, inputs: list, plan: qt.Plan, fit_block: Callable,
-                 prior: Mapping, fitted: Mapping | None = None, *,
-                 parallel: qt.Parallel = qt.SERIAL, all_experts: bool = False) -> tuple[qt.Fit, list]:
+                 prior: Mapping, fitted: Mapping | None = None, *, parallel: qt.Parallel = qt.SERIAL,
+                 all_experts: bool = False, float_inputs: list | None = None) -> tuple[qt.Fit, list, list | None]:
     """One block of :func:`blockwise`: ``fit_block`` on block ``name`` of ``model`` with its ``inputs`` and the
-    tree ``current``; returns the fit and the next block's inputs (this block's outputs with its tensors
+    tree ``current``; returns the fit, the next block's inputs (this block's outputs with its tensors
     quantized: the fit's qparams, else ``fitted`` ones of earlier blocks' steps, else ``prior`` ones for
-    tensors the fit left unchanged, else round to nearest). The streamed runs call it block by block.
+    tensors the fit left unchanged, else round to nearest) and, when ``float_inputs`` (the float model's
+    inputs of this block, batch for batch) are given, the next block's float inputs (this block's outputs on
+    them with its tensors as ``current`` holds them), else ``None``. The streamed runs call it block by block.
     ``parallel``: ``inputs`` are this rank's share; the block's statistics reduce over the ranks (to the
-    owners a step names, ``site_stats(..., owners=)``), its token count is the ranks' total."""
+    owners a step names, ``site_stats(..., owners=)``), its token count is the ranks' total.
+
+    The block's ``run``, ``call`` and ``capture`` are differentiable functions of the tensors they are given
+    (a learned step takes ``torch.func.grad`` through them); this runner's own passes run without gradients."""
     module = model.get_submodule(name)
     paths = tuple(p for p in current if p.startswith(name + "."))
     state = dict(current)
+    if float_inputs is not None and len(float_inputs) != len(inputs):
+        raise ValueError(f"block {name}: {len(float_inputs)} batches of float inputs for {len(inputs)} batches of inputs")
 
-    def run(tensors):
+    def run(tensors, batches=None):
         local = _local({**state, **tensors}, name)
+        return [torch.func.functional_call(module, local, args, kwargs) for args, kwargs in
+                (inputs if batches is None else batches)]
+
+    def quiet(tensors, batches=None):
         with torch.no_grad():
-            return [torch.func.functional_call(module, local, args, kwargs) for args, kwargs in inputs]
+            return run(tensors, batches)
 
     def site_stats(tensors, sites, owners=None):
-        return fold_sites(model, sites, lambda: run(tensors), where=f"block {name}", parallel=parallel, owners=owners,
+        return fold_sites(model, sites, lambda: quiet(tensors), where=f"block {name}", parallel=parallel, owners=owners,
                           all_experts=all_experts)
 
-    def capture(tensors, modules, sites=None):
-        return _capture(model, name, tuple(modules), dict(sites or {}), lambda: run(tensors), parallel, all_experts)
+    def capture(tensors, modules, sites=None, *, inputs=None):
+        return _capture(model, name, tuple(modules), dict(sites or {}), lambda: quiet(tensors, inputs), parallel,
+                        all_experts)
 
     def call(path, tensors, args, kwargs):
         if path != name and not path.startswith(name + "."):
             raise ValueError(f"block {name}: call: {path!r} is not inside the block")
-        with torch.no_grad():
-            return torch.func.functional_call(model.get_submodule(path), _local({**state, **tensors}, path),
-                                              args, kwargs)
+        return torch.func.functional_call(model.get_submodule(path), _local({**state, **tensors}, path), args, kwargs)
 
     tokens = sum(batch_tokens(a, k) for a, k in inputs)
     if parallel.world > 1:
         tokens = int(parallel.all_sum(torch.tensor(tokens, dtype=torch.int64)))
-    block = qt.Block(name=name, paths=paths, inputs=tuple(inputs), run=run, site_stats=site_stats,
-                     capture=capture, call=call, tokens=tokens, parallel=parallel)
+    block = qt.Block(name=name, paths=paths, inputs=tuple(inputs), run=lambda tensors: run(tensors),
+                     site_stats=site_stats, capture=capture, call=call, tokens=tokens, parallel=parallel,
+                     float_inputs=None if float_inputs is None else tuple(float_inputs))
     fit = fit_block(block, state)
+    floats = None
+    if float_inputs is not None:  # the float chain: this block as the earlier steps left it, before this fit
+        floats = [_with_first(a, k, first_tensor(o), name) for (a, k), o in zip(float_inputs, quiet({}, float_inputs))]
     state.update(fit.params)
     prior = {p: q for p, q in prior.items() if p not in fit.params}  # what was fitted before described the old tensor
     quantized = _quantized(state, paths, plan, {**prior, **(fitted or {}), **fit.qparams})
-    outputs = run({p: quantized[p] for p in paths})
-    return fit, [_with_first(args, kwargs, first_tensor(out), name) for (args, kwargs), out in zip(inputs, outputs)]
+    outputs = quiet({p: quantized[p] for p in paths})
+    nxt = [_with_first(args, kwargs, first_tensor(out), name) for (args, kwargs), out in zip(inputs, outputs)]
+    return fit, nxt, floats

@@ -102,11 +102,12 @@ class ModelCalibrator:
                               all_experts=self.all_experts)
 
     def blockwise(self, params: Mapping[str, torch.Tensor], plan: qt.Plan, fit_block, *,
-                  qparams: Mapping | None = None, tokens: int | None = None, online: Mapping | None = None) -> qt.Fit:
+                  qparams: Mapping | None = None, tokens: int | None = None, online: Mapping | None = None,
+                  float_inputs: bool = False) -> qt.Fit:
         with evaluating(self.model), installed(self.model, online):
             return blockwise(self.model, params, plan, self._batches(), fit_block, qparams=qparams,
                              blocks=self.blocks, progress=self.progress, tokens=tokens, parallel=self.parallel,
-                             all_experts=self.all_experts)
+                             all_experts=self.all_experts, float_inputs=float_inputs)
 
     def model_loss(self, plan: qt.Plan, *, online: Mapping | None = None) -> CalibrationLoss:
         return CalibrationLoss(self.model, self._batches(), plan, online=online)

@@ -33,7 +33,8 @@ from qtransform import QTensor
 from ..checkpoint.layout import NATIVE, dtype_name
 from . import actquant
 
-__all__ = ["EXPERT_WEIGHTS", "is_experts", "expert_weights", "routed_forward", "QExperts", "stacked_like"]
+__all__ = ["EXPERT_WEIGHTS", "is_experts", "expert_weights", "routed_forward", "QExperts", "stacked_like", "stored_shape",
+           "input_holder"]
 
 #: The 3-D weights of a standard experts module, in forward order.
 EXPERT_WEIGHTS = ("gate_up_proj", "up_proj", "down_proj")
@@ -58,10 +59,23 @@ def expert_weights(module: nn.Module) -> tuple[str, ...]:
     return tuple(n for n in EXPERT_WEIGHTS if n != ("up_proj" if module.has_gate else "gate_up_proj"))
 
 
+def stored_shape(module: nn.Module, name: str) -> tuple[int, ...]:
+    """The stored shape of weight ``name`` of an experts module (float or :class:`QExperts`)."""
+    return module._shape(name) if isinstance(module, QExperts) else tuple(getattr(module, name).shape)
+
+
 def stacked_like(module: nn.Module, name: str) -> tuple[tuple[int, ...], bool]:
     """``((experts, out, in) logical shape, stored transposed)`` of weight ``name`` of an experts module."""
-    shape = module._shape(name) if isinstance(module, QExperts) else tuple(getattr(module, name).shape)
+    shape = stored_shape(module, name)
     return ((shape[0], shape[2], shape[1]) if module.is_transposed else shape), bool(module.is_transposed)
+
+
+def input_holder(module: nn.Module, name: str) -> nn.Module:
+    """A stand-in with the input width of projection ``name`` of an experts module, for the activation
+    quantizers' shape functions (:mod:`.actquant`); its buffers are stored as ``<experts>.<name>_input_*``."""
+    holder = nn.Module()
+    holder.in_features = holder.out_features = stacked_like(module, name)[0][2]
+    return holder
 
 
 def routed_forward(module: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
@@ -209,9 +223,7 @@ class QExperts(nn.Module):
 
     def abstract_input(self, name: str, spec: qt.QuantSpec) -> qt.QParams:
         """Static QParams of ``spec`` for the input of ``name`` on ``meta`` (values to be loaded)."""
-        holder = nn.Module()
-        holder.in_features = holder.out_features = self.in_features(name)
-        return actquant.abstract_qparams(holder, "input", spec)
+        return actquant.abstract_qparams(input_holder(self, name), "input", spec)
 
     def _quant_input(self, name: str, x: torch.Tensor) -> torch.Tensor:
         spec = self._act.get(name)

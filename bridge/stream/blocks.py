@@ -79,13 +79,17 @@ class _Calibrator:
     def __init__(self, run: "BlockRun", name: str):
         self.run, self.name, self.calls = run, name, 0
 
-    def blockwise(self, params, plan, fit_block, *, qparams=None, tokens=None, online=None):
+    def blockwise(self, params, plan, fit_block, *, qparams=None, tokens=None, online=None, float_inputs=False):
         k = self._next()
         inputs = self.run.inputs(k, tokens)
+        floats = self.run.inputs(f"{k}f", tokens) if float_inputs else None  # the float chain: its own stream
         with installed(self.run.model, online):
-            fit, nxt = fit_block_on(self.run.model, self.name, params, inputs, plan, fit_block, dict(qparams or {}),
-                                    parallel=self.run.parallel, all_experts=self.run.all_experts)
+            fit, nxt, floats = fit_block_on(self.run.model, self.name, params, inputs, plan, fit_block,
+                                            dict(qparams or {}), parallel=self.run.parallel,
+                                            all_experts=self.run.all_experts, float_inputs=floats)
         self.run.carry(k, nxt)
+        if floats is not None:
+            self.run.carry(f"{k}f", floats)
         return fit
 
     def site_stats(self, params, sites, *, online=None):
@@ -181,8 +185,8 @@ class BlockRun:
         with torch.no_grad():
             return capture_inputs(self.model, params, self.names[0], self.calibration)
 
-    def inputs(self, k: int, tokens, *, quantized_prefix: bool = False) -> list:
-        """The inputs of the current block for stream ``k`` (made from the prefix's outputs at the first block:
+    def inputs(self, k: int | str, tokens, *, quantized_prefix: bool = False) -> list:
+        """The inputs of the current block for stream ``k`` (``"<k>f"``: the float chain of pass ``k``; made from the prefix's outputs at the first block:
         every pass starts there; ``tokens``: whole batches spread over the data, as the step asks)."""
         if k not in self.streams:
             if self._initial is None:  # both captures at once: the embeddings are freed before the block's work

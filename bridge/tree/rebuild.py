@@ -37,7 +37,7 @@ from qtransform import QTensor
 
 from ..modules import QModule, actquant, kvcache, quantized_class
 from ..modules import online as online_mod
-from ..modules.experts import QExperts, expert_weights
+from ..modules.experts import QExperts, expert_weights, stored_shape
 from .quantized import Quantized
 
 __all__ = ["to_module", "submodule", "replace_module", "meta_skeleton", "REBUILD_HOOKS", "float_slot", "qtensor_at",
@@ -115,7 +115,7 @@ def check_replacement(model: nn.Module, path: str, q: QTensor):
     if leaf in expert_weights(module):
         if module is model:
             raise ValueError(f"{path}: the root module itself cannot be replaced; wrap it in a container")
-        shape = module._shape(leaf) if isinstance(module, QExperts) else tuple(getattr(module, leaf).shape)
+        shape = stored_shape(module, leaf)
         if tuple(q.shape) != tuple(shape):
             raise ValueError(f"{path}: quantized tensor has shape {tuple(q.shape)}, the experts weight is {tuple(shape)}")
         return module, QExperts

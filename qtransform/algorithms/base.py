@@ -162,9 +162,12 @@ class BlockInputs(NamedTuple):
     block with the parameters fitted so far (round to nearest where none were) before computing
     the next block's inputs. ``tokens(**options) -> int | None``, when given, says how many
     calibration tokens the step uses: the calibrator then keeps whole batches, spread over the
-    data, until that many (``None``: all)."""
+    data, until that many (``None``: all). ``float_inputs(**options) -> bool``, when given and true, asks for
+    the float model's inputs of each block as well (:attr:`Block.float_inputs`: AutoRound's and GPTAQ's
+    targets)."""
 
     tokens: Callable[..., int | None] | None = None
+    float_inputs: Callable[..., bool] | None = None
 
 
 class ModelLoss(NamedTuple):
@@ -184,22 +187,28 @@ class Block(NamedTuple):
         paths: the tree paths of its tensors.
         inputs: per calibration batch, the block's ``(args, kwargs)`` (outputs of the blocks before it).
         run: ``run(params) -> [output per batch]``: the block on its inputs with its tensors taken from
-            ``params`` (``{path: tensor}``; missing paths keep the current tree's).
+            ``params`` (``{path: tensor}``; missing paths keep the current tree's); differentiable with respect to
+            ``params`` (``torch.func.grad`` through it gives the true gradient).
         site_stats: ``site_stats(params, {Site: empty statistics}) -> {Site: statistics}``: the block on
             its inputs with hooks, for sites inside it; on several ranks also ``owners=`` (``{Site: rank}``): each
             site's statistics reduced to its owner only (the others get no entry for it).
-        capture: ``capture(params, modules, sites=None) -> (inputs, stats)``: one run of the block on its
-            inputs that records, for each module path in ``modules`` (inside the block), its ``(args,
-            kwargs)`` per batch (``inputs``: ``{module: [...]}``), and folds ``sites`` like ``site_stats``.
+        capture: ``capture(params, modules, sites=None, *, inputs=None) -> (inputs, stats)``: one run of the
+            block on its inputs (or on ``inputs``, a list of batches such as ``[block.float_inputs[i]]``) that
+            records, for each module path in ``modules`` (inside the block), its ``(args, kwargs)`` per batch
+            (``{module: [...]}``), and folds ``sites`` like ``site_stats`` (over this rank's batches).
         call: ``call(module, params, args, kwargs) -> output``: the module at path ``module`` (inside the
             block, or the block itself) on ``args``/``kwargs``, its tensors taken from ``params``
-            (missing paths keep the current tree's): a pure function of ``params``.
+            (missing paths keep the current tree's): a pure, differentiable function of ``params``.
         tokens: the calibration tokens in ``inputs`` over all batches, counted by the caller who captured
             them and knows which input holds the hidden states (``None``: :func:`block_tokens` counts the
             rows of each batch's first tensor).
         parallel: the processes running this step on disjoint shares of the calibration data
             (:class:`qtransform.Parallel`; :data:`qtransform.SERIAL` for one). ``inputs``, ``run``, ``capture``
             and ``call`` are this rank's share; ``site_stats`` and ``tokens`` are over all ranks' data.
+        float_inputs: when the step asked for them (``BlockInputs.float_inputs``), per batch the block's
+            ``(args, kwargs)`` in the float model (every block before it run with its tensors as the earlier
+            steps left them, unquantized), the same batches in the same order as ``inputs``; else ``None``.
+            The block's float output on batch ``i``: ``call(name, {}, *float_inputs[i])``.
     """
 
     name: str
@@ -211,6 +220,7 @@ class Block(NamedTuple):
     call: Callable[..., Any] | None = None
     tokens: int | None = None
     parallel: Parallel = SERIAL
+    float_inputs: Sequence[Any] | None = None
 
 
 def batch_tokens(args: Sequence, kwargs: Mapping) -> int:

@@ -25,7 +25,7 @@ from typing import Callable, Sequence
 import torch
 
 from ..spec import QuantSpec, matrix_spec, transposed_spec
-from ..tensor import QParams, dequantize, quantize, stacked
+from ..tensor import QParams, dequantize, quantize, stacked, transposed_qparams
 from ..observers import choose_qparams
 
 __all__ = ["fit_experts", "FALLBACKS", "experts_cost"]
@@ -39,14 +39,6 @@ def _fallback(w: torch.Tensor, spec: QuantSpec, how: str, path: str) -> QParams:
         from . import hqq_math  # noqa: PLC0415 - only the hqq fallback needs it
         return hqq_math.optimize(w, spec, path=path)
     return choose_qparams(w, spec, path=path)
-
-
-def _transposed_qp(qp: QParams, spec: QuantSpec) -> QParams:
-    t = lambda x: None if x is None else (x if x.dim() == 0 else x.T.contiguous())  # noqa: E731
-    if qp.micro_exponent is not None:
-        raise ValueError(f"{spec.format}: a micro-exponent format on experts stored (in, out) is not available "
-                         "to calibrated steps (its packed sub-block shifts follow the stored layout)")
-    return QParams(scale=t(qp.scale), zero_point=t(qp.zero_point), global_scale=qp.global_scale, spec=spec)
 
 
 def fit_experts(w: torch.Tensor, hessians: Sequence, tokens: Sequence[int], spec: QuantSpec, solve: Callable, *,
@@ -82,7 +74,7 @@ def fit_experts(w: torch.Tensor, hessians: Sequence, tokens: Sequence[int], spec
             new, qp = W, _fallback(W, logical, fallback, at)
             fell.append(e)
         if transposed:
-            new, qp = new.T, _transposed_qp(qp, stored)
+            new, qp = new.T, transposed_qparams(qp, stored, path=at)
         qs.append(quantize(new.contiguous(), qp, path=at))
     q = _stack(qs, path)
     info = {"tokens": [int(t) for t in tokens], "fitted": fitted, "fallback": {fallback: fell} if fell else {}}

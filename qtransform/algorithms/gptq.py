@@ -38,7 +38,7 @@ import torch
 
 from ..observers import finalize_stats, init_stats
 from ..spec import Site, transposed_spec
-from ..tensor import QParams, dequantize, quantize
+from ..tensor import dequantize, quantize, transposed_qparams
 from .base import BlockInputs, Fit, register_algorithm
 from .experts import FALLBACKS, experts_cost, fit_experts
 from .gptq_math import INITS, gptq_many
@@ -152,19 +152,11 @@ def _solve_set(paths: list[str], H, params, plan, options) -> tuple[dict, dict, 
     for p, r, flip in zip(paths, results, flips):
         qp = r.qparams
         if flip:
-            qp = _transposed_qparams(qp, plan.specs[p], p)
+            qp = transposed_qparams(qp, plan.specs[p], path=p)
         new[p] = r.weight.T.contiguous() if flip else r.weight
         qps[p] = qp
         info[p] = {"gptq_loss": float(f"{r.loss:.6g}")}  # 6 significant digits: small losses stay nonzero
     return new, qps, info
-
-
-def _transposed_qparams(qp: QParams, stored_spec, path) -> QParams:
-    if qp.micro_exponent is not None:
-        raise ValueError(f"{path}: gptq on a weight stored transposed (Conv1D) with micro-exponent format "
-                         f"{stored_spec.format!r} is not available: its packed sub-block shifts follow the stored layout")
-    t = lambda x: None if x is None else (x if x.dim() == 0 else x.T.contiguous())  # noqa: E731
-    return QParams(scale=t(qp.scale), zero_point=t(qp.zero_point), global_scale=qp.global_scale, spec=stored_spec)
 
 
 def solve_cost(paths: list[str], params, plan) -> float:

@@ -63,7 +63,9 @@ class Calibrator(Protocol):
         unchanged tensor, else round to nearest) to compute the next block's inputs; returns the
         blocks' fits combined. ``tokens``: use whole batches, spread over the data, until that many
         tokens (the step's ``BlockInputs.tokens``; ``None``: every batch). ``online``: as for
-        :meth:`site_stats`; a block's ``capture`` records module arguments before their rotation."""
+        :meth:`site_stats`; a block's ``capture`` records module arguments before their rotation.
+        ``float_inputs=True`` (passed only when the step's ``BlockInputs.float_inputs`` asks): each block also
+        gets the float model's inputs (:attr:`~qtransform.Block.float_inputs`)."""
 
     def model_loss(self, plan: Plan, *, online: Mapping | None = None) -> Callable:
         """The model's loss on the calibration data for :class:`~qtransform.ModelLoss` steps:
@@ -139,6 +141,8 @@ def _run_step(algo, step: Step, plan: Plan, current: dict, calibrator: Calibrato
 
         tokens = algo.needs.tokens(**step.options) if algo.needs.tokens is not None else None
         more = {} if tokens is None else {"tokens": tokens}  # calibrators without the option still serve others
+        if algo.needs.float_inputs is not None and algo.needs.float_inputs(**step.options):
+            more["float_inputs"] = True
         return calibrator.blockwise(dict(current), plan, fit_block, qparams=dict(qparams), **more, **rotated)
     if isinstance(algo.needs, ModelLoss):
         loss = calibrator.model_loss(plan, **rotated)

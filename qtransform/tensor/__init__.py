@@ -5,7 +5,8 @@ from .types import QParams, QTensor
 from .quantize import dequantize, element_range, fake_quantize, quantize, roundtrip_blocks, unpacked_codes
 from .bounds import error_bound
 from .footprint import bits_per_element
+from .transpose import transposed_qparams
 from . import stacked
 
 __all__ = ["QParams", "QTensor", "quantize", "dequantize", "fake_quantize", "unpacked_codes", "element_range",
-           "roundtrip_blocks", "error_bound", "bits_per_element", "stacked"]
+           "roundtrip_blocks", "error_bound", "bits_per_element", "transposed_qparams", "stacked"]
