@@ -6,9 +6,11 @@ forward passes included), both run in this script on the same tokens and threads
 llm-compressor runs in its own virtualenv (its pins differ from ours): ``--peer-python /tmp/llmc/bin/python``
 (``make bench-gptq-peer`` creates it); without it only our side runs and the issue's anchors are printed.
 
-    .venv/bin/python bench/bench_gptq.py [--peer-python PY] [--only uint4-asym-g64 ...] [--hqq]
+    .venv/bin/python bench/bench_gptq.py [--peer-python PY] [--only uint4-asym-g64 ...] [--hqq] [--gptaq]
 
 ``--hqq`` adds the HQQ-initialised GPTQ comparison at 3 and 2 bits (uint, float zero point, group 64).
+``--gptaq`` adds GPTAQ (``Step("gptq", gptaq=True)``) beside GPTQ at uint4 and uint3 asym g64 (of the schemes
+run): perplexity ratio and seconds of each, GPTQ's from the main rows.
 """
 
 from __future__ import annotations
@@ -36,6 +38,8 @@ SCHEMES = {"uint4-asym-g64": ("uint4", False), "int4-sym-g64": ("int4", True), "
 #: The issue's anchors (SmolLM2-135M-Instruct, stdlib docstrings, fp ppl 13.456): Quark 0.13, llm-compressor 0.14.
 ANCHORS = {"uint4-asym-g64": ("x1.109, 405 s", "x1.108, 162 s", "<= x1.08"), "int4-sym-g64": ("x1.201", "", "<= x1.15"),
            "uint3-asym-g64": ("x1.560, 419 s", "", "<= x1.45"), "int3-sym-g64": ("x3.10", "", "<= x2.0")}
+#: The schemes ``--gptaq`` compares.
+GPTAQ_SCHEMES = ("uint4-asym-g64", "uint3-asym-g64")
 
 
 def spec_of(name: str, *, zero_point_domain: str | None = None) -> qt.QuantSpec:
@@ -72,9 +76,10 @@ def peer(python: str, scheme: str, files: tuple[str, str, str], threads: int, me
 def main() -> None:
     ap = arguments(SCHEMES)
     ap.add_argument("--hqq", action="store_true", help="also compare HQQ-initialised GPTQ at 3 and 2 bits")
+    ap.add_argument("--gptaq", action="store_true", help="also run GPTAQ at uint4/uint3 asym g64")
     a = ap.parse_args()
     model, cal, ev, fp, files = setup(a)
-    rows = []
+    rows, gptaq_rows = [], []
     for name in a.only or list(SCHEMES):
         rtn = ours(model, spec_of(name), cal, ev, fp, [])
         mine = ours(model, spec_of(name), cal, ev, fp, [qt.Step("gptq")])
@@ -87,6 +92,11 @@ def main() -> None:
         row["time_ratio"] = None if other is None else round(mine["seconds"] / other["seconds"], 3)
         rows.append(row)
         print(json.dumps(row), flush=True)
+        if a.gptaq and name in GPTAQ_SCHEMES:
+            asym = ours(model, spec_of(name), cal, ev, fp, [qt.Step("gptq", gptaq=True)])
+            gptaq_rows.append({"scheme": f"{name} gptaq", "gptq": mine["ratio"], "gptq_s": mine["seconds"],
+                               "gptaq": asym["ratio"], "gptaq_s": asym["seconds"]})
+            print(json.dumps(gptaq_rows[-1]), flush=True)
     table = markdown(["scheme", "RTN", "GPTQ (ours)", "ours, s", "llm-compressor (same run)", "llmc, s",
                       "time ours / llmc", "goal", "Quark anchor", "llmc anchor"],
                      [[r["scheme"], f"x{r['rtn']}", f"x{r['ours']}", r["ours_s"], _x(r["llmc"]), r["llmc_s"] or "-",
@@ -98,9 +108,13 @@ def main() -> None:
                                     "HQQ alone"],
                                    [[r["scheme"], f"x{r['clip']}", f"x{r['hqq_init']}", f"x{r['hqq']}"]
                                     for r in hqq_rows])
+    if gptaq_rows:
+        table += "\n\n" + markdown(["scheme", "GPTQ", "GPTQ, s", "GPTAQ (alpha 0.25)", "GPTAQ, s"],
+                                   [[r["scheme"].removesuffix(" gptaq"), f"x{r['gptq']}", r["gptq_s"],
+                                     f"x{r['gptaq']}", r["gptaq_s"]] for r in gptaq_rows])
     table += (f"\n\nfloat perplexity {fp:.3f} on {ev.numel()} tokens; calibration {a.calib}x{a.seq_len} tokens; "
               f"{a.threads} threads; load average {os.getloadavg()[0]:.1f}")
-    write("gptq", rows + hqq_rows, table, {"fp_ppl": fp, "load_average": os.getloadavg()[0]})
+    write("gptaq" if a.gptaq else "gptq", rows + hqq_rows + gptaq_rows, table, {"fp_ppl": fp, "load_average": os.getloadavg()[0]})
 
 
 def arguments(schemes) -> argparse.ArgumentParser:

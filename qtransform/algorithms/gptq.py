@@ -25,6 +25,15 @@ the plan's ``Plan.groups``; without either, every linear gets its own Hessian), 
 each from the Hessian of the tokens routed to it; an expert with fewer tokens gets the data-free fit, and
 ``Fit.info`` lists every expert's tokens and what was done (:mod:`.experts`).
 
+``gptaq`` (False) and ``gptaq_alpha`` (0.25): GPTAQ (:mod:`.gptaq_math`; Li et al. 2025, GPTQModel's "GPTQ
+v2"): each shared solve targets the float model's outputs, ``min ‖Q X̃ − W X‖²``, with ``X̃`` its inputs on the
+quantized path (earlier blocks quantized, and with ``true_sequential`` the stage's earlier layers) and ``X``
+the float model's inputs for the same tokens (the calibrator's float chain, ``BlockInputs(float_inputs=)``).
+Besides ``H = X̃ᵀX̃ / n`` it folds ``D = (X − X̃)ᵀX̃ / n``, batch by batch (one batch's inputs on both paths
+alive at a time), summed over the ranks. The stacked weights of a mixture-of-experts layer are solved by
+plain GPTQ: the router may send a token to different experts on the two paths, so an expert's tokens do not
+pair up; ``Fit.info`` says so (``{"gptaq": "experts: gptq"}``).
+
 ``init="clip"`` against ``init="minmax"``, true-sequential and llm-compressor's GPTQ, in perplexity and
 time: ``bench/bench_gptq.py`` (``docs/gptq.md``, ``docs/performance.md``).
 """
@@ -36,11 +45,12 @@ from typing import Any, Mapping
 
 import torch
 
-from ..observers import finalize_stats, init_stats
+from ..observers import finalize_stats, init_stats, observe
 from ..spec import Site, transposed_spec
 from ..tensor import dequantize, quantize, transposed_qparams
 from .base import BlockInputs, Fit, register_algorithm
 from .experts import FALLBACKS, experts_cost, fit_experts
+from .gptaq_math import cross
 from .gptq_math import INITS, gptq_many
 from .options import option, options_checker
 from .rtn import check_range_observer
@@ -70,6 +80,8 @@ class Options:
     groups: list | None = option(None, doc="smoothing groups replacing the plan's (Plan.groups)")
     expert_min_tokens: int = option(8, ge=1, doc="experts with fewer calibration tokens fall back")
     expert_fallback: str = option("rtn", choices=FALLBACKS, doc="the data-free fit of such an expert")
+    gptaq: bool = option(False, doc="GPTAQ: fit the float model's outputs from the quantized path's inputs")
+    gptaq_alpha: float = option(0.25, ge=0, doc="GPTAQ: scale of the asymmetric term")
 
     def __post_init__(self):
         if self.act_order and not self.static_groups:
@@ -80,6 +92,8 @@ class Options:
             if self.init != "minmax":
                 raise ValueError(f"observer applies to init='minmax', not init={self.init!r} (pass init='minmax')")
             check_range_observer(self.observer)
+        if self.gptaq_alpha != 0.25 and not self.gptaq:
+            raise ValueError(f"gptaq_alpha applies to gptaq=True, got gptaq_alpha={self.gptaq_alpha!r} with gptaq=False")
         if self.groups is not None and not all(
                 isinstance(g, Mapping) and isinstance(g.get("linears"), (list, tuple)) for g in self.groups):
             raise ValueError(f"groups must be a list of {{'prev': ..., 'linears': [...]}} dicts, got {self.groups!r:.80}")
@@ -117,7 +131,7 @@ def _stages(weights: list[str], groups, true_sequential: bool) -> list[list[list
 
 def _solve_experts(path: str, stats, params, plan, options) -> tuple[dict, dict, dict]:
     """GPTQ of each expert of a stacked experts weight from its own tokens' Hessian (see :mod:`.experts`)."""
-    solver = {k: v for k, v in options.items() if not k.startswith("expert_")}
+    solver = {k: v for k, v in options.items() if not k.startswith(("expert_", "gptaq"))}
 
     def solve(W, H, spec, at):
         r = gptq_many([W], H, [spec], paths=[at], **solver)[0]
@@ -135,10 +149,20 @@ def _solve_experts(path: str, stats, params, plan, options) -> tuple[dict, dict,
     return {path: new}, {path: qp}, {path: info}
 
 
-def _solve_set(paths: list[str], H, params, plan, options) -> tuple[dict, dict, dict]:
-    if len(paths) == 1 and plan[paths[0]].module_type == "Experts":
-        return _solve_experts(paths[0], H, params, plan, options)
-    options = {k: v for k, v in options.items() if not k.startswith("expert_")}
+def _is_experts(paths, plan) -> bool:
+    return len(paths) == 1 and plan[paths[0]].module_type == "Experts"
+
+
+def _solve_set(paths: list[str], H, params, plan, options, cross=None) -> tuple[dict, dict, dict]:
+    if _is_experts(paths, plan):
+        new, qps, info = _solve_experts(paths[0], H, params, plan, options)
+        if cross is not None or options["gptaq"]:
+            info[paths[0]]["gptaq"] = "experts: gptq"
+        return new, qps, info
+    alpha = options["gptaq_alpha"]
+    options = {k: v for k, v in options.items() if not k.startswith(("expert_", "gptaq"))}
+    if cross is not None:
+        options.update(cross=cross, alpha=alpha)
     weights, specs, flips = [], [], []
     for p in paths:
         w, spec, flip = params[p], plan.specs[p], plan[p].module_type == "Conv1D"
@@ -156,6 +180,8 @@ def _solve_set(paths: list[str], H, params, plan, options) -> tuple[dict, dict, 
         new[p] = r.weight.T.contiguous() if flip else r.weight
         qps[p] = qp
         info[p] = {"gptq_loss": float(f"{r.loss:.6g}")}  # 6 significant digits: small losses stay nonzero
+        if cross is not None:
+            info[p]["gptaq"] = f"alpha {alpha:g}"
     return new, qps, info
 
 
@@ -180,13 +206,21 @@ def _solve_stage(stage, sites, block, changed, params, plan, solver, context) ->
     par = block.parallel
     key = {Site(plan.site_module(s[0]), "input"): s for s in stage}
     owners = par.owners({site: solve_cost(s, params, plan) for site, s in key.items()})
-    stats = block.site_stats(changed, sites, owners=owners) if par.world > 1 else block.site_stats(changed, sites)
+    asym = [k for k, s in key.items() if solver["gptaq"] and not _is_experts(s, plan)]  # experts: plain GPTQ
+    plain = {k: v for k, v in sites.items() if k not in asym}
+    stats = {}
+    if plain:
+        stats = block.site_stats(changed, plain, owners=owners) if par.world > 1 else block.site_stats(changed, plain)
+    crosses = {}
+    if asym:
+        for site, (H, D) in _asymmetric_stats(asym, block, changed).items():
+            stats[site], crosses[site] = H, D
     out = {}
     for site in context.track([k for k in key if owners[k] == par.rank], desc=f"gptq {block.name}"):
         s = key[site]
         H = stats.pop(site)  # each Hessian freed once used
-        H = H if isinstance(H, tuple) else finalize_stats(H, path=s[0])  # experts: one per expert
-        new, qps, more = _solve_set(s, H, params, plan, solver)
+        H = H if isinstance(H, (tuple, torch.Tensor)) else finalize_stats(H, path=s[0])  # experts: one per expert
+        new, qps, more = _solve_set(s, H, params, plan, solver, cross=crosses.pop(site, None))
         out[site] = {p: (new[p], qps[p], more[p]) for p in s}
     if par.world > 1:
         packed = {site: {p: (quantize(w, qp, path=p), i) for p, (w, qp, i) in v.items()} for site, v in out.items()}
@@ -195,13 +229,63 @@ def _solve_stage(stage, sites, block, changed, params, plan, solver, context) ->
     return {p: v for site in key for p, v in out[site].items()}
 
 
+def _asymmetric_stats(sites: list, block, changed) -> dict:
+    """``{Site: (H, D)}``: GPTAQ's ``X̃ᵀX̃ / n`` and ``(X − X̃)ᵀX̃ / n`` (float32) at each site's module input,
+    ``X̃`` on the quantized path (``changed`` applied), ``X`` on the float path, batch by batch; over all ranks."""
+    if block.float_inputs is None:
+        raise ValueError(f"block {block.name}: gptaq needs the float model's inputs of the block "
+                         "(BlockInputs(float_inputs=)); the calibrator gave none")
+    if len(block.float_inputs) != len(block.inputs):
+        raise ValueError(f"block {block.name}: gptaq: {len(block.float_inputs)} float batches for "
+                         f"{len(block.inputs)} quantized ones; the two paths must carry the same batches")
+    modules = [s.module for s in sites]
+    hs, ds = {s: init_stats(observer="hessian") for s in sites}, {s: None for s in sites}
+    par, n = block.parallel, len(block.inputs)
+    rounds = max(par.gather(n)) if par.world > 1 else n  # every rank captures as often (each capture reduces)
+    for i in range(rounds):  # one batch of both paths alive at a time
+        q, _ = block.capture(changed, modules, inputs=list(block.inputs[i:i + 1]))
+        f, _ = block.capture({}, modules, inputs=list(block.float_inputs[i:i + 1]))
+        for s in sites:
+            if len(q[s.module]) != len(f[s.module]):
+                raise ValueError(f"{s.module}: gptaq: called {len(q[s.module])} times on the quantized path and "
+                                 f"{len(f[s.module])} on the float path for one batch")
+            for qa, fa in zip(q[s.module], f[s.module]):
+                xq, x = _first(*qa, s.module), _first(*fa, s.module)
+                hs[s] = observe(hs[s], xq, path=f"{s.module} (input)", donate=hs[s].xtx is not None)
+                d = cross(x, xq).to(torch.float64)
+                ds[s] = d if ds[s] is None else ds[s].add_(d)
+    if par.world > 1:  # a rank whose share never reached a module adds zeros of the others' width
+        widths = par.gather([None if ds[s] is None else ds[s].shape[0] for s in sites])
+        for k, s in enumerate(sites):
+            w = next((g[k] for g in widths if g[k] is not None), None)
+            if ds[s] is None and w is not None:
+                ds[s] = torch.zeros(w, w, dtype=torch.float64)
+    hs = par.reduce_stats(hs)
+    out = {}
+    for s in sites:  # the same decisions on every rank: the widths were gathered
+        if ds[s] is None or hs[s].count is None or int(hs[s].count) == 0:
+            raise ValueError(f"block {block.name}: gptaq: no activation reached {s.module}")
+        d = par.all_sum(ds[s]) if par.world > 1 else ds[s]
+        out[s] = (finalize_stats(hs[s], path=s.module), (d / float(hs[s].count)).to(torch.float32))
+    return out
+
+
+def _first(args, kwargs, module: str) -> torch.Tensor:
+    for v in (*args, *kwargs.values()):
+        if isinstance(v, torch.Tensor):
+            return v.detach()
+    raise ValueError(f"{module}: gptaq: the module's input holds no tensor")
+
+
 def step(params, plan, *, context, damp: float = 0.01, block_size: int = 128, act_order: bool = True,
          static_groups: bool = True, init: str = "clip", observer: Any = None, true_sequential: bool = False,
-         groups=None, expert_min_tokens: int = 8, expert_fallback: str = "rtn") -> Fit:
+         groups=None, expert_min_tokens: int = 8, expert_fallback: str = "rtn", gptaq: bool = False,
+         gptaq_alpha: float = 0.25) -> Fit:
     """The ``gptq`` step on one block (``context.block``); see the module docstring."""
     check_options(damp=damp, block_size=block_size, act_order=act_order, static_groups=static_groups, init=init,
                   observer=observer, true_sequential=true_sequential, groups=groups,
-                  expert_min_tokens=expert_min_tokens, expert_fallback=expert_fallback)
+                  expert_min_tokens=expert_min_tokens, expert_fallback=expert_fallback, gptaq=gptaq,
+                  gptaq_alpha=gptaq_alpha)
     block = context.block
     if block is None:
         raise ValueError("gptq runs block by block on calibration data (a calibrator's blockwise)")
@@ -209,7 +293,8 @@ def step(params, plan, *, context, damp: float = 0.01, block_size: int = 128, ac
     if not weights:
         return Fit()
     solver = dict(damp=float(damp), block_size=block_size, act_order=act_order, static_groups=static_groups,
-                  init=init, observer=observer, expert_min_tokens=expert_min_tokens, expert_fallback=expert_fallback)
+                  init=init, observer=observer, expert_min_tokens=expert_min_tokens, expert_fallback=expert_fallback,
+                  gptaq=gptaq, gptaq_alpha=float(gptaq_alpha))
     groups = plan.groups if groups is None else groups  # the plan's where the model is known; none is fine
     mine = [g for g in groups or () if all(lin.startswith(block.name + ".") for lin in g["linears"])]
     changed, qparams, info = {}, {}, {}
@@ -220,5 +305,5 @@ def step(params, plan, *, context, damp: float = 0.01, block_size: int = 128, ac
     return Fit(params=changed, qparams=qparams, info=info)
 
 
-register_algorithm("gptq", step, needs=BlockInputs(), options=Options,
+register_algorithm("gptq", step, needs=BlockInputs(float_inputs=lambda **o: bool(o.get("gptaq"))), options=Options,
                    description="GPTQ: columns quantized in order, errors compensated through the inverse Hessian")

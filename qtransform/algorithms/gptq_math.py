@@ -32,6 +32,9 @@ MX, NVFP4...). Where ``s``, ``z`` come from:
 Hessian's diagonal (:mod:`.clip_search`; affine formats without micro-exponents, else min/max);
 ``init="hqq"`` uses HQQ's optimizer (uint specs with a float zero point).
 
+``cross`` (GPTAQ, :mod:`.gptaq_math`): the statistic ``ΔXᵀX̃ / n`` of the float path's inputs against the
+quantized path's, which adds ``alpha · w_j P_j,>j`` to each column step's update of the columns after it.
+
 >>> import torch, qtransform as qt
 >>> from qtransform.algorithms.gptq_math import gptq
 >>> g = torch.Generator().manual_seed(0)
@@ -58,6 +61,7 @@ from ..spec import QuantSpec
 from ..tensor import QParams, blocks
 from ..tensor.quantize import element_range
 from .clip_search import search_range
+from .gptaq_math import asymmetric_term, check_alpha, check_cross
 from .hqq_math import check_spec as check_hqq_spec
 from .hqq_math import optimize as hqq_optimize
 
@@ -193,7 +197,8 @@ def gptq(W: torch.Tensor, H: torch.Tensor, spec: QuantSpec, **options) -> GPTQRe
 def gptq_many(weights: Sequence[torch.Tensor], H: torch.Tensor, specs: Sequence[QuantSpec], *,
               damp: float = 0.01, block_size: int = 128, act_order: bool = False, static_groups: bool = False,
               init: str = "minmax", observer=None, max_retries: int = 6,
-              paths: Sequence[str | None] | None = None) -> list[GPTQResult]:
+              paths: Sequence[str | None] | None = None, cross: torch.Tensor | None = None,
+              alpha: float = 0.25) -> list[GPTQResult]:
     """GPTQ of weights that read the same input (one ``H``: q/k/v, gate/up), solved together: their
     rows are stacked, the Hessian is factorized once and every column step covers all of them. Each
     result equals :func:`gptq` of that weight alone.
@@ -210,6 +215,8 @@ def gptq_many(weights: Sequence[torch.Tensor], H: torch.Tensor, specs: Sequence[
             clipping search) or ``"hqq"``.
         max_retries: damping increases (×10) tried when the factorization fails.
         paths: tree paths, for messages.
+        cross: GPTAQ's ``(in, in)`` ``ΔXᵀX̃ / n`` (same tokens and scale as ``H``); ``None``: GPTQ.
+        alpha: GPTAQ's scale of the asymmetric term (``>= 0``; with ``cross`` only).
     """
     paths = list(paths) if paths is not None else [None] * len(weights)
     if len(weights) != len(specs) or len(paths) != len(weights) or not weights:
@@ -224,6 +231,9 @@ def gptq_many(weights: Sequence[torch.Tensor], H: torch.Tensor, specs: Sequence[
         raise ValueError(f"{where(paths[0])}gptq: damp must be a number >= 0, got {damp!r}")
     if init not in INITS:
         raise ValueError(f"{where(paths[0])}gptq: init must be one of {list(INITS)}, got {init!r}")
+    alpha = check_alpha(alpha, path=paths[0])
+    if cross is not None:
+        check_cross(cross, H.shape[0], path=paths[0])
     if init == "hqq":
         for spec, p in zip(specs, paths):
             check_hqq_spec(spec, path=p)
@@ -232,6 +242,7 @@ def gptq_many(weights: Sequence[torch.Tensor], H: torch.Tensor, specs: Sequence[
     U, dead = inverse_hessian_factor(H, perm=perm, damp=damp, max_retries=max_retries, path=paths[0])
     if perm is not None:
         dead = dead[torch.argsort(perm)]
+    P = None if cross is None or alpha == 0 else asymmetric_term(cross, U, alpha=alpha, perm=perm, dead=dead)
 
     members, start = [], 0
     for W, spec, p in zip(weights, specs, paths):
@@ -269,6 +280,8 @@ def gptq_many(weights: Sequence[torch.Tensor], H: torch.Tensor, specs: Sequence[
                     ahead = Wt[i2:col + m.group, m.rows]  # beyond the block: with the block's pending updates
                     if ahead.shape[0] and j:
                         ahead = ahead - U[i1:col, i2:col + m.group].T @ E1[:j, m.rows]
+                        if P is not None:
+                            ahead = ahead + P[i1:col, i2:col + m.group].T @ W1[:j, m.rows]
                     cols = torch.cat([W1[j:j + m.group, m.rows], ahead])
                     qp = _choose(cols.T, m.spec, _init(init, m.spec), observer, paths[i],
                                  energy_p[col:col + cols.shape[0]])
@@ -283,9 +296,13 @@ def gptq_many(weights: Sequence[torch.Tensor], H: torch.Tensor, specs: Sequence[
             E1[j] = e
             if j + 1 < i2 - i1:
                 W1[j + 1:].addr_(U1[j, j + 1:], e, alpha=-1.0)
+                if P is not None:  # GPTAQ: w (before rounding) times the asymmetric term
+                    W1[j + 1:].addr_(P[col, col + 1:i2], w)
         losses += E1.to(torch.float64).pow(2).sum(0) / 2
         if i2 < C:
             Wt[i2:].addmm_(U[i1:i2, i2:].T, E1, alpha=-1.0)
+            if P is not None:  # W1: the block's columns before rounding
+                Wt[i2:].addmm_(P[i1:i2, i2:].T, W1)
     inv = None if perm is None else torch.argsort(perm)
     Qo = Q if inv is None else Q[inv]
     results = []
