@@ -38,15 +38,16 @@ BASES = {"rtn": "RTN", "gptq": "GPTQ", "awq": "AWQ", "signround": "SignRound", "
 LOWRANK = "+lowrank32"
 #: every row in table order: each of ours, then each + the rank-32 correction, then the peer.
 METHODS = [*BASES, *(b + LOWRANK for b in BASES), "autoround"]
-#: Why these iterations (measured on this machine, 2 threads, load 6-8 from the other sessions on 2 cores).
-CHOICE = ("iterations and batch: auto-round's defaults (200 iterations, batch 8 of 2048 tokens) take hours on this "
-          "CPU. Measured with auto-round 0.16.1 on SmolLM2 at seqlen 512, 40 samples, float32, 2 threads (load 6-8 "
-          "from other sessions on 2 cores): a decoder block's fixed cost (float outputs and next inputs of the 40 "
-          "samples, 80 block forwards) is 16-32 s, each tuning iteration at batch 1 about 2.6 s more (forward, "
-          "backward, fake-quantize). 30 blocks therefore take 8-16 minutes before any iteration; 4 iterations of "
-          "batch 1 (lr 1/iters = 0.25, auto-round's own rule) add about a minute per width. Both sides get the same "
-          "iterations, batch and lr; auto-round's torch.compile is off (its own rule turns it off below 10 "
-          "iterations) and amp off (float32 like ours).")
+#: Why these iterations (measured on this machine).
+CHOICE = ("Iterations and batch: auto-round's defaults (200 iterations, batch 8 of 2048 tokens) take hours on this "
+          "CPU. Measured with auto-round 0.16.1 on SmolLM2 at seqlen 512, 40 samples, float32, 2 threads, beside "
+          "other sessions on the machine's 2 cores (load 6-8): per decoder block a fixed cost of 80 block forwards "
+          "(the float outputs and the next inputs of the 40 samples), 16-32 s, and about 2.6 s per tuning iteration "
+          "of batch 1 (forward, backward, fake-quantize), from a profile of one block; so 30 blocks take 8-16 "
+          "minutes before the first iteration. Chosen: 4 iterations of batch 1, lr 1/iters = 0.25 (auto-round's own rule), about "
+          "5 minutes more per width. Both sides get the same iterations, batch and lr; auto-round runs in float32 "
+          "(amp off: ours runs in float32; its CPU default casts to bfloat16) and its torch.compile follows its own "
+          "rule (off below 10 iterations). Rerun with --iters 200 --batch-size 8 where hours are available.")
 
 
 def spec_of(name: str) -> qt.QuantSpec:

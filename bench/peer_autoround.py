@@ -24,18 +24,16 @@ from peer_llmcompressor import perplexity
 
 
 def distinct_per_group(model, group: int) -> tuple[int, int]:
-    """(largest number of distinct values in one group of ``group`` weights along in_features, number of linear
-    layers checked) over every ``nn.Linear`` but the output head."""
+    """(largest number of distinct values in one group of ``group`` weights along in_features, the last group of a
+    row the columns left over, number of linear layers checked) over every ``nn.Linear`` but the output head."""
     worst, layers = 0, 0
     for name, m in model.named_modules():
         if not isinstance(m, torch.nn.Linear) or name.endswith("lm_head"):
             continue
         w = m.weight.detach().float()
-        out, cols = w.shape
-        if cols % group:
-            raise ValueError(f"{name}: in_features {cols} is not a multiple of the group size {group}")
-        s = w.reshape(out, cols // group, group).sort(dim=-1).values
-        worst = max(worst, int((1 + (s.diff(dim=-1) != 0).sum(-1)).max()))
+        for start in range(0, w.shape[1], group):  # the last group may be shorter (576 columns in groups of 128)
+            s = w[:, start:start + group].sort(dim=-1).values
+            worst = max(worst, int((1 + (s.diff(dim=-1) != 0).sum(-1)).max()))
         layers += 1
     return worst, layers
 

@@ -116,8 +116,9 @@ def test_peer_counts_distinct_values_per_group():
         model.lm_head.weight.copy_(torch.arange(16.0).reshape(2, 8))
     assert peer_autoround.distinct_per_group(model, 4) == (4, 1)  # groups: 3, 1, 1, 4 distinct values
     assert peer_autoround.distinct_per_group(model, 8) == (5, 1)  # rows: {0,1,2,5}, {3,-1,0,1,2}
-    with pytest.raises(ValueError, match="group size 3"):
-        peer_autoround.distinct_per_group(model, 3)
+    # groups of 3: [0,1,1] [2,5,5] [5,5] and [3,3,3] [3,-1,0] [1,2]: at most 3 distinct values
+    assert peer_autoround.distinct_per_group(model, 3) == (3, 1)
+    assert peer_autoround.distinct_per_group(model, 5) == (4, 1)  # [3,3,3,3,-1] [0,1,2]; [0,1,1,2,5] [5,5,5]
 
 
 def test_peer_perplexity_is_ours(tiny):
