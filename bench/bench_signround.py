@@ -129,6 +129,8 @@ def measure(model, cal, ev, fp, *, schemes, methods, iters, batch_size, lr, thre
                    "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
             if "signround" in method or method == "autoround":
                 row["settings"] = {"iters": iters, "batch_size": batch_size, "lr": lr}
+            if method == "autoround":
+                row["peer"] = {k: other.get(k) for k in ("max_distinct_per_group", "layers_changed", "versions")}
             rows.append(row)
             print(json.dumps(row), flush=True)
     return rows, skipped
@@ -183,6 +185,10 @@ def main() -> None:
     text = table(rows, {"iters": a.iters, "batch_size": a.batch_size, "lr": lr})
     if skipped:
         text += "\n\nnot available on this main (left out): " + "; ".join(f"{label(m)}: {w}" for m, w in skipped.items())
+    if any(r["method"] == "autoround" for r in rows):
+        text += ("\n\nauto-round's model is scored as it leaves it in memory (weights fake-quantized in place); "
+                 "bench/peer_autoround.py refuses a result unless every linear layer but the head holds at most "
+                 "2^bits distinct values in each group.")
     info = machine()
     text += (f"\n\nfloat perplexity {fp:.3f} on {ev.numel()} tokens; calibration {a.calib}x{a.seq_len} tokens; "
              f"SignRound (both sides) {a.iters} iterations, batch {a.batch_size}, lr {lr:g}; {a.threads} threads; "
