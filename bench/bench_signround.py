@@ -6,7 +6,8 @@ point. Rows: RTN, GPTQ, AWQ, SignRound, AWQ->SignRound, GPTAQ, each also followe
 correction, and auto-round (SignRound's reference implementation) with the same scheme, tokens, iterations, batch
 size and learning rate.
 
-auto-round runs in its own virtualenv (``make bench-signround-peer``): ``--peer-python /tmp/qtransform-autoround/bin/python``.
+auto-round runs in its own virtualenv (``make bench-signround-peer``):
+``--peer-python /tmp/qtransform-autoround/bin/python``.
 
     .venv/bin/python bench/bench_signround.py [--peer-python PY] [--only uint2-asym-g64 ...] [--methods rtn gptq ...]
         [--iters 4] [--batch-size 1] [--lr 0.25]
@@ -44,10 +45,13 @@ CHOICE = ("Iterations and batch: auto-round's defaults (200 iterations, batch 8 
           "other sessions on the machine's 2 cores (load 6-8): per decoder block a fixed cost of 80 block forwards "
           "(the float outputs and the next inputs of the 40 samples), 16-32 s, and about 2.6 s per tuning iteration "
           "of batch 1 (forward, backward, fake-quantize), from a profile of one block; so 30 blocks take 8-16 "
-          "minutes before the first iteration. Chosen: 4 iterations of batch 1, lr 1/iters = 0.25 (auto-round's own rule), about "
-          "5 minutes more per width. Both sides get the same iterations, batch and lr; auto-round runs in float32 "
-          "(amp off: ours runs in float32; its CPU default casts to bfloat16) and its torch.compile follows its own "
-          "rule (off below 10 iterations). Rerun with --iters 200 --batch-size 8 where hours are available.")
+          "minutes before the first iteration. Chosen: 4 iterations of batch 1, lr 1/iters = 0.25 (auto-round's own "
+          "rule), about 5 minutes more per width by that estimate; at load 11 the W4 g128 run took 2613 s. At 4 "
+          "iterations of batch 1 auto-round was worse than RTN (W4 g128 x1.82 vs x1.28): each signed step moves "
+          "every offset by up to lr, and the kept 'best' iterate is judged on one sample's loss, a different sample "
+          "each iteration. Both sides get the same iterations, batch and lr; auto-round runs in float32 (amp off: "
+          "ours runs in float32; its CPU default casts to bfloat16) and its torch.compile follows its own rule (off "
+          "below 10 iterations). Rerun with --iters 200 --batch-size 8 where hours are available.")
 
 
 def spec_of(name: str) -> qt.QuantSpec:
@@ -184,7 +188,8 @@ def main() -> None:
     commands = old.get("commands", []) + [" ".join(["python", *sys.argv])]
     text = table(rows, {"iters": a.iters, "batch_size": a.batch_size, "lr": lr})
     if skipped:
-        text += "\n\nnot available on this main (left out): " + "; ".join(f"{label(m)}: {w}" for m, w in skipped.items())
+        text += "\n\nnot available on this main (left out): " + "; ".join(f"{label(m)}: {w}"
+                                                                         for m, w in skipped.items())
     if any(r["method"] == "autoround" for r in rows):
         text += ("\n\nauto-round's model is scored as it leaves it in memory (weights fake-quantized in place); "
                  "bench/peer_autoround.py refuses a result unless every linear layer but the head holds at most "
