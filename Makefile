@@ -9,7 +9,7 @@ TORCH   := torch==2.13.0
 STAMP   := $(VENV)/.installed
 PYTEST  := $(BIN)/python -m pytest
 
-.PHONY: install test quick test-long test-llamacpp demo bench bench-gptq bench-gptq-peer bench-awq bench-rotation bench-e2e bench-stream bench-distributed bench-moe test-gpu bench-gpu clean
+.PHONY: install test quick test-long test-llamacpp demo bench bench-gptq bench-gptq-peer bench-awq bench-rotation bench-e2e bench-stream bench-distributed bench-moe bench-signround bench-signround-peer test-gpu bench-gpu clean
 
 $(STAMP): pyproject.toml Makefile .ci/constraints.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -120,6 +120,19 @@ bench-distributed: $(STAMP)
 ## expert, time and peak RSS of a Qwen3-30B-A3B-shaped layer with 64 experts (bench/results/moe.{json,md})
 bench-moe: $(STAMP) $(PEER)/bin/python
 	HF_HUB_OFFLINE=1 $(BIN)/python bench/bench_moe.py --peer-python $(PEER)/bin/python
+
+## intel's auto-round in its own virtualenv (its pins differ from ours), for bench/bench_signround.py
+AUTOROUND := /tmp/qtransform-autoround
+$(AUTOROUND)/bin/python:
+	$(PY) -m venv $(AUTOROUND)
+	$(AUTOROUND)/bin/python -m pip install -q $(TORCH) auto-round transformers
+
+bench-signround-peer: $(AUTOROUND)/bin/python
+
+## learned rounding (issue 33) on SmolLM2 at W4 g128, W3 g64, W2 g64: RTN, GPTQ, AWQ, SignRound, AWQ->SignRound, GPTAQ,
+## each + low-rank 32, beside auto-round with the same tokens and iterations (bench/results/signround.{json,md})
+bench-signround: $(STAMP) $(AUTOROUND)/bin/python
+	HF_HUB_OFFLINE=1 $(BIN)/python bench/bench_signround.py --peer-python $(AUTOROUND)/bin/python
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis
