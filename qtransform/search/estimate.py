@@ -22,7 +22,7 @@ from ..observers import choose_qparams
 from ..spec import QuantSpec
 from ..tensor import dequantize, quantize
 
-__all__ = ["ALGORITHMS", "output_error", "quantized_weight"]
+__all__ = ["ALGORITHMS", "output_error", "quantized_weight", "rank_correlation"]
 
 #: Algorithms the estimate knows.
 ALGORITHMS = ("rtn", "hqq", "gptq")
@@ -57,3 +57,32 @@ def quantized_weight(w: torch.Tensor, spec: QuantSpec, *, algorithm: str = "rtn"
     else:
         qp = choose_qparams(w, spec, path=path)
     return dequantize(quantize(w, qp, path=path)).to(w.dtype)
+
+
+def _ranks(x: torch.Tensor) -> torch.Tensor:
+    """Ranks from 1, ties given their mean rank."""
+    order = x.argsort(stable=True)
+    sorted_x = x[order]
+    ranks = torch.empty_like(x)
+    ranks[order] = torch.arange(1, x.numel() + 1, dtype=x.dtype)
+    uniq, inverse = torch.unique(sorted_x, return_inverse=True)
+    mean = torch.zeros(uniq.numel(), dtype=x.dtype).index_add_(0, inverse, ranks[order])
+    mean /= torch.bincount(inverse, minlength=uniq.numel()).to(x.dtype)
+    out = torch.empty_like(x)
+    out[order] = mean[inverse]
+    return out
+
+
+def rank_correlation(a, b) -> float:
+    """Spearman's rank correlation of two equal-length sequences (ties: mean ranks).
+
+    >>> rank_correlation([1.0, 2.0, 3.0, 4.0], [10.0, 30.0, 20.0, 40.0])
+    0.8
+    """
+    a, b = torch.as_tensor(a, dtype=torch.float64).flatten(), torch.as_tensor(b, dtype=torch.float64).flatten()
+    if a.numel() != b.numel() or a.numel() < 2:
+        raise ValueError(f"rank_correlation: two sequences of one length >= 2, got {a.numel()} and {b.numel()}")
+    ra, rb = _ranks(a), _ranks(b)
+    ra, rb = ra - ra.mean(), rb - rb.mean()
+    den = float((ra.square().sum() * rb.square().sum()).sqrt())
+    return float((ra * rb).sum()) / den if den > 0 else float("nan")

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 from ..spec import QuantSpec, Recipe
 from .problem import SearchResult
@@ -44,6 +45,11 @@ def recipe_dict(result: SearchResult, *, steps=()) -> dict:
             "rules": {p: _spec_dict(s) for p, s in recipe.rules}}
 
 
+def _key(k: str) -> str:
+    """A TOML key: bare when it can be, quoted otherwise."""
+    return k if re.fullmatch(r"[A-Za-z0-9_-]+", k) else json.dumps(k)
+
+
 def _toml_value(v) -> str:
     if isinstance(v, bool):
         return "true" if v else "false"
@@ -54,7 +60,7 @@ def _toml_value(v) -> str:
     if isinstance(v, str):
         return json.dumps(v)  # a JSON string is a TOML basic string
     if isinstance(v, dict):
-        return "{" + ", ".join(f"{json.dumps(k)} = {_toml_value(x)}" for k, x in v.items()) + "}"
+        return "{" + ", ".join(f"{_key(k)} = {_toml_value(x)}" for k, x in v.items()) + "}"
     if isinstance(v, (list, tuple)):
         return "[" + ", ".join(_toml_value(x) for x in v) + "]"
     raise TypeError(f"recipe: cannot write {type(v).__name__} to TOML")
