@@ -144,3 +144,12 @@ def test_estimate_is_the_output_error_by_finite_sums():
         w_hat = quantized_weight(w, candidate("uint3-g64").spec, algorithm=algorithm, h=h)
         want = float(((x @ w.T - x @ w_hat.T) ** 2).sum(1).mean())
         assert output_error(w, w_hat, h) == pytest.approx(want, rel=1e-4)
+
+
+def test_inputs_are_not_changed():
+    import copy
+    losses, pins = random_losses(4), {"l0.o.weight": "int8"}
+    layers, groups = dict(LAYERS), [list(g) for g in GROUPS]
+    before = copy.deepcopy((losses, pins, layers, groups))
+    search(layers, CANDS, losses, budget=4.0, groups=groups, pins=pins)
+    assert (losses, pins, layers, groups) == before
