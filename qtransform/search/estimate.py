@@ -34,12 +34,15 @@ def output_error(w: torch.Tensor, w_hat: torch.Tensor, h: torch.Tensor) -> float
     Args:
         w, w_hat: ``(out, in)`` weights.
         h: ``(in, in)`` second moment of the layer's inputs.
+
+    Returns:
+        The error as a float (products in float32, summed in float64).
     """
     if w.shape != w_hat.shape or w.dim() != 2 or tuple(h.shape) != (w.shape[1], w.shape[1]):
         raise ValueError(f"output_error: w {tuple(w.shape)} and w_hat {tuple(w_hat.shape)} must be one (out, in) shape "
                          f"and h ({w.shape[-1]}, {w.shape[-1]}), got h {tuple(h.shape)}")
-    e = (w.double() - w_hat.double())
-    return float(((e @ h.double()) * e).sum())
+    e = w.float() - w_hat.float()  # float32 products, a float64 sum: the estimate ranks, 1e-6 is plenty
+    return float(((e @ h.float()) * e).sum(dtype=torch.float64))
 
 
 def quantized_weight(w: torch.Tensor, spec: QuantSpec, *, algorithm: str = "rtn", h: torch.Tensor | None = None,
