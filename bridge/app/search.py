@@ -215,7 +215,7 @@ def _report(a, result, sens, ref, numel, seconds) -> dict:
     return {
         "model": a.model, "budget_bits": a.budget, "budget_bytes": result.budget, "bytes": result.size,
         "bits_per_weight": result.bits_per_weight, "weights": numel, "estimated_loss": result.loss,
-        "exact": result.exact, "algorithm": a.algorithm, "layers": len(result.choice), "schemes": counts,
+        "exact": result.exact, "lower_bound": result.bound, "algorithm": a.algorithm, "layers": len(result.choice), "schemes": counts,
         "uniform": {n: {"bytes": s, "bits_per_weight": 8 * s / numel, "estimated_loss": l}
                     for n, (s, l) in result.uniform.items()},
         "choice": result.choice, "skipped": sens.skipped,
@@ -229,7 +229,7 @@ def _report(a, result, sens, ref, numel, seconds) -> dict:
 def _render(r: dict, out: Path) -> str:
     lines = [f"searched {r['layers']} layers: {r['bytes']} bytes = {r['bits_per_weight']:.4f} bits per weight "
              f"(budget {r['budget_bits']}), estimated loss {r['estimated_loss']:.4g}"
-             + ("" if r["exact"] else " (rounded-size knapsack)"),
+             + ("" if r["exact"] else f" (rounded-size knapsack; the optimum is >= {r['lower_bound']:.4g})"),
              "schemes: " + ", ".join(f"{n} x{k}" for n, k in sorted(r["schemes"].items())),
              "uniform schemes (bits per weight, estimated loss):"]
     for n, u in sorted(r["uniform"].items(), key=lambda kv: kv[1]["bytes"]):

@@ -5,7 +5,9 @@ size above its item's smallest (sizes are bytes, integers). Every reachable tota
 ``g`` above the sum of the smallest sizes, so the table over ``floor(spare / g) + 1`` capacities is the
 problem itself, not an approximation: the answer is exact. Only when that table would exceed
 ``max_cells`` are sizes rounded *up* to a coarser unit (``Solution.exact`` is then False): every answer
-still fits the budget, and its loss is optimal for the rounded sizes.
+still fits the budget, and its loss is optimal for the rounded sizes. The same table with sizes rounded
+*down* is then solved too: every choice that fits the true budget fits it, so its least loss is a lower
+bound on the true optimum (``Solution.bound``; the gap to ``loss`` is proven, not guessed).
 
 The last row of the table is the whole Pareto front (least loss at every size up to the budget), which
 :func:`front` reads off.
@@ -29,7 +31,8 @@ __all__ = ["Solution", "solve", "front"]
 class Solution(NamedTuple):
     """``choice``: the option taken for each item; ``size``, ``loss``: their totals; ``exact``: solved
     over exact sizes; ``unit``: bytes per table cell; ``base``: the smallest possible total size;
-    ``table``: least loss by capacity (``base + unit * c`` bytes, ``c = 0, 1, ...``)."""
+    ``table``: least loss by capacity (``base + unit * c`` bytes, ``c = 0, 1, ...``); ``bound``: a lower bound
+    on the optimal loss (``loss`` itself when exact)."""
 
     choice: tuple[int, ...]
     size: int
@@ -38,6 +41,7 @@ class Solution(NamedTuple):
     unit: int
     base: int
     table: torch.Tensor
+    bound: float
 
 
 def _check(items, budget) -> list[list[tuple[int, float]]]:
@@ -84,21 +88,8 @@ def solve(items: Sequence[Sequence[tuple[int, float]]], budget: int, *, max_cell
     if not exact:
         unit = -(-top // (max_cells - 1))
     cells = spare // unit + 1
-    table = torch.zeros(cells, dtype=torch.float64)  # least loss of the items so far within c units
-    picks = torch.zeros(len(items), cells, dtype=torch.int16)
-    for i, opts in enumerate(items):
-        best = torch.full((cells,), math.inf, dtype=torch.float64)
-        pick = torch.zeros(cells, dtype=torch.int16)
-        for j, (w, (_, loss)) in enumerate(zip(extra[i], opts)):
-            w = -(-w // unit)
-            if w >= cells:
-                continue
-            cand = torch.full((cells,), math.inf, dtype=torch.float64)
-            cand[w:] = table[:cells - w] + loss
-            better = cand < best
-            best = torch.where(better, cand, best)
-            pick = torch.where(better, torch.tensor(j, dtype=torch.int16), pick)
-        table, picks[i] = best, pick
+    table, picks = _table(items, extra, unit, cells, up=True)
+    bound = float(_table(items, extra, unit, cells, up=False)[0][-1]) if not exact else None
     choice, c = [], cells - 1
     for i in reversed(range(len(items))):
         j = int(picks[i, c])
@@ -107,7 +98,27 @@ def solve(items: Sequence[Sequence[tuple[int, float]]], budget: int, *, max_cell
     choice = tuple(reversed(choice))
     size = sum(items[i][j][0] for i, j in enumerate(choice))
     loss = sum(items[i][j][1] for i, j in enumerate(choice))
-    return Solution(choice, size, loss, exact, unit, base, table)
+    return Solution(choice, size, loss, exact, unit, base, table, loss if exact else min(bound, loss))
+
+
+def _table(items, extra, unit: int, cells: int, *, up: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(least loss by capacity, option picked per item and capacity)``, sizes in ``unit`` rounded up or down."""
+    table = torch.zeros(cells, dtype=torch.float64)  # least loss of the items so far within c units
+    picks = torch.zeros(len(items), cells, dtype=torch.int16)
+    for i, opts in enumerate(items):
+        best = torch.full((cells,), math.inf, dtype=torch.float64)
+        pick = torch.zeros(cells, dtype=torch.int16)
+        for j, (w, (_, loss)) in enumerate(zip(extra[i], opts)):
+            w = -(-w // unit) if up else w // unit
+            if w >= cells:
+                continue
+            cand = torch.full((cells,), math.inf, dtype=torch.float64)
+            cand[w:] = table[:cells - w] + loss
+            better = cand < best
+            best = torch.where(better, cand, best)
+            pick = torch.where(better, torch.tensor(j, dtype=torch.int16), pick)
+        table, picks[i] = best, pick
+    return table, picks
 
 
 def front(solution: Solution) -> list[tuple[int, float]]:

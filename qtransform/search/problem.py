@@ -34,7 +34,8 @@ class SearchResult(NamedTuple):
     """``choice``/``specs``/``sizes``/``losses``: per layer path, its candidate's name, spec, stored bytes
     and estimated loss; ``size``/``loss``: totals; ``budget``: the byte budget; ``bits_per_weight``: of the
     result over the searched layers; ``exact``: the knapsack was solved over exact sizes; ``front``: the
-    Pareto front ``[(bytes, least loss)]``; ``uniform``: ``{candidate: (bytes, loss)}`` of every candidate
+    Pareto front ``[(bytes, least loss)]``; ``bound``: a proven lower bound on the least loss (``loss`` when
+    exact); ``uniform``: ``{candidate: (bytes, loss)}`` of every candidate
     every item can take, used alone."""
 
     choice: dict[str, str]
@@ -48,6 +49,7 @@ class SearchResult(NamedTuple):
     exact: bool
     front: list[tuple[int, float]]
     uniform: dict[str, tuple[int, float]]
+    bound: float
 
 
 def tied_groups(groups) -> list[list[str]]:
@@ -146,4 +148,4 @@ def search(layers: Mapping[str, tuple[int, ...]], cands: Sequence[Candidate],
     return SearchResult(choice={p: choice[p] for p in order}, specs={p: specs[p] for p in order},
                         sizes={p: sizes[p] for p in order}, losses={p: per_loss[p] for p in order},
                         size=sol.size, loss=sol.loss, budget=cap, bits_per_weight=8.0 * sol.size / numel,
-                        exact=sol.exact, front=front(sol), uniform=uniform)
+                        exact=sol.exact, front=front(sol), uniform=uniform, bound=sol.bound)

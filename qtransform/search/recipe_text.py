@@ -70,7 +70,8 @@ def _header(result: SearchResult, notes) -> list[str]:
     n = sum(result.sizes.values())
     lines = [f"# qtransform search: {len(result.specs)} layers, budget {result.budget} bytes, "
              f"predicted {n} bytes ({result.bits_per_weight:.4f} bits per weight, scales and zero points counted)",
-             f"# estimated loss {result.loss:.6g} ({'exact' if result.exact else 'rounded-size'} knapsack)"]
+             f"# estimated loss {result.loss:.6g} (" + ("exact knapsack)" if result.exact else
+                                                     f"rounded-size knapsack; optimum >= {result.bound:.6g})")]
     return lines + [f"# {line}" for line in notes]
 
 

@@ -35,7 +35,7 @@ def test_exact_against_brute_force(seed):
     budget = smallest + rng.randint(0, sum(max(s for s, _ in o) for o in items) - smallest + 5)
     s = solve(items, budget)
     want, _ = brute(items, budget)
-    assert s.exact
+    assert s.exact and s.bound == s.loss
     assert s.size <= budget
     assert s.size == sum(items[i][j][0] for i, j in enumerate(s.choice))
     assert s.loss == pytest.approx(want, abs=1e-9)
@@ -61,8 +61,9 @@ def test_rounded_sizes_fit_the_budget(seed):
     items = random_items(rng)
     budget = sum(min(s for s, _ in o) for o in items) + rng.randint(0, 60)
     s = solve(items, budget, max_cells=4)
+    want = brute(items, budget)[0]
     assert s.size <= budget
-    assert s.loss >= brute(items, budget)[0] - 1e-9
+    assert s.bound - 1e-9 <= want <= s.loss + 1e-9  # the proven bracket holds the true optimum
 
 
 def test_unit_is_the_gcd():
