@@ -7,6 +7,8 @@
     qtransform eval --model DIR [--baseline PATH]
     qtransform formats | recipes | inspect DIR
     qtransform export CHECKPOINT --to quark|compressed-tensors|gguf|onnx --out DIR   (bridge.app.export)
+    qtransform search --budget BITS [--candidates ...] [--calib N] [--pin GLOB=SCHEME] [--to TARGET] --out FILE
+                                                                            (bridge.app.search)
 
 This module parses the command line and dispatches; each subcommand that does more than print a
 listing has its module (``quantize``: :mod:`bridge.app.quantize`, ``export``: :mod:`bridge.app.export`).
@@ -35,7 +37,7 @@ import sys
 import warnings
 from pathlib import Path
 
-from . import export, inputs, outputs, ranks, streaming
+from . import export, inputs, outputs, ranks, search, streaming
 from ..distributed import launch
 from .inputs import UserError
 from .outputs import say as _say
@@ -195,14 +197,14 @@ def build_parser() -> argparse.ArgumentParser:
     r = sub.add_parser("recipes", help="the named recipe presets")
     i = sub.add_parser("inspect", help="what a checkpoint holds")
     i.add_argument("directory")
-    for cmd in (q, e, f, r, i, export.add_parser(sub)):
+    for cmd in (q, e, f, r, i, export.add_parser(sub), search.add_parser(sub, _at_least)):
         cmd.add_argument("--plugin", action="append", default=[], metavar="FILE.py|MODULE",
                          help="import this first (it may register formats, observers, algorithms, presets)")
     return p
 
 
 COMMANDS = {"quantize": cmd_quantize, "eval": cmd_eval, "formats": cmd_formats, "recipes": cmd_recipes,
-            "inspect": cmd_inspect, "export": export.cmd_export}
+            "inspect": cmd_inspect, "export": export.cmd_export, "search": search.cmd_search}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -247,7 +249,7 @@ def _first_line(e: BaseException) -> str:
 
 
 #: Commands that load models: transformers' log (its multi-line load reports) is silenced while they run.
-QUIET = ("quantize", "eval", "inspect", "export")
+QUIET = ("quantize", "eval", "inspect", "export", "search")
 
 
 @contextlib.contextmanager

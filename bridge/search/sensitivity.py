@@ -1,0 +1,108 @@
+"""Sensitivity of each linear layer of a model to each candidate scheme, measured on calibration data.
+
+One calibration pass folds the input Hessian ``H = XᵀX / n`` of every searched linear (one site per group of
+linears that read one input: q/k/v share theirs, gate/up theirs), then each layer's weight is quantized with
+each candidate by the chosen algorithm and scored by its output error ``tr(E H Eᵀ)``
+(:func:`qtransform.search.output_error`). A candidate that cannot take a layer's shape has no score there (the
+search leaves it out for that layer).
+
+>>> import torch
+>>> model = torch.nn.Sequential(torch.nn.Linear(16, 8, bias=False))
+>>> s = measure(model, [torch.randn(4, 16)], qt.search.candidates("int8, uint2-g16"))
+>>> sorted(s.losses["0.weight"]), s.losses["0.weight"]["int8"] < s.losses["0.weight"]["uint2-g16"]
+(['int8', 'uint2-g16'], True)
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable, Iterable, NamedTuple, Sequence
+
+import torch
+from torch import nn
+
+import qtransform as qt
+from qtransform import search as qsearch
+
+from ..calibrate import ModelCalibrator
+from ..pipeline import plan as model_plan
+from ..tree import extract
+
+__all__ = ["Sensitivity", "searched_layers", "measure"]
+
+#: What the search quantizes: the weights of these module types (``lm_head`` and embeddings excluded).
+SEARCHED = qt.Recipe(type_rules={"Linear": qt.QuantSpec(format="int8"), "Conv1D": qt.QuantSpec(format="int8")},
+                     exclude=qt.pipeline.DEFAULT_EXCLUDE)
+
+
+class Sensitivity(NamedTuple):
+    """``layers``: ``{weight path: (out, in)}``; ``losses``: ``{path: {candidate: tr(E H Eᵀ)}}``; ``groups``:
+    the lists of paths that read one input (a fused kernel holds them in one format); ``skipped``: ``{path:
+    [candidates that do not fit it]}``; ``seconds``: calibration and scoring time; ``hessians``:
+    ``{path: H}`` (the same tensor for paths of one group)."""
+
+    layers: dict[str, tuple[int, int]]
+    losses: dict[str, dict[str, float]]
+    groups: list[list[str]]
+    skipped: dict[str, list[str]]
+    seconds: float
+    hessians: dict[str, torch.Tensor]
+
+
+def searched_layers(model: nn.Module) -> tuple[dict[str, tuple[int, int]], list[list[str]]]:
+    """``(layers, groups)``: the linear weights a search chooses schemes for, in the logical ``(out, in)`` layout
+    (``lm_head`` excluded), and the groups of them that read one input (from the architecture tables)."""
+    plan = model_plan(model, SEARCHED)
+    tree = extract(model)
+    layers = {p: tuple(tree[p].shape) for p in plan.specs}
+    if any(len(s) != 2 for s in layers.values()):
+        raise ValueError("the search takes 2-D linear weights; "
+                         f"{[p for p, s in layers.items() if len(s) != 2][:3]} are not")
+    groups = [[p for p in g if p in layers] for g in qsearch.tied_groups(plan.groups)]
+    return layers, [g for g in groups if len(g) > 1]
+
+
+def _hessians(model, batches, layers, groups, progress) -> dict[str, torch.Tensor]:
+    lead = {}
+    for g in groups:
+        for p in g:
+            lead[p] = g[0]
+    sites = {qt.Site(qt.module_of(p)): qt.init_stats(observer="hessian") for p in layers if lead.get(p, p) == p}
+    cal = ModelCalibrator(model, batches, progress=progress)
+    stats = cal.site_stats(extract(model), sites)
+    h = {s.module: qt.finalize_stats(v) for s, v in stats.items()}
+    return {p: h[qt.module_of(lead.get(p, p))] for p in layers}
+
+
+def measure(model: nn.Module, batches: Iterable, cands: Sequence[qsearch.Candidate], *, algorithm: str = "rtn",
+            progress: Callable | None = None) -> Sensitivity:
+    """The output error of every searched layer under every candidate (see the module docstring).
+
+    Args:
+        model: the float model (not changed).
+        batches: calibration batches (token ids or dicts of model inputs).
+        cands: the candidate schemes.
+        algorithm: how each candidate quantizes a weight: ``rtn``, ``hqq`` or ``gptq``.
+        progress: ``progress(iterable, desc=..., total=...)``, e.g. a tqdm bar.
+    """
+    if algorithm not in qsearch.ALGORITHMS:
+        raise ValueError(f"algorithm must be one of {list(qsearch.ALGORITHMS)}, got {algorithm!r}")
+    t0 = time.perf_counter()
+    layers, groups = searched_layers(model)
+    hessians = _hessians(model, batches, layers, groups, progress)
+    tree = extract(model)
+    losses, skipped = {}, {}
+    paths = list(layers)
+    for p in (progress(paths, desc="sensitivity", total=len(paths)) if progress else paths):
+        w = tree[p].detach().float()
+        h = hessians[p].float()
+        losses[p] = {}
+        for c in cands:
+            try:
+                w_hat = qsearch.quantized_weight(w, c.spec, algorithm=algorithm, h=h, path=p)
+            except ValueError:  # the spec does not fit this shape: no score, the search leaves it out here
+                skipped.setdefault(p, []).append(c.name)
+                continue
+            losses[p][c.name] = qsearch.output_error(w, w_hat, h)
+    return Sensitivity(layers, losses, groups, skipped, time.perf_counter() - t0, hessians)
+
