@@ -42,7 +42,8 @@ from .checkpoint.layout import LAYOUTS, dtype_name
 from .checkpoint.metadata import CheckpointError
 from .checkpoint.tree_io import (CONFIG, TOKENIZER_FILES, check_aliases, quantized_parts, read_metadata, read_tree,
                                  tensor_groups, verify_checksums)
-from .modules.actquant import PREFIX, activation_specs, static_buffers
+from .io_parts import activation_parts
+from .modules.actquant import PREFIX, activation_specs
 from .modules.online import check as check_online, online_rotations
 from .tree import Quantized, extract, tie_groups, to_module
 
@@ -233,38 +234,6 @@ def _tied_aliases(like: nn.Module, stored: set) -> dict[str, str]:
     return out
 
 
-def _experts_input(like: nn.Module, path: str) -> nn.Module:
-    """A stand-in (its width) for the input of the experts weight ``path`` (``<experts>.gate_up_proj``)."""
-    from .modules.experts import expert_weights, stacked_like
-    parent, _, weight = path.rpartition(".")
-    experts = dict(like.named_modules()).get(parent)
-    if experts is None or weight not in expert_weights(experts):
-        raise CheckpointError(f"{CONFIG}: activation quantizer of {path!r} names no module of "
-                              f"{type(like).__name__}") from None
-    holder = nn.Module()
-    holder.in_features = holder.out_features = stacked_like(experts, weight)[0][2]
-    holder.experts_input = True  # its buffers are the experts module's <weight>_input_scale...
-    return holder
-
-
-def _activation_parts(like: nn.Module, meta) -> dict:
-    """``{Site: {stored name: (shape, dtype)}}`` of the checkpoint's static activation quantizers."""
-    out = {}
-    for site, spec in meta.activations.items():
-        try:
-            module = like.get_submodule(site.module)
-        except AttributeError:
-            module = _experts_input(like, site.module)
-        if not spec.dynamic:
-            try:
-                parts = static_buffers(module, site.role, spec)
-            except ValueError as e:
-                raise CheckpointError(f"{CONFIG}: activation quantizer {site.module}:{site.role}: {e}") from None
-            sep = "_" if getattr(module, "experts_input", False) else "."
-            out[site] = {f"{site.module}{sep}{n}": v for n, v in parts.items()}
-    return out
-
-
 def load(directory, *, like: nn.Module, kernel: str = "auto", verify: bool = True) -> nn.Module:
     """Rebuild the quantized model saved in ``directory``.
 
@@ -315,7 +284,7 @@ def load(directory, *, like: nn.Module, kernel: str = "auto", verify: bool = Tru
             raise CheckpointError(f"{CONFIG}: {path!r} is quantized in the model but not in the checkpoint")
         else:
             expected[path] = (tuple(leaf.shape), leaf.dtype)
-    act_parts = _activation_parts(like, meta)
+    act_parts = activation_parts(like, meta)
     try:  # the rotations fit the model, before any data is read
         check_online(like, meta.online)
     except ValueError as e:
@@ -373,7 +342,7 @@ def from_source(like: nn.Module, source, *, kernel: str = "auto") -> nn.Module:
     tensors as they are stored (never re-quantized), every tensor checked against ``like`` first."""
     meta, tree = source.meta, dict(source.tree)
     ref = extract(like)
-    act_parts = _activation_parts(like, meta)
+    act_parts = activation_parts(like, meta)
     act_names = {n for parts in act_parts.values() for n in parts}
     unknown = sorted(p for p in tree if p not in ref and p not in act_names)
     if unknown:
