@@ -41,7 +41,7 @@ from ..observers import choose_qparams, finalize_stats, init_stats
 from ..spec import Site
 from ..tensor import dequantize, quantize
 from .base import Fit, SiteStats, register_algorithm
-from .lowrank_math import lowrank_error
+from .lowrank_math import hessian_basis, lowrank_error
 from .options import option, options_checker
 
 __all__ = ["step", "Options", "check_options", "lowrank_weights"]
@@ -101,7 +101,7 @@ def step(params, plan, *, context, rank: int = 32, weighted: bool = True, damp: 
     check_options(rank=rank, weighted=weighted, damp=damp)
     known, reference = context.qparams or {}, context.reference or {}
     stats = context.stats or {}
-    corrections, fitted, info = {}, {}, {}
+    corrections, fitted, info, bases = {}, {}, {}, {}
     for p in context.track(lowrank_weights(params, plan), desc="lowrank"):
         flip = plan[p].module_type == "Conv1D"  # stored (in, out)
         qp = known.get(p)
@@ -110,13 +110,16 @@ def step(params, plan, *, context, rank: int = 32, weighted: bool = True, damp: 
         w = reference.get(p, params[p])
         e = (w - dequantize(quantize(params[p], qp, path=p), dtype=w.dtype)).to(w.dtype)
         e = e.T if flip else e
-        H = None
+        H = basis = None
         if weighted:
             site = Site(plan.site_module(p), "input")
             if site not in stats:
                 raise ValueError(f"{p}: no input Hessian at {site.module} (weighted=True needs calibration data)")
             H = finalize_stats(stats[site], path=p)
-        c = lowrank_error(e, rank=rank, hessian=H, damp=damp)
+            if site not in bases:  # one eigendecomposition per input (q/k/v, gate/up share theirs)
+                bases[site] = hessian_basis(H.to(e.device), damp=damp)
+            basis = bases[site]
+        c = lowrank_error(e, rank=rank, basis=basis)
         corrections[p] = c
         info[p] = {"lowrank_rank": c.rank, "lowrank_residual": float(f"{_residual(e, c.delta(), H):.4g}")}
     return Fit(qparams=fitted, lowrank=corrections, info=info)

@@ -102,9 +102,10 @@ def _split(P: torch.Tensor, S: torch.Tensor, Qt: torch.Tensor, rank: int) -> tup
 
 
 def lowrank_error(error: torch.Tensor, *, rank: int, hessian: torch.Tensor | None = None,
-                  damp: float = 0.0) -> LowRank:
+                  damp: float = 0.0, basis: tuple[torch.Tensor, torch.Tensor] | None = None) -> LowRank:
     """The rank-``rank`` correction of ``error`` ``(out, in)`` (see the module docstring): weighted by
-    ``hessian`` ``(in, in)`` when given, else the truncated SVD. Computed in float64, returned in
+    ``hessian`` ``(in, in)`` when given (or by its ``basis``, :func:`hessian_basis`'s ``(U, λ)``, computed
+    once for the linears that share an input), else the truncated SVD. Computed in float64, returned in
     ``error``'s dtype; the rank is ``min(rank, out, in)``.
 
     >>> E = torch.tensor([[1.0, 1.0], [0.0, 0.0]])
@@ -120,14 +121,19 @@ def lowrank_error(error: torch.Tensor, *, rank: int, hessian: torch.Tensor | Non
         raise ValueError(f"rank must be an int >= 1, got {rank!r}")
     rank = min(rank, *error.shape)
     E = error.to(torch.float64)
-    if hessian is None:
-        P, S, Qt = torch.linalg.svd(E, full_matrices=False)
-        b, a = _split(P, S, Qt, rank)
-    else:
+    if basis is None and hessian is not None:
         if hessian.shape != (error.shape[1],) * 2:
             raise ValueError(f"hessian has shape {tuple(hessian.shape)}, the error {tuple(error.shape)} needs "
                              f"({error.shape[1]}, {error.shape[1]})")
-        U, lam = hessian_basis(hessian.to(error.device), damp=damp)
+        basis = hessian_basis(hessian.to(error.device), damp=damp)
+    if basis is None:
+        P, S, Qt = torch.linalg.svd(E, full_matrices=False)
+        b, a = _split(P, S, Qt, rank)
+    else:
+        U, lam = basis
+        if U.shape != (error.shape[1],) * 2:
+            raise ValueError(f"basis has shape {tuple(U.shape)}, the error {tuple(error.shape)} needs "
+                             f"({error.shape[1]}, {error.shape[1]})")
         root = lam.sqrt()
         P, S, Qt = torch.linalg.svd((E @ U) * root, full_matrices=False)
         b, a = _split(P, S, Qt, rank)
