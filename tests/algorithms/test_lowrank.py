@@ -175,3 +175,11 @@ def test_stacked_experts_are_refused_by_path():
         {p: torch.randn(4, 8, 32)}, types={p: "Experts"})
     with pytest.raises(ValueError, match=r"mlp\.experts\.down_proj: a low-rank correction"):
         qt.run_steps({p: torch.randn(4, 8, 32)}, plan)
+
+
+def test_lower_ranks_are_the_leading_components_of_a_higher_one():
+    E, X = _rand(24, 40), _rand(80, 40)
+    for H in (None, X.T @ X / 80):
+        c8, c2 = lowrank_error(E, rank=8, hessian=H), lowrank_error(E, rank=2, hessian=H)
+        torch.testing.assert_close(c8.a[:2], c2.a, rtol=0, atol=1e-12)
+        torch.testing.assert_close(c8.b[:, :2], c2.b, rtol=0, atol=1e-12)

@@ -79,6 +79,22 @@ def test_corrections_lower_the_logits_error(arch, steps, spec):
 
 
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_full_rank_after_gptq_gives_back_the_float_weights(arch):
+    """GPTQ leaves its weights on the grid; the step corrects towards the weights GPTQ was given."""
+    m = _model(arch)
+    q = bridge.quantize(m, qt.Recipe(default=U2, steps=[qt.Step("gptq"), qt.Step("lowrank", rank=512, weighted=False)],
+                                     exclude=["lm_head*"]), calibration=CALIB[:1])
+    float_weights = dict(m.named_parameters())
+    corrected = lowrank_of(q)
+    assert len(corrected) == 14 if arch == "llama" else len(corrected) == 8
+    for path, c in corrected.items():
+        module = q.get_submodule(path.rpartition(".")[0])
+        logical = lambda w: w.T if module.transposed else w  # noqa: E731
+        torch.testing.assert_close(logical(module.dequantized_weight()) + c.delta(), logical(float_weights[path]),
+                                   rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
 def test_save_then_load_and_from_pretrained_give_identical_logits(arch, tmp_path):
     from transformers import AutoModelForCausalLM
 
