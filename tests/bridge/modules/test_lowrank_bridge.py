@@ -107,6 +107,11 @@ def test_save_then_load_and_from_pretrained_give_identical_logits(arch, tmp_path
     assert cfg["version"] == 5 and set(cfg["lowrank"].values()) == {8} and len(cfg["lowrank"]) == len(lowrank_of(q))
     assert torch.equal(_logits(bridge.load(tmp_path / "ck", like=_model(arch, seed=5))), want)
     assert torch.equal(_logits(AutoModelForCausalLM.from_pretrained(tmp_path / "ck").eval()), want)
+    # transformers' own save_pretrained of the bridge's model, and model.dequantize() (the corrections folded in)
+    q.save_pretrained(tmp_path / "hf")
+    back = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    assert torch.equal(_logits(back), want)
+    torch.testing.assert_close(_logits(back.dequantize()), want, rtol=1e-4, atol=1e-4)
     # the pipeline's result saved as a tree carries its corrections too
     result = bridge.quantize_params(m, recipe, calibration=CALIB)
     bridge.save(result, tmp_path / "tree")
