@@ -28,7 +28,7 @@ from bench_gptq import arguments, setup
 from common import markdown, write
 
 #: name -> (format, group)
-SCHEMES = {"uint4-asym-g128": ("uint4", 128), "uint3-asym-g64": ("uint3", 64), "uint2-asym-g64": ("uint2", 64)}
+SCHEMES = {"uint2-asym-g64": ("uint2", 64), "uint4-asym-g128": ("uint4", 128), "uint3-asym-g64": ("uint3", 64)}
 RANKS = (8, 32, 128)
 
 

@@ -7,7 +7,8 @@ the one AWQ or a rotation made). The step fits ``B A ≈ W - Q`` (:mod:`.lowrank
 
 1. ``E = W - Q`` in the logical ``(out, in)`` layout (GPT-2's ``Conv1D`` weights are stored transposed);
 2. with ``weighted=True`` (default), ``H = XᵀX / n``, the Hessian of the linear's input on the calibration
-   data, is eigendecomposed ``H = U Λ Uᵀ`` (eigenvalues damped by ``damp`` times their mean);
+   data (the model run with the tensors the earlier steps left: GPTQ's on the grid, RTN's still float), is
+   eigendecomposed ``H = U Λ Uᵀ`` (eigenvalues damped by ``damp`` times their mean; once per input);
 3. the truncated SVD of ``E U Λ^{1/2}`` to rank ``r`` (of ``E`` itself without ``H``) gives ``B``, ``A``
    minimising ``||(E - B A) Xᵀ||_F`` (``||E - B A||_F``).
 
@@ -117,7 +118,8 @@ def step(params, plan, *, context, rank: int = 32, weighted: bool = True, damp: 
                 raise ValueError(f"{p}: no input Hessian at {site.module} (weighted=True needs calibration data)")
             H = finalize_stats(stats[site], path=p)
             if site not in bases:  # one eigendecomposition per input (q/k/v, gate/up share theirs)
-                bases[site] = hessian_basis(H.to(e.device), damp=damp)
+                bases[site] = hessian_basis(H.to(e.device, torch.float64 if e.dtype == torch.float64 else torch.float32),
+                                            damp=damp)
             basis = bases[site]
         c = lowrank_error(e, rank=rank, basis=basis)
         corrections[p] = c

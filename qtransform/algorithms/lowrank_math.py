@@ -12,8 +12,10 @@ quantized weight (``y = Q x + B (A x)``), takes back as much of it as ``r`` allo
 
 The singular values are split evenly between the factors (``B = P_r S_r^{1/2}``, ``A = S_r^{1/2} Q_rᵀ
 Λ^{-1/2} Uᵀ``), so both stay in the same range when stored in 16 bits. Eigenvalues are damped by
-``damp`` times their mean (as GPTQ damps its Hessian) and floored at ``1e-10`` of the largest, so
-directions the data never visits do not blow up ``A``; ``damp=0`` on a full-rank ``H`` is the exact optimum.
+``damp`` times their mean (as GPTQ damps its Hessian) and floored at a tiny fraction of the largest
+(``1e-10`` in float64, ``1e-6`` in float32), so directions the data never visits do not blow up ``A``;
+``damp=0`` on a full-rank ``H`` is the exact optimum. The decompositions run in float64 for a float64
+error and in float32 otherwise (a model's weights: several times faster, far below the quantization error).
 A rank at or above ``min(out, in)`` gives ``B A = E`` (to float rounding).
 
 >>> import torch
@@ -33,7 +35,11 @@ from .._pytree import pytree_dataclass
 
 __all__ = ["LowRank", "lowrank_error", "hessian_basis", "check_lowrank"]
 
-_FLOOR = 1e-10
+_FLOOR = {torch.float64: 1e-10, torch.float32: 1e-6}
+
+
+def _work(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 @pytree_dataclass(static=())
@@ -75,7 +81,7 @@ def check_lowrank(c: LowRank, shape: tuple[int, int], *, path: str) -> None:
 
 def hessian_basis(hessian: torch.Tensor, *, damp: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     """``(U, λ)``: the eigenvectors (columns) and the damped, floored eigenvalues of a symmetric
-    ``(in, in)`` Hessian, in float64.
+    ``(in, in)`` Hessian, in float64 for a float64 Hessian, else float32.
 
     >>> U, lam = hessian_basis(torch.diag(torch.tensor([4.0, 1.0])))
     >>> sorted(lam.tolist())
@@ -86,14 +92,14 @@ def hessian_basis(hessian: torch.Tensor, *, damp: float = 0.0) -> tuple[torch.Te
                          f"{tuple(hessian.shape) if isinstance(hessian, torch.Tensor) else type(hessian).__name__}")
     if not isinstance(damp, (int, float)) or isinstance(damp, bool) or damp < 0:
         raise ValueError(f"damp must be a number >= 0, got {damp!r}")
-    h = hessian.to(torch.float64)
+    h = hessian.to(_work(hessian.dtype))
     lam, U = torch.linalg.eigh((h + h.T) / 2)
     lam = lam.clamp_min(0)
     lam = lam + damp * lam.mean()
     top = lam.max()
     if not top > 0:
         raise ValueError("hessian is zero: no input was observed")
-    return U, lam.clamp_min(_FLOOR * top)
+    return U, lam.clamp_min(_FLOOR[h.dtype] * top)
 
 
 def _split(P: torch.Tensor, S: torch.Tensor, Qt: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -105,8 +111,8 @@ def lowrank_error(error: torch.Tensor, *, rank: int, hessian: torch.Tensor | Non
                   damp: float = 0.0, basis: tuple[torch.Tensor, torch.Tensor] | None = None) -> LowRank:
     """The rank-``rank`` correction of ``error`` ``(out, in)`` (see the module docstring): weighted by
     ``hessian`` ``(in, in)`` when given (or by its ``basis``, :func:`hessian_basis`'s ``(U, λ)``, computed
-    once for the linears that share an input), else the truncated SVD. Computed in float64, returned in
-    ``error``'s dtype; the rank is ``min(rank, out, in)``.
+    once for the linears that share an input), else the truncated SVD. Decomposed in float64 for a
+    float64 ``error``, else float32; returned in ``error``'s dtype; the rank is ``min(rank, out, in)``.
 
     >>> E = torch.tensor([[1.0, 1.0], [0.0, 0.0]])
     >>> H = torch.diag(torch.tensor([1.0, 0.0]))  # the second input is always zero
@@ -120,17 +126,17 @@ def lowrank_error(error: torch.Tensor, *, rank: int, hessian: torch.Tensor | Non
     if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
         raise ValueError(f"rank must be an int >= 1, got {rank!r}")
     rank = min(rank, *error.shape)
-    E = error.to(torch.float64)
+    E = error.to(_work(error.dtype))
     if basis is None and hessian is not None:
         if hessian.shape != (error.shape[1],) * 2:
             raise ValueError(f"hessian has shape {tuple(hessian.shape)}, the error {tuple(error.shape)} needs "
                              f"({error.shape[1]}, {error.shape[1]})")
-        basis = hessian_basis(hessian.to(error.device), damp=damp)
+        basis = hessian_basis(hessian.to(error.device, E.dtype), damp=damp)
     if basis is None:
         P, S, Qt = torch.linalg.svd(E, full_matrices=False)
         b, a = _split(P, S, Qt, rank)
     else:
-        U, lam = basis
+        U, lam = (t.to(E.dtype) for t in basis)
         if U.shape != (error.shape[1],) * 2:
             raise ValueError(f"basis has shape {tuple(U.shape)}, the error {tuple(error.shape)} needs "
                              f"({error.shape[1]}, {error.shape[1]})")

@@ -60,8 +60,10 @@ def test_factors_are_balanced_and_keep_dtype_and_inputs():
 def test_damping_floors_eigenvalues():
     U, lam = hessian_basis(torch.diag(torch.tensor([2.0, 0.0])), damp=0.5)
     assert sorted(lam.tolist()) == pytest.approx([0.5, 2.5])  # + 0.5 · mean(2, 0)
-    _, lam0 = hessian_basis(torch.diag(torch.tensor([2.0, 0.0])), damp=0.0)
+    _, lam0 = hessian_basis(torch.diag(torch.tensor([2.0, 0.0], dtype=torch.float64)), damp=0.0)
     assert float(lam0.min()) == pytest.approx(2e-10)  # floored, never zero
+    _, lam32 = hessian_basis(torch.diag(torch.tensor([2.0, 0.0])), damp=0.0)
+    assert lam32.dtype == torch.float32 and float(lam32.min()) == pytest.approx(2e-6)  # float32: a higher floor
     with pytest.raises(ValueError, match="hessian is zero"):
         hessian_basis(torch.zeros(3, 3))
 
