@@ -10,6 +10,9 @@ are the first 8 and 32 components of it, which *is* the rank-r optimum (the trun
 tests/algorithms/test_lowrank.py checks it), so the three ranks cost one calibration pass.
 
     .venv/bin/python bench/bench_lowrank.py [--only uint2-asym-g64 ...] [--calib 40] [--eval 16] [--threads 2]
+
+bench/results/lowrank.md was run with ``--calib 8 --eval 4 --seq-len 256`` (2 CPU cores shared by five
+sessions' benchmarks: the full sizes did not fit the time).
 """
 
 from __future__ import annotations
