@@ -42,7 +42,9 @@ from .checkpoint.layout import LAYOUTS, dtype_name
 from .checkpoint.metadata import CheckpointError
 from .checkpoint.tree_io import (CONFIG, TOKENIZER_FILES, check_aliases, quantized_parts, read_metadata, read_tree,
                                  tensor_groups, verify_checksums)
-from .modules.actquant import PREFIX, activation_specs, static_buffers
+from .io_parts import activation_parts, lowrank_parts, lowrank_tensors, take_lowrank
+from .modules.actquant import PREFIX, activation_specs
+from .modules.lowrank import lowrank_ranks
 from .modules.online import check as check_online, online_rotations
 from .tree import Quantized, extract, tie_groups, to_module
 
@@ -144,7 +146,10 @@ def checkpoint_writer(model_or_qtree, *, max_shard_size="2GB", recipe=None, reci
     if model is None and not isinstance(model_or_qtree, (Mapping, list, tuple)):
         raise TypeError(f"save: model_or_qtree must be a module or a tree of tensors and QTensors, got "
                         f"{type(model_or_qtree).__name__}")
-    tree = extract(model) if model is not None else qt.flatten_tree(model_or_qtree)
+    tree = extract(model) if model is not None else {**qt.flatten_tree(model_or_qtree), **lowrank_tensors(
+        result.lowrank if result else {})}  # a model's corrections are its QLinears' buffers
+    lowrank = lowrank_ranks(model) if model is not None else {
+        p.rpartition(".")[0]: c.rank for p, c in (result.lowrank if result else {}).items()}
     if model is not None:
         activations, online = activation_specs(model), online_rotations(model)
     else:  # a tree: what a Quantized result carries with it
@@ -162,7 +167,7 @@ def checkpoint_writer(model_or_qtree, *, max_shard_size="2GB", recipe=None, reci
                               recipe_name=recipe_name or getattr(cfg, "recipe_name", None),
                               rules=rules if rules is not None else getattr(cfg, "rules", None), aliases=aliases,
                               skip_modules=getattr(cfg, "skip_modules", None),
-                              activations=activations, online=online)
+                              activations=activations, online=online, lowrank=lowrank)
     try:  # what is written must read back: checked before anything is written
         metadata.decode(qconfig, where="bridge.save")
     except metadata.CheckpointError as e:
@@ -233,34 +238,6 @@ def _tied_aliases(like: nn.Module, stored: set) -> dict[str, str]:
     return out
 
 
-def _experts_input(like: nn.Module, path: str) -> nn.Module:
-    """A stand-in (its width) for the input of the experts weight ``path`` (``<experts>.gate_up_proj``)."""
-    from .modules.experts import input_holder
-    from .tree.rebuild import experts_slot
-    owner, weight = experts_slot(like, path)
-    if owner is None:
-        raise CheckpointError(f"{CONFIG}: activation quantizer of {path!r} names no module of "
-                              f"{type(like).__name__}") from None
-    return input_holder(owner, weight)
-
-
-def _activation_parts(like: nn.Module, meta) -> dict:
-    """``{Site: {stored name: (shape, dtype)}}`` of the checkpoint's static activation quantizers."""
-    out = {}
-    for site, spec in meta.activations.items():
-        try:
-            module, sep = like.get_submodule(site.module), "."
-        except AttributeError:  # an experts weight: its buffers are the module's <weight>_input_scale...
-            module, sep = _experts_input(like, site.module), "_"
-        if not spec.dynamic:
-            try:
-                parts = static_buffers(module, site.role, spec)
-            except ValueError as e:
-                raise CheckpointError(f"{CONFIG}: activation quantizer {site.module}:{site.role}: {e}") from None
-            out[site] = {f"{site.module}{sep}{n}": v for n, v in parts.items()}
-    return out
-
-
 def load(directory, *, like: nn.Module, kernel: str = "auto", verify: bool = True) -> nn.Module:
     """Rebuild the quantized model saved in ``directory``.
 
@@ -311,12 +288,13 @@ def load(directory, *, like: nn.Module, kernel: str = "auto", verify: bool = Tru
             raise CheckpointError(f"{CONFIG}: {path!r} is quantized in the model but not in the checkpoint")
         else:
             expected[path] = (tuple(leaf.shape), leaf.dtype)
-    act_parts = _activation_parts(like, meta)
+    act_parts = activation_parts(like, meta)
     try:  # the rotations fit the model, before any data is read
         check_online(like, meta.online)
     except ValueError as e:
         raise CheckpointError(f"{CONFIG}: {e}") from None
     expected.update({n: v for parts in act_parts.values() for n, v in parts.items()})
+    expected.update(lr_parts := lowrank_parts(like, meta))
     for name, (shape, dtype) in list(expected.items()):  # a float tensor may be stored in another float dtype
         stored = _stored_float(handles, located, name) if dtype in store.FLOAT_DTYPES and name in ref else None
         if stored is not None:
@@ -324,7 +302,7 @@ def load(directory, *, like: nn.Module, kernel: str = "auto", verify: bool = Tru
     store.check_headers(root, located, handles, expected)
     verify_checksums(root, located, verify=verify)
     act_names = [n for parts in act_parts.values() for n in parts]
-    tree = read_tree(root, meta, located, handles, expected, list(ref) + act_names)  # every tensor read once
+    tree = read_tree(root, meta, located, handles, expected, list(ref) + act_names + list(lr_parts))  # every tensor read once
     for path, leaf in ref.items():  # in the model's dtypes (a bf16 checkpoint loads into a float32 model)
         if path in tree and leaf.dtype in store.FLOAT_DTYPES:
             tree[path] = cast_leaf(tree[path], leaf.dtype)
@@ -337,7 +315,8 @@ def _build(like: nn.Module, meta, tree: dict, act_parts: dict, kernel: str, root
     for site, spec in meta.activations.items():
         acts[site] = spec if spec.dynamic else qt.QParams(spec=spec, **{
             n.rpartition(PREFIX[site.role])[2]: tree.pop(n) for n in act_parts.get(site, {})})
-    model = to_module(like, Quantized({}, tree, activations=acts, online=meta.online), kernel=kernel)
+    model = to_module(like, Quantized({}, tree, activations=acts, online=meta.online, lowrank=take_lowrank(tree, meta)),
+                      kernel=kernel)
     left = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
     if left:
         raise CheckpointError(f"{root}: {left[:5]} have no value (not in the checkpoint; build `like` on a real "
@@ -369,7 +348,7 @@ def from_source(like: nn.Module, source, *, kernel: str = "auto") -> nn.Module:
     tensors as they are stored (never re-quantized), every tensor checked against ``like`` first."""
     meta, tree = source.meta, dict(source.tree)
     ref = extract(like)
-    act_parts = _activation_parts(like, meta)
+    act_parts = activation_parts(like, meta)
     act_names = {n for parts in act_parts.values() for n in parts}
     unknown = sorted(p for p in tree if p not in ref and p not in act_names)
     if unknown:

@@ -1,6 +1,6 @@
 """The ``qtransform`` command.
 
-    qtransform quantize [--model PATH] [--recipe NAME|FILE] [--algorithm NAME] [--calib N [--calib-batch B]]
+    qtransform quantize [--model PATH] [--recipe NAME|FILE] [--algorithm NAME] [--lowrank RANK] [--calib N [--calib-batch B]]
                         [--out DIR [--overwrite]] [--plot] [--json FILE] [--no-eval] [--dtype auto|float32|...]
                         [--device DEV] [--stream [--resume] [--max-memory SIZE]]   (bridge.app.streaming)
                         [--nproc N] [--dist-timeout SECONDS]   (bridge.app.ranks, docs/distributed.md)
@@ -165,6 +165,9 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--kv-cache", metavar="FORMAT",
                    help="also quantize the key/value cache in FORMAT (fp8_e4m3, int8...), static per-tensor scales "
                         "calibrated from data (needs --calib)")
+    q.add_argument("--lowrank", type=_at_least(1), metavar="RANK",
+                   help="after the recipe's steps, a rank-RANK correction of each quantized linear's error (EoRA: "
+                        "weighted by its input Hessian with --calib, the plain SVD without)")
     q.add_argument("--calib-batch", type=_at_least(1), default=4, metavar="B", help="calibration sequences per forward pass")
     q.add_argument("--calibrate-all-experts", action="store_true",
                    help="mixture-of-experts models: every expert's statistics see every calibration token (the layer's "

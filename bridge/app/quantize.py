@@ -57,11 +57,15 @@ def recipe_of(a):
     recipe, label = preset.recipe, preset.name
     if a.algorithm and recipe.steps != (qt.Step(a.algorithm),):  # the recipe's steps give way to one step
         recipe = dataclasses.replace(recipe, steps=(qt.Step(a.algorithm),))
+    rank = getattr(a, "lowrank", None)
+    if rank:  # --lowrank: one more step, weighted by the input Hessians where there is calibration data
+        recipe = dataclasses.replace(recipe, steps=(*recipe.steps, qt.Step("lowrank", rank=rank, weighted=bool(a.calib))))
+        label = f"{label} + lowrank {rank}"
     try:
         qt.check_steps(recipe.steps, calibrated=bool(a.calib))
     except (TypeError, ValueError) as e:
         raise UserError(str(e)) from None
-    stem = Path(label).stem
+    stem = Path(preset.name).stem + (f"-lowrank{rank}" if rank else "")
     if a.kv_cache:
         try:
             recipe = dataclasses.replace(recipe, kv_cache=qt.QuantSpec(format=a.kv_cache))
@@ -113,6 +117,7 @@ def cmd_quantize(a) -> int:
     from ..checkpoint import store
     from ..distributed import current, launch
     from ..tree import extract, to_module
+    from ..modules.lowrank import lowrank_bytes, lowrank_ranks
     from . import evaluate, models, report
 
     t0 = time.perf_counter()
@@ -183,7 +188,8 @@ def cmd_quantize(a) -> int:
                         eval_tokens=0 if eval_seqs is None else int(eval_seqs.numel()),
                         calib_tokens=0 if calibration is None else sum(int(b.numel()) for b in calibration),
                         out=str(out), unmatched=unmatched, activations=act_rows, step_info=step_info,
-                        online=online_rows, peak_memory=report.peak_memory())
+                        online=online_rows, peak_memory=report.peak_memory(),
+                        lowrank=lowrank_ranks(qmodel), lowrank_bytes=lowrank_bytes(qmodel))
     write = io.checkpoint_writer(qmodel, recipe=recipe, recipe_name=label, tokenizer=tokenizer,
                                  rules={p: plan[p].rule for p in plan.specs},
                                  dtypes=dtypes)

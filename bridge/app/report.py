@@ -122,6 +122,8 @@ class Report:
     online: list[dict] = dataclasses.field(default_factory=list)
     peak_memory: int = 0
     streamed: str = ""  # how a streamed run went: "shard to shard" or "block by block"; "" in memory
+    lowrank: dict = dataclasses.field(default_factory=dict)  # {module: rank} of the low-rank corrections
+    lowrank_bytes: int = 0  # their buffers' bytes (included in size_after)
 
     @property
     def quantized_numel(self) -> int:
@@ -187,6 +189,11 @@ class Report:
                                                           for a in widest]) if widest else []
         if self.online:
             lines += ["", "online rotations: " + "; ".join(online_summary(self.online))]
+        if self.lowrank:
+            ranks = sorted(set(self.lowrank.values()))
+            extra = 8 * self.lowrank_bytes / self.quantized_numel if self.quantized_numel else float("nan")
+            lines += ["", f"low-rank corrections: {len(self.lowrank)} linears, rank {', '.join(map(str, ranks))}, "
+                      f"{format_bytes(self.lowrank_bytes)} (+{extra:.3f} bits per quantized weight)"]
         lines += step_info_lines(self.step_info)
         ratio = self.size_before / self.size_after if self.size_after else float("nan")
         summary = [["", "before", "after"],

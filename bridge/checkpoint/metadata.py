@@ -22,6 +22,13 @@ readers refuse it rather than run the rotated weights without them)::
 
      "online": {"model.layers.0.mlp.down_proj:input": {"kind": "hadamard", "size": 1536}, ...}
 
+Version 5 adds the ranks of the low-rank corrections quantized linears run (the ``lowrank`` step), written
+only when a model has some (older readers refuse it rather than drop them); the tensors
+``<module>.lowrank_a`` ``(rank, in)`` and ``<module>.lowrank_b`` ``(out, rank)`` are stored in the dtype of
+the module's weight entry::
+
+     "lowrank": {"model.layers.0.mlp.down_proj": 32, ...}
+
 ``tensors`` lists every quantized tensor: its spec (an index into ``specs``), logical shape and
 dequantized dtype; with the layout (:mod:`bridge.checkpoint.layout`) this fixes the exact names,
 shapes and dtypes of its stored parts. Specs hold what decoding needs only.
@@ -54,7 +61,7 @@ import qtransform as qt
 
 from .layout import LAYOUTS, dtype_from_name, dtype_name
 
-__all__ = ["VERSION", "VERSION_ACTIVATIONS", "VERSION_ONLINE", "READABLE", "QUANT_METHOD", "Entry", "Metadata", "CheckpointError", "encode", "decode",
+__all__ = ["VERSION", "VERSION_ACTIVATIONS", "VERSION_ONLINE", "VERSION_LOWRANK", "READABLE", "QUANT_METHOD", "Entry", "Metadata", "CheckpointError", "encode", "decode",
            "entries_of", "upgrade"]
 
 VERSION = 2
@@ -62,7 +69,9 @@ VERSION = 2
 VERSION_ACTIVATIONS = 3
 #: The version of checkpoints with online rotations.
 VERSION_ONLINE = 4
-READABLE = (1, 2, 3, 4)
+#: The version of checkpoints with low-rank corrections.
+VERSION_LOWRANK = 5
+READABLE = (1, 2, 3, 4, 5)
 QUANT_METHOD = "qtransform"
 _EMPTY: Mapping[str, str] = types.MappingProxyType({})
 
@@ -92,6 +101,7 @@ class Metadata(NamedTuple):
     version: int = VERSION
     activations: Mapping[qt.Site, qt.QuantSpec] = _EMPTY
     online: Mapping[qt.Site, qt.OnlineRotation] = _EMPTY
+    lowrank: Mapping[str, int] = _EMPTY
 
 
 def entries_of(quantized: Mapping) -> dict[str, Entry]:
@@ -103,9 +113,9 @@ def encode(entries: Mapping[str, Entry], *, layout: str = "native", recipe: qt.R
            recipe_name: str | None = None, rules: Mapping[str, str] | None = None,
            aliases: Mapping[str, str] | None = None, skip_modules=None,
            activations: Mapping[qt.Site, qt.QuantSpec] | None = None,
-           online: Mapping[qt.Site, qt.OnlineRotation] | None = None) -> dict:
-    """JSON-able ``quantization_config``: version 2, 3 with ``activations``, 4 with ``online`` rotations
-    (absent optional fields are left out)."""
+           online: Mapping[qt.Site, qt.OnlineRotation] | None = None, lowrank: Mapping[str, int] | None = None) -> dict:
+    """JSON-able ``quantization_config``: version 2, 3 with ``activations``, 4 with ``online`` rotations,
+    5 with ``lowrank`` ranks (absent optional fields are left out)."""
     specs: list[qt.QuantSpec] = []
     index: dict[qt.QuantSpec, int] = {}
 
@@ -119,7 +129,8 @@ def encode(entries: Mapping[str, Entry], *, layout: str = "native", recipe: qt.R
                for path, e in entries.items()}
     acts = {f"{site.module}:{site.role}": spec_index(spec) for site, spec in (activations or {}).items()}
     rotations = {f"{site.module}:{site.role}": rot.to_dict() for site, rot in (online or {}).items()}
-    version = VERSION_ONLINE if rotations else VERSION_ACTIVATIONS if acts else VERSION
+    version = (VERSION_LOWRANK if lowrank else VERSION_ONLINE if rotations else VERSION_ACTIVATIONS if acts
+               else VERSION)
     d = {"quant_method": QUANT_METHOD, "version": version,
          "qtransform_version": qt.__version__, "layout": layout,
          "specs": [s.to_dict() for s in specs], "tensors": tensors,
@@ -128,6 +139,8 @@ def encode(entries: Mapping[str, Entry], *, layout: str = "native", recipe: qt.R
         d["activations"] = acts
     if rotations:
         d["online"] = rotations
+    if lowrank:
+        d["lowrank"] = {m: int(r) for m, r in lowrank.items()}
     for key, value in (("recipe_name", recipe_name), ("rules", dict(rules or {})), ("aliases", dict(aliases or {}))):
         if value:
             d[key] = value
@@ -254,7 +267,7 @@ def decode(d, *, where: str = "quantization_config") -> Metadata:
     return Metadata(entries=entries, layout=layout, recipe=recipe, recipe_name=name,
                     rules=dict(rules), aliases=dict(aliases), skip_modules=skip, version=version,
                     activations=_activations(d.get("activations"), specs, where),
-                    online=_online(d.get("online"), where))
+                    online=_online(d.get("online"), where), lowrank=_lowrank(d.get("lowrank"), entries, where))
 
 
 def _sites(raw, field: str, roles, what: str, where: str, value) -> dict:
@@ -287,3 +300,18 @@ def _online(raw, where: str) -> dict:
         except (TypeError, ValueError) as e:
             _fail(where, str(e))
     return _sites(raw, "online", qt.rotation.ONLINE_ROLES, "rotation", where, rotation)
+
+
+def _lowrank(raw, entries: Mapping[str, Entry], where: str) -> dict:
+    """``{module: rank}``: each a quantized 2-D weight's module, each rank an int >= 1."""
+    if raw is None:
+        return {}
+    if not isinstance(raw, Mapping):
+        _fail(where, f"'lowrank' must be an object of module -> rank, got {type(raw).__name__}")
+    for module, r in raw.items():
+        e = entries.get(f"{module}.weight")
+        if e is None or len(e.shape) != 2:
+            _fail(where, f"'lowrank' names {module!r}, which has no quantized 2-D weight in 'tensors'")
+        if not isinstance(r, int) or isinstance(r, bool) or r < 1:
+            _fail(where, f"'lowrank' rank of {module!r} must be an int >= 1, got {r!r}")
+    return dict(raw)

@@ -32,7 +32,7 @@ __all__ = ["QTransformConfig"]
 
 _SAVED = ("quant_method", "version", "qtransform_version", "layout", "specs", "tensors", "aliases", "recipe_name",
           "rules", "skip_modules", "recipe", "algorithm", "algorithm_options", "activations",
-          "online")
+          "online", "lowrank")
 
 
 def _as_recipe(recipe) -> qt.Recipe | None:
@@ -81,6 +81,7 @@ class QTransformConfig(QuantizationConfigMixin):
             self.recipe_name, self.layout = meta.recipe_name, meta.layout
             self.activations = dict(meta.activations)
             self.online = dict(meta.online)
+            self.lowrank = dict(meta.lowrank)  # {module: rank} of the low-rank corrections
         else:
             stray = sorted(set(saved) - {"quant_method"})
             if stray:
@@ -93,6 +94,7 @@ class QTransformConfig(QuantizationConfigMixin):
             self.aliases, self.rules, self.recipe_name, self.layout = {}, {}, None, "native"
             self.activations: dict = {}
             self.online: dict = {}
+            self.lowrank: dict = {}
         recipe = _as_recipe(recipe)
         if algorithm_options is not None and not isinstance(algorithm_options, dict):
             raise TypeError(f"QTransformConfig: algorithm_options must be a dict, got {type(algorithm_options).__name__}")
@@ -119,7 +121,7 @@ class QTransformConfig(QuantizationConfigMixin):
     def to_dict(self) -> dict[str, Any]:
         return metadata.encode(self.entries, layout=self.layout, recipe=self.recipe, recipe_name=self.recipe_name,
                                rules=self.rules, aliases=self.aliases, skip_modules=self.skip_modules,
-                               activations=self.activations, online=self.online)
+                               activations=self.activations, online=self.online, lowrank=self.lowrank)
 
     def get_loading_attributes(self) -> dict[str, Any]:
         """What a config passed to ``from_pretrained`` changes in a checkpoint's own (transformers' protocol)."""

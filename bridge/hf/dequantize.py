@@ -12,6 +12,8 @@ function of the quantized weights and loads without the bridge:
   weight holding ``W H``) is *folded*: the float weight is ``dequantize(qweight) H^T``, so
   ``x W_float^T = (x H) dequantize(qweight)^T`` with no hook (float linears the recipe left alone
   but that take a rotation are folded the same way);
+* a low-rank correction of a linear layer (the ``lowrank`` step) is *folded*: the float weight is
+  ``dequantize(qweight) + B A`` (before any input rotation is folded, as the correction sees the rotated input);
 * an online rotation of queries and keys (``R3``) is *dropped*: ``(q H)(k H)^T = q k^T`` since ``H``
   is orthogonal, so without the key quantizer it changes nothing but rounding;
 * activation quantizers (input, output) and the key/value cache quantizers are *dropped* (a
@@ -104,6 +106,9 @@ def float_module(module: QModule, dtype: torch.dtype | None = None, *,
         raise ValueError(f"float_module: an online input rotation folds into a linear layer, not a "
                          f"{type(module).__name__}")
     weight = qt.dequantize(module.qweight, dtype=torch.float32 if rotation is not None else dtype)
+    c = module.lowrank if type(module) is QLinear else None
+    if c is not None:  # a low-rank correction folds into the weight: Q x + B A x = (Q + B A) x
+        weight = weight + (c.delta().T if module.transposed else c.delta()).to(weight.dtype)
     if rotation is not None:
         weight = _rotated(weight, rotation, transposed=module.transposed)
     bias = getattr(module, "bias", None)

@@ -75,6 +75,8 @@ class Exporter(abc.ABC):
     name: str = ""
     #: One line for ``qtransform export --help`` and the README table.
     description: str = ""
+    #: Whether the target can hold low-rank corrections (``lowrank_a``/``_b`` beside a quantized linear).
+    holds_lowrank: bool = False
 
     @abc.abstractmethod
     def support(self, spec: qt.QuantSpec, role: str = "weight") -> Support:
@@ -96,6 +98,9 @@ class Exporter(abc.ABC):
         for site in source.meta.online:
             out.append(f"{site.module}:{site.role}: an online rotation, which {self.name} cannot express "
                        "(dequantize-and-fold it first: model.dequantize(), or quantize without R3/R4)")
+        for module, rank in ({} if self.holds_lowrank else getattr(source.meta, "lowrank", {})).items():
+            out.append(f"{module}: a low-rank correction (rank {rank}), which {self.name} cannot hold "
+                       "(quantize without the lowrank step, or keep the qtransform checkpoint)")
         return out
 
     def _judge(self, where: str, spec: qt.QuantSpec, role: str, allow_nearest: bool) -> list[str]:

@@ -1,5 +1,9 @@
 """``QLinear``: quantized ``nn.Linear`` and transformers' ``Conv1D`` (GPT-2).
 
+A ``QLinear`` may carry a low-rank correction of its quantization error (the ``lowrank`` step,
+:class:`qtransform.LowRank`): buffers ``lowrank_a`` ``(r, in)`` and ``lowrank_b`` ``(out, r)`` in the
+logical layout (``Conv1D`` too), added after whatever kernel runs: ``y = kernel(x) + (x aᵀ) bᵀ``.
+
 >>> import torch, qtransform as qt
 >>> lin = torch.nn.Linear(64, 32)
 >>> w = lin.weight.detach()
@@ -59,7 +63,31 @@ class QLinear(QModule):
 
     def _linear(self, x):
         y = self._run(x)
+        a = self._buffers.get("lowrank_a")
+        if a is not None:  # the low-rank correction, after the kernel
+            y = y + (x.to(a.dtype) @ a.T @ self._buffers["lowrank_b"].T).to(y.dtype)
         return y if self.bias is None else y + self.bias.to(y.dtype)
+
+    @property
+    def lowrank(self) -> qt.LowRank | None:
+        """The low-rank correction this layer runs (``None``: none)."""
+        a = self._buffers.get("lowrank_a")
+        return None if a is None else qt.LowRank(a=a, b=self._buffers["lowrank_b"])
+
+    def set_lowrank(self, c: qt.LowRank | None) -> None:
+        """Run the correction ``c`` (``a`` ``(r, in)``, ``b`` ``(out, r)``; kept in its dtype) after the
+        kernel, or none (``None``)."""
+        if c is None:
+            self._buffers.pop("lowrank_a", None)
+            self._buffers.pop("lowrank_b", None)
+            return
+        if not isinstance(c, qt.LowRank):
+            raise TypeError(f"QLinear.set_lowrank: expected a qtransform.LowRank or None, got {type(c).__name__}")
+        if c.a.shape[1] != self.in_features or c.b.shape[0] != self.out_features:
+            raise ValueError(f"QLinear.set_lowrank: a {tuple(c.a.shape)} and b {tuple(c.b.shape)} do not fit a "
+                             f"layer of {self.in_features} inputs and {self.out_features} outputs")
+        self.register_buffer("lowrank_a", c.a)
+        self.register_buffer("lowrank_b", c.b)
 
     def _grad_input(self, grad: torch.Tensor, shape: torch.Size, **kw) -> torch.Tensor:
         w = qt.dequantize(self.qweight, dtype=grad.dtype)  # (out, in), or (in, out) transposed
@@ -67,6 +95,7 @@ class QLinear(QModule):
 
     def extra_repr(self) -> str:
         t = ", transposed=True" if self.transposed else ""
+        t += f", lowrank={self.lowrank.rank}" if "lowrank_a" in self._buffers else ""
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"bias={self.bias is not None}{t}, {self._describe()}")
 

@@ -89,6 +89,9 @@ def _recipe_of(model, recipe, calibration):
         if isinstance(qt.get_algorithm(s.name).needs, qt.ModelLoss):
             raise ValueError(f"recipe.steps[{i}] ({s.name}): learns on the whole model's loss, which a streamed run "
                              "never holds; quantize in memory (without --stream) on a machine the model fits")
+        if s.name == "lowrank":  # its corrections are not written by the streamed run: refused, never dropped
+            raise ValueError(f"recipe.steps[{i}] (lowrank): low-rank corrections are not written by a streamed run; "
+                             "quantize in memory (without --stream)")
     return p
 
 

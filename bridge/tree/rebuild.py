@@ -37,6 +37,7 @@ from qtransform import QTensor
 
 from ..modules import QModule, actquant, kvcache, quantized_class
 from ..modules import online as online_mod
+from ..modules.lowrank import attach_lowrank
 from ..modules.experts import QExperts, expert_weights, stored_shape
 from .quantized import Quantized
 
@@ -252,7 +253,7 @@ def to_module(model: nn.Module, qtree: Any, *, inplace: bool = False, kernel: st
     Args:
         model: the float (or already partly quantized) model giving the structure.
         qtree: a :class:`~bridge.tree.Quantized` result (:func:`bridge.quantize_params`; its changed
-            tensors, with its plan, activation quantizers and online rotations), or a tree
+            tensors, with its plan, activation quantizers, online rotations and low-rank corrections), or a tree
             ``{path: Tensor | QTensor}`` (e.g. ``qt.quantize_tree(bridge.extract(model), recipe)``).
         inplace: modify ``model`` itself instead of returning a new model.
         kernel: kernel request for every new quantized module (``"auto"`` or e.g. ``"dequant"``).
@@ -269,11 +270,13 @@ def to_module(model: nn.Module, qtree: Any, *, inplace: bool = False, kernel: st
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     given = [name for name, v in (("plan", plan), ("activations", activations), ("online", online)) if v is not None]
+    lowrank = {}
     if isinstance(qtree, Quantized):
         if given:
             raise TypeError(f"to_module: {', '.join(given)} come with the Quantized result; pass them only with a "
                             "plain tree")
-        qtree, plan, activations, online = qtree.changed(), qtree.plan, qtree.activations, qtree.online
+        qtree, plan, activations, online, lowrank = (qtree.changed(), qtree.plan, qtree.activations, qtree.online,
+                                                     qtree.lowrank)
     elif given:
         warnings.warn(f"to_module(model, tree, {'=..., '.join(given)}=...) is deprecated and goes in the next "
                       "version: pass the pipeline's result, to_module(model, bridge.Quantized(params, qtree, plan, "
@@ -306,6 +309,7 @@ def to_module(model: nn.Module, qtree: Any, *, inplace: bool = False, kernel: st
         else:
             target.get_submodule(site.module).set_activation(site.role, quant)
     online_mod.install_online_rotations(target, online or {})
+    attach_lowrank(target, lowrank)
     kvcache.route_attention(target)
     for hook in REBUILD_HOOKS.values():
         hook(target, quantized, plan)

@@ -5,7 +5,8 @@
 ``hqq`` (half-quadratic optimization, calibration-free), ``smoothquant`` (activation outliers
 folded into the weights, block by block on calibration data), ``gptq``, ``awq`` (activation-aware
 scales and clipping), ``rotate`` (QuaRot's rotations), ``spinquant`` (rotations learned on the
-quantized model's loss) and ``signround`` (AutoRound: rounding and clipping learned by signed gradient descent).
+quantized model's loss), ``signround`` (AutoRound: rounding and clipping learned by signed gradient descent)
+and ``lowrank`` (rank-r corrections of the quantization error, EoRA).
 
 The convention, one for every algorithm:
 
@@ -27,10 +28,11 @@ one version.
 
 from .base import (ALGORITHMS, Algorithm, Block, BlockInputs, Context, Fit, ModelLoss, SiteStats, apply_fit, batch_tokens,
                    check_algorithm_options, get_algorithm, register_algorithm)
+from .lowrank_math import LowRank
 from . import (rtn, hqq_math, hqq, smoothing, smoothquant_math, smoothquant, gptq_math, gptq, awq_math, awq, rotate,
-               spinquant, gptq_solver, awq_search, signround_math, signround)
+               spinquant, gptq_solver, awq_search, signround_math, signround, lowrank_math, lowrank)
 
-__all__ = ["ALGORITHMS", "Algorithm", "Block", "BlockInputs", "ModelLoss", "batch_tokens", "Context", "Fit", "SiteStats",
+__all__ = ["LowRank", "ALGORITHMS", "Algorithm", "Block", "BlockInputs", "ModelLoss", "batch_tokens", "Context", "Fit", "SiteStats",
            "apply_fit", "check_algorithm_options", "get_algorithm", "register_algorithm", "rtn", "hqq_math", "hqq",
            "smoothing", "smoothquant_math", "smoothquant", "gptq_math", "gptq", "awq_math", "awq", "rotate",
-           "spinquant", "gptq_solver", "awq_search", "signround_math", "signround"]
+           "spinquant", "gptq_solver", "awq_search", "signround_math", "signround", "lowrank_math", "lowrank"]

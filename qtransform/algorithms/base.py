@@ -54,6 +54,7 @@ from ..registry import Registry
 from ..rotation import OnlineRotation
 from ..spec import Site, as_plan
 from ..tensor import QParams
+from .lowrank_math import LowRank
 from .options import check_options as _check_options
 from .options import option_fields
 
@@ -66,15 +67,17 @@ class Fit:
     """What a step returns: ``params`` ``{path: tensor}`` it changed and ``qparams``
     ``{path: QParams}`` it fitted (a pytree: tensors are leaves), ``info`` ``{path: {name:
     number or str}}``, what it reports about them (GPTQ's loss, SmoothQuant's α; static, not leaves),
-    and ``online`` ``{Site: OnlineRotation}``, the rotations its weights expect at run time (static)."""
+    ``online`` ``{Site: OnlineRotation}``, the rotations its weights expect at run time (static), and
+    ``lowrank`` ``{weight path: LowRank}``, rank-r corrections run beside quantized linears (``lowrank``)."""
 
     params: Mapping[str, torch.Tensor] = dataclasses.field(default_factory=dict)
     qparams: Mapping[str, QParams] = dataclasses.field(default_factory=dict)
     info: Mapping[str, Mapping[str, Any]] = dataclasses.field(default_factory=dict)
     online: Mapping[Site, OnlineRotation] = dataclasses.field(default_factory=dict)
+    lowrank: Mapping[str, LowRank] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self):
-        for name, kind in (("params", torch.Tensor), ("qparams", QParams)):
+        for name, kind in (("params", torch.Tensor), ("qparams", QParams), ("lowrank", LowRank)):
             value = getattr(self, name)
             if not isinstance(value, Mapping):
                 raise TypeError(f"Fit.{name} must be a mapping of path -> {kind.__name__}, got {type(value).__name__}")
@@ -96,8 +99,8 @@ class Fit:
 
     def then(self, later: "Fit") -> "Fit":
         """This fit followed by ``later``: ``later``'s tensors replace this one's, and a tensor ``later``
-        changes drops the quantization parameters fitted before for it (they described the old tensor).
-        Online rotations add up; two at one site do not compose into one (``ValueError``).
+        changes drops the quantization parameters fitted before for it (they described the old tensor), and
+        one it changes or fits anew drops its low-rank correction (it corrected the old error). Online rotations add up; two at one site do not compose into one (``ValueError``).
 
         >>> import torch, qtransform as qt
         >>> a = qt.Fit(params={"w": torch.zeros(1)}, qparams={"w": qt.choose_qparams(torch.ones(1), qt.QuantSpec(format="int8"))})
@@ -108,6 +111,7 @@ class Fit:
         if not isinstance(later, Fit):
             raise TypeError(f"Fit.then: expected a Fit, got {type(later).__name__}")
         kept = {p: q for p, q in self.qparams.items() if p not in later.params}
+        lowrank = {p: c for p, c in self.lowrank.items() if p not in later.params and p not in later.qparams}
         info = {p: dict(v) for p, v in self.info.items()}
         for p, v in later.info.items():
             info[p] = {**info.get(p, {}), **v}
@@ -115,7 +119,7 @@ class Fit:
         if twice:
             raise ValueError(f"Fit.then: two online rotations at {twice[:3]}: rotate once")
         return Fit(params={**self.params, **later.params}, qparams={**kept, **later.qparams}, info=info,
-                   online={**self.online, **later.online})
+                   online={**self.online, **later.online}, lowrank={**lowrank, **later.lowrank})
 
 
 def apply_fit(params: Any, fit: Fit) -> Any:
@@ -150,9 +154,12 @@ class SiteStats(NamedTuple):
     """The step needs statistics of activation sites: ``sites(plan, **options)`` returns
     ``{Site: observer}`` (an observer name, dict or instance, for observers that need no spec) or
     ``{Site: empty statistics}`` (``qt.init_stats(spec, observer=...)``, e.g. activation ranges);
-    the step receives ``context.stats`` = ``{Site: statistics}`` folded over the calibration data."""
+    the step receives ``context.stats`` = ``{Site: statistics}`` folded over the calibration data.
+    ``wanted(**options) -> bool``, when given, says whether these options need them at all (``lowrank``
+    without ``weighted`` runs without data; ``None``: always)."""
 
     sites: Callable[..., Mapping]
+    wanted: Callable[..., bool] | None = None
 
 
 class BlockInputs(NamedTuple):
@@ -251,7 +258,10 @@ class Context(NamedTuple):
     ``tqdm.tqdm``, or ``None``) and ``online``, the online rotations earlier steps recorded
     (``{Site: OnlineRotation}``: the statistics and block inputs were taken with them applied), and
     ``parallel``, the processes running the same step (:class:`qtransform.Parallel`: a :class:`ModelLoss`
-    step may split its batches among them; ``stats`` are already reduced over them)."""
+    step may split its batches among them; ``stats`` are already reduced over them); ``qparams``, the quantization
+    parameters earlier steps fitted (``{path: QParams}``, valid for the current tensors), and ``reference``, the
+    float tensor each path's quantization should approximate (``{path: tensor}``: the tensor a rounding step
+    such as GPTQ was given, the current one otherwise; what ``lowrank`` corrects towards)."""
 
     stats: Mapping | None = None
     progress: Callable | None = None
@@ -259,6 +269,8 @@ class Context(NamedTuple):
     online: Mapping = {}
     loss: Callable | None = None
     parallel: Parallel = SERIAL
+    qparams: Mapping = {}
+    reference: Mapping = {}
 
     def track(self, iterable: Iterable, *, desc: str = "", total: int | None = None) -> Iterable:
         """``iterable`` wrapped by the progress bar, if any."""
@@ -294,7 +306,7 @@ class Algorithm:
             how = "block by block on" if isinstance(self.needs, BlockInputs) else "on the model's loss over"
             raise ValueError(f"algorithm {self.name!r} runs {how} calibration data: run it in a "
                              "recipe (qt.run_steps with a calibrator, bridge.quantize(..., calibration=...))")
-        if self.needs is not None and stats is None:
+        if needs_data(self, options) and stats is None:
             raise ValueError(f"algorithm {self.name!r} needs statistics of activation sites: pass stats=")
         plan = as_plan(recipe, params, types=types)
         flat = dict(_pytree.flatten_with_paths(params)[0])
@@ -319,6 +331,12 @@ class Algorithm:
     def option_fields(self) -> list[tuple[str, str, Any]]:
         """``[(name, type, default)]`` of its options (empty without an ``options`` dataclass)."""
         return option_fields(self.options) if self.options is not None else []
+
+
+def needs_data(algo: Algorithm, options: Mapping[str, Any]) -> bool:
+    """Whether ``algo`` with ``options`` needs calibration data (see :attr:`SiteStats.wanted`)."""
+    wanted = getattr(algo.needs, "wanted", None)
+    return algo.needs is not None and (wanted is None or bool(wanted(**options)))
 
 
 def _check_algorithm(name: str, algo) -> None:

@@ -34,12 +34,13 @@ import torch
 
 from .. import _pytree
 from ..algorithms import ALGORITHMS, Block, BlockInputs, Context, Fit, ModelLoss, SiteStats
-from ..algorithms.base import FACTS
+from ..algorithms.base import FACTS, needs_data
+from ..algorithms.lowrank_math import check_lowrank
 from ..observers import Observer, init_stats
 from ..parallel import SERIAL
 from ..rotation.online import ROLES as ONLINE_ROLES
 from ..spec import Plan, Site, Step, as_plan
-from ..tensor import QParams
+from ..tensor import QParams, dequantize, quantize
 
 __all__ = ["Calibrator", "run_steps", "check_steps", "check_facts"]
 
@@ -96,7 +97,7 @@ def check_steps(steps: Sequence[Step], *, calibrated: bool | None = None, on_loa
             raise ValueError(f"{at}: quantize-on-load runs steps that fit one tensor at a time without data "
                              f"({', '.join(local)}); {step.name!r} {why}. Quantize the model first "
                              "(bridge.quantize or `qtransform quantize`) and load the checkpoint")
-        if algo.needs is not None and calibrated is False:
+        if needs_data(algo, step.options) and calibrated is False:
             what = ("runs block by block on" if isinstance(algo.needs, BlockInputs)
                     else "learns on the model's loss over" if isinstance(algo.needs, ModelLoss)
                     else "needs statistics of activation sites, i.e.")
@@ -126,13 +127,14 @@ def _sites(algo, step: Step, plan: Plan, at: str) -> dict:
 
 
 def _run_step(algo, step: Step, plan: Plan, current: dict, calibrator: Calibrator | None, progress, at: str,
-              qparams: Mapping[str, QParams], online: Mapping) -> Fit:
+              qparams: Mapping[str, QParams], online: Mapping, reference: Mapping) -> Fit:
     """One step on the current tree (copies of the dict: steps never change the tree they are handed)."""
     rotated = {"online": dict(online)} if online else {}  # calibrators without the option serve the others
+    known = {"qparams": dict(qparams), "reference": {**current, **reference}}
     if isinstance(algo.needs, BlockInputs):
         def fit_block(block: Block, params: Mapping) -> Fit:
-            fit = algo.fn(dict(params), plan, context=Context(block=block, progress=progress, online=dict(online)),
-                          **step.options)
+            fit = algo.fn(dict(params), plan, context=Context(block=block, progress=progress, online=dict(online),
+                                                              **known), **step.options)
             _check_fit(fit, f"{at} block {block.name}", plan, current)
             outside = sorted(set(fit.params) - set(block.paths))
             if outside:
@@ -147,15 +149,15 @@ def _run_step(algo, step: Step, plan: Plan, current: dict, calibrator: Calibrato
     if isinstance(algo.needs, ModelLoss):
         loss = calibrator.model_loss(plan, **rotated)
         return algo.fn(dict(current), plan, context=Context(loss=loss, progress=progress, online=dict(online),
-                                                            parallel=getattr(calibrator, "parallel", SERIAL)),
+                                                            parallel=getattr(calibrator, "parallel", SERIAL), **known),
                        **step.options)
     stats = _collect(algo, step, plan, current, calibrator, at, rotated)
-    return algo.fn(dict(current), plan, context=Context(stats=stats, progress=progress, online=dict(online)),
+    return algo.fn(dict(current), plan, context=Context(stats=stats, progress=progress, online=dict(online), **known),
                    **step.options)
 
 
 def _collect(algo, step: Step, plan: Plan, current: Mapping, calibrator: Calibrator | None, at: str, rotated):
-    if algo.needs is None:
+    if not needs_data(algo, step.options):
         return None
     if isinstance(algo.needs, SiteStats):
         return calibrator.site_stats(dict(current), _sites(algo, step, plan, at), **rotated)
@@ -184,6 +186,12 @@ def _check_fit(fit, at: str, plan: Plan, current: Mapping[str, torch.Tensor], be
         if t.shape != old.shape or t.dtype != old.dtype:
             raise ValueError(f"{at}: {path}: returned shape {tuple(t.shape)} and dtype {t.dtype} for a tensor of "
                              f"{tuple(old.shape)} {old.dtype}; steps keep shapes and dtypes")
+    for path, c in fit.lowrank.items():
+        w = current.get(path)
+        if path not in plan.specs or not isinstance(w, torch.Tensor) or w.dim() != 2:
+            raise ValueError(f"{at}: returned a low-rank correction for {path!r}, which is not a 2-D weight the "
+                             "recipe quantizes")
+        check_lowrank(c, tuple(w.shape[::-1]) if plan[path].module_type == "Conv1D" else tuple(w.shape), path=path)
     for path, qp in fit.qparams.items():
         spec = plan.specs.get(path)
         if spec is None:
@@ -214,25 +222,40 @@ def run_steps(params: Any, recipe, *, types: Mapping[str, str] | None = None, ca
     _check_calibrator(plan.steps, calibrator)
     check_facts(plan)
     flat = dict(_pytree.flatten_with_paths(params)[0])
-    total = Fit()
+    total, reference = Fit(), {}
     for i, step in enumerate(plan.steps):
         at = f"recipe.steps[{i}] ({step.name})"
         current = {**flat, **total.params}
         try:
             known = {**{p: q for p, q in (qparams or {}).items() if p not in total.params}, **total.qparams}
-            fit = _run_step(ALGORITHMS[step.name], step, plan, current, calibrator, progress, at, known, total.online)
+            fit = _run_step(ALGORITHMS[step.name], step, plan, current, calibrator, progress, at, known, total.online,
+                            reference)
         except (ValueError, TypeError) as e:  # name the step in errors raised while it runs
             if type(e) not in (ValueError, TypeError) or str(e).startswith("recipe.steps["):
                 raise
             raise type(e)(f"{at}: {e}") from e
         _check_fit(fit, at, plan, current, total.online)
+        reference = _references(fit, current, reference)
         total = total.then(fit)
     return total
 
 
+def _references(fit: Fit, current: Mapping, reference: Mapping) -> dict:
+    """The float tensors the quantization should approximate after ``fit`` (``Context.reference``): a tensor
+    returned on the grid of the qparams fitted with it was rounded by the step (the reference stays the tensor
+    it was given); one changed otherwise (smoothed, rotated) is the new reference."""
+    out = dict(reference)
+    for path, t in fit.params.items():
+        qp = fit.qparams.get(path)
+        on_grid = qp is not None and torch.allclose(dequantize(quantize(t, qp, path=path), dtype=t.dtype), t,
+                                                    rtol=1e-5, atol=0)
+        out[path] = out.get(path, current[path]) if on_grid else t
+    return out
+
+
 def _check_calibrator(steps: Sequence[Step], calibrator) -> None:
     for i, step in enumerate(steps):
-        needs = ALGORITHMS[step.name].needs
+        needs = ALGORITHMS[step.name].needs if needs_data(ALGORITHMS[step.name], step.options) else None
         method = ("blockwise" if isinstance(needs, BlockInputs) else "model_loss" if isinstance(needs, ModelLoss)
                   else "site_stats" if needs is not None else None)
         if method is not None and not callable(getattr(calibrator, method, None)):

@@ -152,7 +152,7 @@ BAD_FILES = {
     "no version": (lambda d: _edit_config(d, lambda c: c.pop("version")),
                    r"config\.json: quantization_config has no integer 'version'"),
     "future version": (lambda d: _edit_config(d, lambda c: c.update(version=99)),
-                       r"config\.json: quantization_config has version 99; this qtransform reads versions \[1, 2, 3, 4\]"),
+                       r"config\.json: quantization_config has version 99; this qtransform reads versions \[1, 2, 3, 4, 5\]"),
     "unknown format": (lambda d: _edit_config(d, lambda c: c["specs"][0].update(format="int42")),
                        r"config\.json: quantization_config specs\[0\] is not a valid QuantSpec: unknown format 'int42'"),
     "bad entry": (lambda d: _edit_config(d, lambda c: c["tensors"]["0.weight"].pop("shape")),
