@@ -99,8 +99,8 @@ class Fit:
 
     def then(self, later: "Fit") -> "Fit":
         """This fit followed by ``later``: ``later``'s tensors replace this one's, and a tensor ``later``
-        changes drops the quantization parameters fitted before for it (they described the old tensor), and
-        one it changes or fits anew drops its low-rank correction (it corrected the old error). Online rotations add up; two at one site do not compose into one (``ValueError``).
+        changes drops the quantization parameters fitted before for it (they described the old tensor), one it
+        changes or fits anew its low-rank correction; online rotations add up (two at one site: ``ValueError``).
 
         >>> import torch, qtransform as qt
         >>> a = qt.Fit(params={"w": torch.zeros(1)}, qparams={"w": qt.choose_qparams(torch.ones(1), qt.QuantSpec(format="int8"))})
@@ -169,9 +169,8 @@ class BlockInputs(NamedTuple):
     block with the parameters fitted so far (round to nearest where none were) before computing
     the next block's inputs. ``tokens(**options) -> int | None``, when given, says how many
     calibration tokens the step uses: the calibrator then keeps whole batches, spread over the
-    data, until that many (``None``: all). ``float_inputs(**options) -> bool``, when given and true, asks for
-    the float model's inputs of each block as well (:attr:`Block.float_inputs`: AutoRound's and GPTAQ's
-    targets)."""
+    data, until that many (``None``: all). ``float_inputs(**options) -> bool``, when true, asks for the float
+    model's inputs of each block as well (:attr:`Block.float_inputs`: AutoRound's and GPTAQ's targets)."""
 
     tokens: Callable[..., int | None] | None = None
     float_inputs: Callable[..., bool] | None = None
@@ -212,10 +211,9 @@ class Block(NamedTuple):
         parallel: the processes running this step on disjoint shares of the calibration data
             (:class:`qtransform.Parallel`; :data:`qtransform.SERIAL` for one). ``inputs``, ``run``, ``capture``
             and ``call`` are this rank's share; ``site_stats`` and ``tokens`` are over all ranks' data.
-        float_inputs: when the step asked for them (``BlockInputs.float_inputs``), per batch the block's
-            ``(args, kwargs)`` in the float model (every block before it run with its tensors as the earlier
-            steps left them, unquantized), the same batches in the same order as ``inputs``; else ``None``.
-            The block's float output on batch ``i``: ``call(name, {}, *float_inputs[i])``.
+        float_inputs: if the step asked (``BlockInputs.float_inputs``), per batch the block's ``(args, kwargs)`` in
+            the float model (the blocks before it as the earlier steps left them, unquantized), batch for batch as
+            ``inputs``; else ``None``. The block's float output on batch ``i``: ``call(name, {}, *float_inputs[i])``.
     """
 
     name: str
@@ -258,10 +256,9 @@ class Context(NamedTuple):
     ``tqdm.tqdm``, or ``None``) and ``online``, the online rotations earlier steps recorded
     (``{Site: OnlineRotation}``: the statistics and block inputs were taken with them applied), and
     ``parallel``, the processes running the same step (:class:`qtransform.Parallel`: a :class:`ModelLoss`
-    step may split its batches among them; ``stats`` are already reduced over them); ``qparams``, the quantization
-    parameters earlier steps fitted (``{path: QParams}``, valid for the current tensors), and ``reference``, the
-    float tensor each path's quantization should approximate (``{path: tensor}``: the tensor a rounding step
-    such as GPTQ was given, the current one otherwise; what ``lowrank`` corrects towards)."""
+    step may split its batches among them; ``stats`` are already reduced over them); ``qparams``, the parameters
+    earlier steps fitted (valid for the current tensors), and ``reference``, the float tensor each path's
+    quantization approximates (what a rounding step such as GPTQ was given, else the current one: ``lowrank``'s)."""
 
     stats: Mapping | None = None
     progress: Callable | None = None
