@@ -171,3 +171,20 @@ def w8a8_reference(m, x):
     wb = (b if zw is None else b - zw) * sw
     shape = (*x.shape[:-1], n)
     return (xa @ wb.t()).reshape(shape), (xa.abs() @ wb.abs().t()).reshape(shape)
+
+
+def same_model_bound(original, preset: str, ids: torch.Tensor, before: torch.Tensor) -> float:
+    """The largest change of the logits ``before`` a preset may make to ``original`` and still give "the same model":
+    half their range; for 2-bit presets (one 2-bit group per row of these 64-wide random models, where no method keeps
+    that) what round to nearest with the preset's own spec changes, with a quarter more."""
+    import dataclasses
+
+    import bridge
+    import qtransform as qt
+
+    p = qt.get_preset(preset)
+    if p.spec is None or p.spec.fmt.bits > 2:
+        return 0.5 * float(before.abs().max())
+    rtn = bridge.quantize(original, dataclasses.replace(p.recipe, steps=()), kernel="dequant")
+    with torch.no_grad():
+        return 1.25 * float((rtn(input_ids=ids).logits - before).abs().max())
