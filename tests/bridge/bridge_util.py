@@ -188,3 +188,17 @@ def same_model_bound(original, preset: str, ids: torch.Tensor, before: torch.Ten
     rtn = bridge.quantize(original, dataclasses.replace(p.recipe, steps=()), kernel="dequant")
     with torch.no_grad():
         return 1.25 * float((rtn(input_ids=ids).logits - before).abs().max())
+
+
+def hidden_into(model, name: str, batches) -> list:
+    """What enters block ``name`` of ``model`` on each batch of token ids, by a hook on the model itself (the reference
+    the block-by-block runner's inputs are checked against)."""
+    got = []
+    handle = model.get_submodule(name).register_forward_pre_hook(
+        lambda m, args, kwargs: got.append((args[0] if args else kwargs["hidden_states"]).detach().clone()),
+        with_kwargs=True)
+    with torch.no_grad():
+        for b in batches:
+            model(b, use_cache=False)
+    handle.remove()
+    return got

@@ -10,7 +10,7 @@ import torch
 import bridge
 import qtransform as qt
 from bridge.calibrate import find_blocks
-from bridge_util import tiny_causal_lm
+from bridge_util import hidden_into, tiny_causal_lm
 
 SPEC = qt.QuantSpec(format="int4", granularity=qt.PerGroup(32))
 RECIPE = dict(type_rules={"Linear": SPEC, "Conv1D": SPEC}, exclude=["lm_head*"])
@@ -54,18 +54,6 @@ def probe():
     qt.ALGORITHMS.unregister("plain_probe")
 
 
-def _hidden_into(model, name, batches):
-    got = []
-    handle = model.get_submodule(name).register_forward_pre_hook(
-        lambda m, args, kwargs: got.append((args[0] if args else kwargs["hidden_states"]).detach().clone()),
-        with_kwargs=True)
-    with torch.no_grad():
-        for b in batches:
-            model(b, use_cache=False)
-    handle.remove()
-    return got
-
-
 def _first(pairs):
     return [a[0] if a else k["hidden_states"] for a, k in pairs]
 
@@ -92,8 +80,8 @@ def test_float_inputs_are_the_float_models_and_inputs_the_quantized_chains(arch,
     names = list(find_blocks(model))
     assert [r["name"] for r in probe] == names
     for row in probe:
-        want_float = _hidden_into(model, row["name"], BATCHES)  # hooks on the float model: the reference
-        want_quant = _hidden_into(qm, row["name"], BATCHES)  # ... and on the result (round to nearest)
+        want_float = hidden_into(model, row["name"], BATCHES)  # hooks on the float model: the reference
+        want_quant = hidden_into(qm, row["name"], BATCHES)  # ... and on the result (round to nearest)
         for got, want in zip(_first(row["float"]), want_float):
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
         for got, want in zip(_first(row["inputs"]), want_quant):

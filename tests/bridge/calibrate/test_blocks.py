@@ -10,7 +10,7 @@ import torch
 import bridge
 import qtransform as qt
 from bridge.calibrate import find_blocks
-from bridge_util import tiny_causal_lm
+from bridge_util import hidden_into, tiny_causal_lm
 
 SPEC = qt.QuantSpec(format="int4", granularity=qt.PerGroup(32))
 RECIPE = qt.Recipe(type_rules={"Linear": SPEC}, exclude=["lm_head*"])
@@ -45,19 +45,6 @@ def recorder():
     qt.ALGORITHMS.unregister("recorder")
 
 
-def _hidden_into(model, name, batches):
-    """What enters block ``name``, by a hook on the model itself (the reference)."""
-    got = []
-    handle = model.get_submodule(name).register_forward_pre_hook(
-        lambda m, args, kwargs: got.append((args[0] if args else kwargs["hidden_states"]).detach().clone()),
-        with_kwargs=True)
-    with torch.no_grad():
-        for b in batches:
-            model(b, use_cache=False)
-    handle.remove()
-    return got
-
-
 @pytest.mark.parametrize("arch", ["llama", "opt", "gpt2"])
 def test_each_block_gets_the_outputs_of_the_quantized_blocks_before_it(arch, recorder):
     torch.manual_seed(0)
@@ -68,8 +55,8 @@ def test_each_block_gets_the_outputs_of_the_quantized_blocks_before_it(arch, rec
     names = [n for n, *_ in recorder]
     assert names == list(find_blocks(model))
     # block 0 sees the float model's hidden states; block 1 those of block 0 quantized by round to nearest
-    ref0 = _hidden_into(model, names[0], batches)
-    ref1 = _hidden_into(qm, names[1], batches)  # the result (float32 reference kernel): round to nearest
+    ref0 = hidden_into(model, names[0], batches)
+    ref1 = hidden_into(qm, names[1], batches)  # the result (float32 reference kernel): round to nearest
     for got, want in zip(recorder[0][2], ref0):
         torch.testing.assert_close(got, want)
     for got, want in zip(recorder[1][2], ref1):
@@ -97,7 +84,7 @@ def test_a_block_step_changes_its_weights_and_the_next_block_sees_them(recorder)
             with torch.no_grad():
                 h = m.weight * 0.5
                 m.weight.copy_(qt.dequantize(qt.quantize(h, qt.choose_qparams(h, SPEC))))
-    for got, want in zip(recorder[1][2], _hidden_into(ref, "model.layers.1", batches)):
+    for got, want in zip(recorder[1][2], hidden_into(ref, "model.layers.1", batches)):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
 
 
@@ -115,7 +102,7 @@ def test_run_and_site_statistics_inside_a_block(recorder):
     torch.testing.assert_close(bridge.calibrate.first_tensor(out[0]), bridge.calibrate.first_tensor(want))
     site = qt.Site("model.layers.0.self_attn.q_proj")
     stats = block.site_stats({}, {site: qt.init_stats(observer="channel")})
-    x = _hidden_into(model, "model.layers.0", batches)[0]
+    x = hidden_into(model, "model.layers.0", batches)[0]
     normed = model.model.layers[0].input_layernorm(x)
     torch.testing.assert_close(qt.finalize_stats(stats[site]).absmax, normed.reshape(-1, 64).abs().amax(0))
     changed = block.run({"model.layers.0.mlp.down_proj.weight": params["model.layers.0.mlp.down_proj.weight"] * 0})
@@ -209,5 +196,5 @@ def test_blocks_are_quantized_with_what_earlier_steps_fitted(recorder):
         if isinstance(m, torch.nn.Linear):
             with torch.no_grad():
                 m.weight.copy_(qt.dequantize(r.qtree[f"model.layers.0.{name}.weight"]))
-    for got, want in zip(recorder[1][2], _hidden_into(ref, "model.layers.1", batches)):
+    for got, want in zip(recorder[1][2], hidden_into(ref, "model.layers.1", batches)):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
