@@ -57,7 +57,8 @@ from .rtn import check_range_observer
 
 __all__ = ["step", "Options", "check_options", "linear_weights"]
 
-_LINEAR_TYPES = ("Linear", "Conv1D")
+#: the module types whose 2-D weights are linear maps (GPT-2's Conv1D stores one transposed)
+LINEAR_TYPES = ("Linear", "Conv1D")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -112,7 +113,7 @@ def linear_weights(params: Mapping[str, torch.Tensor], plan, paths) -> list[str]
             continue
         if match is None or match.spec is None or not p.endswith(".weight") or params[p].dim() != 2:
             continue
-        if match.module_type is None or match.module_type in _LINEAR_TYPES:
+        if match.module_type is None or match.module_type in LINEAR_TYPES:
             out.append(p)
     return out
 

@@ -43,11 +43,11 @@ from ..spec import Site
 from ..tensor import dequantize, quantize
 from .base import Fit, SiteStats, register_algorithm
 from .lowrank_math import hessian_basis, lowrank_error
+from .gptq import LINEAR_TYPES
 from .options import option, options_checker
 
 __all__ = ["step", "Options", "check_options", "lowrank_weights"]
 
-_LINEAR_TYPES = ("Linear", "Conv1D")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -80,7 +80,7 @@ def lowrank_weights(params: Mapping[str, torch.Tensor], plan) -> list[str]:
                              "or drop the lowrank step")
         w = params.get(p)
         if isinstance(w, torch.Tensor) and w.dim() == 2 and p.endswith(".weight") and (
-                kind is None or kind in _LINEAR_TYPES):
+                kind is None or kind in LINEAR_TYPES):
             out.append(p)
     return out
 
@@ -89,7 +89,7 @@ def _sites(plan, *, rank: int = 32, weighted: bool = True, damp: float = 0.01) -
     if not weighted:
         return {}
     # the plan's tensors stand in for params: the paths and types are what matter here
-    paths = [p for p in plan.specs if p.endswith(".weight") and plan[p].module_type in (None, *_LINEAR_TYPES)]
+    paths = [p for p in plan.specs if p.endswith(".weight") and plan[p].module_type in (None, *LINEAR_TYPES)]
     return {Site(plan.site_module(p), "input"): init_stats(observer="hessian") for p in paths}
 
 
