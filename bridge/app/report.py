@@ -124,6 +124,7 @@ class Report:
     streamed: str = ""  # how a streamed run went: "shard to shard" or "block by block"; "" in memory
     lowrank: dict = dataclasses.field(default_factory=dict)  # {module: rank} of the low-rank corrections
     lowrank_bytes: int = 0  # their buffers' bytes (included in size_after)
+    phases: dict = dataclasses.field(default_factory=dict)  # {phase: seconds} of the command, in order
 
     @property
     def quantized_numel(self) -> int:
@@ -204,6 +205,9 @@ class Report:
             fmt = lambda p: "-" if p is None else f"{p:.3f}"  # noqa: E731
             summary.append([f"perplexity ({self.eval_tokens} tokens)", fmt(self.ppl_before), fmt(self.ppl_after)])
         summary.append(["wall time", "", f"quantize {self.seconds_quantize:.1f} s, total {self.seconds_total:.1f} s"])
+        others = [f"{k} {v:.1f} s" for k, v in self.phases.items() if k != "quantize" and v >= 0.05]
+        if others:
+            summary.append(["", "", ", ".join(others)])
         if self.peak_memory:
             summary.append(["peak host memory", "", format_bytes(self.peak_memory)
                             + (f" (streamed: {self.streamed})" if self.streamed else " (in memory)")])
