@@ -31,11 +31,13 @@ STALE_LOCK_S = 900
 
 def build_directory(path: pathlib.Path, name: str) -> pathlib.Path:
     """Where the build of ``path`` goes: torch's extension cache, ``<name>-<digest>`` of the source's
-    bytes, the flags, torch's version and this Python environment."""
+    bytes and place, the flags, torch's version and this Python environment (two checkouts of the same
+    source get two builds: the ninja file names the source by its path, and one shared build directory
+    would be rebuilt each time the other checkout loads it)."""
     from torch.utils import cpp_extension
 
     h = hashlib.sha256(path.read_bytes())
-    h.update(repr((CFLAGS, torch.__version__, sys.prefix)).encode())
+    h.update(repr((CFLAGS, torch.__version__, sys.prefix, str(path.resolve()))).encode())
     root = pathlib.Path(os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()) / "qtransform"
     return root / f"{name}-{h.hexdigest()[:16]}"
 

@@ -7,15 +7,18 @@ import time
 from bridge.kernels import native
 
 
-def test_build_directory_follows_the_source_bytes(tmp_path, monkeypatch):
+def test_build_directory_follows_the_source_bytes_and_place(tmp_path, monkeypatch):
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "cache"))
     a, b = tmp_path / "a.cpp", tmp_path / "b.cpp"
     a.write_text("int f() { return 1; }\n")
-    b.write_text("int f() { return 1; }\n")
-    assert native.build_directory(a, "k") == native.build_directory(b, "k")  # same bytes, same build
+    da = native.build_directory(a, "k")
+    assert native.build_directory(a, "k") == da  # the same source: the same build
+    a.write_text("int f() { return 2; }\n")
+    assert native.build_directory(a, "k") != da  # other bytes: another build
     b.write_text("int f() { return 2; }\n")
-    da, db = native.build_directory(a, "k"), native.build_directory(b, "k")
-    assert da != db and da.parent == db.parent == tmp_path / "cache" / "qtransform"
+    # the same bytes in another checkout: its own build (the ninja file names the source by its path)
+    db = native.build_directory(b, "k")
+    assert db != native.build_directory(a, "k") and da.parent == db.parent == tmp_path / "cache" / "qtransform"
     assert da.name.startswith("k-")
 
 
