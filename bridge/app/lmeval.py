@@ -32,8 +32,8 @@ def harness():
         import lm_eval
         from lm_eval.models.huggingface import HFLM  # noqa: F401  (the wrapper we need, checked here)
     except ImportError as e:
-        raise ImportError(f"--tasks needs lm-evaluation-harness (the lm_eval package, not installed: {e}); "
-                          f"{INSTALL}") from None
+        raise ImportError(f"--tasks needs lm-evaluation-harness with its transformers models (lm_eval[hf]), "
+                          f"which does not import here ({e}): {INSTALL}") from None
     return lm_eval
 
 

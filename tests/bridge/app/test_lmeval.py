@@ -78,7 +78,7 @@ def local(tmp_path_factory):
     scores = [_choice_logliks(back, tok, q, c) for q, c in QUESTIONS]
     best = [max(range(3), key=s.__getitem__) for s in scores]
     margin = min(sorted(s)[-1] - sorted(s)[-2] for s in scores)
-    assert margin > 1e-3, margin  # no near-tie that float noise could flip
+    assert margin > 1e-2, margin  # no near-tie that another kernel's float rounding could flip
     labels = [b if i % 2 == 0 else (b + 1) % 3 for i, b in enumerate(best)]
     rows = [{"question": q, "choices": c, "label": lab} for (q, c), lab in zip(QUESTIONS, labels)]
     (root / "mc.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -160,4 +160,28 @@ def test_bad_task_names_limits_and_a_missing_harness_are_one_line_errors(local, 
     monkeypatch.setitem(sys.modules, "lm_eval", None)  # as if it were not installed
     assert cli.main(base + ["--tasks", "tiny_mc"]) == 1
     err = capsys.readouterr().err.strip()
-    assert "lm_eval package, not installed" in err and "pip install 'qtransform[eval]'" in err and "\n" not in err
+    assert "needs lm-evaluation-harness" in err and "(lm_eval[hf])" in err and "pip install 'qtransform[eval]'" in err and "\n" not in err
+
+
+def test_lm_eval_command_line_on_a_compressed_tensors_export_gives_our_scores(local, tmp_path):
+    """The README's plain ``lm_eval --model hf --model_args pretrained=DIR`` on our checkpoint exported to
+    compressed-tensors, in a process that never imports ``bridge``: our accuracy, our log-likelihoods."""
+    import bridge.interop
+
+    ct = bridge.interop.export(local["ckpt"], to="compressed-tensors", out=tmp_path / "ct")
+    argv = ["lm_eval", "--model", "hf", "--model_args", f"pretrained={ct},dtype=float32", "--tasks", "tiny_mc",
+            "--include_path", str(local["tasks"]), "--device", "cpu", "--batch_size", "4", "--limit", "5",
+            "--log_samples", "--output_path", str(tmp_path / "out")]
+    res = run("-c", "import sys\nfrom lm_eval.__main__ import cli_evaluate\n"
+              f"sys.argv = {argv!r}\ncli_evaluate()\n"
+              "assert not [m for m in sys.modules if m.split('.')[0] in ('bridge', 'qtransform')]")
+    assert res.returncode == 0, res.stderr[-3000:]
+    [results] = (tmp_path / "out").rglob("results_*.json")
+    got = json.loads(results.read_text())
+    assert got["n-samples"]["tiny_mc"]["effective"] == 5
+    assert got["results"]["tiny_mc"]["acc,none"] == pytest.approx(3 / 5)  # docs 0, 2, 4 right
+    [samples] = (tmp_path / "out").rglob("samples_tiny_mc_*.jsonl")
+    for line in samples.read_text().splitlines():
+        s = json.loads(line)
+        harness = [float(resp[0][0]) for resp in s["resps"]]  # transformers' dequantized weights: not our
+        assert harness == pytest.approx(local["scores"][s["doc_id"]], abs=1e-3)  # kernel's rounding (1.3e-4 seen)
