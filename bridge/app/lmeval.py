@@ -28,9 +28,11 @@ INSTALL = "pip install 'qtransform[eval]'"
 
 def harness():
     """The ``lm_eval`` module; an ImportError that says what to install when it is missing."""
+    import importlib
+
     try:
-        import lm_eval
-        from lm_eval.models.huggingface import HFLM  # noqa: F401  (the wrapper we need, checked here)
+        lm_eval = importlib.import_module("lm_eval")
+        importlib.import_module("lm_eval.models.huggingface")  # HFLM: it needs accelerate (lm_eval[hf])
     except ImportError as e:
         raise ImportError(f"--tasks needs lm-evaluation-harness with its transformers models (lm_eval[hf]), "
                           f"which does not import here ({e}): {INSTALL}") from None

@@ -9,8 +9,11 @@ choice after its question, and of each text after the end-of-sequence token.
 import json
 import math
 import os
+import re
 import subprocess
 import sys
+import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -22,7 +25,7 @@ import tiny_lm  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::UserWarning")
 
-W = tiny_lm.WORDS
+REPO = Path(__file__).resolve().parents[3]
 # Questions and their three choices, all words of the tiny vocabulary (no unknown token).
 QUESTIONS = [("the value of", ["one", "two", "list"]), ("this function has", ["a", "data", "name"]),
              ("we return the", ["string", "file", "class"]), ("it is not", ["the", "that", "which"]),
@@ -32,9 +35,9 @@ TEXTS = ["the function returns a list of data", "this module has one class and t
          "we have the name of the file"]
 
 
-def run(*args):
-    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TRANSFORMERS_VERBOSITY="error",
-               TQDM_DISABLE="1")
+def run(*args, cache):
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", HF_DATASETS_CACHE=str(cache),
+               TRANSFORMERS_VERBOSITY="error", TQDM_DISABLE="1")
     return subprocess.run([sys.executable, *args], capture_output=True, text=True, env=env, timeout=600)
 
 
@@ -85,11 +88,11 @@ def local(tmp_path_factory):
     (root / "texts.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in TEXTS))
     tasks = root / "tasks"
     tasks.mkdir()
-    (tasks / "tiny_mc.yaml").write_text(
-        "task: tiny_mc\ndataset_path: json\ndataset_kwargs:\n  data_files:\n"
-        f"    test: {root / 'mc.jsonl'}\ntest_split: test\noutput_type: multiple_choice\n"
-        "doc_to_text: '{{question}}'\ndoc_to_choice: choices\ndoc_to_target: label\n"
-        "metric_list:\n  - metric: acc\n    aggregation: mean\n    higher_is_better: true\n")
+    # the multiple-choice task is docs/command.md's example
+    doc = re.search(r"```yaml\n(.*?)```", (REPO / "docs" / "command.md").read_text(), re.S).group(1)
+    assert "task: my_mc" in doc and "/path/to/questions.jsonl" in doc
+    (tasks / "tiny_mc.yaml").write_text(textwrap.dedent(doc).replace("my_mc", "tiny_mc")
+                                        .replace("/path/to/questions.jsonl", str(root / "mc.jsonl")))
     (tasks / "tiny_ppl.yaml").write_text(
         "task: tiny_ppl\ndataset_path: json\ndataset_kwargs:\n  data_files:\n"
         f"    test: {root / 'texts.jsonl'}\ntest_split: test\noutput_type: loglikelihood_rolling\n"
@@ -103,7 +106,7 @@ def local(tmp_path_factory):
 def test_the_command_scores_local_tasks_as_our_own_log_likelihoods(local):
     out = local["root"] / "eval.json"
     res = run("-m", "bridge.app.cli", "eval", "--model", str(local["ckpt"]), "--tasks", "tiny_mc,tiny_ppl",
-              "--include-path", str(local["tasks"]), "--batch-size", "3", "--json", str(out))
+              "--include-path", str(local["tasks"]), "--batch-size", "3", "--json", str(out), cache=local["root"] / "datasets")
     assert res.returncode == 0, res.stderr
     assert "tiny_mc" in res.stdout and "word_perplexity" in res.stdout
     rep = json.loads(out.read_text())
@@ -163,18 +166,19 @@ def test_bad_task_names_limits_and_a_missing_harness_are_one_line_errors(local, 
     assert "needs lm-evaluation-harness" in err and "(lm_eval[hf])" in err and "pip install 'qtransform[eval]'" in err and "\n" not in err
 
 
-def test_lm_eval_command_line_on_a_compressed_tensors_export_gives_our_scores(local, tmp_path):
+def _plain_lm_eval(local, tmp_path, target):
     """The README's plain ``lm_eval --model hf --model_args pretrained=DIR`` on our checkpoint exported to
-    compressed-tensors, in a process that never imports ``bridge``: our accuracy, our log-likelihoods."""
+    ``target``, in a process that never imports ``bridge``: our accuracy, and our log-likelihoods to within
+    the rounding of transformers' dequantized weights."""
     import bridge.interop
 
-    ct = bridge.interop.export(local["ckpt"], to="compressed-tensors", out=tmp_path / "ct")
-    argv = ["lm_eval", "--model", "hf", "--model_args", f"pretrained={ct},dtype=float32", "--tasks", "tiny_mc",
+    out = bridge.interop.export(local["ckpt"], to=target, out=tmp_path / target)
+    argv = ["lm_eval", "--model", "hf", "--model_args", f"pretrained={out},dtype=float32", "--tasks", "tiny_mc",
             "--include_path", str(local["tasks"]), "--device", "cpu", "--batch_size", "4", "--limit", "5",
             "--log_samples", "--output_path", str(tmp_path / "out")]
-    res = run("-c", "import sys\nfrom lm_eval.__main__ import cli_evaluate\n"
-              f"sys.argv = {argv!r}\ncli_evaluate()\n"
-              "assert not [m for m in sys.modules if m.split('.')[0] in ('bridge', 'qtransform')]")
+    res = run("-c", f"import sys\nfrom lm_eval.__main__ import cli_evaluate\nsys.argv = {argv!r}\ncli_evaluate()\n"
+              "assert not [m for m in sys.modules if m.split('.')[0] in ('bridge', 'qtransform')], 'ours imported'",
+              cache=tmp_path / "datasets")
     assert res.returncode == 0, res.stderr[-3000:]
     [results] = (tmp_path / "out").rglob("results_*.json")
     got = json.loads(results.read_text())
@@ -183,5 +187,14 @@ def test_lm_eval_command_line_on_a_compressed_tensors_export_gives_our_scores(lo
     [samples] = (tmp_path / "out").rglob("samples_tiny_mc_*.jsonl")
     for line in samples.read_text().splitlines():
         s = json.loads(line)
-        harness = [float(resp[0][0]) for resp in s["resps"]]  # transformers' dequantized weights: not our
-        assert harness == pytest.approx(local["scores"][s["doc_id"]], abs=1e-3)  # kernel's rounding (1.3e-4 seen)
+        harness = [float(resp[0][0]) for resp in s["resps"]]  # transformers' dequantized weights, not
+        assert harness == pytest.approx(local["scores"][s["doc_id"]], abs=1e-3)  # our kernel (1.3e-4 seen)
+
+
+def test_lm_eval_command_line_on_a_compressed_tensors_export_gives_our_scores(local, tmp_path):
+    _plain_lm_eval(local, tmp_path, "compressed-tensors")
+
+
+@pytest.mark.long  # amd-quark's load through transformers: about 30 s of CPU
+def test_lm_eval_command_line_on_a_quark_export_gives_our_scores(local, tmp_path):
+    _plain_lm_eval(local, tmp_path, "quark")
