@@ -69,17 +69,17 @@ def task_manager(tasks: list[str], include_path=None):
 
     A name is a registered task, group or tag (the harness's, or one defined in the YAML files under
     ``include_path``, a directory or a list of them) or the path of a task YAML file. When every name
-    is found under ``include_path`` the harness's own ~15000 tasks are not indexed (seconds saved).
+    is a task file or a task (not a group or tag, which may name the harness's tasks) found under
+    ``include_path``, the harness's own ~15000 tasks are not indexed (seconds saved).
     """
     harness()
     from lm_eval.tasks import TaskManager
 
     dirs = _include_dirs(include_path)
     wanted = [t for t in tasks if not _is_yaml_file(t)]
-    if dirs:
-        local = TaskManager(include_path=[str(d) for d in dirs], include_defaults=False)
-        if all(t in local.all_tasks for t in wanted):
-            return local
+    local = TaskManager(include_path=[str(d) for d in dirs] or None, include_defaults=False)
+    if all(t in local.all_subtasks for t in wanted):
+        return local
     manager = TaskManager(include_path=[str(d) for d in dirs] or None)
     unknown = [t for t in wanted if t not in manager.all_tasks]
     if unknown:

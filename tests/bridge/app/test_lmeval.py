@@ -125,7 +125,7 @@ def test_limit_evaluates_the_first_documents_with_our_log_likelihoods(local, mon
     monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "datasets"))
     model, tok = local["model"], local["tok"]
     model.train()  # the harness runs it in eval mode and gives it back as it was
-    r = lmeval.evaluate(model, tok, "tiny_mc", include_path=local["tasks"], limit=3, batch_size=2,
+    r = lmeval.evaluate(model, tok, str(local["tasks"] / "tiny_mc.yaml"), limit=3, batch_size=2,  # a task file
                         log_samples=True)
     assert model.training
     model.eval()
