@@ -184,7 +184,8 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_quantize_options(q)
     ranks.add_options(q, _at_least)
 
-    e = sub.add_parser("eval", help="perplexity and a greedy generation, optionally against a baseline")
+    e = sub.add_parser("eval", help="perplexity and a greedy generation (or lm-evaluation-harness tasks with --tasks), "
+                                    "optionally against a baseline")
     e.add_argument("--model", required=True, help="checkpoint or model directory (or 'default')")
     e.add_argument("--baseline", help="model to compare with (a path, or 'default' for SmolLM2-135M)")
     e.add_argument("--prompt", default=DEFAULT_PROMPT)
