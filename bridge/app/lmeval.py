@@ -40,7 +40,11 @@ def harness():
 
 
 def parse_tasks(text: str) -> list[str]:
-    """``"a,b"`` -> ``["a", "b"]`` (spaces around names dropped); a ValueError for an empty list or name."""
+    """Task names from ``--tasks`` (spaces around names dropped, each once); a ValueError for an empty list or name.
+
+    >>> parse_tasks("arc_easy, hellaswag,arc_easy")
+    ['arc_easy', 'hellaswag']
+    """
     if not isinstance(text, str):
         raise TypeError(f"--tasks must be a string of comma-separated names, got {type(text).__name__}")
     names = [n.strip() for n in text.split(",")]
