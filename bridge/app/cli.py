@@ -4,7 +4,8 @@
                         [--out DIR [--overwrite]] [--plot] [--json FILE] [--no-eval] [--dtype auto|float32|...]
                         [--device DEV] [--stream [--resume] [--max-memory SIZE]]   (bridge.app.streaming)
                         [--nproc N] [--dist-timeout SECONDS]   (bridge.app.ranks, docs/distributed.md)
-    qtransform eval --model DIR [--baseline PATH]
+    qtransform eval --model DIR [--baseline PATH] [--tasks NAME[,NAME] [--include-path DIR] [--limit N]]
+                                                                            (bridge.app.lmeval: lm-eval-harness)
     qtransform formats | recipes | inspect DIR
     qtransform export CHECKPOINT --to quark|compressed-tensors|gguf|onnx --out DIR   (bridge.app.export)
     qtransform search --budget BITS [--candidates ...] [--calib N] [--pin GLOB=SCHEME] [--to TARGET] --out FILE
@@ -37,7 +38,7 @@ import sys
 import warnings
 from pathlib import Path
 
-from . import export, inputs, outputs, ranks, search, streaming
+from . import export, inputs, lmeval, outputs, ranks, search, streaming
 from ..distributed import launch
 from .inputs import UserError
 from .outputs import say as _say
@@ -73,6 +74,8 @@ def _at_least(low: int):
 def cmd_eval(a) -> int:
     from . import evaluate
 
+    if a.tasks is not None:  # lm-evaluation-harness instead of the perplexity
+        return lmeval.cmd_eval_tasks(a)
     targets = [("model", a.model)] + ([("baseline", a.baseline)] if a.baseline else [])
     if a.json:
         outputs.check_file_target(Path(a.json), option="--json")
@@ -181,12 +184,14 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_quantize_options(q)
     ranks.add_options(q, _at_least)
 
-    e = sub.add_parser("eval", help="perplexity and a greedy generation, optionally against a baseline")
+    e = sub.add_parser("eval", help="perplexity and a greedy generation (or lm-evaluation-harness tasks with --tasks), "
+                                    "optionally against a baseline")
     e.add_argument("--model", required=True, help="checkpoint or model directory (or 'default')")
     e.add_argument("--baseline", help="model to compare with (a path, or 'default' for SmolLM2-135M)")
     e.add_argument("--prompt", default=DEFAULT_PROMPT)
     e.add_argument("--max-new-tokens", type=_at_least(1), default=32)
     e.add_argument("--json", metavar="FILE", help="write the results as JSON to FILE")
+    lmeval.add_options(e, _at_least)
 
     for cmd in (q, e):
         cmd.add_argument("--threads", type=_at_least(1), default=None,
