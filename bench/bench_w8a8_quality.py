@@ -28,6 +28,7 @@ def schemes() -> dict[str, tuple[qt.Recipe, bool]]:
         label = f"int8 static + SmoothQuant a={alpha}"
         out[label] = (qt.Recipe(**linear, input=A8, steps=[qt.Step("smoothquant", alpha=alpha)]), True)
     out["fp8 w8a8 static + fp8 KV cache"] = (qt.get_preset("fp8-w8a8-kv").recipe, True)
+    out["fp8 w8a8 static + fp8 KV cache per head"] = (qt.get_preset("fp8-w8a8-kv-head").recipe, True)
     out["int8 dynamic per-token"] = (qt.get_preset("w8a8-int8-dynamic").recipe, False)
     return out
 
