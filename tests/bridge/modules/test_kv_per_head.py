@@ -152,3 +152,18 @@ def test_per_head_needs_the_head_count():
         actquant.attach(m, "key", qp)
     with pytest.raises(ValueError, match="Recipe.kv_cache: .*per key/value head"):
         qt.Recipe(kv_cache=qt.QuantSpec(format="fp8_e4m3", granularity=qt.PerChannel(2)))
+
+
+def test_the_command_takes_per_head_scales():
+    import argparse
+
+    from bridge.app.quantize import UserError, recipe_of
+
+    def args(kv):
+        return argparse.Namespace(recipe="fp8-w8a8", algorithm=None, lowrank=None, calib=2, kv_cache=kv)
+
+    recipe, label, stem = recipe_of(args("fp8_e4m3:head"))
+    assert recipe.kv_cache == HEAD and stem == "fp8-w8a8-kv-fp8_e4m3-head"
+    assert recipe_of(args("fp8_e4m3"))[0].kv_cache == qt.QuantSpec(format="fp8_e4m3")
+    with pytest.raises(UserError, match="--kv-cache fp8_e4m3:row: .*per key/value head"):
+        recipe_of(args("fp8_e4m3:row"))
