@@ -198,6 +198,15 @@ def main():
         results[name] = ppl / fp
         print(f"{name:28s} ppl {ppl:.3f} ratio x{ppl / fp:.4f}  ({time.time() - t0:.0f}s)", flush=True)
     print(json.dumps({k: round(v, 4) for k, v in results.items()}))
+    from common import markdown, write
+
+    tag = "builtin" if a.corpus == "builtin" else os.path.basename(a.corpus)
+    name = f"fp8_kv_ablation_{tag}{'_kv_only' if a.no_w else ''}"
+    rows = [{"run": k, "ratio": round(v, 4)} for k, v in results.items()]
+    table = markdown(["run", "perplexity ratio"], [[r["run"], f"x{r['ratio']}"] for r in rows])
+    table += (f"\n\nSmolLM2-135M; calibration {a.calib}x{a.seq_len} tokens (built-in calibration part), evaluation "
+              f"{a.eval}x{a.seq_len} tokens of {tag}; load average {os.getloadavg()[0]:.1f}")
+    write(name, rows, table, {"corpus": tag, "calib": a.calib, "eval": a.eval, "load_average": os.getloadavg()[0]})
 
 
 if __name__ == "__main__":

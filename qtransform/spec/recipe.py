@@ -36,7 +36,7 @@ from typing import Any, Mapping
 import torch
 
 from .. import _pytree
-from ..granularity import PerChannel, PerTensor
+from ..granularity import PerChannel
 from .plan import KV_ROLES, ROLES, SITE_ROLES, Match, Plan, is_kv_granularity
 from .quantspec import QuantSpec
 from .step import Step
