@@ -66,6 +66,9 @@ def scale_of(x: torch.Tensor, rule: str, per_head: bool) -> torch.Tensor:
     dims = (0, 2, 3) if per_head else (0, 1, 2, 3)
     if rule == "absmax":
         return x.abs().amax(dim=dims, keepdim=True) / FP8_MAX
+    if rule.startswith("absmax*"):  # per head with headroom: m x the head's absmax, at most the tensor's
+        m = float(rule[len("absmax*"):])
+        return torch.minimum(m * x.abs().amax(dim=dims, keepdim=True), x.abs().amax()) / FP8_MAX
     if rule == "mse":
         return mse_scale(x, dims)
     if rule.startswith("p"):
@@ -177,6 +180,9 @@ def main():
         "K absmax tensor": (model, {"kv_rule": "absmax", "v": False}),
         "V absmax tensor": (model, {"kv_rule": "absmax", "k": False}),
         "KV absmax head": (model, {"kv_rule": "absmax", "per_head": True}),
+        "KV absmax*2 head": (model, {"kv_rule": "absmax*2", "per_head": True}),
+        "KV absmax*4 head": (model, {"kv_rule": "absmax*4", "per_head": True}),
+        "KV absmax*16 head": (model, {"kv_rule": "absmax*16", "per_head": True}),
         "KV mse tensor": (model, {"kv_rule": "mse"}),
         "KV mse head": (model, {"kv_rule": "mse", "per_head": True}),
         "KV p99.99 tensor": (model, {"kv_rule": "p99.99"}),

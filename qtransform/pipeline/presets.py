@@ -160,14 +160,6 @@ register_preset("fp8-w8a8-kv", lambda: Preset(
                           kv_cache=QuantSpec(format="fp8_e4m3"), steps=[Step("rtn", observer="mse")]),
     "fp8-w8a8 with an fp8 e4m3 key/value cache (static per-tensor k_scale/v_scale on the cached keys and values; "
     "weight scales by the MSE observer, which bench/bench_w8a8_quality.py finds better than min/max; needs --calib)"))
-register_preset("fp8-w8a8-kv-head", lambda: Preset(
-    "fp8-w8a8-kv-head", Recipe(type_rules={t: QuantSpec(format="fp8_e4m3", granularity=PerChannel(0)) for t in LINEAR_TYPES},
-                               exclude=DEFAULT_EXCLUDE, input=QuantSpec(format="fp8_e4m3"),
-                               kv_cache=QuantSpec(format="fp8_e4m3", granularity=PerChannel(1)),
-                               steps=[Step("rtn", observer="mse")]),
-    "fp8-w8a8-kv with one k_scale/v_scale per key/value head (compressed-tensors kv_cache_scheme strategy "
-    "'attn_head', which vLLM loads for its FlashAttention backend; Quark holds per-tensor scales only: use "
-    "fp8-w8a8-kv there; needs --calib)"))
 
 
 
