@@ -167,3 +167,11 @@ def test_the_command_takes_per_head_scales():
     assert recipe_of(args("fp8_e4m3"))[0].kv_cache == qt.QuantSpec(format="fp8_e4m3")
     with pytest.raises(UserError, match="--kv-cache fp8_e4m3:row: .*per key/value head"):
         recipe_of(args("fp8_e4m3:row"))
+
+
+def test_the_report_gives_the_widest_head_range():
+    """`qtransform quantize`'s report: the range per-head scales represent is the widest head's (448 x scale)."""
+    from bridge.app.report import activation_rows
+
+    qp = qt.QParams(spec=HEAD, scale=torch.tensor([1.0, 2.0]).reshape(1, 2, 1, 1))
+    assert activation_rows({qt.Site("attn", "key"): qp})[0]["range"] == [-896.0, 896.0]
