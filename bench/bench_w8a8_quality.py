@@ -8,6 +8,7 @@ printed beside ours (Quark's SmoothQuant run took ~500 s on this kind of machine
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import qtransform as qt
@@ -28,6 +29,9 @@ def schemes() -> dict[str, tuple[qt.Recipe, bool]]:
         label = f"int8 static + SmoothQuant a={alpha}"
         out[label] = (qt.Recipe(**linear, input=A8, steps=[qt.Step("smoothquant", alpha=alpha)]), True)
     out["fp8 w8a8 static + fp8 KV cache"] = (qt.get_preset("fp8-w8a8-kv").recipe, True)
+    kv = qt.get_preset("fp8-w8a8-kv").recipe  # the same, one k_scale/v_scale per key/value head
+    out["fp8 w8a8 static + fp8 KV cache per head"] = (dataclasses.replace(
+        kv, kv_cache=qt.QuantSpec(format="fp8_e4m3", granularity=qt.PerChannel(1))), True)
     out["int8 dynamic per-token"] = (qt.get_preset("w8a8-int8-dynamic").recipe, False)
     return out
 

@@ -165,9 +165,9 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--calib", type=_at_least(0), default=0, metavar="N",
                    help="calibration sequences (of --seq-len tokens) from the corpus's calibration part, for steps "
                         "that need data")
-    q.add_argument("--kv-cache", metavar="FORMAT",
+    q.add_argument("--kv-cache", metavar="FORMAT[:head]",
                    help="also quantize the key/value cache in FORMAT (fp8_e4m3, int8...), static per-tensor scales "
-                        "calibrated from data (needs --calib)")
+                        "(FORMAT:head: one per key/value head) calibrated from data (needs --calib)")
     q.add_argument("--lowrank", type=_at_least(1), metavar="RANK",
                    help="after the recipe's steps, a rank-RANK correction of each quantized linear's error (EoRA: "
                         "weighted by its input Hessian with --calib, the plain SVD without)")

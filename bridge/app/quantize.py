@@ -68,10 +68,14 @@ def recipe_of(a):
     stem = Path(preset.name).stem + (f"-lowrank{rank}" if rank else "")
     if a.kv_cache:
         try:
-            recipe = dataclasses.replace(recipe, kv_cache=qt.QuantSpec(format=a.kv_cache))
+            fmt, _, per = a.kv_cache.partition(":")  # FORMAT[:head]: one scale per key/value head
+            if per not in ("", "head"):
+                raise ValueError(f"the scales are per tensor (FORMAT) or per key/value head (FORMAT:head), not {per!r}")
+            gran = qt.PerChannel(1) if per else qt.PerTensor()
+            recipe = dataclasses.replace(recipe, kv_cache=qt.QuantSpec(format=fmt, granularity=gran))
         except (TypeError, ValueError) as e:
             raise UserError(f"--kv-cache {a.kv_cache}: {e}") from None
-        stem, label = f"{stem}-kv-{a.kv_cache}", f"{label} + kv_cache {a.kv_cache}"
+        stem, label = f"{stem}-kv-{a.kv_cache.replace(':', '-')}", f"{label} + kv_cache {a.kv_cache}"
     try:
         pipeline.check_calibration(recipe, calibrated=bool(a.calib))
     except ValueError as e:

@@ -273,8 +273,8 @@ def activation_rows(activations: Mapping) -> list[dict]:
         if isinstance(q, qt.QParams):
             width = q.scale.shape[-1] if q.scale.dim() else 1
             x = torch.tensor([-3e38, 3e38]).reshape(2, 1).expand(2, width)
-            if q.scale.dim() > 2:
-                x = x.reshape((2,) + (1,) * (q.scale.dim() - 2) + (width,))
+            if q.scale.dim() > 2:  # e.g. per head of the key/value cache: (1, heads, 1, 1)
+                x = torch.tensor([-3e38, 3e38]).reshape((2,) + (1,) * (q.scale.dim() - 1)).expand(2, *q.scale.shape[1:])
             y = qt.fake_quantize(x, q)
             row["range"] = [float(y.min()), float(y.max())]
         rows.append(row)

@@ -22,8 +22,10 @@ By default the module fake-quantizes (``dequantize(quantize(x))``); a real low-p
 kernel (fp8 ``_scaled_mm``) consumes the quantized input directly when it applies.
 
 Attention modules take static per-tensor quantizers of their key/value cache the same way (roles
-``"key"`` and ``"value"``, see :mod:`bridge.modules.kvcache`), stored as the scalars ``k_scale``,
-``v_scale`` (and ``k_zero_point``... for formats with a zero point): the names vLLM reads.
+``"key"`` and ``"value"``, see :mod:`bridge.modules.kvcache`), static per tensor or per key/value head
+(``PerChannel(1)`` on the cache's ``(batch, heads, tokens, head_dim)`` layout), stored as ``k_scale``,
+``v_scale`` (and ``k_zero_point``... for formats with a zero point): the names vLLM reads, scalars per
+tensor, vectors of ``num_key_value_heads`` values per head.
 
 >>> import torch, qtransform as qt
 >>> from bridge.modules.actquant import apply, attach
@@ -45,7 +47,7 @@ from torch import nn
 import qtransform as qt
 from qtransform import QParams
 
-__all__ = ["ROLES", "KV_ROLES", "PREFIX", "attach", "activation_view", "qparams_for", "apply", "activation_specs", "stored_buffers",
+__all__ = ["ROLES", "KV_ROLES", "PREFIX", "attach", "kv_heads", "activation_view", "qparams_for", "apply", "activation_specs", "stored_buffers",
            "static_buffers", "abstract_qparams"]
 
 ROLES = ("input", "output")
@@ -69,8 +71,9 @@ def attach(module: nn.Module, role: str, quant) -> None:
         raise ValueError(f"role must be one of {list(PREFIX)}, got {role!r}")
     spec, tensors = None, {}
     if role in KV_ROLES and quant is not None and (
-            not isinstance(quant, QParams) or quant.spec.dynamic or not isinstance(quant.spec.granularity, qt.PerTensor)):
-        raise ValueError(f"{role}_quant: the key/value cache takes static per-tensor QParams (calibrated), got {quant}")
+            not isinstance(quant, QParams) or quant.spec.dynamic or not qt.spec.is_kv_granularity(quant.spec.granularity)):
+        raise ValueError(f"{role}_quant: the key/value cache takes static QParams per tensor or per key/value head "
+                         f"(PerChannel(1); calibrated), got {quant}")
     if isinstance(quant, qt.QuantSpec):
         if not quant.dynamic:
             raise ValueError(f"{role}_quant: a QuantSpec must be dynamic (dynamic=True); pass static "
@@ -90,14 +93,16 @@ def attach(module: nn.Module, role: str, quant) -> None:
 
 
 def _stored(module: nn.Module, role: str, tensors: dict) -> dict:
-    """Static QParams tensors as ``module`` stores them for ``role``: scalars for the key/value cache,
-    the (tokens, features) matrix's grid for token activations, as they are otherwise."""
+    """Static QParams tensors as ``module`` stores them for ``role``: for the key/value cache scalars (per
+    tensor) or vectors of one value per key/value head (``PerChannel(1)``, :func:`kv_heads`), the (tokens,
+    features) matrix's grid for token activations, as they are otherwise."""
     if role in KV_ROLES:
-        bad = [f for f, t in tensors.items() if t.numel() != 1]
+        n = kv_heads(module) if any(t.numel() != 1 for t in tensors.values()) else 1
+        bad = [f for f, t in tensors.items() if t.numel() != n or (n > 1 and t.dim() == 4 and t.shape[1] != n)]
         if bad:
-            raise ValueError(f"{role}_quant: per-tensor QParams hold one value per field, {bad[0]} has "
-                             f"{tensors[bad[0]].numel()}")
-        return {f: t.reshape(()) for f, t in tensors.items()}
+            raise ValueError(f"{role}_quant: the key/value cache holds one value per field per tensor or one per "
+                             f"key/value head ({kv_heads(module)} here), {bad[0]} has shape {tuple(tensors[bad[0]].shape)}")
+        return {f: t.reshape(() if n == 1 else (n,)) for f, t in tensors.items()}
     if getattr(module, "token_activations", True):
         return {f: _as_matrix_grid(role, f, t) for f, t in tensors.items()}
     return tensors
@@ -112,6 +117,17 @@ def _as_matrix_grid(role: str, field: str, t: torch.Tensor) -> torch.Tensor:
                          f"(every leading axis flattened into tokens); {field} of shape {tuple(t.shape)} varies "
                          "along a leading axis (per batch element or position), which that matrix does not have")
     return t.reshape(1, t.shape[-1] if t.dim() else 1)
+
+
+def kv_heads(module: nn.Module) -> int:
+    """The number of key/value heads of attention ``module`` (its config's ``num_key_value_heads``, else
+    ``num_attention_heads``): the length of its per-head ``k_scale``/``v_scale``."""
+    cfg = getattr(module, "config", None)
+    n = getattr(cfg, "num_key_value_heads", None) or getattr(cfg, "num_attention_heads", None)
+    if not isinstance(n, int) or n < 1:
+        raise ValueError(f"{type(module).__name__}: no num_key_value_heads / num_attention_heads in its config, "
+                         "which per-head key/value scales need")
+    return n
 
 
 def activation_view(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -141,8 +157,9 @@ def qparams_for(module: nn.Module, role: str, x: torch.Tensor) -> QParams | None
         with value_checks(x):
             return qt.choose_qparams(activation_view(module, x.detach()), spec, observer=_DYNAMIC_OBSERVER)
     fields = {f: module._buffers[PREFIX[role] + f] for f in QParams.FIELDS if PREFIX[role] + f in module._buffers}
-    if role in KV_ROLES:  # stored as scalars; the grid of the (batch, heads, tokens, head_dim) tensor
-        fields = {f: t.reshape((1,) * x.dim()) for f, t in fields.items()}
+    if role in KV_ROLES:  # stored as scalars or per head; the grid of the (batch, heads, tokens, head_dim) tensor
+        fields = {f: t.reshape((1,) * x.dim()) if t.dim() == 0 else t.reshape(1, -1, *(1,) * (x.dim() - 2))
+                  for f, t in fields.items()}
     return QParams(spec=spec, **fields)
 
 
@@ -152,7 +169,7 @@ def apply(module: nn.Module, role: str, x: torch.Tensor) -> torch.Tensor:
     if qp is None:
         return x
     with value_checks(x):
-        if role in KV_ROLES:  # per tensor on the cache's (batch, heads, tokens, head_dim) layout
+        if role in KV_ROLES:  # per tensor or per head on the cache's (batch, heads, tokens, head_dim) layout
             return qt.fake_quantize(x, qp)
         return qt.fake_quantize(activation_view(module, x), qp).reshape(x.shape)
 
@@ -174,7 +191,9 @@ def activation_specs(model: nn.Module) -> dict[qt.Site, qt.QuantSpec]:
 def _example(module: nn.Module, role: str) -> torch.Tensor:
     """A zero activation of the shape ``role`` of ``module`` has (one token / one pixel)."""
     if role in KV_ROLES:
-        return torch.zeros(1, 1, 1, 1, device="cpu")
+        cfg = getattr(module, "config", None)  # per head needs the head count; per tensor any grid of one value
+        heads = kv_heads(module) if hasattr(cfg, "num_key_value_heads") or hasattr(cfg, "num_attention_heads") else 1
+        return torch.zeros(1, heads, 1, 1, device="cpu")
     if hasattr(module, "nf") and not hasattr(module, "in_features"):  # transformers' Conv1D: weight (in, out)
         return torch.zeros(1, module.weight.shape[0] if role == "input" else module.nf, device="cpu")
     for i, o in (("in_features", "out_features"), ("in_channels", "out_channels")):

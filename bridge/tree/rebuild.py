@@ -232,8 +232,10 @@ def _check_activations(model: nn.Module, quantized: Mapping, activations: Mappin
             if site.module not in attention:
                 raise ValueError(f"activations: {site.module!r} ({type(module).__name__}) is not an attention module "
                                  "(one that calls transformers' attention functions); key/value quantizers go there")
-            try:  # a dry run on a scratch module: nothing is attached unless every quantizer is valid
-                actquant.attach(nn.Module(), site.role, quant)
+            try:  # a dry run on a scratch module (with the config: its head count): nothing is attached unless
+                scratch = nn.Module()  # every quantizer is valid
+                scratch.config = getattr(module, "config", None)
+                actquant.attach(scratch, site.role, quant)
             except (TypeError, ValueError) as e:
                 raise ValueError(f"activations[{site}]: {e}") from None
             continue

@@ -11,7 +11,8 @@ features) matrix (every leading axis flattened into tokens; convolution activati
 per token (``PerChannel(0)``) only dynamically. The input of a stacked experts weight (one site per projection of a
 mixture-of-experts layer) gets one static quantizer for all its experts, from the statistics of every expert's
 routed tokens pooled. The key/value sites of the plan's attention modules
-(``Site(module, "key")``) are calibrated per tensor on the keys and values as the cache stores them.
+(``Site(module, "key")``) are calibrated per tensor or per key/value head (``PerChannel(1)``) on the keys and
+values as the cache stores them (``(batch, heads, tokens, head_dim)``).
 
 >>> import torch, qtransform as qt
 >>> params = {"fc.weight": torch.eye(3)}
@@ -29,7 +30,7 @@ from typing import Any, Mapping
 
 from ..granularity import PerChannel
 from ..observers import compute_qparams, init_stats, is_empty, merge_stats
-from ..spec import ROLES, Plan, QuantSpec, Site
+from ..spec import KV_ROLES, ROLES, Plan, QuantSpec, Site
 from ..tensor import QParams
 
 __all__ = ["activation_quantizers", "check_activation_spec", "CONV_TYPES"]
@@ -87,7 +88,7 @@ def activation_quantizers(params: Mapping[str, Any], plan: Plan, calibrator=None
                          + (f" and {len(names) - 3} more" if len(names) > 3 else "")
                          + ": pass calibration batches (bridge.quantize(..., calibration=...), `qtransform quantize "
                            "--calib N`), or use dynamic=True specs")
-    empty = {s: init_stats(_stats_spec(spec, conv.get(s, False)), observer=observer, **options)
+    empty = {s: init_stats(_stats_spec(spec, conv.get(s, s.role in KV_ROLES)), observer=observer, **options)
              for s, spec in static.items()}
     stats = calibrator.site_stats(dict(params), empty, **({"online": dict(online)} if online else {}))
     for s, spec in static.items():

@@ -25,14 +25,23 @@ from typing import Iterable, Iterator, NamedTuple
 
 from .quantspec import QuantSpec
 
-__all__ = ["Match", "Site", "Plan", "ROLES", "KV_ROLES", "SITE_ROLES", "module_of"]
+__all__ = ["Match", "Site", "Plan", "ROLES", "KV_ROLES", "SITE_ROLES", "is_kv_granularity", "module_of"]
 
 #: Activation roles of a site: what enters a module, what leaves it.
 ROLES = ("input", "output")
 #: Roles of an attention module's sites: the keys and values as its key/value cache stores them
-#: (after rotary embeddings), quantized with static per-tensor scales (``k_scale``, ``v_scale``).
+#: (after rotary embeddings, laid out ``(batch, heads, tokens, head_dim)``), quantized with static scales
+#: per tensor or per key/value head (``k_scale``, ``v_scale``; :func:`is_kv_granularity`).
 KV_ROLES = ("key", "value")
 SITE_ROLES = ROLES + KV_ROLES
+
+
+def is_kv_granularity(g) -> bool:
+    """Whether static scales of granularity ``g`` fit a key/value cache: ``PerTensor()`` or ``PerChannel(1)``
+    (one scale per key/value head: axis 1 of the cache's ``(batch, heads, tokens, head_dim)`` layout)."""
+    from ..granularity import PerChannel, PerTensor
+
+    return isinstance(g, PerTensor) or (isinstance(g, PerChannel) and g.axis == 1)
 
 
 class Match(NamedTuple):

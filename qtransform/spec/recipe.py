@@ -36,8 +36,8 @@ from typing import Any, Mapping
 import torch
 
 from .. import _pytree
-from ..granularity import PerChannel, PerTensor
-from .plan import KV_ROLES, ROLES, SITE_ROLES, Match, Plan
+from ..granularity import PerChannel
+from .plan import KV_ROLES, ROLES, SITE_ROLES, Match, Plan, is_kv_granularity
 from .quantspec import QuantSpec
 from .step import Step
 
@@ -117,7 +117,8 @@ class Recipe:
         input, output: activation specs of every quantized module's input and output.
         kv_cache: spec of the key/value cache of every attention layer: keys and values as the cache
             stores them (after rotary embeddings), static per tensor (one ``k_scale`` and one ``v_scale``
-            per layer, calibrated from data), e.g. ``QuantSpec(format="fp8_e4m3")``.
+            per layer, calibrated from data), e.g. ``QuantSpec(format="fp8_e4m3")``, or per key/value head
+            (``granularity=PerChannel(1)``: axis 1 of the cache's ``(batch, heads, tokens, head_dim)``).
         act_rules: ``{"<module glob>:<role>": spec or None}`` overriding ``input``/``output`` (roles
             ``input``, ``output``) and ``kv_cache`` (roles ``key``, ``value`` of attention modules).
     """
@@ -145,9 +146,10 @@ class Recipe:
         kv = [("kv_cache", self.kv_cache)] + [(f"act_rules[{g!r}]", v) for g, v in self.act_rules
                                               if g.rpartition(":")[2] in KV_ROLES]
         for name, spec in kv:
-            if spec is not None and (spec.dynamic or not isinstance(spec.granularity, PerTensor)):
-                raise ValueError(f"Recipe.{name}: the key/value cache is quantized with static per-tensor scales "
-                                 f"(one k_scale and one v_scale per attention layer, calibrated from data), got {spec}")
+            if spec is not None and (spec.dynamic or not is_kv_granularity(spec.granularity)):
+                raise ValueError(f"Recipe.{name}: the key/value cache is quantized with static scales per tensor "
+                                 "(PerTensor: one k_scale and one v_scale per attention layer) or per key/value head "
+                                 f"(PerChannel(1)), calibrated from data, got {spec}")
         for name, spec in [("input", self.input), ("output", self.output)] + [
                 (f"act_rules[{g!r}]", v) for g, v in self.act_rules]:
             g = getattr(spec, "granularity", None)

@@ -144,6 +144,7 @@ def activation_args(spec: qt.QuantSpec, role: str) -> dict:
         raise ValueError(f"compressed-tensors cannot hold the {role} quantizer {spec} exactly: {s.note}")
     g = spec.granularity
     strategy = {"strategy": "tensor"} if isinstance(g, qt.PerTensor) else \
+        {"strategy": "attn_head"} if role in qt.spec.KV_ROLES else \
         {"strategy": "token"} if isinstance(g, qt.PerChannel) else {"strategy": "group", "group_size": g.size}
     if spec.format == "fp8_e4m3":
         return {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": spec.dynamic, **strategy}
@@ -161,9 +162,9 @@ def _judge_activation(spec: qt.QuantSpec, role: str) -> Support:
         return Support("no", f"{role} activations with a float zero point")
     g = spec.granularity
     if role in qt.spec.KV_ROLES:
-        if spec.dynamic or not isinstance(g, qt.PerTensor) or not spec.symmetric:
+        if spec.dynamic or not qt.spec.is_kv_granularity(g) or not spec.symmetric:
             return Support("no", "the key/value cache: compressed-tensors (and vLLM) take static symmetric "
-                                 "per-tensor k_scale/v_scale")
+                                 "k_scale/v_scale per tensor (strategy 'tensor') or per key/value head ('attn_head')")
     elif isinstance(g, qt.PerChannel):
         if g.axis != 0 or not spec.dynamic:
             return Support("no", f"{role} activations per channel along axis {g.axis}"
@@ -278,7 +279,7 @@ def activation_spec_of(args: dict, scale_dtype: torch.dtype | None, *, where: st
     dynamic = args.get("dynamic", False)
     if dynamic not in (True, False):
         raise ValueError(f"{where}: activation quantization with dynamic={dynamic!r}")
-    gran = {"tensor": qt.PerTensor(), "token": qt.PerChannel(0)}.get(strategy)
+    gran = {"tensor": qt.PerTensor(), "token": qt.PerChannel(0), "attn_head": qt.PerChannel(1)}.get(strategy)
     if strategy == "group":
         gran = qt.PerGroup(int(args["group_size"]))
     if gran is None:

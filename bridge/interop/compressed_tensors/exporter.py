@@ -12,7 +12,8 @@ and generation files. What maps to what (:mod:`.config`):
 * fp8 e4m3 weights are ``float-quantized`` (``naive-quantized`` without activation quantizers);
   static per-tensor and dynamic per-tensor/per-token/group activation quantizers (int or fp8 e4m3)
   become ``input_activations``/``output_activations`` with ``input_scale``/``output_scale``; the
-  static per-tensor key/value cache becomes ``kv_cache_scheme`` with ``k_scale``/``v_scale``;
+  static key/value cache becomes ``kv_cache_scheme`` with ``k_scale``/``v_scale`` (strategy ``tensor``, or
+  ``attn_head`` for per-head scales: vLLM's ``CompressedTensorsKVCacheMethod.create_weights``);
 * ``mxfp4``, ``mxfp6_e2m3``, ``mxfp8_e4m3`` and ``nvfp4`` are ``mxfp4-pack-quantized``,
   ``mxfp6-pack-quantized``, ``mxfp8-quantized`` and ``nvfp4-pack-quantized``.
 
@@ -263,8 +264,10 @@ def _groups(plan: _Plan) -> tuple[dict, list[str], str]:
 
 
 def _act_tensors(source: Source, site: qt.Site, spec: qt.QuantSpec, sep: str = ".") -> dict[str, torch.Tensor]:
-    """compressed-tensors' tensors of a static activation quantizer (``input_scale``... shape ``(1,)``), by their
-    tree names (``<module><sep>input_scale``: ``sep`` ``"_"`` for an experts projection's buffers)."""
+    """compressed-tensors' tensors of a static activation quantizer (``input_scale``... shape ``(1,)``; a per-head
+    key/value cache's ``k_scale``/``v_scale`` ``(num_key_value_heads, 1, 1)``, as llm-compressor writes strategy
+    ``attn_head`` and vLLM flattens it), by their tree names (``<module><sep>input_scale``: ``sep`` ``"_"`` for an
+    experts projection's buffers)."""
     out = {}
     for field in ("scale",) if spec.symmetric else ("scale", "zero_point"):
         name = f"{site.module}{sep}{PREFIX[site.role]}{field}"
@@ -272,7 +275,8 @@ def _act_tensors(source: Source, site: qt.Site, spec: qt.QuantSpec, sep: str = "
             if field == "scale":
                 raise ValueError(f"{name}: the static {site.role} quantizer's scale is not in the checkpoint")
             continue
-        t = source.tree[name].reshape(1)
+        per_head = site.role in qt.spec.KV_ROLES and not isinstance(spec.granularity, qt.PerTensor)
+        t = source.tree[name].reshape(-1, 1, 1) if per_head else source.tree[name].reshape(1)
         if field == "zero_point":
             codec = spec.fmt.codec
             off = 0 if codec.signed else 1 << (codec.bits - 1)

@@ -240,10 +240,14 @@ class CompressedTensorsImporter(Importer):
             raise CheckpointError(f"{where}: static quantizer without {prefix}scale")
         scale = read(names["scale"]) if "scale" in names else None
         zp = read(names["zero_point"]) if "zero_point" in names else None
-        if scale is not None and (scale.numel() != 1 or not scale.is_floating_point()):
-            raise CheckpointError(f"{where}: {names['scale']} must hold one float, got shape {list(scale.shape)} "
+        heads = args.get("strategy") == "attn_head" and site.role in qt.spec.KV_ROLES
+        n = 1 if not heads or scale is None else scale.numel()  # per head: (num_key_value_heads[, 1, 1])
+        if scale is not None and ((scale.numel() != 1 and not heads) or not scale.is_floating_point()
+                                  or (heads and scale.dim() > 1 and list(scale.shape[1:]) != [1] * (scale.dim() - 1))):
+            raise CheckpointError(f"{where}: {names['scale']} must hold one float"
+                                  f"{' per key/value head' if heads else ''}, got shape {list(scale.shape)} "
                                   f"and dtype {scale.dtype}")
-        if zp is not None and (zp.numel() != 1 or zp.is_floating_point() or zp.dtype == torch.bool):
+        if zp is not None and (zp.numel() != n or zp.is_floating_point() or zp.dtype == torch.bool):
             raise CheckpointError(f"{where}: {names['zero_point']} must hold one integer, got shape "
                                   f"{list(zp.shape)} and dtype {zp.dtype}")
         try:
@@ -258,7 +262,7 @@ class CompressedTensorsImporter(Importer):
             spec = hs
         out = {}
         if not spec.dynamic:
-            shape = () if site.role in qt.spec.KV_ROLES else (1, 1)
+            shape = ((n,) if n > 1 else ()) if site.role in qt.spec.KV_ROLES else (1, 1)
             out[names["scale"]] = scale.reshape(shape)
             codec = spec.fmt.codec
             if spec.fmt.family == "int" and (not spec.symmetric or not codec.signed):  # uint: the fixed mid-range one

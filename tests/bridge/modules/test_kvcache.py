@@ -210,8 +210,8 @@ def test_recipes_carry_the_kv_cache_spec():
 
 
 @pytest.mark.parametrize("spec,match", [
-    (qt.QuantSpec(format="fp8_e4m3", dynamic=True), "static per-tensor"),
-    (qt.QuantSpec(format="int8", granularity=qt.PerChannel(-1)), "static per-tensor")])
+    (qt.QuantSpec(format="fp8_e4m3", dynamic=True), "static scales per tensor"),
+    (qt.QuantSpec(format="int8", granularity=qt.PerChannel(-1)), "static scales per tensor")])
 def test_cache_specs_are_static_per_tensor(spec, match):
     with pytest.raises(ValueError, match=f"Recipe.kv_cache: .*{match}"):
         qt.Recipe(kv_cache=spec)
@@ -232,7 +232,7 @@ def test_bad_uses_are_named():
     tree = qt.quantize_tree(params, _recipe(kv=None))
     with pytest.raises(ValueError, match="is not an attention module"):
         bridge.to_module(model, bridge.Quantized(params, tree, activations={qt.Site("model.layers.0.mlp", "key"): qp}))
-    with pytest.raises(ValueError, match="static per-tensor QParams"):
+    with pytest.raises(ValueError, match="static QParams per tensor or per key/value head"):
         bridge.to_module(model, bridge.Quantized(params, tree, activations={qt.Site("model.layers.0.self_attn", "key"): FP8}))
     with pytest.raises(ValueError, match="not attention modules"):
         with kvcache.observing(model, {"model.layers.0.mlp": lambda k, v: None}):
