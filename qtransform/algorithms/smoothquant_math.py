@@ -11,9 +11,10 @@ against the float outputs:
     ``err[a] = sum over linears ‖ Qa(X / s_a) · Qw(W · diag(s_a))ᵀ − X · Wᵀ ‖²``
 
 ``Qw`` is each weight's spec (the plan's; ``None``: not quantized), ``Qa`` the activation spec. A
-static activation spec's range is the range of *all* calibration rows (``lo``/``hi`` per channel,
-divided by ``s``), as a calibrated static quantizer would see it, while the error is measured on a
-sample of rows; a dynamic spec fits each row sample itself (per token, per tensor...).
+static activation spec's range is the range given with the sample (``lo``/``hi`` per channel, divided
+by ``s``): of *all* calibration rows, as a calibrated static quantizer would see it, while the error is
+measured on a sample of rows; in :func:`search`'s held-out score, of the other fold's sequences only
+(rows outside it are clipped, as unseen text would be). A dynamic spec fits each row sample itself.
 
 :func:`sample_stats` are empty statistics of a fold that keeps every ``stride``-th row of each
 batch and the per-channel range of all rows (an observer for ``Block.site_stats``; its merge
@@ -287,15 +288,15 @@ def folds(sample: Rows, k: int = 2) -> list[tuple[torch.Tensor, torch.Tensor, to
 
 def search(sample: Rows, params: Mapping[str, torch.Tensor], group, *, activation=None,
            weight_specs: Mapping[str, QuantSpec | None] | None = None, grid: int = 11,
-           score: str = "heldout") -> Choice:
-    """α for one group minimising its quantized output error (auto-SmoothQuant), scored on held-out sequences.
+           score: str = "calibration") -> Choice:
+    """α for one group minimising its quantized output error (auto-SmoothQuant), on the sample or held out.
 
-    The candidates are no smoothing and the scales of every α in ``linspace(0, 1, grid)``. ``score="heldout"``
-    (default): the calibration sequences are dealt to two folds (:func:`folds`); for each fold the candidates'
+    The candidates are no smoothing and the scales of every α in ``linspace(0, 1, grid)``. ``score="heldout"``:
+    the calibration sequences are dealt to two folds (:func:`folds`); for each fold the candidates'
     scales and the static activation range come from the *other* fold's sequences, and :func:`layer_errors` is
     measured on the fold's rows (which may fall outside that range, as new text does); the two folds' errors are
-    summed. ``score="calibration"``: scales, range and error all from every row (the search fits the
-    calibration data: what it chose before; also the fallback when fewer than two sequences were sampled). The
+    summed. ``score="calibration"`` (default): scales, range and error all from every row (also the fallback of
+    ``"heldout"`` when fewer than two sequences were sampled). The
     first candidate with the smallest score wins; its scales are then computed from all rows. ``activation``:
     the activation spec (default int8 per tensor, static); ``weight_specs``: ``{linear path: spec}`` (default:
     weights not quantized).
