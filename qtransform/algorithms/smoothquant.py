@@ -22,10 +22,16 @@ As a step (``Step("smoothquant", alpha=0.5)``) it runs block by block on calibra
 (:class:`~qtransform.BlockInputs`): in each block, the per-channel ranges at the input of every
 group's linears are folded over the block's calibration inputs (``Block.site_stats``), then the
 groups are smoothed in order, each seeing the tensors as the groups before it left them.
-``alpha="auto"`` (AMD Quark's auto-SmoothQuant) chooses, per group, α on the grid
+``alpha="auto"`` (auto-SmoothQuant, as AMD Quark's) chooses, per group, α on the grid
 ``linspace(0, 1, grid)`` or no smoothing at all, whichever gives the smallest error of the group's
 outputs with activations quantized by ``activation`` (default int8 per tensor, static) and weights
 by the plan's specs, measured on up to ``tokens`` sampled input rows (:mod:`.smoothquant_math`).
+``score="calibration"`` (default) measures each candidate on the very rows its scales and static range
+come from; ``score="heldout"`` on calibration sequences they were not computed from (two folds of whole
+sequences), as text the model was not calibrated on will be. The in-sample score rewards a large α
+(dividing each channel by its calibration maximum amplifies the channels quiet in calibration); the
+held-out one chooses lower α with few calibration sequences, but with 64 of SmolLM2's it chooses as the
+in-sample one does and generalises no better to other text (docs/smoothquant.md), so it is not the default.
 Without an ``activation`` option, the search quantizes a group's input as the recipe does (the
 plan's activation spec of its first linear's input), or int8 per tensor where the recipe has none.
 
@@ -50,7 +56,8 @@ from ..spec import Site
 from .base import BlockInputs, Fit, block_tokens, register_algorithm
 from .options import option, options_checker
 from .smoothing import as_groups, block_groups, fold, input_module, quantized_linears, weight_path
-from .smoothquant_math import EPS, Choice, _group_scales, check_activation, sample_stats, scales, search, smooth
+from .smoothquant_math import (EPS, SCORES, Choice, _group_scales, check_activation, sample_stats, scales, search,
+                               smooth)
 
 __all__ = ["EPS", "scales", "smooth", "search", "Choice", "Options", "check_options", "step"]
 
@@ -69,27 +76,31 @@ class Options:
     activation: Any = option(None, doc='alpha="auto": the activation spec (a QuantSpec dict) the search uses')
     grid: int | None = option(None, ge=2, doc='alpha="auto": points of the alpha grid (default 11)')
     tokens: int | None = option(None, ge=1, doc='alpha="auto": sampled rows per group and block (default 1024)')
+    score: str | None = option(None, doc='alpha="auto": "calibration" (default: candidates scored on the rows their '
+                               'scales and range come from) or "heldout" (on sequences those did not see)')
 
     def __post_init__(self):
         a = self.alpha
         if a != "auto" and (isinstance(a, str) or not 0 <= a <= 1):  # NaN fails
             raise ValueError(f'alpha must be a number in [0, 1] or "auto", got {a!r}')
-        extra = [k for k in ("activation", "grid", "tokens") if getattr(self, k) is not None]
+        extra = [k for k in ("activation", "grid", "tokens", "score") if getattr(self, k) is not None]
         if a != "auto" and extra:
             raise ValueError(f"{extra} apply to alpha='auto' (the search), not alpha={a!r}")
         if self.groups is not None:
             as_groups(self.groups)
         if self.activation is not None:
             check_activation(self.activation, where_="activation")
+        if self.score is not None and self.score not in SCORES:
+            raise ValueError(f"score must be one of {list(SCORES)}, got {self.score!r}")
 
 
 check_options = options_checker("smoothquant", Options)
 
 
 def step(params, plan, *, context, alpha: Any = 0.5, groups=None, activation=None, grid: int | None = None,
-                tokens: int | None = None) -> Fit:
+                tokens: int | None = None, score: str | None = None) -> Fit:
     """The ``smoothquant`` step on one block (``context.block``); see the module docstring."""
-    given = {k: v for k, v in dict(activation=activation, grid=grid, tokens=tokens).items() if v is not None}
+    given = {k: v for k, v in dict(activation=activation, grid=grid, tokens=tokens, score=score).items() if v is not None}
     check_options(alpha=alpha, groups=groups, **given)
     groups = plan.groups if groups is None else groups
     if groups is None:
@@ -117,7 +128,8 @@ def step(params, plan, *, context, alpha: Any = 0.5, groups=None, activation=Non
             specs = {lin: plan.specs.get(weight_path(g, lin)) for lin in quantized_linears(g)}
             act = activation if activation is not None else recipe_acts.get(
                 Site(plan.site_module(weight_path(g, quantized_linears(g)[0])), "input"))
-            choice = search(summary, current, g, activation=act, weight_specs=specs, grid=grid or 11)
+            choice = search(summary, current, g, activation=act, weight_specs=specs, grid=grid or 11,
+                            score=score or "calibration")
             s, chosen = choice.scales, choice.alpha
         else:
             s, chosen = _group_scales(current, g, summary.absmax, float(alpha)), float(alpha)

@@ -11,9 +11,10 @@ against the float outputs:
     ``err[a] = sum over linears ‖ Qa(X / s_a) · Qw(W · diag(s_a))ᵀ − X · Wᵀ ‖²``
 
 ``Qw`` is each weight's spec (the plan's; ``None``: not quantized), ``Qa`` the activation spec. A
-static activation spec's range is the range of *all* calibration rows (``lo``/``hi`` per channel,
-divided by ``s``), as a calibrated static quantizer would see it, while the error is measured on a
-sample of rows; a dynamic spec fits each row sample itself (per token, per tensor...).
+static activation spec's range is the range given with the sample (``lo``/``hi`` per channel, divided
+by ``s``): of *all* calibration rows, as a calibrated static quantizer would see it, while the error is
+measured on a sample of rows; in :func:`search`'s held-out score, of the other fold's sequences only
+(rows outside it are clipped, as unseen text would be). A dynamic spec fits each row sample itself.
 
 :func:`sample_stats` are empty statistics of a fold that keeps every ``stride``-th row of each
 batch and the per-channel range of all rows (an observer for ``Block.site_stats``; its merge
@@ -48,7 +49,7 @@ from .smoothing import (SmoothGroup, as_groups, fold, group_shape, logical_weigh
                         to_input, to_prev, weight_absmax, weight_path)
 
 __all__ = ["RowSample", "RowSampleStats", "Rows", "sample_stats", "check_activation", "layer_errors", "EPS", "scales",
-           "smooth", "search", "Choice"]
+           "smooth", "search", "Choice", "SCORES", "folds"]
 
 #: Floor of the activation and weight maxima in :func:`scales`.
 EPS = 1e-5
@@ -56,32 +57,44 @@ EPS = 1e-5
 
 @pytree_dataclass(static=("spec", "observer"))
 class RowSampleStats:
-    """``rows`` (sampled, float32 ``(n, C)``), per-channel ``lo``/``hi`` over all rows, ``count`` rows seen."""
+    """``rows`` (sampled, float32 ``(n, C)``), per-channel ``lo``/``hi`` over all rows, ``count`` rows seen;
+    ``unit`` (int64 ``(n,)``): the sequence each sampled row comes from, ``unit_lo``/``unit_hi`` ``(U, C)``: the
+    range of each sequence's rows (sequences numbered in the order seen)."""
 
     rows: torch.Tensor | None = None
     lo: torch.Tensor | None = None
     hi: torch.Tensor | None = None
     count: torch.Tensor | None = None
+    unit: torch.Tensor | None = None
+    unit_lo: torch.Tensor | None = None
+    unit_hi: torch.Tensor | None = None
     spec: QuantSpec | None = None
     observer: Observer | None = None
 
 
 class Rows(NamedTuple):
-    """A finalized sample: ``rows`` ``(n, C)`` and the range ``lo``/``hi`` ``(C,)`` of every row seen."""
+    """A finalized sample: ``rows`` ``(n, C)`` and the range ``lo``/``hi`` ``(C,)`` of every row seen; optionally
+    ``unit`` ``(n,)``, the sequence of each row, and ``unit_lo``/``unit_hi`` ``(U, C)``, each sequence's range
+    (what the held-out score of :func:`search` splits)."""
 
     rows: torch.Tensor
     lo: torch.Tensor
     hi: torch.Tensor
+    unit: torch.Tensor | None = None
+    unit_lo: torch.Tensor | None = None
+    unit_hi: torch.Tensor | None = None
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class RowSample(Observer):
-    """Every ``stride``-th row (features along the last axis) of each batch, and the range of all rows."""
+    """Every ``stride``-th row (features along the last axis) of each batch, the range of all rows, and of each
+    sequence's rows (a sequence: one ``(T, C)`` slice of a ``(..., T, C)`` batch; a 2-D batch is one sequence)."""
 
     stride: int = 1
 
     name = "row_sample"
-    reduction = {"rows": "merge", "lo": "min", "hi": "max", "count": "sum"}
+    reduction = {"rows": "merge", "lo": "min", "hi": "max", "count": "sum", "unit": "merge", "unit_lo": "merge",
+                 "unit_hi": "merge"}
 
     def __post_init__(self):
         if not isinstance(self.stride, int) or isinstance(self.stride, bool) or self.stride < 1:
@@ -94,16 +107,22 @@ class RowSample(Observer):
         check_finite(x, path=path)
         a = x.detach().to(torch.float32).reshape(-1, x.shape[-1])
         count = torch.tensor(a.shape[0], dtype=torch.int64, device=x.device)
-        return dataclasses.replace(stats, rows=a[::self.stride].clone(), lo=a.amin(0), hi=a.amax(0), count=count)
+        t = x.shape[-2] if x.dim() >= 3 else a.shape[0]  # rows per sequence
+        per = a.reshape(-1, t, a.shape[1])
+        unit = torch.arange(0, a.shape[0], self.stride, device=x.device) // t
+        return dataclasses.replace(stats, rows=a[::self.stride].clone(), lo=a.amin(0), hi=a.amax(0), count=count,
+                                   unit=unit, unit_lo=per.amin(1), unit_hi=per.amax(1))
 
     def merge(self, a, b, *, path=None):
         if a.lo.shape != b.lo.shape:
             raise ValueError(f"{where(path)}merge_stats: {a.lo.shape[0]} and {b.lo.shape[0]} channels")
         return dataclasses.replace(a, rows=torch.cat([a.rows, b.rows]), lo=torch.minimum(a.lo, b.lo),
-                                   hi=torch.maximum(a.hi, b.hi), count=a.count + b.count)
+                                   hi=torch.maximum(a.hi, b.hi), count=a.count + b.count,
+                                   unit=torch.cat([a.unit, b.unit + a.unit_lo.shape[0]]),
+                                   unit_lo=torch.cat([a.unit_lo, b.unit_lo]), unit_hi=torch.cat([a.unit_hi, b.unit_hi]))
 
     def finalize(self, stats, *, path=None) -> Rows:
-        return Rows(stats.rows, stats.lo, stats.hi)
+        return Rows(stats.rows, stats.lo, stats.hi, stats.unit, stats.unit_lo, stats.unit_hi)
 
 
 def sample_stats(stride: int = 1) -> RowSampleStats:
@@ -131,8 +150,7 @@ def check_activation(spec, *, where_: str = "activation") -> QuantSpec:
 def _fq(x: torch.Tensor, spec: QuantSpec | None, *, range_rows: torch.Tensor | None = None) -> torch.Tensor:
     if spec is None:
         return x
-    fit = x if range_rows is None else torch.cat([x, range_rows])
-    return fake_quantize(x, choose_qparams(fit, spec))
+    return fake_quantize(x, choose_qparams(x if range_rows is None else range_rows, spec))
 
 
 def layer_errors(sample: Rows, params: Mapping[str, torch.Tensor], group: SmoothGroup, candidates: torch.Tensor, *,
@@ -151,7 +169,7 @@ def layer_errors(sample: Rows, params: Mapping[str, torch.Tensor], group: Smooth
         ``(A,)`` float64 sums of squared errors over the sampled rows and the group's outputs.
     """
     shape = group_shape(params, group)
-    x, lo, hi = (t.to(torch.float32) for t in sample)
+    x, lo, hi = (t.to(torch.float32) for t in sample[:3])
     if x.dim() != 2 or x.shape[1] != shape.channels or lo.shape != (shape.channels,) or hi.shape != lo.shape:
         raise ValueError(f"smoothing group of {group.prev!r}: sample rows {tuple(x.shape)} and range "
                          f"{tuple(lo.shape)} do not fit its {shape.channels} input channels")
@@ -244,28 +262,67 @@ class Choice(NamedTuple):
     errors: torch.Tensor
 
 
-def search(sample: Rows, params: Mapping[str, torch.Tensor], group, *, activation=None,
-           weight_specs: Mapping[str, QuantSpec | None] | None = None, grid: int = 11) -> Choice:
-    """α for one group minimising its quantized output error on ``sample`` (auto-SmoothQuant).
+#: How :func:`search` scores a candidate: on held-out sequences (the default) or on the calibration rows themselves.
+SCORES = ("heldout", "calibration")
 
-    The candidates are no smoothing and the scales of every α in ``linspace(0, 1, grid)`` (the
-    activation maxima being the range of all rows, ``sample.lo``/``sample.hi``); the first with the
-    smallest :func:`layer_errors` wins, so the choice never does
-    worse on the sample than leaving the group alone. ``activation``: the activation spec (default
-    int8 per tensor, static); ``weight_specs``: ``{linear path: spec}`` (default: weights not quantized).
+
+def folds(sample: Rows, k: int = 2) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """The held-out splits of ``sample``: ``(held rows, lo, hi)`` per fold, where the sequences that have sampled
+    rows are dealt to ``k`` folds in turn, and ``lo``/``hi`` is the range of every *other* sequence (the rows a
+    static quantizer calibrated without the fold would cover). Empty when fewer than two sequences have rows."""
+    if sample.unit is None or sample.unit_lo is None:
+        return []
+    seen = torch.unique(sample.unit)
+    if seen.numel() < 2:
+        return []
+    fold_of = torch.full((sample.unit_lo.shape[0],), -1, dtype=torch.int64, device=seen.device)
+    fold_of[seen] = torch.arange(seen.numel(), device=seen.device) % k
+    out = []
+    for f in range(k):
+        fit = fold_of != f
+        held = fold_of[sample.unit] == f
+        if held.any() and fit.any():
+            out.append((sample.rows[held], sample.unit_lo[fit].amin(0), sample.unit_hi[fit].amax(0)))
+    return out
+
+
+def search(sample: Rows, params: Mapping[str, torch.Tensor], group, *, activation=None,
+           weight_specs: Mapping[str, QuantSpec | None] | None = None, grid: int = 11,
+           score: str = "calibration") -> Choice:
+    """α for one group minimising its quantized output error (auto-SmoothQuant), on the sample or held out.
+
+    The candidates are no smoothing and the scales of every α in ``linspace(0, 1, grid)``. ``score="heldout"``:
+    the calibration sequences are dealt to two folds (:func:`folds`); for each fold the candidates'
+    scales and the static activation range come from the *other* fold's sequences, and :func:`layer_errors` is
+    measured on the fold's rows (which may fall outside that range, as new text does); the two folds' errors are
+    summed. ``score="calibration"`` (default): scales, range and error all from every row (also the fallback of
+    ``"heldout"`` when fewer than two sequences were sampled). The
+    first candidate with the smallest score wins; its scales are then computed from all rows. ``activation``:
+    the activation spec (default int8 per tensor, static); ``weight_specs``: ``{linear path: spec}`` (default:
+    weights not quantized).
     """
     group = SmoothGroup.from_value(group)
     activation = check_activation(QuantSpec(format="int8") if activation is None else activation)
     _check_int("grid", grid, 2, None)
+    if score not in SCORES:
+        raise ValueError(f"smoothquant: score must be one of {list(SCORES)}, got {score!r}")
     alphas = torch.linspace(0, 1, grid, dtype=torch.float64)
-    act = torch.maximum(sample.lo.abs(), sample.hi.abs())
-    cand = _group_scales(params, group, act, alphas[:, None])
-    cand = torch.cat([torch.ones_like(cand[:1]), cand])
-    errors = layer_errors(sample, params, group, cand, activation=activation, weight_specs=weight_specs or {})
+    opts = dict(activation=activation, weight_specs=weight_specs or {})
+
+    def candidates(lo, hi):
+        cand = _group_scales(params, group, torch.maximum(lo.abs(), hi.abs()), alphas[:, None])
+        return torch.cat([torch.ones_like(cand[:1]), cand])
+
+    splits = folds(sample) if score == "heldout" else []
+    if splits:
+        errors = sum(layer_errors(Rows(rows, lo, hi), params, group, candidates(lo, hi), **opts)
+                     for rows, lo, hi in splits)
+    else:
+        errors = layer_errors(sample, params, group, candidates(sample.lo, sample.hi), **opts)
     best = int(torch.argmin(errors))
     grid_alphas = tuple(round(float(a), 12) for a in alphas)
-    return Choice(None if best == 0 else grid_alphas[best - 1], None if best == 0 else cand[best].float(),
-                  (None, *grid_alphas), errors)
+    chosen = candidates(sample.lo, sample.hi)[best].float() if best else None
+    return Choice(None if best == 0 else grid_alphas[best - 1], chosen, (None, *grid_alphas), errors)
 
 
 def _check_int(name, v, lo, path) -> None:
