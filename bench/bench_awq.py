@@ -35,6 +35,7 @@ ABLATION = (
     ("no_v_o", "no_v_o", "no v -> o group (the reference skips it when v and o differ in shape: GQA)"),
     ("magnitude_clip", {"clip_range": "magnitude"}, "the reference's clip: +-p max|w|, p from 1 to 0.55"),
     ("float_inputs", {"float_inputs": True}, "searched on the float model's block inputs (the reference's)"),
+    ("reference", {"float_inputs": True, "clip_range": "magnitude"}, "float inputs and the reference's clip"),
 )
 
 SCHEMES = ("uint4-asym-g64", "uint4-asym-g128", "uint3-asym-g64")
@@ -52,7 +53,8 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, nargs="*", default=[], help="AWQ also with these token budgets")
     ap.add_argument("--hqq-only", action="store_true", help="only the HQQ comparison (results in awq_hqq.*)")
     ap.add_argument("--hqq-bits", type=int, nargs="*", default=[4, 3], help="bit widths of the HQQ comparison")
-    ap.add_argument("--ablation", action="store_true", help="AWQ with one part changed at a time (ABLATION)")
+    ap.add_argument("--ablation", nargs="*", default=None, help="AWQ with one part changed at a time (ABLATION; "
+                    "names to run only those)")
     ap.add_argument("--calib-offset", type=int, default=0, help="skip this many calibration sequences first")
     ap.add_argument("--no-gptq", action="store_true", help="leave out AWQ -> GPTQ")
     a = ap.parse_args()
@@ -97,7 +99,7 @@ def main() -> None:
         table += "\n\n" + markdown(["scheme", *(f"AWQ, {t} tokens" for t in a.tokens)],
                                    [[r["scheme"], *(f"x{r[f'awq_t{t}']} ({r[f'awq_t{t}_s']} s)" for t in a.tokens)]
                                     for r in rows])
-    ablation = ablation_rows(model, spec_of((a.only or list(SCHEMES))[0]), cal, ev, fp) if a.ablation else []
+    ablation = ablation_rows(model, spec_of((a.only or list(SCHEMES))[0]), cal, ev, fp, a.ablation) if a.ablation is not None else []
     if ablation:
         table += "\n\n" + markdown(["AWQ variant", "perplexity ratio", "s"],
                                    [[r["description"], f"x{r['ratio']}", r["seconds"]] for r in ablation])
@@ -110,11 +112,13 @@ def main() -> None:
     write("awq", rows + hqq_rows, table, {"fp_ppl": fp, "load_average": os.getloadavg()[0], "ablation": ablation})
 
 
-def ablation_rows(model, spec, cal, ev, fp) -> list[dict]:
-    """AWQ with one part changed at a time (:data:`ABLATION`) on ``spec``."""
+def ablation_rows(model, spec, cal, ev, fp, names=()) -> list[dict]:
+    """AWQ with one part changed at a time (:data:`ABLATION`, or those of ``names``) on ``spec``."""
     groups = model_groups(model)
     out = []
     for name, options, description in ABLATION:
+        if names and name not in names:
+            continue
         if options == "per_linear":
             options = {"groups": [{k: v for k, v in g.items() if k not in ("inspect", "local")} for g in groups]}
         elif options == "no_v_o":

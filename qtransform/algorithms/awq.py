@@ -33,7 +33,11 @@ the fit after the step quantizes them; their down projections are not scaled.
 
 Options (defaults): ``grid`` (20), ``duo_scaling`` (False), ``clip`` (True), ``quantizer`` (``"rtn"``),
 ``tokens`` (2048), ``rows`` (512), ``groups`` (replaces the plan's ``Plan.groups``, which ``bridge.plan`` fills
-from its architecture tables; a model without a table and no option is an error naming it).
+from its architecture tables; a model without a table and no option is an error naming it),
+``float_inputs`` (False: the block's inputs are the outputs of the blocks before it as quantized so far; True:
+the float model's, as the reference implementation searches, each block then independent of how the earlier
+ones were quantized), ``clip_range`` (``"both"``: ``[p · min, p · max]``; ``"magnitude"``: the reference's
+clamp to ``±p · max|w|``, :mod:`.awq_clip`).
 
 Its perplexity and time against round to nearest, GPTQ and llm-compressor: ``bench/bench_awq.py``
 (``docs/awq.md``, ``docs/performance.md``).
