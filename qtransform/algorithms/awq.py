@@ -33,7 +33,11 @@ the fit after the step quantizes them; their down projections are not scaled.
 
 Options (defaults): ``grid`` (20), ``duo_scaling`` (False), ``clip`` (True), ``quantizer`` (``"rtn"``),
 ``tokens`` (2048), ``rows`` (512), ``groups`` (replaces the plan's ``Plan.groups``, which ``bridge.plan`` fills
-from its architecture tables; a model without a table and no option is an error naming it).
+from its architecture tables; a model without a table and no option is an error naming it),
+``float_inputs`` (False: the block's inputs are the outputs of the blocks before it as quantized so far; True:
+the float model's, as the reference implementation searches, each block then independent of how the earlier
+ones were quantized), ``clip_range`` (``"both"``: ``[p · min, p · max]``; ``"magnitude"``: the reference's
+clamp to ``±p · max|w|``, :mod:`.awq_clip`).
 
 Its perplexity and time against round to nearest, GPTQ and llm-compressor: ``bench/bench_awq.py``
 (``docs/awq.md``, ``docs/performance.md``).
@@ -48,6 +52,7 @@ import torch
 
 from ..parallel import SERIAL, Parallel
 from ..spec import Site, module_of
+from .awq_clip import CLIP_RANGES, search_magnitude
 from .awq_math import QUANTIZERS, search_scales
 from .base import BlockInputs, Fit, block_tokens, register_algorithm
 from .clip_search import input_gram, search_range
@@ -84,6 +89,8 @@ class Options:
     tokens: int = option(DEFAULT_TOKENS, ge=1, doc="calibration tokens used")
     rows: int = option(DEFAULT_ROWS, ge=1, doc="rows a token-local module is scored on")
     groups: list | None = option(None, doc="smoothing groups replacing the plan's (Plan.groups)")
+    float_inputs: bool = option(False, doc="search on the float model's block inputs (as the reference does)")
+    clip_range: str = option("both", choices=CLIP_RANGES, doc="how the clipping search shrinks a block's range")
 
     def __post_init__(self):
         if self.groups is not None:
@@ -95,6 +102,10 @@ check_options = options_checker("awq", Options)
 
 def _tokens(**options):
     return options.get("tokens", DEFAULT_TOKENS)
+
+
+def _float_inputs(**options):
+    return bool(options.get("float_inputs", False))
 
 
 def _specs(plan, group: SmoothGroup) -> dict:
@@ -139,10 +150,11 @@ def _sampled(inputs: list, n: int, parallel: Parallel = SERIAL) -> tuple[list, b
 
 
 def step(params, plan, *, context, groups=None, grid: int = 20, duo_scaling: bool = False, clip: bool = True,
-        quantizer: str = "rtn", tokens: int = DEFAULT_TOKENS, rows: int = DEFAULT_ROWS) -> Fit:
+        quantizer: str = "rtn", tokens: int = DEFAULT_TOKENS, rows: int = DEFAULT_ROWS, float_inputs: bool = False,
+        clip_range: str = "both") -> Fit:
     """The ``awq`` step on one block (``context.block``); see the module docstring."""
     check_options(groups=groups, grid=grid, duo_scaling=duo_scaling, clip=clip, quantizer=quantizer, tokens=tokens,
-                  rows=rows)
+                  rows=rows, float_inputs=float_inputs, clip_range=clip_range)
     groups = plan.groups if groups is None else groups
     if groups is None:
         raise ValueError("awq: no smoothing groups: the plan has none (Plan.groups; bridge.plan fills them from the "
@@ -167,7 +179,10 @@ def step(params, plan, *, context, groups=None, grid: int = 20, duo_scaling: boo
     source.update({lin: input_module(g) for g in mine for lin in g.linears if lin not in g.stacked})  # one shared
     stride = max(1, -(-block_tokens(block) // _KEPT))  # rows kept for the means and Gram matrices
     sites = {Site(m, "input"): sample_stats(stride) for m in set(source.values())}
-    captured, stats = block.capture({}, modules, sites)
+    if float_inputs and block.float_inputs is None:
+        raise ValueError(f"block {block.name}: awq: float_inputs=True needs the float model's block inputs "
+                         "(Block.float_inputs); the calibrator gave none")
+    captured, stats = block.capture({}, modules, sites, inputs=list(block.float_inputs) if float_inputs else None)
     seen = {lin: stats[Site(m, "input")].rows for lin, m in source.items()}
     seen.update({lin: seen[input_module(g)] for g in mine for lin in g.stacked})
     original = dict(params)
@@ -202,12 +217,12 @@ def step(params, plan, *, context, groups=None, grid: int = 20, duo_scaling: boo
         changed.update(new)
         s_in = to_input(s, g, group_shape(original, g))
         in_scale.update({lin: s_in for lin in g.linears if lin not in g.stacked})
-    qparams = _fit_weights(current, plan, clipped, seen, source, in_scale, clip, quantizer, par)
+    qparams = _fit_weights(current, plan, clipped, seen, source, in_scale, clip, quantizer, par, clip_range)
     return Fit(params=changed, qparams=qparams, info=info)
 
 
 def _fit_weights(current: Mapping, plan, weights, rows, source, in_scale, clip: bool, quantizer: str,
-                 parallel: Parallel = SERIAL) -> dict:
+                 parallel: Parallel = SERIAL, clip_range: str = "both") -> dict:
     """Each quantized linear's parameters: HQQ's, or the clipping search's on its (scaled) inputs (one Gram
     matrix per shared input and spec: q/k/v, gate/up). On several ranks (every rank holding every linear's
     inputs) each linear is searched by one owner (:meth:`~qtransform.Parallel.owners` by its size) and the
@@ -227,11 +242,14 @@ def _fit_weights(current: Mapping, plan, weights, rows, source, in_scale, clip: 
             if key not in grams:
                 x = rows[lin] if lin not in in_scale else rows[lin] / in_scale[lin].to(rows[lin])
                 grams[key] = input_gram(x, spec, tuple(w.shape), in_axis=in_axis, path=p)
-            out[p] = search_range(w, spec, gram=grams[key], in_axis=in_axis, path=p)
+            if clip_range == "both":
+                out[p] = search_range(w, spec, gram=grams[key], in_axis=in_axis, path=p)
+            else:
+                out[p] = search_magnitude(w, spec, gram=grams[key], in_axis=in_axis, path=p)
     return parallel.share(out, owners)
 
 
-register_algorithm("awq", step, needs=BlockInputs(tokens=_tokens), options=Options, requires=("groups",),
+register_algorithm("awq", step, needs=BlockInputs(tokens=_tokens, float_inputs=_float_inputs), options=Options, requires=("groups",),
                    description="AWQ: per-channel scales searched on activations, then clipping ranges")
 
 #: The old name of :func:`step` (kept for one version).

@@ -141,6 +141,27 @@ def test_awq_then_gptq_runs_both_and_beats_round_to_nearest():
     assert err["awq-gptq"] < err["rtn"]
 
 
+@pytest.mark.parametrize("float_inputs", [True, False])
+def test_float_inputs_make_a_block_independent_of_how_the_blocks_before_it_were_quantized(float_inputs):
+    """With the float model's block inputs (the reference's protocol) the second block's scales and ranges do
+    not depend on whether the first block was quantized; with the quantized chain's inputs (the default) they
+    do."""
+    m = tiny_with_outliers("llama")
+    step = qt.Step("awq", grid=6, float_inputs=float_inputs, clip_range="magnitude")
+    fits = [_fit(m, qt.Recipe(type_rules={"Linear": U4}, exclude=exclude, steps=[step]))[0]
+            for exclude in (["lm_head*"], ["lm_head*", "model.layers.0.*"])]
+    second = [w for w in fits[0].qparams if w.startswith("model.layers.1.")]
+    assert second and all(w in fits[1].qparams for w in second)
+    same = all(torch.equal(fits[0].qparams[w].scale, fits[1].qparams[w].scale) for w in second) and all(
+        torch.equal(fits[0].params[w], fits[1].params[w]) for w in fits[0].params if w.startswith("model.layers.1."))
+    assert same == float_inputs
+
+
+def test_an_unknown_clip_range_is_named():
+    with pytest.raises(ValueError, match="clip_range must be one of"):
+        qt.check_algorithm_options("awq", {"clip_range": "sides"})
+
+
 def test_the_saved_recipe_is_the_one_the_user_passed(tmp_path):
     """The model's smoothing groups travel on the plan, not in the steps' options: the recipe that bridge.save
     records after AWQ then GPTQ from Python is the recipe the user passed."""
