@@ -54,8 +54,13 @@ from .int8mm import _weight_reason
 
 __all__ = ["MAX_ROWS", "fused_reason", "native_reason", "token_quantize", "token_fake_quantize", "int8_dynamic_linear"]
 
-#: Tokens up to which the layer runs in the C++ GEMV (bench/bench_w8a8.py); from here on fake-quantize + F.linear.
-MAX_ROWS = 16
+#: Tokens below which the layer runs in the C++ GEMV; from here on fake-quantize + F.linear. Measured on SmolLM2's
+#: up and down projections (1 thread, AVX2 code on an AVX-512 EPYC): the GEMV beats both F.linear paths (fp32 on the
+#: float weight, and on the dequantized one) at 4 to 64 tokens; from 128 on it is compute-bound (16 int16 products
+#: per instruction) and the float GEMM takes over.
+MAX_ROWS = 64
+#: Least multiply-adds (tokens x weights) per thread chunk of the C++ GEMV: smaller layers run on one thread.
+PARALLEL_CHUNK = 1 << 16
 _TINY = torch.finfo(torch.float32).tiny
 
 
@@ -162,7 +167,7 @@ def int8_dynamic_linear(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tenso
     n = codes.shape[0]
     xf = rows(x, k).to(torch.float32).contiguous()
     qlo, half = _consts(spec)
-    y, ok = ext.linear(xf, codes, scale, rowsum, spec.symmetric, qlo, half)
+    y, ok = ext.linear(xf, codes, scale, rowsum, spec.symmetric, qlo, half, PARALLEL_CHUNK)
     if not ok:
         return None
     return y.to(x.dtype).reshape(*x.shape[:-1], n)

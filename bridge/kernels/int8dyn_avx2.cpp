@@ -165,9 +165,10 @@ void tile(const int8_t* const* w, const int16_t* xq, int64_t K, int32_t* out) {
 }
 
 // (y (M, N) fp32, ok): x (M, K) fp32 quantized per token, weight codes (N, K) int8, wscale (N) fp32,
-// wrowsum (N) int32 (sum of each weight row's codes, for the zero point).
+// wrowsum (N) int32 (sum of each weight row's codes, for the zero point); chunk: the least work per thread.
 std::tuple<at::Tensor, bool> linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& wscale,
-                                    const at::Tensor& wrowsum, bool symmetric, double qlo, double half) {
+                                    const at::Tensor& wrowsum, bool symmetric, double qlo, double half,
+                                    int64_t chunk) {
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kChar && w.is_contiguous() && w.is_cpu(),
               "int8dyn.linear: w must be contiguous int8 (N, K) on the CPU");
   const int64_t N = w.size(0), K = w.size(1);
@@ -187,7 +188,8 @@ std::tuple<at::Tensor, bool> linear(const at::Tensor& x, const at::Tensor& w, co
   const int32_t* rs = wrowsum.data_ptr<int32_t>();
   float* yp = y.data_ptr<float>();
   const int64_t T = (N + R - 1) / R;
-  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / (R * K));
+  // threads split the tiles in chunks of at least `chunk` multiply-adds (tokens x weights)
+  const int64_t grain = std::max<int64_t>(1, chunk / std::max<int64_t>(1, R * K * M));
   at::parallel_for(0, T, grain, [&](int64_t t0, int64_t t1) {
     int32_t acc[2 * R];
     const int8_t* rows[R];
