@@ -142,7 +142,7 @@ inline __m128i rowsum4(__m256i a0, __m256i a1, __m256i a2, __m256i a3) {
 
 // Exact int32 dot products of MT tokens (int16 codes) with four weight rows (int8 codes).
 template <int MT>
-void tile(const int8_t* const* w, const int16_t* xq, int64_t K, int32_t* out) {
+void tile(const int8_t* const* w, const int16_t* xq, int64_t K, int64_t pf, int32_t* out) {
   __m256i acc[MT][R];
   for (int m = 0; m < MT; ++m)
     for (int r = 0; r < R; ++r) acc[m][r] = _mm256_setzero_si256();
@@ -150,6 +150,8 @@ void tile(const int8_t* const* w, const int16_t* xq, int64_t K, int32_t* out) {
   for (; k + 16 <= K; k += 16) {
     __m256i xv[MT];
     for (int m = 0; m < MT; ++m) xv[m] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + m * K + k));
+    if ((k & 63) == 0)
+      for (int r = 0; r < R; ++r) _mm_prefetch(reinterpret_cast<const char*>(w[r] + k + pf), _MM_HINT_T0);
     for (int r = 0; r < R; ++r) {
       const __m256i wv = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w[r] + k)));
       for (int m = 0; m < MT; ++m) acc[m][r] = _mm256_add_epi32(acc[m][r], _mm256_madd_epi16(wv, xv[m]));
@@ -188,6 +190,9 @@ std::tuple<at::Tensor, bool> linear(const at::Tensor& x, const at::Tensor& w, co
   const int32_t* rs = wrowsum.data_ptr<int32_t>();
   float* yp = y.data_ptr<float>();
   const int64_t T = (N + R - 1) / R;
+  // software prefetch two tiles ahead (the tiles stream linearly): 2.8x on cold weights (SmolLM2's shapes,
+  // 1 thread), where the hardware prefetcher alone reached half of fp32 F.linear's bandwidth
+  const int64_t pf = 2 * R * K;
   // threads split the tiles in chunks of at least `chunk` multiply-adds (tokens x weights)
   const int64_t grain = std::max<int64_t>(1, chunk / std::max<int64_t>(1, R * K * M));
   at::parallel_for(0, T, grain, [&](int64_t t0, int64_t t1) {
@@ -198,7 +203,7 @@ std::tuple<at::Tensor, bool> linear(const at::Tensor& x, const at::Tensor& w, co
       for (int r = 0; r < R; ++r) rows[r] = wp + (n0 + std::min<int64_t>(r, nr - 1)) * K;
       for (int64_t m = 0; m < M; m += 2) {
         const int64_t mt = std::min<int64_t>(2, M - m);
-        if (mt == 2) tile<2>(rows, xq.data() + m * K, K, acc); else tile<1>(rows, xq.data() + m * K, K, acc);
+        if (mt == 2) tile<2>(rows, xq.data() + m * K, K, pf, acc); else tile<1>(rows, xq.data() + m * K, K, pf, acc);
         for (int64_t i = 0; i < mt; ++i) {
           const RowParams& q = p[m + i];
           const int32_t za = static_cast<int32_t>(q.zero);
