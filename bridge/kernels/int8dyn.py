@@ -209,7 +209,7 @@ def _run(module, st, x, **kw):
     n = st["codes"].shape[0]
     if x.numel() == 0:
         return x.new_zeros(*x.shape[:-1], n)
-    if x.numel() < MAX_ROWS * x.shape[-1] and not torch.compiler.is_compiling():
+    if not torch.compiler.is_compiling() and x.numel() < MAX_ROWS * x.shape[-1]:
         y = int8_dynamic_linear(x, st["codes"], st["scale"], st["rowsum"], module.input_spec)
         if y is not None:
             return y
