@@ -1,14 +1,18 @@
 """W8A8 int8 QLinear on CPU: the ``torch._int_mm`` kernel against the dequantize reference and int8pack.
 
-One QLinear per shape (int8 per-channel symmetric weights, dynamic per-token int8 symmetric input
-quantizer: the ``w8a8-int8-dynamic`` scheme), run with each forward path forced:
+One QLinear per shape (int8 per-channel symmetric weights in [-127, 127], dynamic per-token int8
+asymmetric input quantizer with integer zero points: the ``w8a8-int8-dynamic`` preset's specs), run with each forward path forced:
 
 * ``int8_int_mm_cpu``: quantize the activations, ``torch._int_mm`` (int8 x int8 -> int32), rescale;
 * ``dequant``: the reference (fake-quantize the activations, dequantize the weight, fp32 ``F.linear``);
 * ``int8pack_cpu``: fake-quantize the activations, then the weight-only ``_weight_int8pack_mm`` (bf16);
+* ``int8_dynamic_cpu`` (the automatic choice for this scheme): the fused per-token quantizer and the C++
+  int8 GEMV below ``int8dyn.MAX_ROWS`` tokens, fake-quantize (fused) + ``F.linear`` from there on;
 
-plus fp32 ``F.linear`` on the float weight and ``torch._int_mm`` alone on ready int8 codes (the
-integer GEMM without quantizing or rescaling). Shapes are SmolLM2-135M's up/gate projection
+plus fp32 ``F.linear`` on the float weight, ``torch._int_mm`` alone on ready int8 codes (the
+integer GEMM without quantizing or rescaling), and the input quantizer alone (fake-quantize the
+activations): the general ``choose_qparams`` + ``fake_quantize`` against the fused
+``int8dyn.token_fake_quantize`` (equal results). Shapes are SmolLM2-135M's up/gate projection
 (576 -> 1536), its down projection (1536 -> 576) and a 4096 x 4096 layer, at 1, 16, 128 and 512
 tokens. Times are medians of interleaved repeats (``common.timeit``); the load average before and
 after is recorded (the machine is shared).
@@ -28,13 +32,14 @@ import torch.nn.functional as F
 
 import qtransform as qt
 from bridge import QLinear
+from bridge.kernels import int8dyn
 from common import markdown, timeit, write
 
 SHAPES = {"SmolLM2 up 576->1536": (1536, 576), "SmolLM2 down 1536->576": (576, 1536), "4096x4096": (4096, 4096)}
 TOKENS = (1, 16, 128, 512)
-W_SPEC = qt.QuantSpec(format="int8", granularity=qt.PerChannel(0))
-X_SPEC = qt.QuantSpec(format="int8", dynamic=True, granularity=qt.PerChannel(0))
-PATHS = ("int8_int_mm_cpu", "dequant", "int8pack_cpu")
+W_SPEC = qt.QuantSpec(format="int8", granularity=qt.PerChannel(0), symmetric_range="restricted")  # as the preset
+X_SPEC = qt.QuantSpec(format="int8", dynamic=True, granularity=qt.PerChannel(0), symmetric=False)
+PATHS = ("int8_int_mm_cpu", "dequant", "int8pack_cpu", "int8_dynamic_cpu")
 
 
 def modules(w: torch.Tensor) -> dict[str, QLinear]:
@@ -57,6 +62,8 @@ def run(repeat: int) -> tuple[list[dict], dict]:
                 fns = {f"QLinear {p}": (lambda mod=mod: mod(x)) for p, mod in mods.items()}
                 fns["fp32 F.linear"] = lambda: F.linear(x, w)
                 fns["torch._int_mm alone"] = lambda: torch._int_mm(codes_x, codes_w.t())
+                fns["input quantizer alone, general"] = lambda: qt.fake_quantize(x, qt.choose_qparams(x, X_SPEC))
+                fns["input quantizer alone, fused"] = lambda: int8dyn.token_fake_quantize(x, X_SPEC)
                 t = timeit(fns, repeat=repeat)
                 outs = {p: mod(x) for p, mod in mods.items()}
                 scale = outs["dequant"].abs().max()

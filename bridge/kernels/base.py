@@ -19,6 +19,12 @@ kernel                when                                                      
                       integer zero point allowed), ``in_features <= 65535``
                       (real W8A8 int8): ``torch._int_mm``. Opt-in: ``auto``
                       never chooses it (see below)
+``int8_dynamic_cpu``  CPU with the AVX2 build, int8 weight codes with symmetric   QLinear
+                      per-channel/per-tensor scales *and* a dynamic per-token
+                      int8 input quantizer (round half to even, float32 scales;
+                      symmetric or an integer zero point): the fused quantizer
+                      and an int8 GEMV below ``int8dyn.MAX_ROWS`` tokens,
+                      fake-quantize + ``F.linear`` above (:mod:`.int8dyn`)
 ``int4pack_cuda``     CUDA with compute capability >= 8.0, integer codes of at    QLinear
                       most 4 bits, per-group (a group that 32..256 divides, as
                       ``int4pack_cpu``) or per-channel scales, ``out_features %

@@ -47,6 +47,8 @@ from torch import nn
 import qtransform as qt
 from qtransform import QParams
 
+from ..kernels import int8dyn
+
 __all__ = ["ROLES", "KV_ROLES", "PREFIX", "attach", "kv_heads", "activation_view", "qparams_for", "apply", "activation_specs", "stored_buffers",
            "static_buffers", "abstract_qparams"]
 
@@ -154,8 +156,13 @@ def qparams_for(module: nn.Module, role: str, x: torch.Tensor) -> QParams | None
     if spec is None:
         return None
     if spec.dynamic:
+        view = activation_view(module, x.detach())
+        if _fused(spec, view):  # int8 per token: one pass, the same QParams (bridge.kernels.int8dyn)
+            q = int8dyn.token_quantize(view, spec)
+            if q is not None:
+                return QParams(spec=spec, scale=q[1], zero_point=q[2])
         with value_checks(x):
-            return qt.choose_qparams(activation_view(module, x.detach()), spec, observer=_DYNAMIC_OBSERVER)
+            return qt.choose_qparams(view, spec, observer=_DYNAMIC_OBSERVER)
     fields = {f: module._buffers[PREFIX[role] + f] for f in QParams.FIELDS if PREFIX[role] + f in module._buffers}
     if role in KV_ROLES:  # stored as scalars or per head; the grid of the (batch, heads, tokens, head_dim) tensor
         fields = {f: t.reshape((1,) * x.dim()) if t.dim() == 0 else t.reshape(1, -1, *(1,) * (x.dim() - 2))
@@ -163,15 +170,31 @@ def qparams_for(module: nn.Module, role: str, x: torch.Tensor) -> QParams | None
     return QParams(spec=spec, **fields)
 
 
+def _fused(spec, view: torch.Tensor, x: torch.Tensor | None = None):
+    """Whether a dynamic ``spec`` on ``view`` takes the fused int8 per-token quantizer: eager, on the CPU, a
+    2-D view, no gradient through ``x`` (the general path's straight-through gradient)."""
+    if (not spec.dynamic or view.dim() != 2 or view.device.type != "cpu" or torch.compiler.is_compiling()
+            or (x is not None and x.requires_grad and torch.is_grad_enabled())):
+        return False
+    return int8dyn.fused_reason(spec) is None
+
+
 def apply(module: nn.Module, role: str, x: torch.Tensor) -> torch.Tensor:
     """Fake-quantize ``x`` for ``role`` when ``module`` has a quantizer there (same shape as ``x``)."""
-    qp = qparams_for(module, role, x)
-    if qp is None:
+    spec = getattr(module, f"{role}_spec", None)
+    if spec is None:
         return x
+    if role in KV_ROLES:  # per tensor or per head on the cache's (batch, heads, tokens, head_dim) layout
+        with value_checks(x):
+            return qt.fake_quantize(x, qparams_for(module, role, x))
+    view = activation_view(module, x)
+    if _fused(spec, view, x):
+        y = int8dyn.token_fake_quantize(view, spec)
+        if y is not None:
+            return y.reshape(x.shape)
+    qp = qparams_for(module, role, x)
     with value_checks(x):
-        if role in KV_ROLES:  # per tensor or per head on the cache's (batch, heads, tokens, head_dim) layout
-            return qt.fake_quantize(x, qp)
-        return qt.fake_quantize(activation_view(module, x), qp).reshape(x.shape)
+        return qt.fake_quantize(view, qp).reshape(x.shape)
 
 
 def activation_specs(model: nn.Module) -> dict[qt.Site, qt.QuantSpec]:

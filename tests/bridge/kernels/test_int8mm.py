@@ -157,7 +157,7 @@ def test_fp8_weights_and_in_features_limit(int8_dot):
 
 def test_not_auto_without_int8_dot_instructions(monkeypatch):
     monkeypatch.setattr(int8mm, "int8_dot_cpu", lambda: False)
-    m, q, b = make(W_SPECS[0], X_QUANT["dyn-token-sym"])
+    m, q, b = make(W_SPECS[0], X_QUANT["static-tensor-sym"])  # (dynamic per-token inputs: int8_dynamic_cpu)
     assert m.kernel == "int8pack_cpu" and NAME not in m.available_kernels()
     m.kernel = NAME  # forcing it still works
     assert m.kernel == NAME
