@@ -67,8 +67,11 @@ from .hqq_math import optimize as hqq_optimize
 
 __all__ = ["GPTQResult", "gptq", "gptq_many", "inverse_hessian_factor", "INITS"]
 
-#: Columns whose errors are pushed one by one onto each other before one product updates the block's rest.
-_SUB_BLOCK = 16
+#: Columns whose errors are pushed one by one onto each other before one product updates the block's rest. At
+#: 128 (the default block) the loop is the textbook lazy batch, bit for bit; 16 saved ~5% of the loop's CPU time on
+#: SmolLM2 and changed float rounding enough to move a reduced run's perplexity ratio by 1% (x1.074 -> x1.084), so
+#: it stays off.
+_SUB_BLOCK = 128
 
 #: How group parameters are chosen before their columns are quantized.
 INITS = ("minmax", "clip", "hqq")
