@@ -29,7 +29,7 @@ import qtransform as qt
 import bridge
 from bridge.app import corpus, evaluate, models
 
-from common import markdown, write
+from common import markdown, merged, write
 
 HERE = pathlib.Path(__file__).parent
 #: name -> (format, symmetric); every scheme is group 64 along in_features unless named g128.
@@ -78,6 +78,7 @@ def main() -> None:
     ap.add_argument("--hqq", action="store_true", help="also compare HQQ-initialised GPTQ at 3 and 2 bits")
     ap.add_argument("--gptaq", action="store_true", help="also run GPTAQ at uint4/uint3 asym g64")
     a = ap.parse_args()
+    load_before = os.getloadavg()[0]
     model, cal, ev, fp, files = setup(a)
     rows, gptaq_rows = [], []
     for name in a.only or list(SCHEMES):
@@ -97,6 +98,8 @@ def main() -> None:
             gptaq_rows.append({"scheme": f"{name} gptaq", "gptq": mine["ratio"], "gptq_s": mine["seconds"],
                                "gptaq": asym["ratio"], "gptaq_s": asym["seconds"]})
             print(json.dumps(gptaq_rows[-1]), flush=True)
+    if not a.gptaq and not a.hqq:  # schemes of an earlier run that this one (--only) did not repeat stay
+        rows = merged("gptq", rows, list(SCHEMES))
     table = markdown(["scheme", "RTN", "GPTQ (ours)", "ours, s", "llm-compressor (same run)", "llmc, s",
                       "time ours / llmc", "goal", "Quark anchor", "llmc anchor"],
                      [[r["scheme"], f"x{r['rtn']}", f"x{r['ours']}", r["ours_s"], _x(r["llmc"]), r["llmc_s"] or "-",
@@ -113,8 +116,9 @@ def main() -> None:
                                    [[r["scheme"].removesuffix(" gptaq"), f"x{r['gptq']}", r["gptq_s"],
                                      f"x{r['gptaq']}", r["gptaq_s"]] for r in gptaq_rows])
     table += (f"\n\nfloat perplexity {fp:.3f} on {ev.numel()} tokens; calibration {a.calib}x{a.seq_len} tokens; "
-              f"{a.threads} threads; load average {os.getloadavg()[0]:.1f}")
-    write("gptaq" if a.gptaq else "gptq", rows + hqq_rows + gptaq_rows, table, {"fp_ppl": fp, "load_average": os.getloadavg()[0]})
+              f"{a.threads} threads; load average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after")
+    write("gptaq" if a.gptaq else "gptq", rows + hqq_rows + gptaq_rows, table,
+          {"fp_ppl": fp, "load_average": os.getloadavg()[0], "load_before": load_before})
 
 
 def arguments(schemes) -> argparse.ArgumentParser:

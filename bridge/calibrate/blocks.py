@@ -21,6 +21,7 @@ from torch import nn
 import qtransform as qt
 
 from ..distributed import share
+from .experts import expert_sites
 from .sites import first_tensor, fold_sites, run_batch
 
 __all__ = ["find_blocks", "capture_inputs", "spread", "my_share", "blockwise", "fit_block_on", "batch_tokens"]
@@ -157,6 +158,46 @@ def _capture(model: nn.Module, block: str, modules, sites, run_all,
     return seen, stats
 
 
+class _Folded(Exception):
+    """A statistics pass reached its last site: the rest of the block folds nothing."""
+
+
+def _until_sites(model: nn.Module, sites, run_some: Callable, batches: list) -> int:
+    """``run_some([batch])`` for each batch while the hooks of :func:`.sites.fold_sites` fold ``sites``; returns
+    the batch count. When the sites are module inputs and the first batch calls each site module once, the
+    later batches stop right after the last of them (its input folded: the hooks registered here run after
+    fold_sites' ones), provided they called the same site modules in the same order until then (the rest of
+    the block, say an MLP's down projection and residual, would fold nothing). The statistics are those of
+    full passes, bit for bit."""
+    names = dict(model.named_modules())
+    mods = {s.module for s in sites}
+    if (len(batches) < 2 or not mods or any(s.role != "input" for s in sites) or any(m not in names for m in mods)
+            or expert_sites(model, sites)):
+        run_some(batches)
+        return len(batches)
+    first, order, last = None, [], []
+
+    def called(m):
+        order.append(m)
+        if last and m == last[0] and order == first:
+            raise _Folded
+
+    handles = [names[m].register_forward_pre_hook(lambda mod, args, m=m: called(m)) for m in sorted(mods)]
+    try:
+        for batch in batches:
+            order.clear()
+            with contextlib.suppress(_Folded):
+                run_some([batch])
+            if first is None:
+                first = list(order)
+                if sorted(first) == sorted(mods):  # each site module once: stop at the last from now on
+                    last.append(first[-1])
+    finally:
+        for h in handles:
+            h.remove()
+    return len(batches)
+
+
 def blockwise(model: nn.Module, params: Mapping, plan: qt.Plan, batches, fit_block: Callable, *,
               qparams: Mapping | None = None, blocks: str | None = None, progress: Callable | None = None,
               tokens: int | None = None, parallel: qt.Parallel = qt.SERIAL, all_experts: bool = False,
@@ -228,8 +269,8 @@ def fit_block_on(model: nn.Module, name: str, current: Mapping, inputs: list, pl
             return run(tensors, batches)
 
     def site_stats(tensors, sites, owners=None):
-        return fold_sites(model, sites, lambda: quiet(tensors), where=f"block {name}", parallel=parallel, owners=owners,
-                          all_experts=all_experts)
+        return fold_sites(model, sites, lambda: _until_sites(model, sites, lambda b: quiet(tensors, b), inputs),
+                          where=f"block {name}", parallel=parallel, owners=owners, all_experts=all_experts)
 
     def capture(tensors, modules, sites=None, *, inputs=None):
         return _capture(model, name, tuple(modules), dict(sites or {}), lambda: quiet(tensors, inputs), parallel,

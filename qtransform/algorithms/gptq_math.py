@@ -67,6 +67,12 @@ from .hqq_math import optimize as hqq_optimize
 
 __all__ = ["GPTQResult", "gptq", "gptq_many", "inverse_hessian_factor", "INITS"]
 
+#: Columns whose errors are pushed one by one onto each other before one product updates the block's rest. At
+#: 128 (the default block) the loop is the textbook lazy batch, bit for bit; 16 saved ~5% of the loop's CPU time on
+#: SmolLM2 and changed float rounding enough to move a reduced run's perplexity ratio by 1% (x1.074 -> x1.084), so
+#: it stays off.
+_SUB_BLOCK = 128
+
 #: How group parameters are chosen before their columns are quantized.
 INITS = ("minmax", "clip", "hqq")
 
@@ -268,36 +274,51 @@ def gptq_many(weights: Sequence[torch.Tensor], H: torch.Tensor, specs: Sequence[
     runs = _runs(members)
     losses = torch.zeros(Wt.shape[1], dtype=torch.float64, device=Wt.device)
     Q = torch.empty_like(Wt)
+    # columns are quantized one by one, each one's error pushed at once onto the next few (``sub``), onto the
+    # rest of the lazy-batch block after each run of ``sub`` columns, onto the matrix after each block (two
+    # products instead of one per column: same result up to the order of float additions). Dynamic groups
+    # (read columns ahead) and GPTAQ (its own per-column term) take one run per block: the textbook loop.
+    sub = block_size if dynamic or P is not None else min(block_size, _SUB_BLOCK)
     for i1 in range(0, C, block_size):
         i2 = min(i1 + block_size, C)
         W1, U1 = Wt[i1:i2], U[i1:i2, i1:i2]
         E1 = torch.empty_like(W1)
-        for j in range(i2 - i1):
-            col = i1 + j
-            for i in dynamic:
-                m = members[i]
-                if col % m.group == 0:  # a group starts: its parameters from its columns as they are now
-                    ahead = Wt[i2:col + m.group, m.rows]  # beyond the block: with the block's pending updates
-                    if ahead.shape[0] and j:
-                        ahead = ahead - U[i1:col, i2:col + m.group].T @ E1[:j, m.rows]
-                        if P is not None:
-                            ahead = ahead + P[i1:col, i2:col + m.group].T @ W1[:j, m.rows]
-                    cols = torch.cat([W1[j:j + m.group, m.rows], ahead])
-                    qp = _choose(cols.T, m.spec, _init(init, m.spec), observer, paths[i],
-                                 energy_p[col:col + cols.shape[0]])
-                    groups[i].append(qp)
-                    _put(S, Z, qp, col, m.rows, cols.shape[0])
-            w = W1[j]
-            q = torch.empty_like(w)
-            for rows, spec in runs:
-                q[rows] = _round(w[rows], S[col, rows], Z[col, rows], spec)
-            Q[col] = q
-            e = (w - q).div_(U1[j, j])
-            E1[j] = e
-            if j + 1 < i2 - i1:
-                W1[j + 1:].addr_(U1[j, j + 1:], e, alpha=-1.0)
-                if P is not None:  # GPTAQ: w (before rounding) times the asymmetric term
-                    W1[j + 1:].addr_(P[col, col + 1:i2], w)
+        # rows as views, once per block: each column step indexes Python lists, not tensors
+        Wr, Er, Ur, dr, Sr, Zr = (t.unbind(0) for t in (W1, E1, U1, U1.diagonal(), S[i1:i2], Z[i1:i2]))
+        qs = []
+        for s1 in range(0, i2 - i1, sub):
+            s2 = min(s1 + sub, i2 - i1)
+            for j in range(s1, s2):
+                col = i1 + j
+                for i in dynamic:
+                    m = members[i]
+                    if col % m.group == 0:  # a group starts: its parameters from its columns as they are now
+                        ahead = Wt[i2:col + m.group, m.rows]  # beyond the block: with the block's pending updates
+                        if ahead.shape[0] and j:
+                            ahead = ahead - U[i1:col, i2:col + m.group].T @ E1[:j, m.rows]
+                            if P is not None:
+                                ahead = ahead + P[i1:col, i2:col + m.group].T @ W1[:j, m.rows]
+                        cols = torch.cat([W1[j:j + m.group, m.rows], ahead])
+                        qp = _choose(cols.T, m.spec, _init(init, m.spec), observer, paths[i],
+                                     energy_p[col:col + cols.shape[0]])
+                        groups[i].append(qp)
+                        _put(S, Z, qp, col, m.rows, cols.shape[0])
+                w = Wr[j]
+                if len(runs) == 1:
+                    q = _round(w, Sr[j], Zr[j], *runs[0][1:])
+                else:
+                    q = torch.empty_like(w)
+                    for rows, *fmt in runs:
+                        q[rows] = _round(w[rows], Sr[j][rows], Zr[j][rows], *fmt)
+                qs.append(q)
+                e = torch.sub(w, q, out=Er[j]).div_(dr[j])
+                if j + 1 < s2:
+                    W1[j + 1:s2].addr_(Ur[j][j + 1:s2], e, alpha=-1.0)
+                    if P is not None:  # GPTAQ: w (before rounding) times the asymmetric term
+                        W1[j + 1:s2].addr_(P[col, col + 1:i1 + s2], w)
+            if s2 < i2 - i1:  # sub < block only without P
+                W1[s2:].addmm_(U1[s1:s2, s2:].T, E1[s1:s2], alpha=-1.0)
+        torch.stack(qs, out=Q[i1:i2])
         losses += E1.to(torch.float64).pow(2).sum(0) / 2
         if i2 < C:
             Wt[i2:].addmm_(U[i1:i2, i2:].T, E1, alpha=-1.0)
@@ -326,20 +347,21 @@ def _put(S: torch.Tensor, Z: torch.Tensor, qp: QParams, col: int, rows: slice, n
         Z[col:col + ncols, rows] = z
 
 
-def _runs(members) -> list[tuple[slice, QuantSpec]]:
-    """``[(rows, spec)]``: the members' rows, adjacent members of one spec merged (one rounding call)."""
+def _runs(members) -> list[tuple[slice, QuantSpec, float | None, float | None]]:
+    """``[(rows, spec, lo, hi)]``: the members' rows, adjacent members of one spec merged (one rounding call),
+    with the spec's element range."""
     out = []
     for m in members:
         if out and out[-1][1] == m.spec:
-            out[-1] = (slice(out[-1][0].start, m.rows.stop), m.spec)
+            out[-1] = (slice(out[-1][0].start, m.rows.stop), *out[-1][1:])
         else:
-            out.append((m.rows, m.spec))
+            out.append((m.rows, m.spec, *element_range(m.spec)))
     return out
 
 
-def _round(w: torch.Tensor, s: torch.Tensor, z: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
-    """``(round(w / s + z) − z) · s`` on the spec's element grid (what dequantize(quantize(.)) gives)."""
-    lo, hi = element_range(spec)
+def _round(w: torch.Tensor, s: torch.Tensor, z: torch.Tensor, spec: QuantSpec, lo, hi) -> torch.Tensor:
+    """``(round(w / s + z) − z) · s`` on the spec's element grid (what dequantize(quantize(.)) gives); ``lo``,
+    ``hi``: :func:`element_range` of the spec."""
     v = torch.addcdiv(z, w, s)
     return spec.fmt.codec.round(v, rounding=spec.rounding, lo=lo, hi=hi).sub_(z).mul_(s)
 
