@@ -15,27 +15,16 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import inspect
 import pkgutil
 import sys
 import warnings
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bridge/ next to qtransform/
+
+from bridge.app import corpus  # noqa: E402
+
 PACKAGES = ("click", "jinja2", "networkx", "dateutil", "markdown_it", "pygments")
-
-
-def _docstrings(module) -> list[str]:
-    found = [module.__doc__]
-    for name, obj in sorted(vars(module).items()):
-        if name.startswith("_") or getattr(obj, "__module__", None) != module.__name__:
-            continue
-        if inspect.isclass(obj):
-            found.append(obj.__doc__)
-            found += [getattr(m, "__doc__", None) for k, m in sorted(vars(obj).items())
-                      if not k.startswith("_") and (inspect.isfunction(m) or isinstance(m, property))]
-        elif inspect.isfunction(obj):
-            found.append(obj.__doc__)
-    return [inspect.cleandoc(d) for d in found if isinstance(d, str) and len(d.strip()) >= 40]
 
 
 def package_docstrings(packages=PACKAGES) -> str:
@@ -55,7 +44,7 @@ def package_docstrings(packages=PACKAGES) -> str:
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore")
                     mod = importlib.import_module(name)
-                    docs = _docstrings(mod)
+                    docs = corpus.module_docstrings(mod)
             except (Exception, SystemExit):  # noqa: BLE001  (a submodule's optional dependencies: skip it)
                 continue
             for d in docs:

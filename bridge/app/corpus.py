@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 __all__ = ["PARTS", "MAX_CONTROL_FRACTION", "EVAL_MODULES", "CALIBRATION_MODULES", "CorpusError",
-           "builtin_documents", "load_text", "control_fraction", "check_text", "token_sequences"]
+           "builtin_documents", "module_docstrings", "load_text", "control_fraction", "check_text", "token_sequences"]
 
 PARTS = ("eval", "calibration")
 #: A corpus with a larger fraction of control characters (NUL, escape...) is refused as not text.
@@ -60,7 +60,12 @@ def _check_part(part: str) -> None:
 def _module_docs(name: str) -> list[str]:
     """Docstrings of module ``name``: the module, then its own classes (and their methods) and
     functions, in name order; objects imported from elsewhere are skipped."""
-    mod = importlib.import_module(name)
+    return module_docstrings(importlib.import_module(name))
+
+
+def module_docstrings(mod) -> list[str]:
+    """The docstrings (40 characters or more, cleaned) of module ``mod``, its own classes (and their
+    methods) and functions, in name order; objects imported from elsewhere are skipped."""
     with warnings.catch_warnings():  # reading a deprecated alias's docstring (typing.io) warns: not ours to fix
         warnings.simplefilter("ignore", DeprecationWarning)
         found = _object_docs(mod)

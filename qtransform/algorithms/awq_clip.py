@@ -28,6 +28,7 @@ from .._checks import where
 from ..observers import init_stats, observe
 from ..spec import QuantSpec
 from ..tensor import QParams, blocks, fake_quantize
+from .clip_search import _gram_error as _block_error  # per-block output error under the block Gram
 
 __all__ = ["CLIP_RANGES", "shrink_factors", "search_magnitude"]
 
@@ -41,18 +42,6 @@ def shrink_factors(grid: int = 20, max_shrink: float = 0.5) -> list[float]:
     if isinstance(grid, bool) or not isinstance(grid, int) or grid < 1 or not 0 <= max_shrink < 1:
         raise ValueError(f"awq clip: grid must be an int >= 1 and max_shrink in [0, 1), got {grid!r}, {max_shrink!r}")
     return [1 - i / grid for i in range(max(1, int(max_shrink * grid)))]
-
-
-def _block_error(d: torch.Tensor, gram: torch.Tensor, p, in_axis: int) -> torch.Tensor:
-    """Per-block output error ``Σ d G dᵀ`` of the weight error ``d`` (stored layout)."""
-    dl = d if in_axis == 1 else d.T
-    out_axis = 1 - in_axis
-    c, b_out = p.block[in_axis], p.block[out_axis]
-    dl = torch.constant_pad_nd(dl, (0, p.padded[in_axis] - dl.shape[1], 0, p.padded[out_axis] - dl.shape[0]))
-    dg = dl.reshape(dl.shape[0], -1, c)
-    e = (torch.einsum("rgi,gij->rgj", dg, gram) * dg).sum(-1)
-    e = e.reshape(-1, b_out, e.shape[1]).sum(1)
-    return e if in_axis == 1 else e.T
 
 
 def search_magnitude(w: torch.Tensor, spec: QuantSpec, *, gram: torch.Tensor, in_axis: int = 1, grid: int = 20,
