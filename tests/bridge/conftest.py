@@ -6,6 +6,16 @@ import torch
 from bridge_util import ConvNet, EmbedNet
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """One torch thread for a whole test module (``pytestmark = pytest.mark.usefixtures("one_thread")``):
+    the block-by-block steps' results do not depend on it, their timings on a shared machine less."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.fixture
 def convnet():
     torch.manual_seed(0)

@@ -31,12 +31,7 @@ FAMILIES = {  # every weight format family: integers (int and float zero point, 
 }
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _batches(seed=1, n=3):

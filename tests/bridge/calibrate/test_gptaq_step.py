@@ -17,12 +17,7 @@ gptq_step = importlib.import_module("qtransform.algorithms.gptq")
 U3 = qt.QuantSpec(format="uint3", granularity=qt.PerGroup(32), symmetric=False)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _batches(n, seed, shape=(4, 32)):

@@ -27,12 +27,7 @@ CASES = [("llama", "gptq4-g128"), ("mistral", "gptq4-g64"), ("qwen2", "gptq-w8a8
          ("gpt2", "gptq4-g64"), ("gpt2", "gptq-w8a8"), ("bert", "gptq3-g64")]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)  # the machine is shared: many threads on tiny matrices only slow down
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # many threads on tiny matrices only slow down
 
 
 def _batches(n, seed, shape=(4, 32)):

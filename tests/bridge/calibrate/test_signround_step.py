@@ -34,12 +34,7 @@ CASES = [("llama", f) for f in FAMILIES] + [("gpt2", "uint4-asym"), ("gpt2", "nv
                                              ("opt", "mxfp4"), ("qwen3_moe", "uint4-asym"), ("mixtral", "nf4")]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _model(arch):

@@ -22,12 +22,7 @@ CALIB = [torch.randint(0, 128, (4, 32), generator=G) for _ in range(3)]
 IDS = torch.randint(0, 128, (2, 24), generator=G)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _logits(model):
