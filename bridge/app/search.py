@@ -1,12 +1,16 @@
 """``qtransform search``: each linear layer's scheme chosen under a size budget, written as a recipe file.
 
-    qtransform search [--model DIR] --budget BITS [--candidates A,B,...] [--algorithm rtn|hqq|gptq] [--calib N]
+    qtransform search [--model DIR] --budget BITS [--candidates A,B,...] [--algorithm rtn|hqq|gptq]
+                      [--estimate fisher|hessian] [--calib N]
                       [--pin GLOB=SCHEME ...] [--to TARGET] [--reference kl [--reference-layers N]]
                       --out recipe.toml|recipe.json [--plot FILE.png] [--json FILE]
 
 The model runs once on ``--calib`` sequences of the corpus's calibration part, folding the input Hessian of
-every linear (:func:`bridge.search.measure`); each layer is scored under each candidate by its output error;
-the multiple-choice knapsack (:func:`qtransform.search.search`, exact) picks the least total error within
+every linear (:func:`bridge.search.measure`) and, with ``--estimate fisher`` (the default), runs backward once
+per batch for the Fisher diagonal of its output distribution with respect to every linear's outputs; each layer
+is scored under each candidate by its output error weighted by half that Fisher (the second-order estimate of
+the KL divergence of the model's output, in nats, one scale across layers; ``hessian``: unweighted); the
+multiple-choice knapsack (:func:`qtransform.search.search`, exact) picks the least total error within
 ``--budget`` bits per weight of the searched weights (scales and zero points counted; ``lm_head`` and the
 embeddings are not searched and stay as they are). Linears that read one input (q/k/v, gate/up) share a
 scheme, ``--pin`` fixes layers, ``--to`` keeps only the schemes that target holds exactly
@@ -46,6 +50,9 @@ def add_parser(sub, at_least):
                    help=f"candidate schemes (default {','.join(DEFAULT_CANDIDATES)})")
     s.add_argument("--algorithm", default="rtn", choices=ALGORITHMS,
                    help="how each candidate quantizes a weight, scored and written as the recipe's step (default rtn)")
+    s.add_argument("--estimate", default="fisher", choices=("fisher", "hessian"),
+                   help="fisher: each layer's output error weighted by the Fisher of the model's output, an estimate "
+                        "of the KL (default); hessian: the output error alone (no backward pass)")
     s.add_argument("--calib", type=at_least(1), default=16, metavar="N", help="calibration sequences (default 16)")
     s.add_argument("--calib-batch", type=at_least(1), default=4, metavar="B", help="calibration sequences per forward pass")
     s.add_argument("--pin", action="append", default=[], metavar="GLOB=SCHEME",
@@ -177,7 +184,8 @@ def cmd_search(a) -> int:
     calibration = inputs.calibration(a, tokenizer, calib_text)
     say(f"measuring {len(cands)} candidates ({a.algorithm}) on {a.calib} calibration sequences ...")
     try:
-        sens = bsearch.measure(model, calibration, cands, algorithm=a.algorithm, progress=outputs.progress_bar())
+        sens = bsearch.measure(model, calibration, cands, algorithm=a.algorithm, estimate=a.estimate,
+                               progress=outputs.progress_bar())
         result = qsearch.search(sens.layers, cands, sens.losses, budget=a.budget, groups=sens.groups, pins=pins,
                                 allowed=allowed)
     except ValueError as e:
@@ -192,7 +200,7 @@ def cmd_search(a) -> int:
     seconds = time.perf_counter() - t0
     numel = sum(math.prod(s) for s in sens.layers.values())
     notes = [f"model {a.model or models.DEFAULT_MODEL}; candidates {a.candidates}; {a.calib} calibration sequences of "
-             f"{a.seq_len} tokens; estimate tr(E H E^T) with {a.algorithm}",
+             f"{a.seq_len} tokens; estimate {_ESTIMATE[a.estimate]} with {a.algorithm}",
              f"use: qtransform quantize --recipe {out.name}" + (f" --calib {a.calib}" if a.algorithm == "gptq" else "")]
     notes += [f"pin {g}={n}" for g, n in pins.items()] + ([f"target {a.to}"] if a.to else [])
     steps = (a.algorithm,)
@@ -200,12 +208,16 @@ def cmd_search(a) -> int:
             else qsearch.recipe_json(result, steps=steps))
     report = _report(a, result, sens, ref, numel, seconds)
     if a.plot:
-        _plot(Path(a.plot), result, numel, a.budget)
+        _plot(Path(a.plot), result, numel, a.budget, a.estimate)
     if a.json:
         outputs.write_text(Path(a.json), json.dumps(report, indent=2) + "\n", option="--json")
     outputs.write_text(out, text, option="--out")
     say(_render(report, out))
     return 0
+
+
+#: How each estimate is written in the recipe's notes.
+_ESTIMATE = {"fisher": "KL ~ sum_j F_j/2 (E H E^T)_jj", "hessian": "tr(E H E^T)"}
 
 
 def _report(a, result, sens, ref, numel, seconds) -> dict:
@@ -215,7 +227,8 @@ def _report(a, result, sens, ref, numel, seconds) -> dict:
     return {
         "model": a.model, "budget_bits": a.budget, "budget_bytes": result.budget, "bytes": result.size,
         "bits_per_weight": result.bits_per_weight, "weights": numel, "estimated_loss": result.loss,
-        "exact": result.exact, "lower_bound": result.bound, "algorithm": a.algorithm, "layers": len(result.choice), "schemes": counts,
+        "exact": result.exact, "lower_bound": result.bound, "algorithm": a.algorithm, "estimate": a.estimate,
+        "layers": len(result.choice), "schemes": counts,
         "uniform": {n: {"bytes": s, "bits_per_weight": 8 * s / numel, "estimated_loss": l}
                     for n, (s, l) in result.uniform.items()},
         "choice": result.choice, "skipped": sens.skipped,
@@ -240,7 +253,7 @@ def _render(r: dict, out: Path) -> str:
     return "\n".join(lines)
 
 
-def _plot(path: Path, result, numel: int, budget: float) -> None:
+def _plot(path: Path, result, numel: int, budget: float, result_estimate: str = "fisher") -> None:
     """PNG, written under a temporary name then renamed: the front, the uniform schemes, the answer."""
     import matplotlib
 
@@ -256,7 +269,7 @@ def _plot(path: Path, result, numel: int, budget: float) -> None:
     ax.scatter([result.bits_per_weight], [result.loss], color="tab:green", zorder=3, label=f"chosen at {budget} bits")
     ax.set_yscale("log")
     ax.set_xlabel("bits per weight (scales and zero points counted)")
-    ax.set_ylabel("estimated loss  Σ tr(E H Eᵀ)")
+    ax.set_ylabel("estimated KL (nats per token)" if result_estimate == "fisher" else "estimated loss  Σ tr(E H Eᵀ)")
     ax.legend(fontsize=8)
     fig.tight_layout()
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp.png")

@@ -3,12 +3,16 @@
 One calibration pass folds the input Hessian ``H = XᵀX / n`` of every searched linear (one site per group of
 linears that read one input: q/k/v share theirs, gate/up theirs), then each layer's weight is quantized with
 each candidate by the chosen algorithm and scored by its output error ``tr(E H Eᵀ)``
-(:func:`qtransform.search.output_error`). A candidate that cannot take a layer's shape has no score there (the
-search leaves it out for that layer).
+(:func:`qtransform.search.output_error`). With ``estimate="fisher"`` (the default) each output channel's error
+is weighted by half the Fisher diagonal of the model's output with respect to that channel
+(:func:`.fisher.output_fisher`, one backward pass per calibration batch): the second-order estimate of the KL
+divergence of the model's output, in nats, comparable across layers. ``estimate="hessian"`` is the unweighted
+output error (no backward pass; comparable only within a layer). A candidate that cannot take a layer's shape
+has no score there (the search leaves it out for that layer).
 
 >>> import torch
 >>> model = torch.nn.Sequential(torch.nn.Linear(16, 8, bias=False))
->>> s = measure(model, [torch.randn(4, 16)], qt.search.candidates("int8, uint2-g16"))
+>>> s = measure(model, [torch.randn(4, 16)], qt.search.candidates("int8, uint2-g16"), estimate="hessian")
 >>> sorted(s.losses["0.weight"]), s.losses["0.weight"]["int8"] < s.losses["0.weight"]["uint2-g16"]
 (['int8', 'uint2-g16'], True)
 """
@@ -26,9 +30,13 @@ from qtransform import search as qsearch
 
 from ..calibrate import ModelCalibrator
 from ..pipeline import plan as model_plan
+from .fisher import output_fisher
 from ..tree import extract
 
-__all__ = ["Sensitivity", "searched_layers", "measure"]
+__all__ = ["ESTIMATES", "Sensitivity", "searched_layers", "measure"]
+
+#: The estimates :func:`measure` knows: the Fisher-weighted output error (KL, nats) and the plain one.
+ESTIMATES = ("fisher", "hessian")
 
 #: What the search quantizes: the weights of these module types (``lm_head`` and embeddings excluded).
 SEARCHED = qt.Recipe(type_rules={"Linear": qt.QuantSpec(format="int8"), "Conv1D": qt.QuantSpec(format="int8")},
@@ -39,7 +47,8 @@ class Sensitivity(NamedTuple):
     """``layers``: ``{weight path: (out, in)}``; ``losses``: ``{path: {candidate: tr(E H Eᵀ)}}``; ``groups``:
     the lists of paths that read one input (a fused kernel holds them in one format); ``skipped``: ``{path:
     [candidates that do not fit it]}``; ``seconds``: calibration and scoring time; ``hessians``:
-    ``{path: H}`` (the same tensor for paths of one group)."""
+    ``{path: H}`` (the same tensor for paths of one group); ``estimate``: which estimate ``losses`` hold;
+    ``fisher``: ``{path: F}`` (``(out,)`` Fisher diagonals) with the ``fisher`` estimate, else None."""
 
     layers: dict[str, tuple[int, int]]
     losses: dict[str, dict[str, float]]
@@ -47,6 +56,8 @@ class Sensitivity(NamedTuple):
     skipped: dict[str, list[str]]
     seconds: float
     hessians: dict[str, torch.Tensor]
+    estimate: str = "hessian"
+    fisher: dict[str, torch.Tensor] | None = None
 
 
 def searched_layers(model: nn.Module) -> tuple[dict[str, tuple[int, int]], list[list[str]]]:
@@ -75,7 +86,7 @@ def _hessians(model, batches, layers, groups, progress) -> dict[str, torch.Tenso
 
 
 def measure(model: nn.Module, batches: Iterable, cands: Sequence[qsearch.Candidate], *, algorithm: str = "rtn",
-            progress: Callable | None = None) -> Sensitivity:
+            estimate: str = "fisher", seed: int = 0, progress: Callable | None = None) -> Sensitivity:
     """The output error of every searched layer under every candidate (see the module docstring).
 
     Args:
@@ -83,13 +94,19 @@ def measure(model: nn.Module, batches: Iterable, cands: Sequence[qsearch.Candida
         batches: calibration batches (token ids or dicts of model inputs).
         cands: the candidate schemes.
         algorithm: how each candidate quantizes a weight: ``rtn``, ``hqq`` or ``gptq``.
+        estimate: ``fisher`` (KL estimate, needs the model's logits) or ``hessian`` (output error).
+        seed: the tokens drawn for the Fisher.
         progress: ``progress(iterable, desc=..., total=...)``, e.g. a tqdm bar.
     """
     if algorithm not in qsearch.ALGORITHMS:
         raise ValueError(f"algorithm must be one of {list(qsearch.ALGORITHMS)}, got {algorithm!r}")
+    if estimate not in ESTIMATES:
+        raise ValueError(f"estimate must be one of {list(ESTIMATES)}, got {estimate!r}")
     t0 = time.perf_counter()
+    batches = list(batches)
     layers, groups = searched_layers(model)
     hessians = _hessians(model, batches, layers, groups, progress)
+    fisher = output_fisher(model, batches, list(layers), seed=seed, progress=progress) if estimate == "fisher" else None
     tree = extract(model)
     losses, skipped = {}, {}
     paths = list(layers)
@@ -103,6 +120,6 @@ def measure(model: nn.Module, batches: Iterable, cands: Sequence[qsearch.Candida
             except ValueError:  # the spec does not fit this shape: no score, the search leaves it out here
                 skipped.setdefault(p, []).append(c.name)
                 continue
-            losses[p][c.name] = qsearch.output_error(w, w_hat, h)
-    return Sensitivity(layers, losses, groups, skipped, time.perf_counter() - t0, hessians)
+            losses[p][c.name] = qsearch.output_error(w, w_hat, h, weights=None if fisher is None else fisher[p] / 2)
+    return Sensitivity(layers, losses, groups, skipped, time.perf_counter() - t0, hessians, estimate, fisher)
 

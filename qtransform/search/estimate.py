@@ -2,7 +2,16 @@
 
 For a linear ``y = x Wᵀ`` with inputs of second moment ``H = E[x xᵀ]`` (the ``hessian`` observer's
 ``XᵀX / n``), quantizing ``W`` to ``Ŵ`` changes the output by ``x Eᵀ`` with ``E = W - Ŵ``, whose mean
-squared norm is ``tr(E H Eᵀ)``: :func:`output_error`. :func:`quantized_weight` gives ``Ŵ`` as an
+squared norm is ``tr(E H Eᵀ)``: :func:`output_error`. That error is in the units of each layer's output, so it
+ranks candidates within a layer but not across layers: a unit of error in one layer may move the model's
+output a thousand times more than in another. Given ``weights = F / 2``, the diagonal of the Fisher
+information of the model's next-token distribution with respect to the layer's outputs (per output channel,
+averaged over tokens; the bridge measures it, :func:`bridge.search.output_fisher`), the weighted error
+``Σ_j weights_j (E H Eᵀ)_jj`` is the second-order estimate of the mean KL divergence per token of the
+model's output when that layer alone is quantized (the KL's gradient is 0 at the float model, its Hessian
+the Fisher; the layer's inputs and the output gradients taken as independent, the Fisher's off-diagonal
+terms left out), in nats: one scale for every layer, as the knapsack's sum needs.
+:func:`quantized_weight` gives ``Ŵ`` as an
 algorithm would make it: ``rtn`` (min/max round to nearest), ``hqq`` (HQQ's optimizer on the specs it
 takes, round to nearest on the others, as the ``hqq`` step does) or ``gptq`` (GPTQ's solver with ``H``,
 min/max initial ranges, act-order with static groups, as checkpoints store them).
@@ -11,6 +20,8 @@ min/max initial ranges, act-order with static groups, as checkpoints store them)
 >>> w, h = torch.tensor([[1.0, 2.0]]), torch.tensor([[2.0, 0.0], [0.0, 1.0]])
 >>> output_error(w, torch.tensor([[0.0, 2.0]]), h)  # E = [1, 0]: 1 * 2 * 1
 2.0
+>>> output_error(torch.eye(2), torch.zeros(2, 2), h, weights=torch.tensor([0.5, 3.0]))  # 0.5 * 2 + 3 * 1
+4.0
 """
 
 from __future__ import annotations
@@ -28,12 +39,16 @@ __all__ = ["ALGORITHMS", "output_error", "quantized_weight", "rank_correlation"]
 ALGORITHMS = ("rtn", "hqq", "gptq")
 
 
-def output_error(w: torch.Tensor, w_hat: torch.Tensor, h: torch.Tensor) -> float:
-    """``tr(E H Eᵀ)`` with ``E = w - w_hat``: the mean squared output error of the layer.
+def output_error(w: torch.Tensor, w_hat: torch.Tensor, h: torch.Tensor, *,
+                 weights: torch.Tensor | None = None) -> float:
+    """``tr(E H Eᵀ)`` with ``E = w - w_hat``: the mean squared output error of the layer; with ``weights``,
+    ``Σ_j weights_j (E H Eᵀ)_jj``: each output channel's error weighted (``F / 2``: the KL estimate, see the
+    module docstring).
 
     Args:
         w, w_hat: ``(out, in)`` weights.
         h: ``(in, in)`` second moment of the layer's inputs.
+        weights: ``(out,)`` nonnegative weights of the output channels, or None (all 1).
 
     Returns:
         The error as a float (products in float32, summed in float64).
@@ -41,8 +56,12 @@ def output_error(w: torch.Tensor, w_hat: torch.Tensor, h: torch.Tensor) -> float
     if w.shape != w_hat.shape or w.dim() != 2 or tuple(h.shape) != (w.shape[1], w.shape[1]):
         raise ValueError(f"output_error: w {tuple(w.shape)} and w_hat {tuple(w_hat.shape)} must be one (out, in) shape "
                          f"and h ({w.shape[-1]}, {w.shape[-1]}), got h {tuple(h.shape)}")
+    if weights is not None and tuple(weights.shape) != (w.shape[0],):
+        raise ValueError(f"output_error: weights must have shape ({w.shape[0]},) (one per output channel of w "
+                         f"{tuple(w.shape)}), got {tuple(weights.shape)}")
     e = w.float() - w_hat.float()  # float32 products, a float64 sum: the estimate ranks, 1e-6 is plenty
-    return float(((e @ h.float()) * e).sum(dtype=torch.float64))
+    rows = ((e @ h.float()) * e).sum(1, dtype=torch.float64)
+    return float(rows.sum() if weights is None else (rows * weights.double()).sum())
 
 
 def quantized_weight(w: torch.Tensor, spec: QuantSpec, *, algorithm: str = "rtn", h: torch.Tensor | None = None,

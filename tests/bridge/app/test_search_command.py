@@ -47,6 +47,7 @@ def test_search_writes_a_recipe_quantize_reads(model_dir, tmp_path):
         assert f"{n} bytes" in text.split(f'"{path}"')[0].rsplit("\n", 2)[-2]  # the comment above its rule
     assert all(rep["choice"][p] == "int8" for p in stored if p.endswith("down_proj.weight"))
     assert rep["reference"]["pairs"] == 6 and -1 <= rep["reference"]["spearman"] <= 1
+    assert rep["estimate"] == "fisher" and "KL ~ sum_j F_j/2" in text
     if "--plot" in argv:
         assert (tmp_path / "front.png").read_bytes()[:4] == b"\x89PNG"
     assert sorted(x.name for x in tmp_path.iterdir()) == sorted(["r.toml", "r.json"] + (["front.png"] if "--plot" in argv else []))
@@ -55,7 +56,7 @@ def test_search_writes_a_recipe_quantize_reads(model_dir, tmp_path):
 def test_compressed_tensors_target_keeps_what_vllm_loads(model_dir, tmp_path):
     out = tmp_path / "r.json"
     assert main(["search", "--model", str(model_dir), "--budget", "5", "--to", "compressed-tensors", *ARGS,
-                 "--out", str(out)]) == 0
+                 "--estimate", "hessian", "--out", str(out)]) == 0
     rules = json.loads(out.read_text())["rules"]
     for spec in rules.values():
         s = qt.QuantSpec.from_dict(spec)

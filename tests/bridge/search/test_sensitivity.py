@@ -30,21 +30,31 @@ def tiny():
     return model, batches, measure(model, batches, CANDS)
 
 
-def test_the_estimate_is_the_mean_output_error_on_the_calibration_inputs(tiny):
-    model, batches, sens = tiny
-    path = "model.layers.1.mlp.down_proj.weight"
+def _inputs(model, batches, module):
     seen = []
-    module = model.get_submodule(path.rpartition(".")[0])
     handle = module.register_forward_hook(lambda m, args, out: seen.append(args[0].detach().flatten(0, -2)))
     with torch.no_grad():
         for b in batches:
             model(b, use_cache=False)
     handle.remove()
-    x = torch.cat(seen).double()
+    return torch.cat(seen).double()
+
+
+@pytest.mark.parametrize("estimate", ["hessian", "fisher"])
+def test_the_estimate_is_the_output_error_on_the_calibration_inputs_weighted_by_half_the_fisher(tiny, estimate):
+    """hessian: the mean over tokens of ||x Eᵀ||²; fisher: each output channel's mean squared error times F_j / 2."""
+    model, batches, fisher_sens = tiny
+    sens = fisher_sens if estimate == "fisher" else measure(model, batches, CANDS, estimate="hessian")
+    assert sens.estimate == estimate and (sens.fisher is None) == (estimate == "hessian")
+    path = "model.layers.1.mlp.down_proj.weight"
+    module = model.get_submodule(path.rpartition(".")[0])
+    x = _inputs(model, batches, module)
     w = module.weight.detach()
+    weights = torch.ones(w.shape[0], dtype=torch.float64) if estimate == "hessian" else fisher_sens.fisher[path] / 2
     for c in CANDS:
         w_hat = quantized_weight(w, c.spec).double()
-        want = float(((x @ (w.double() - w_hat).T) ** 2).sum(1).mean())
+        per_channel = ((x @ (w.double() - w_hat).T) ** 2).mean(0)
+        want = float((per_channel * weights).sum())
         assert sens.losses[path][c.name] == pytest.approx(want, rel=1e-4), c.name
 
 
@@ -89,3 +99,9 @@ def test_unknown_algorithm_names_it(tiny):
     model, batches, _ = tiny
     with pytest.raises(ValueError, match="algorithm must be one of"):
         measure(model, batches, CANDS, algorithm="awq")
+
+
+def test_unknown_estimate_names_it(tiny):
+    model, batches, _ = tiny
+    with pytest.raises(ValueError, match="estimate must be one of"):
+        measure(model, batches, CANDS, estimate="kl")

@@ -1,0 +1,131 @@
+"""How much the model's output distribution moves per unit of change in a layer's output: the diagonal of the
+Fisher information of the next-token distribution with respect to each linear layer's outputs.
+
+For each calibration batch the model runs forward, a next token is drawn at every position from the model's own
+distribution (seeded), and the summed log-probability of the drawn tokens is differentiated (the weights are
+frozen; the gradient flows from the embeddings' output). A hook on each layer's output folds the squared
+gradient per output channel; the sum over batches divided by the positions is ``F_j``, an unbiased estimate of
+``E_x E_{y~p(.|x)} [(d log p(y|x) / d out_j)^2]`` averaged over positions: the diagonal of the Hessian of the KL
+divergence ``KL(p_float || p)`` at the float model, which :func:`qtransform.search.output_error` weighs each
+layer's output error with (``weights = F / 2``: the estimate in nats, one scale for every layer).
+
+Drawing the token from the model (the *true* Fisher), not reading the next token of the text (the empirical
+Fisher), keeps the estimate a property of the model's output distribution, which is what quantization must
+preserve. One backward pass per batch: about three forward passes.
+
+>>> import torch
+>>> from torch import nn
+>>> class LM(nn.Module):
+...     def __init__(self):
+...         super().__init__()
+...         self.embed, self.mid, self.head = nn.Embedding(10, 4), nn.Linear(4, 3), nn.Linear(3, 10)
+...     def get_input_embeddings(self):
+...         return self.embed
+...     def forward(self, input_ids):
+...         return self.head(torch.tanh(self.mid(self.embed(input_ids))))
+>>> f = output_fisher(LM(), [torch.tensor([[1, 2, 3]])], ["mid.weight"])
+>>> f["mid.weight"].shape, bool((f["mid.weight"] >= 0).all())
+(torch.Size([3]), True)
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, Iterable, Mapping, Sequence
+
+import torch
+from torch import nn
+
+__all__ = ["output_fisher"]
+
+
+def _logits(model: nn.Module, batch) -> torch.Tensor:
+    if isinstance(batch, Mapping):
+        out = model(**batch)
+    else:
+        try:
+            out = model(input_ids=batch, use_cache=False)
+        except TypeError:
+            out = model(batch)
+    logits = out if isinstance(out, torch.Tensor) else getattr(out, "logits", None)
+    if not isinstance(logits, torch.Tensor):
+        raise ValueError(f"the Fisher estimate needs next-token logits; {type(model).__name__} returns "
+                         f"{type(out).__name__} without them (use the estimate 'hessian')")
+    return logits
+
+
+@contextlib.contextmanager
+def _frozen(model: nn.Module):
+    """Parameters without gradients, dropout off; put back after."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    was = model.training
+    for p in params:
+        p.requires_grad_(False)
+    model.eval()
+    try:
+        yield
+    finally:
+        for p in params:
+            p.requires_grad_(True)
+        model.train(was)
+
+
+def output_fisher(model: nn.Module, batches: Iterable, paths: Sequence[str], *, seed: int = 0,
+                  progress: Callable | None = None) -> dict[str, torch.Tensor]:
+    """``{weight path: F}``: per output channel of each layer, the Fisher diagonal (float64 ``(out,)``) averaged over
+    the positions of ``batches`` (token-id tensors or dicts of model inputs; positions where an ``attention_mask``
+    is 0 left out). See the module docstring.
+
+    Raises:
+        ValueError: a path that is not a module's weight, a model without an input embedding or logits.
+    """
+    modules = {}
+    for p in paths:
+        module_path, _, name = p.rpartition(".")
+        try:
+            modules[p] = model.get_submodule(module_path)
+        except AttributeError:
+            raise ValueError(f"output_fisher: {p!r} is not a weight of a module of the model") from None
+        if not isinstance(getattr(modules[p], name, None), torch.Tensor):
+            raise ValueError(f"output_fisher: {p!r} is not a weight of a module of the model")
+    embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    if not isinstance(embed, nn.Module):
+        raise ValueError(f"output_fisher: {type(model).__name__} has no input embedding to differentiate from "
+                         "(use the estimate 'hessian')")
+    sums: dict[str, torch.Tensor] = {}
+
+    def fold(p: str):
+        def grad_hook(g: torch.Tensor) -> None:
+            s = g.detach().double().square().flatten(0, -2).sum(0)
+            sums[p] = s if p not in sums else sums[p] + s
+
+        def forward_hook(module, args, out):
+            if isinstance(out, torch.Tensor) and out.requires_grad:
+                out.register_hook(grad_hook)
+        return forward_hook
+
+    handles = [m.register_forward_hook(fold(p)) for p, m in modules.items()]
+    handles.append(embed.register_forward_hook(lambda m, args, out: out.detach().requires_grad_()))
+    gen = torch.Generator().manual_seed(seed)
+    positions = 0
+    batches = list(batches)
+    try:
+        with _frozen(model), torch.enable_grad():
+            for batch in (progress(batches, desc="Fisher", total=len(batches)) if progress else batches):
+                logp = torch.log_softmax(_logits(model, batch).float(), dim=-1).flatten(0, -2)
+                drawn = torch.multinomial(logp.detach().exp(), 1, generator=gen)
+                picked = logp.gather(1, drawn).squeeze(1)
+                mask = batch.get("attention_mask") if isinstance(batch, Mapping) else None
+                if mask is not None:
+                    picked = picked * mask.flatten().to(picked.dtype)
+                    positions += int(mask.sum())
+                else:
+                    positions += picked.numel()
+                picked.sum().backward()
+    finally:
+        for h in handles:
+            h.remove()
+    missing = [p for p in paths if p not in sums]
+    if missing:
+        raise ValueError(f"output_fisher: no gradient reached {missing[:3]} (not on the path to the logits)")
+    return {p: sums[p] / max(positions, 1) for p in paths}
