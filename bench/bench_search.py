@@ -4,9 +4,12 @@ perplexity ratio (quantized / float, the built-in corpus's evaluation part) of t
 uniform schemes: the best one within the budget, and the smallest one of equal or larger size than the searched
 recipe. The quantized model's stored bytes are checked against the search's prediction. Also: the search's
 wall time (calibration pass + scoring + knapsack) against one GPTQ run (uint4-g64, same calibration), and the
-rank correlation of the cheap estimate with the KL reference on a subset of layers.
+rank correlation of the cheap estimate with the KL reference on a subset of layers. The default estimate is the
+Fisher-weighted output error (a KL estimate, one scale across layers); each budget is also searched with the plain
+output error tr(E H Eᵀ) of the same Hessians (``hessian``), to show what the Fisher weighting buys.
 
     .venv/bin/python bench/bench_search.py [--calib 16] [--eval 8] [--algorithm rtn] [--reference-layers 6]
+        [--candidates A,B,...] [--estimate fisher|hessian]
 """
 
 from __future__ import annotations
@@ -34,6 +37,17 @@ def ppl_ratio(model, recipe, ev, fp) -> float:
         return evaluate.perplexity(qm, ev).perplexity / fp
 
 
+def hessian_losses(model, sens, cands, algorithm) -> dict:
+    """The plain output error tr(E H Eᵀ) of every (layer, candidate) the search scored, from the same Hessians."""
+    tree = bridge.tree.extract(model)
+    out = {}
+    for p, scored in sens.losses.items():
+        w, h = tree[p].detach().float(), sens.hessians[p].float()
+        out[p] = {c.name: qsearch.output_error(w, qsearch.quantized_weight(w, c.spec, algorithm=algorithm, h=h, path=p), h)
+                  for c in cands if c.name in scored}
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--calib", type=int, default=16)
@@ -43,6 +57,8 @@ def main() -> None:
     ap.add_argument("--algorithm", default="rtn", choices=qsearch.ALGORITHMS)
     ap.add_argument("--reference-layers", type=int, default=6)
     ap.add_argument("--no-gptq", action="store_true", help="skip the GPTQ timing run")
+    ap.add_argument("--candidates", default=",".join(qsearch.DEFAULT_CANDIDATES))
+    ap.add_argument("--estimate", default="fisher", choices=bsearch.ESTIMATES)
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     load = os.getloadavg()[0]
@@ -55,11 +71,12 @@ def main() -> None:
         fp = evaluate.perplexity(model, ev).perplexity
     print(f"float perplexity {fp:.3f}", flush=True)
 
-    cands = qsearch.candidates(qsearch.DEFAULT_CANDIDATES)
+    cands = qsearch.candidates(a.candidates)
     t = time.perf_counter()
     with torch.no_grad():
-        sens = bsearch.measure(model, list(cal.split(4)), cands, algorithm=a.algorithm)
+        sens = bsearch.measure(model, list(cal.split(4)), cands, algorithm=a.algorithm, estimate=a.estimate)
     measure_s = time.perf_counter() - t
+    plain = sens.losses if a.estimate == "hessian" else hessian_losses(model, sens, cands, a.algorithm)
     numel = sum(r * c for r, c in sens.layers.values())
     steps = (a.algorithm,)
     print(f"measured {len(sens.layers)} layers x {len(cands)} candidates in {measure_s:.1f} s", flush=True)
@@ -74,9 +91,10 @@ def main() -> None:
         print(c.name, uniform[c.name], flush=True)
 
     rows = []
-    for budget in BUDGETS:
+    for budget, estimate in [(b, e) for b in BUDGETS for e in dict.fromkeys((a.estimate, "hessian"))]:
         t = time.perf_counter()
-        r = qsearch.search(sens.layers, cands, sens.losses, budget=budget, groups=sens.groups)
+        r = qsearch.search(sens.layers, cands, sens.losses if estimate == a.estimate else plain, budget=budget,
+                           groups=sens.groups)
         solve_s = time.perf_counter() - t
         recipe = qsearch.search_recipe(r, steps=steps)
         res = bridge.quantize_params(model, bridge.plan(model, recipe))
@@ -88,7 +106,7 @@ def main() -> None:
         counts = {}
         for n in r.choice.values():
             counts[n] = counts.get(n, 0) + 1
-        row = {"budget": budget, "bits": round(r.bits_per_weight, 4), "bytes": r.size, "stored": stored,
+        row = {"budget": budget, "estimate": estimate, "bits": round(r.bits_per_weight, 4), "bytes": r.size, "stored": stored,
                "ratio": round(ratio, 4), "estimate": r.loss, "solve_s": round(solve_s, 2), "exact": r.exact,
                "best_within": min(within) if within else None,
                "next_larger": (above[0][1], round(uniform[above[0][1]]["ratio"], 4)) if above else None,
@@ -115,15 +133,15 @@ def main() -> None:
         print(f"GPTQ uint4-g64: {gptq_s:.1f} s", flush=True)
 
     fmt = lambda x: "-" if x is None else f"{x[1]} x{x[0]:.4f}" if isinstance(x[0], float) else f"{x[0]} x{x[1]:.4f}"  # noqa: E731
-    table = markdown(["budget (bits/weight)", "searched: bits", "searched: ppl ratio", "stored = predicted bytes",
+    table = markdown(["budget (bits/weight)", "estimate", "searched: bits", "searched: ppl ratio", "stored = predicted bytes",
                       "best uniform within budget", "smallest uniform of equal or larger size", "schemes chosen"],
-                     [[r["budget"], r["bits"], f"x{r['ratio']:.4f}", "yes" if r["stored"] == r["bytes"] else "NO",
+                     [[r["budget"], r["estimate"], r["bits"], f"x{r['ratio']:.4f}", "yes" if r["stored"] == r["bytes"] else "NO",
                        fmt(r["best_within"]), fmt(r["next_larger"]),
                        ", ".join(f"{n} {k}" for n, k in sorted(r["schemes"].items()))] for r in rows])
     table += "\n\n" + markdown(["uniform scheme", "bits/weight", "ppl ratio", "estimated loss"],
                                [[n, f"{u['bits']:.4f}", f"x{u['ratio']:.4f}", f"{u['estimate']:.4g}"]
                                 for n, u in sorted(uniform.items(), key=lambda kv: kv[1]["bytes"])])
-    search_s = measure_s + max(r["solve_s"] for r in rows)
+    search_s = measure_s + max(r["solve_s"] for r in rows if r["estimate"] == a.estimate)
     table += (f"\n\nfloat perplexity {fp:.3f} on {ev.numel()} tokens; calibration {a.calib}x{a.seq_len} tokens; "
               f"algorithm {a.algorithm} (search and quantization); {len(sens.layers)} linear layers, "
               f"q/k/v and gate/up sharing a scheme.\n"

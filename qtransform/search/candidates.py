@@ -29,8 +29,8 @@ from ..spec import QuantSpec
 __all__ = ["Candidate", "candidate", "candidates", "DEFAULT_CANDIDATES"]
 
 #: The default candidate list of ``qtransform search``.
-DEFAULT_CANDIDATES = ("int8", "fp8_e4m3", "int4-g128", "uint4-g64", "nf4", "uint3-g64", "mxfp4", "nvfp4",
-                      "uint2-g64")
+DEFAULT_CANDIDATES = ("int8", "fp8_e4m3", "int4-g128", "uint4-g64", "uint4-g128", "nf4", "uint3-g64", "uint3-g128",
+                      "mxfp4", "nvfp4", "uint2-g64")
 
 _PRESETS = {"fp8": "fp8", "fp8_e4m3": "fp8", "mxfp4": "mxfp4", "mxfp6": "mxfp6", "mxfp8": "mxfp8", "nvfp4": "nvfp4"}
 _INT = re.compile(r"(u?)int([2-8])(?:-g([1-9][0-9]*))?")
