@@ -6,6 +6,7 @@ For each block, with ``X_q`` its inputs on the quantized chain (the earlier bloc
 block's outputs on the float chain's inputs (computed once)::
 
     V = 0, alpha = beta = 1                           for every planned linear weight of the block
+                                                      (init="mse": alpha = beta = each group's least-error clip)
     for t in 0 .. iters-1:
         B    = the next batches of a seeded shuffle (batch_size calibration sequences)
         L_t  = mean over B of || block(X_q; W~(W, V, alpha, beta)) - Y ||^2     (one torch.func grad call)
@@ -27,7 +28,9 @@ Options (defaults; AutoRound's where it has one): ``iters`` (200), ``lr`` (``Non
 calibration batches, ``ceil(batch_size / rows per batch)`` of them, from a shuffle seeded by ``seed`` that is
 redrawn when used up, like AutoRound's index sampler), ``minmax`` (True: learn ``alpha``, ``beta``; False:
 offsets only), ``zero_point`` (``"ste"``: AutoRound's straight-through integer zero point; ``"round"``: a
-constant), ``best`` (True: keep the iterate of lowest loss; False: the last), ``quantized_inputs`` (True:
+constant), ``init`` (``"minmax"``: ``alpha = beta = 1``, AutoRound's start; ``"mse"``: per group the
+clipping factor of least squared round-to-nearest error on a grid over [0.5, 1], a better start at 2-3 bits
+where min-max ranges waste levels on outliers), ``best`` (True: keep the iterate of lowest loss; False: the last), ``quantized_inputs`` (True:
 train on the quantized chain's inputs, AutoRound's ``enable_quanted_input``; False: the float chain's),
 ``seed`` (0) and ``tokens`` (``None``: all the calibration data given; else whole batches spread over it).
 AutoRound's momentum (0), gradient accumulation (1) and early stop (off) are fixed at its defaults.
@@ -50,9 +53,14 @@ import torch
 from .base import BlockInputs, Fit, register_algorithm
 from .gptq import linear_weights
 from .options import option, options_checker
-from .signround_math import ZERO_POINTS, Learned, finalize, init, learned_fake_quantize, prepare, sign_step
+from .signround_math import ZERO_POINTS, Learned, clip_init, finalize, learned_fake_quantize, prepare, sign_step
+from .signround_math import init as init_state
 
-__all__ = ["step", "Options", "check_options"]
+__all__ = ["step", "Options", "check_options", "INITS"]
+
+#: Where the clipping factors start: ``minmax`` (1: min-max ranges, AutoRound's start) or ``mse`` (per group the
+#: factor of a grid over [0.5, 1] with the least squared round-to-nearest error, :func:`.signround_math.clip_init`).
+INITS = ("minmax", "mse")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -70,6 +78,7 @@ class Options:
     minmax_lr: float | None = option(None, gt=0, doc="the clipping factors' step size (None: lr)")
     batch_size: int = option(8, ge=1, doc="calibration sequences per iteration")
     minmax: bool = option(True, doc="learn the clipping factors alpha, beta")
+    init: str = option("minmax", choices=INITS, doc="the start: min-max ranges (AutoRound's) or a clipping search")
     zero_point: str = option("ste", choices=ZERO_POINTS, doc="integer zero point's gradient: straight-through or none")
     best: bool = option(True, doc="keep the iterate of lowest loss (False: the last)")
     quantized_inputs: bool = option(True, doc="train on the quantized chain's block inputs (False: the float chain's)")
@@ -125,10 +134,10 @@ def _targets(block) -> list[torch.Tensor]:
 
 
 def step(params, plan, *, context, iters: int = 200, lr: float | None = None, minmax_lr: float | None = None,
-         batch_size: int = 8, minmax: bool = True, zero_point: str = "ste", best: bool = True,
+         batch_size: int = 8, minmax: bool = True, init: str = "minmax", zero_point: str = "ste", best: bool = True,
          quantized_inputs: bool = True, seed: int = 0, tokens: int | None = None) -> Fit:
     """The ``signround`` step on one block (``context.block``); see the module docstring."""
-    check_options(iters=iters, lr=lr, minmax_lr=minmax_lr, batch_size=batch_size, minmax=minmax,
+    check_options(iters=iters, lr=lr, minmax_lr=minmax_lr, batch_size=batch_size, minmax=minmax, init=init,
                   zero_point=zero_point, best=best, quantized_inputs=quantized_inputs, seed=seed, tokens=tokens)
     block = context.block
     if block is None:
@@ -141,7 +150,8 @@ def step(params, plan, *, context, iters: int = 200, lr: float | None = None, mi
     lr = 1.0 / max(iters, 1) if lr is None else float(lr)
     minmax_lr = lr if minmax_lr is None else float(minmax_lr)
     prep = {p: prepare(params[p], plan.specs[p], path=p) for p in weights}
-    state = {p: init(q) for p, q in prep.items()}
+    state = {p: clip_init(q, zero_point=zero_point) if init == "mse" and minmax else init_state(q)
+             for p, q in prep.items()}
     learn_range = {p: minmax and q.ranged for p, q in prep.items()}
     targets = _targets(block)
     inputs = block.inputs if quantized_inputs else block.float_inputs

@@ -59,7 +59,7 @@ from ..spec import QuantSpec
 from ..tensor import QParams, blocks, dequantize, quantize
 from ..tensor.quantize import element_range
 
-__all__ = ["Learned", "Prepared", "ZERO_POINTS", "OFFSET_RANGE", "FACTOR_RANGE", "prepare", "init",
+__all__ = ["Learned", "Prepared", "ZERO_POINTS", "OFFSET_RANGE", "FACTOR_RANGE", "prepare", "init", "clip_init",
            "learned_fake_quantize", "sign_step", "finalize"]
 
 ZERO_POINTS = ("ste", "round")
@@ -119,6 +119,47 @@ def init(lq: Prepared) -> Learned:
     """``V = 0``, ``alpha = beta = 1``: round to nearest with min-max ranges."""
     ones = torch.ones(lq.groups.grid, dtype=torch.float32, device=lq.weight.device)
     return Learned(torch.zeros(lq.tiles.shape, dtype=torch.float32, device=lq.weight.device), ones, ones.clone())
+
+
+def clip_init(lq: Prepared, *, candidates: int = 11, zero_point: str = "ste") -> Learned:
+    """``V = 0`` and, per group, ``alpha = beta = c`` for the ``c`` of ``linspace(1, 0.5, candidates)`` whose round
+    to nearest has the least squared error on the group's weights (the first such ``c``: 1 wins ties): the
+    start of a clipping search, within the factors' range. Where the factors do not apply (the casts) it is
+    :func:`init`.
+
+    >>> import torch, qtransform as qt
+    >>> w = torch.tensor([[-0.1, 0.0, 0.1, 0.2, 0.3, -0.2, 0.15, 4.0]])
+    >>> lq = prepare(w, qt.QuantSpec(format="uint2", granularity=qt.PerGroup(8), symmetric=False))
+    >>> t = clip_init(lq)
+    >>> float(t.beta) < 1.0, bool((learned_fake_quantize(lq, t) - w).square().sum()
+    ...                            <= (learned_fake_quantize(lq, init(lq)) - w).square().sum())
+    (True, True)
+    """
+    if isinstance(candidates, bool) or not isinstance(candidates, int) or candidates < 1:
+        raise ValueError(f"clip_init: candidates must be an int >= 1, got {candidates!r}")
+    start = init(lq)
+    if not lq.ranged:
+        return start
+    best_err, best_c = None, start.alpha
+    with torch.no_grad():
+        for c in torch.linspace(1.0, FACTOR_RANGE[0], candidates).tolist():
+            factor = torch.full_like(start.alpha, c)
+            y, _ = _forward(lq, Learned(start.offset, factor, factor), zero_point)
+            err = _to_groups((y - lq.weight).square().sum(dim=blocks.reduce_dims(lq.tiles)), lq)
+            if best_err is None:
+                best_err, best_c = err, factor
+                continue
+            better = err < best_err
+            best_err, best_c = torch.where(better, err, best_err), torch.where(better, factor, best_c)
+    return Learned(start.offset, best_c, best_c.clone())
+
+
+def _to_groups(t: torch.Tensor, lq: Prepared) -> torch.Tensor:
+    """A tensor on the element tiling's grid summed onto the group grid (MX4/6/9's pairs)."""
+    for axis, (a, b) in enumerate(zip(lq.tiles.grid, lq.groups.grid)):
+        if a != b:
+            t = t.unflatten(axis, (b, a // b)).sum(axis + 1)
+    return t
 
 
 def _to_tiles(t: torch.Tensor, lq: Prepared) -> torch.Tensor:

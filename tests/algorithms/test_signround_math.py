@@ -146,3 +146,38 @@ def test_bad_input_is_named():
         sm.learned_fake_quantize(lq, sm.init(lq), zero_point="floor")
     with pytest.raises(ValueError, match="dynamic"):
         sm.prepare(torch.randn(4, 32), qt.QuantSpec(format="int8", granularity=qt.PerGroup(32), dynamic=True))
+
+
+def _group_errors(w, y, group):
+    return (w - y).square().reshape(w.shape[0], -1, group).sum(-1)
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=str)
+def test_clip_init_never_starts_worse_than_min_max(spec):
+    w = torch.randn(6, 64, generator=torch.Generator().manual_seed(3)) * torch.linspace(0.1, 3, 64)
+    w[0, 5] = 9.0  # an outlier a clipped range gives up
+    lq = sm.prepare(w, spec)
+    a = sm.learned_fake_quantize(lq, sm.init(lq))
+    t = sm.clip_init(lq)
+    b = sm.learned_fake_quantize(lq, t)
+    assert torch.equal(t.alpha, t.beta) and bool(((t.alpha >= 0.5) & (t.alpha <= 1)).all())
+    assert bool((t.offset == 0).all())
+    group = lq.groups.shape[-1] // lq.groups.grid[-1] if lq.ranged else 64
+    assert bool((_group_errors(w, b, group) <= _group_errors(w, a, group) + 1e-6).all())
+
+
+@pytest.mark.parametrize("fmt, symmetric", [("uint2", False), ("uint3", False), ("int4", True)])
+def test_clip_init_picks_the_least_error_of_the_grid_found_through_the_codec(fmt, symmetric):
+    """Brute force: each candidate factor as a clipped range through QParams.from_range and the codec."""
+    w = torch.randn(4, 128, generator=torch.Generator().manual_seed(4)) ** 3
+    spec = qt.QuantSpec(format=fmt, granularity=qt.PerGroup(32), symmetric=symmetric)
+    t = sm.clip_init(sm.prepare(w, spec))
+    lo, hi = w.reshape(4, 4, 32).amin(-1), w.reshape(4, 4, 32).amax(-1)
+    errs = []
+    for c in torch.linspace(1.0, 0.5, 11).tolist():
+        y = qt.dequantize(qt.quantize(w, qt.QParams.from_range(lo * c, hi * c, spec)))
+        errs.append(_group_errors(w, y, 32))
+    errs = torch.stack(errs)  # (11, rows, groups)
+    want = torch.linspace(1.0, 0.5, 11)[errs.argmin(0)]  # first least: 1 wins ties
+    torch.testing.assert_close(t.alpha, want, rtol=0, atol=1e-6)
+    assert float(torch.gather(errs, 0, errs.argmin(0)[None]).sum()) < float(errs[0].sum())  # clipping paid off
