@@ -126,6 +126,23 @@ def test_offsets_and_factors_stay_in_range_and_the_result_is_the_codec_grid(monk
     assert float(fac.min()) < 1.0 and (off != 0).float().mean() > 0.2
 
 
+def test_init_mse_starts_from_each_groups_least_error_clip():
+    """iters=0: the stored weights are the start itself, clip_init's round to nearest of each float weight (the
+    first block's; its inputs do not depend on the chain), with fewer squared weight errors than min-max's."""
+    model = _model("llama")
+    spec = qt.QuantSpec(format="uint2", granularity=qt.PerGroup(32), symmetric=False)
+    mse = bridge.quantize_params(model, _recipe(spec, qt.Step("signround", iters=0, init="mse")),
+                                 calibration=_batches(2, 3))
+    rtn = bridge.quantize_params(model, _recipe(spec), calibration=_batches(2, 3))
+    float_tree = bridge.tree.extract(model)
+    for path in [p for p in mse.plan.specs if p.startswith("model.layers.0.")]:
+        w = float_tree[path].detach()
+        want, _ = sr_math.finalize(sr_math.prepare(w, spec, path=path), sr_math.clip_init(sr_math.prepare(w, spec)))
+        got = qt.dequantize(mse.qtree[path], dtype=w.dtype)
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+        assert float((got - w).square().sum()) < float((qt.dequantize(rtn.qtree[path], dtype=w.dtype) - w).square().sum())
+
+
 @pytest.mark.parametrize("first", ["awq", "rotate"])
 def test_chains_after_awq_and_quarot_beat_the_first_step_alone(first):
     model = _model("llama")
@@ -167,7 +184,7 @@ def test_the_preset_from_the_command_line_saves_and_reloads_with_identical_logit
 
 @pytest.mark.parametrize("options,message", [
     ({"iters": -1}, "iters must be an int >= 0"), ({"lr": 0.0}, "lr must be"), ({"batch_size": 0}, "batch_size"),
-    ({"zero_point": "floor"}, "zero_point must be one of"), ({"minmax": "yes"}, "minmax must be true or false"),
+    ({"zero_point": "floor"}, "zero_point must be one of"), ({"init": "gptq"}, "init must be one of"), ({"minmax": "yes"}, "minmax must be true or false"),
     ({"itres": 3}, "itres")])
 def test_bad_options_are_refused_by_name_before_calibration(options, message):
     calls = []
