@@ -2,7 +2,7 @@
 perplexity ratio quantized / float on 16x512 tokens of the built-in corpus's evaluation part, calibrated on 40x512
 tokens of its calibration part, and the seconds of the quantization call, all run in this script on the same
 tokens and threads, one after the other. Widths: W4 g128, W3 g64, W2 g64, unsigned asymmetric with an integer zero
-point. Rows: RTN, GPTQ, AWQ, SignRound, AWQ->SignRound, GPTAQ, each also followed by a rank-32 low-rank
+point. Rows: RTN, GPTQ, AWQ, SignRound (from min-max ranges, and from a clipping search: init="mse"), AWQ->SignRound, GPTAQ, each also followed by a rank-32 low-rank
 correction, and auto-round (SignRound's reference implementation) with the same scheme, tokens, iterations, batch
 size and learning rate.
 
@@ -34,8 +34,8 @@ from common import RESULTS, machine, markdown, write
 HERE = pathlib.Path(__file__).parent
 #: name -> (bits, group size); uint, asymmetric, integer zero point, groups along in_features.
 SCHEMES = {"uint4-asym-g128": (4, 128), "uint3-asym-g64": (3, 64), "uint2-asym-g64": (2, 64)}
-BASES = {"rtn": "RTN", "gptq": "GPTQ", "awq": "AWQ", "signround": "SignRound", "awq_signround": "AWQ -> SignRound",
-         "gptaq": "GPTAQ"}
+BASES = {"rtn": "RTN", "gptq": "GPTQ", "awq": "AWQ", "signround": "SignRound",
+         "signround_mse": "SignRound, init mse", "awq_signround": "AWQ -> SignRound", "gptaq": "GPTAQ"}
 LOWRANK = "+lowrank32"
 #: every row in table order: each of ours, then each + the rank-32 correction, then the peer.
 METHODS = [*BASES, *(b + LOWRANK for b in BASES), "autoround"]
@@ -66,6 +66,7 @@ def steps_of(method: str, *, iters: int, batch_size: int, lr: float) -> list[qt.
         raise ValueError(f"--methods: unknown method {method!r}; known: {METHODS}")
     signround = qt.Step("signround", iters=iters, batch_size=batch_size, lr=lr)
     steps = {"rtn": [], "gptq": [qt.Step("gptq")], "awq": [qt.Step("awq")], "signround": [signround],
+             "signround_mse": [qt.Step("signround", iters=iters, batch_size=batch_size, lr=lr, init="mse")],
              "awq_signround": [qt.Step("awq", clip=False), signround],
              "gptaq": [qt.Step("gptq", gptaq=True)]}[base]
     return steps + [qt.Step("lowrank", rank=32)] if low else steps
@@ -131,7 +132,7 @@ def measure(model, cal, ev, fp, *, schemes, methods, iters, batch_size, lr, thre
             row = {"scheme": scheme, "method": method, "ppl": round(ppl, 3), "ratio": round(ppl / fp, 4),
                    "seconds": round(seconds, 1), "load": round(os.getloadavg()[0], 1),
                    "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
-            if "signround" in method or method == "autoround":
+            if "signround" in method or method == "autoround":  # signround_mse too
                 row["settings"] = {"iters": iters, "batch_size": batch_size, "lr": lr}
             if method == "autoround":
                 row["peer"] = {k: other.get(k) for k in ("max_distinct_per_group", "layers_changed", "versions")}
