@@ -107,7 +107,7 @@ def main() -> None:
         for n in r.choice.values():
             counts[n] = counts.get(n, 0) + 1
         row = {"budget": budget, "estimate": estimate, "bits": round(r.bits_per_weight, 4), "bytes": r.size, "stored": stored,
-               "ratio": round(ratio, 4), "estimate": r.loss, "solve_s": round(solve_s, 2), "exact": r.exact,
+               "ratio": round(ratio, 4), "estimated_loss": r.loss, "solve_s": round(solve_s, 2), "exact": r.exact,
                "best_within": min(within) if within else None,
                "next_larger": (above[0][1], round(uniform[above[0][1]]["ratio"], 4)) if above else None,
                "schemes": counts}
