@@ -36,7 +36,9 @@ from typing import Callable, Iterable, Mapping, Sequence
 import torch
 from torch import nn
 
-__all__ = ["output_fisher"]
+import qtransform as qt
+
+__all__ = ["output_fisher", "fisher_pass"]
 
 
 def _logits(model: nn.Module, batch) -> torch.Tensor:
@@ -79,6 +81,14 @@ def output_fisher(model: nn.Module, batches: Iterable, paths: Sequence[str], *, 
     Raises:
         ValueError: a path that is not a module's weight, a model without an input embedding or logits.
     """
+    return fisher_pass(model, batches, paths, seed=seed, progress=progress)[0]
+
+
+def fisher_pass(model: nn.Module, batches: Iterable, paths: Sequence[str], *, hessian_modules: Sequence[str] = (),
+                seed: int = 0, progress: Callable | None = None) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """``(fisher, hessians)``: :func:`output_fisher`'s ``{weight path: F}`` and, folded in the same forward passes,
+    ``{module path: XᵀX / n}`` of the inputs of ``hessian_modules`` (the ``hessian`` observer's, as a calibration
+    pass gives it): the search's two statistics in one pass over the data."""
     modules = {}
     for p in paths:
         module_path, _, name = p.rpartition(".")
@@ -104,7 +114,15 @@ def output_fisher(model: nn.Module, batches: Iterable, paths: Sequence[str], *, 
                 out.register_hook(grad_hook)
         return forward_hook
 
+    stats = {m: qt.init_stats(observer="hessian") for m in hessian_modules}
+
+    def observe(name: str):
+        def hook(module, args, out):
+            stats[name] = qt.observe(stats[name], args[0], path=name)
+        return hook
+
     handles = [m.register_forward_hook(fold(p)) for p, m in modules.items()]
+    handles += [model.get_submodule(m).register_forward_hook(observe(m)) for m in hessian_modules]
     handles.append(embed.register_forward_hook(lambda m, args, out: out.detach().requires_grad_()))
     gen = torch.Generator().manual_seed(seed)
     positions = 0
@@ -128,4 +146,4 @@ def output_fisher(model: nn.Module, batches: Iterable, paths: Sequence[str], *, 
     missing = [p for p in paths if p not in sums]
     if missing:
         raise ValueError(f"output_fisher: no gradient reached {missing[:3]} (not on the path to the logits)")
-    return {p: sums[p] / max(positions, 1) for p in paths}
+    return {p: sums[p] / max(positions, 1) for p in paths}, {m: qt.finalize_stats(v) for m, v in stats.items()}

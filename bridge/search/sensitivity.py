@@ -30,7 +30,7 @@ from qtransform import search as qsearch
 
 from ..calibrate import ModelCalibrator
 from ..pipeline import plan as model_plan
-from .fisher import output_fisher
+from .fisher import fisher_pass
 from ..tree import extract
 
 __all__ = ["ESTIMATES", "Sensitivity", "searched_layers", "measure"]
@@ -73,16 +73,21 @@ def searched_layers(model: nn.Module) -> tuple[dict[str, tuple[int, int]], list[
     return layers, [g for g in groups if len(g) > 1]
 
 
-def _hessians(model, batches, layers, groups, progress) -> dict[str, torch.Tensor]:
+def _statistics(model, batches, layers, groups, estimate, seed, progress):
+    """``(hessians, fisher)``: ``{path: H}`` (one tensor per group) and, for the ``fisher`` estimate, ``{path: F}``
+    folded in the same forward passes (a calibration pass alone for ``hessian``)."""
     lead = {}
     for g in groups:
         for p in g:
             lead[p] = g[0]
-    sites = {qt.Site(qt.module_of(p)): qt.init_stats(observer="hessian") for p in layers if lead.get(p, p) == p}
-    cal = ModelCalibrator(model, batches, progress=progress)
-    stats = cal.site_stats(extract(model), sites)
-    h = {s.module: qt.finalize_stats(v) for s, v in stats.items()}
-    return {p: h[qt.module_of(lead.get(p, p))] for p in layers}
+    leads = [qt.module_of(p) for p in layers if lead.get(p, p) == p]
+    if estimate == "fisher":
+        fisher, h = fisher_pass(model, batches, list(layers), hessian_modules=leads, seed=seed, progress=progress)
+    else:
+        cal = ModelCalibrator(model, batches, progress=progress)
+        stats = cal.site_stats(extract(model), {qt.Site(m): qt.init_stats(observer="hessian") for m in leads})
+        fisher, h = None, {s.module: qt.finalize_stats(v) for s, v in stats.items()}
+    return {p: h[qt.module_of(lead.get(p, p))] for p in layers}, fisher
 
 
 def measure(model: nn.Module, batches: Iterable, cands: Sequence[qsearch.Candidate], *, algorithm: str = "rtn",
@@ -105,8 +110,7 @@ def measure(model: nn.Module, batches: Iterable, cands: Sequence[qsearch.Candida
     t0 = time.perf_counter()
     batches = list(batches)
     layers, groups = searched_layers(model)
-    hessians = _hessians(model, batches, layers, groups, progress)
-    fisher = output_fisher(model, batches, list(layers), seed=seed, progress=progress) if estimate == "fisher" else None
+    hessians, fisher = _statistics(model, batches, layers, groups, estimate, seed, progress)
     tree = extract(model)
     losses, skipped = {}, {}
     paths = list(layers)
