@@ -41,17 +41,15 @@ LOWRANK = "+lowrank32"
 METHODS = [*BASES, *(b + LOWRANK for b in BASES), "autoround"]
 #: Why these iterations (measured on this machine).
 CHOICE = ("Iterations and batch: auto-round's defaults (200 iterations, batch 8 of 2048 tokens) take hours on this "
-          "CPU. Measured with auto-round 0.16.1 on SmolLM2 at seqlen 512, 40 samples, float32, 2 threads, beside "
-          "other sessions on the machine's 2 cores (load 6-8): per decoder block a fixed cost of 80 block forwards "
-          "(the float outputs and the next inputs of the 40 samples), 16-32 s, and about 2.6 s per tuning iteration "
-          "of batch 1 (forward, backward, fake-quantize), from a profile of one block; so 30 blocks take 8-16 "
-          "minutes before the first iteration. Chosen: 4 iterations of batch 1, lr 1/iters = 0.25 (auto-round's own "
-          "rule), about 5 minutes more per width by that estimate; at load 11 the W4 g128 run took 2613 s. At 4 "
-          "iterations of batch 1 auto-round was worse than RTN (W4 g128 x1.82 vs x1.28): each signed step moves "
-          "every offset by up to lr, and the kept 'best' iterate is judged on one sample's loss, a different sample "
-          "each iteration. Both sides get the same iterations, batch and lr; auto-round runs in float32 (amp off: "
-          "ours runs in float32; its CPU default casts to bfloat16) and its torch.compile follows its own rule (off "
-          "below 10 iterations). Rerun with --iters 200 --batch-size 8 where hours are available.")
+          "CPU for each width. Measured with auto-round 0.16.1 on SmolLM2 at seqlen 512, 40 samples, float32, 2 "
+          "threads: per decoder block a fixed cost of 80 block forwards (the float outputs and the next inputs of the "
+          "40 samples) and about 2.6 s per tuning iteration of batch 1 at load 6-8. Runs so far: W4 g128 at 4 "
+          "iterations of batch 1 (auto-round x1.82, worse than RTN x1.28: each signed step moves every offset by up to "
+          "lr = 1/4, and the kept 'best' iterate is judged on one sample's loss); W2 g64 at 8 iterations of batch 4, "
+          "lr 1/8, both sides in one run (load 4-8). Both sides get the same iterations, batch and lr; auto-round runs "
+          "in float32 (amp off: ours runs in float32; its CPU default casts to bfloat16) and its torch.compile follows "
+          "its own rule (off below 10 iterations). Rerun with --iters 200 --batch-size 8 where hours are available "
+          "(a GPU).")
 
 
 def spec_of(name: str) -> qt.QuantSpec:
