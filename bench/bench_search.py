@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import time
 
 import torch
@@ -48,6 +49,49 @@ def hessian_losses(model, sens, cands, algorithm) -> dict:
     return out
 
 
+def gptq_seconds(model, cal) -> float:
+    """One GPTQ run (uint4 g64 asymmetric, every linear but the head) on the calibration batches."""
+    spec = qt.QuantSpec(format="uint4", granularity=qt.PerGroup(64), symmetric=False, pad=True)
+    t = time.perf_counter()
+    with torch.no_grad():
+        bridge.quantize(model, qt.Recipe(type_rules={"Linear": spec}, exclude=["lm_head*"], steps=[qt.Step("gptq")]),
+                        calibration=list(cal.split(4)), kernel="dequant")
+    return time.perf_counter() - t
+
+
+def time_only(a, model, cal, cands) -> None:
+    """The search's wall time (measure + the knapsack at every budget, the slowest solve counted) against one GPTQ
+    run on the same calibration, alternating ``a.time_only`` times; the medians and their ratio."""
+    load = os.getloadavg()[0]
+    runs = []
+    for _ in range(a.time_only):
+        t = time.perf_counter()
+        with torch.no_grad():
+            sens = bsearch.measure(model, list(cal.split(4)), cands, algorithm=a.algorithm, estimate=a.estimate)
+        measure_s = time.perf_counter() - t
+        solves = []
+        for budget in BUDGETS:
+            t = time.perf_counter()
+            try:
+                qsearch.search(sens.layers, cands, sens.losses, budget=budget, groups=sens.groups)
+            except ValueError:  # below the smallest size these candidates reach
+                continue
+            solves.append(time.perf_counter() - t)
+        solves = solves or [0.0]
+        runs.append({"measure_s": measure_s, "solve_s": max(solves), "search_s": measure_s + max(solves),
+                     "gptq_s": gptq_seconds(model, cal), "load": os.getloadavg()[0]})
+        print(runs[-1], flush=True)
+    med = {k: sorted(r[k] for r in runs)[len(runs) // 2] for k in ("measure_s", "solve_s", "search_s", "gptq_s")}
+    text = (markdown(["search (measure + slowest knapsack)", "measure", "knapsack", "one GPTQ run (uint4 g64)", "ratio"],
+                     [[f"{med['search_s']:.1f} s", f"{med['measure_s']:.1f} s", f"{med['solve_s']:.2f} s",
+                       f"{med['gptq_s']:.1f} s", f"{med['search_s'] / med['gptq_s']:.2f}"]])
+            + f"\n\nmedians of {a.time_only} alternating runs; SmolLM2-135M, calibration {a.calib}x{a.seq_len} tokens, "
+              f"{len(cands)} candidates ({a.candidates}), estimate {a.estimate}, algorithm {a.algorithm}, "
+              f"{a.threads} threads; load average {load:.1f} at the start, {os.getloadavg()[0]:.1f} at the end.\n\n"
+              f"command: python {' '.join(sys.argv)}")
+    write("search_time", runs, text, {"medians": med})
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--calib", type=int, default=16)
@@ -59,6 +103,9 @@ def main() -> None:
     ap.add_argument("--no-gptq", action="store_true", help="skip the GPTQ timing run")
     ap.add_argument("--candidates", default=",".join(qsearch.DEFAULT_CANDIDATES))
     ap.add_argument("--estimate", default="fisher", choices=bsearch.ESTIMATES)
+    ap.add_argument("--time-only", type=int, default=0, metavar="N",
+                    help="only time the search (measure + knapsack) against one GPTQ run, N times each, alternating; "
+                         "written to bench/results/search_time.{json,md}")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     load = os.getloadavg()[0]
@@ -72,6 +119,8 @@ def main() -> None:
     print(f"float perplexity {fp:.3f}", flush=True)
 
     cands = qsearch.candidates(a.candidates)
+    if a.time_only:
+        return time_only(a, model, cal, cands)
     t = time.perf_counter()
     with torch.no_grad():
         sens = bsearch.measure(model, list(cal.split(4)), cands, algorithm=a.algorithm, estimate=a.estimate)
@@ -124,12 +173,7 @@ def main() -> None:
 
     gptq_s = None
     if not a.no_gptq:
-        spec = qt.QuantSpec(format="uint4", granularity=qt.PerGroup(64), symmetric=False, pad=True)
-        t = time.perf_counter()
-        with torch.no_grad():
-            bridge.quantize(model, qt.Recipe(type_rules={"Linear": spec}, exclude=["lm_head*"], steps=[qt.Step("gptq")]),
-                            calibration=list(cal.split(4)), kernel="dequant")
-        gptq_s = time.perf_counter() - t
+        gptq_s = gptq_seconds(model, cal)
         print(f"GPTQ uint4-g64: {gptq_s:.1f} s", flush=True)
 
     fmt = lambda x: "-" if x is None else f"{x[1]} x{x[0]:.4f}" if isinstance(x[0], float) else f"{x[0]} x{x[1]:.4f}"  # noqa: E731
