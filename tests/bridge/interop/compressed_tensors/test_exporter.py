@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from bridge_util import REPO, same_bits, tiny_causal_lm
+from bridge_util import same_bits, tiny_causal_lm
+from cli_util import main_cli
 from interop.compressed_tensors.helpers import FP8, batches as _batches, needs_calibration, recipe as _recipe, tiny as _tiny
 from safetensors.torch import load_file
 
@@ -263,12 +264,6 @@ def test_refusals_name_the_tree_path_and_write_nothing(tmp_path):
         assert torch.equal(got.tree[path].codes, src.tree[path].codes)
 
 
-def _cli(*args, cwd):
-    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_VERBOSITY="error", TQDM_DISABLE="1")
-    return subprocess.run([sys.executable, "-m", "bridge.app.cli", *args], capture_output=True, text=True,
-                          cwd=cwd, env=env, timeout=600)
-
-
 def test_cli_quantize_to_and_export(tmp_path):
     torch.manual_seed(0)
     from bridge.app.models import load_tokenizer
@@ -276,22 +271,21 @@ def test_cli_quantize_to_and_export(tmp_path):
     tiny = tmp_path / "tiny"
     _tiny("llama").save_pretrained(tiny)
     load_tokenizer(None).save_pretrained(tiny)
-    root = str(REPO)
-    res = _cli("quantize", "--model", str(tiny), "--recipe", "int4-g32", "--no-eval", "--out", str(tmp_path / "q"),
-               "--to", TO, cwd=root)
+    res = main_cli("quantize", "--model", str(tiny), "--recipe", "int4-g32", "--no-eval", "--out", str(tmp_path / "q"),
+                   "--to", TO)
     assert res.returncode == 0, res.stderr
     assert json.loads((tmp_path / f"q-{TO}" / "config.json").read_text())["quantization_config"]["quant_method"] == TO
     assert (tmp_path / f"q-{TO}" / "tokenizer.json").is_file()
-    res = _cli("export", str(tmp_path / "q"), "--to", TO, "--out", str(tmp_path / "again"), cwd=root)
+    res = main_cli("export", str(tmp_path / "q"), "--to", TO, "--out", str(tmp_path / "again"))
     assert res.returncode == 0 and "wrote" in res.stdout, res.stderr
     assert (tmp_path / "again" / "model.safetensors").read_bytes() == (tmp_path / f"q-{TO}" / "model.safetensors").read_bytes()
-    res = _cli("quantize", "--model", str(tiny), "--recipe", "mx6", "--no-eval", "--out", str(tmp_path / "m"),
-               "--to", TO, cwd=root)
+    res = main_cli("quantize", "--model", str(tiny), "--recipe", "mx6", "--no-eval", "--out", str(tmp_path / "m"),
+                   "--to", TO)
     assert res.returncode != 0 and "model.layers.0.self_attn.q_proj.weight" in res.stderr and "mx6" in res.stderr
     assert not (tmp_path / "m").exists() and not (tmp_path / f"m-{TO}").exists()
-    res = _cli("quantize", "--model", str(tiny), "--recipe", "mx6", "--no-eval", "--out", str(tmp_path / "m"), cwd=root)
+    res = main_cli("quantize", "--model", str(tiny), "--recipe", "mx6", "--no-eval", "--out", str(tmp_path / "m"))
     assert res.returncode == 0, res.stderr
-    res = _cli("export", str(tmp_path / "m"), "--to", TO, "--out", str(tmp_path / "m-ct"), cwd=root)
+    res = main_cli("export", str(tmp_path / "m"), "--to", TO, "--out", str(tmp_path / "m-ct"))
     assert res.returncode != 0 and "model.layers.1.mlp.down_proj.weight: mx6" in res.stderr
     assert "Traceback" not in res.stderr and not (tmp_path / "m-ct").exists()
 

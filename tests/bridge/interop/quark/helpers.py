@@ -108,9 +108,3 @@ def round_trip(ckpt, out):
 def stored(directory) -> dict:
     from safetensors.torch import load_file
     return load_file(str(directory / "model.safetensors"))
-
-
-def run_cli(*args, cwd=None):
-    """The ``qtransform`` command in a subprocess (offline, quiet)."""
-    return subprocess.run([sys.executable, "-m", "bridge.app.cli", *args], capture_output=True, text=True, cwd=cwd,
-                          env=ENV, timeout=600)
