@@ -147,21 +147,36 @@ def _check(name, q, ckpt, clean, arch=None):
 
 CAUSAL = ("llama", "mistral", "qwen2", "phi3", "opt")
 SCHEMES = ("int4-g32", "int4-g32-asym", "int8-channel", "fp8-static-kv", "fp8-dynamic", "nvfp4")
+OTHERS = (("llama", "mxfp4"), ("llama", "mxfp6"), ("llama", "mxfp8"), ("llama", "w8a8-int8-dynamic"), ("bert", "fp8-w8a8"))
+
+
+@pytest.fixture(scope="module")
+def loaded(tmp_path_factory):
+    """``{arch: [(scheme, our model, checkpoint, export, the clean process's result)]}``: every architecture's
+    exports (CAUSAL x SCHEMES) and the others (OTHERS, under "others") loaded by one clean process (its
+    imports, transformers with compressed-tensors, are most of its time)."""
+    runs = {}
+    for arch in CAUSAL:
+        tmp, model = tmp_path_factory.mktemp(arch), _tiny(arch)
+        runs[arch] = [(name, *_quantize(model, name, tmp)) for name in SCHEMES]
+    tmp, models = tmp_path_factory.mktemp("others"), {arch: _tiny(arch) for arch in {a for a, _ in OTHERS}}
+    runs["others"] = [(name, *_quantize(models[arch], name, tmp)) for arch, name in OTHERS]
+    for group in runs.values():
+        for i, (name, q, ckpt) in enumerate(group):
+            group[i] = (name, q, ckpt, interop.export(ckpt, to=TO, out=ckpt.parent / f"{name}-ct"))
+    flat = [run for group in runs.values() for run in group]
+    got = iter(_load_clean([r[3] for r in flat], tmp_path_factory.mktemp("clean")))
+    return {key: [(*run, next(got)) for run in group] for key, group in runs.items()}
 
 
 @pytest.mark.parametrize("arch", CAUSAL)
-def test_tiny_models_load_in_transformers_without_bridge(arch, tmp_path):
+def test_tiny_models_load_in_transformers_without_bridge(arch, loaded):
     """int4 group symmetric, uint4 group with integer zero points, int8 per channel, fp8 with static inputs and
-    key/value cache, fp8 with dynamic per-token inputs, NVFP4: one clean process per architecture."""
-    model = _tiny(arch)
-    runs = []
-    for name in SCHEMES:
-        q, ckpt = _quantize(model, name, tmp_path)
-        out = interop.export(ckpt, to=TO, out=tmp_path / f"{name}-ct")
-        runs.append((name, q, ckpt, out))
-    for (name, q, ckpt, out), got in zip(runs, _load_clean([r[3] for r in runs], tmp_path)):
+    key/value cache, fp8 with dynamic per-token inputs, NVFP4: each architecture's exports in the clean process."""
+    runs = loaded[arch]
+    for name, q, ckpt, out, got in runs:
         _check(name, q, ckpt, got, arch)
-    qc = {name: json.loads((out / "config.json").read_text())["quantization_config"] for name, _, _, out in runs}
+    qc = {name: json.loads((out / "config.json").read_text())["quantization_config"] for name, _, _, out, _ in runs}
     assert qc["int4-g32"]["format"] == "pack-quantized" and qc["int4-g32"]["ignore"] == ["lm_head"]
     g = qc["int4-g32-asym"]["config_groups"]["group_0"]
     assert g["targets"] == ["Linear"] and g["weights"]["symmetric"] is False and g["weights"]["group_size"] == 32
@@ -173,16 +188,11 @@ def test_tiny_models_load_in_transformers_without_bridge(arch, tmp_path):
     assert st[f"{attn}.k_scale"].shape == (1,) and st[f"{attn}.v_scale"].shape == (1,)
 
 
-def test_mx_formats_int8_activations_and_bert(tmp_path):
+def test_mx_formats_int8_activations_and_bert(loaded):
     """MXFP4/6/8 (E8M0 scales), int8 weights with dynamic per-token int8 inputs (int-quantized), and a BERT
     encoder (fp8 weights and static inputs; its self-attention has no cache compressed-tensors quantizes)."""
-    llama, bert = _tiny("llama"), _tiny("bert")
-    runs = []
-    for model, name in ((llama, "mxfp4"), (llama, "mxfp6"), (llama, "mxfp8"), (llama, "w8a8-int8-dynamic"),
-                        (bert, "fp8-w8a8")):
-        q, ckpt = _quantize(model, name, tmp_path)
-        runs.append((name, q, ckpt, interop.export(ckpt, to=TO, out=tmp_path / f"{name}-ct")))
-    for (name, q, ckpt, out), got in zip(runs, _load_clean([r[3] for r in runs], tmp_path)):
+    runs = loaded["others"]
+    for name, q, ckpt, out, got in runs:
         _check(name, q, ckpt, got)
     formats = [json.loads((r[3] / "config.json").read_text())["quantization_config"]["format"] for r in runs]
     assert formats == ["mxfp4-pack-quantized", "mxfp6-pack-quantized", "mxfp8-quantized", "int-quantized",
