@@ -17,8 +17,8 @@ from typing import NamedTuple
 import numpy as np
 import pytest
 import torch
-from interop.onnx.helpers import DISABLED, EXACT, IDS, dequant_kernel, outputs, quantize_export, run_onnx
 from cli_util import main_cli
+from interop.onnx.helpers import DISABLED, EXACT, IDS, dequant_kernel, outputs, quantize_export, run_onnx
 from interop.quark.helpers import same_bits
 
 import qtransform as qt
