@@ -16,13 +16,11 @@ import os
 import subprocess
 import sys
 
-ENV = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_VERBOSITY="error", TQDM_DISABLE="1")
-
-
 def run_cli(*args, cwd=None, timeout=600) -> subprocess.CompletedProcess:
-    """``python -m bridge.app.cli ARGS`` in a subprocess."""
+    """``python -m bridge.app.cli ARGS`` in a subprocess (this environment, offline and quiet)."""
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_VERBOSITY="error", TQDM_DISABLE="1")
     return subprocess.run([sys.executable, "-m", "bridge.app.cli", *map(str, args)], capture_output=True, text=True,
-                          cwd=cwd, env=ENV, timeout=timeout)
+                          cwd=cwd, env=env, timeout=timeout)
 
 
 def main_cli(*args) -> subprocess.CompletedProcess:
