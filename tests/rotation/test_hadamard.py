@@ -53,7 +53,9 @@ def test_real_model_widths(n):
     assert has_hadamard(n), hadamard_construction(n)
     g = torch.Generator().manual_seed(n)
     rows = torch.randperm(n, generator=g)[:16]
-    R = hadamard_transform(torch.eye(n, dtype=torch.float64)[rows])
+    unit = torch.zeros(16, n, dtype=torch.float64)
+    unit[torch.arange(16), rows] = 1  # torch.eye(n)[rows] without the n x n identity (7 GB at n = 29568)
+    R = hadamard_transform(unit)
     assert torch.allclose(R @ R.T, torch.eye(16, dtype=torch.float64), atol=1e-12)
     x = torch.randn(4, n, generator=g, dtype=torch.float64)
     assert torch.allclose(hadamard_transform(x).norm(dim=-1), x.norm(dim=-1), rtol=1e-12)

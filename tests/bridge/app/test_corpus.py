@@ -60,9 +60,12 @@ def test_bad_arguments():
 
 
 def test_unreachable_dataset_is_one_clear_error(monkeypatch):
-    pytest.importorskip("datasets")
+    datasets = pytest.importorskip("datasets")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    # datasets reads the variable once, at its import (here, or earlier in this process): without this it
+    # tries the network, five retries with backoff (23 s), before the same ConnectionError
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
     with pytest.raises(corpus.CorpusError, match=r"cannot load dataset hf:no-such-org/no-such-set .*split test"):
         corpus.load_text("hf:no-such-org/no-such-set")
 

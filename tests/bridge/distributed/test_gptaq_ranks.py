@@ -31,7 +31,7 @@ def _job(rank, world):
     return {"tree": {p: qt.dequantize(v) for p, v in q.qtree.items() if isinstance(v, qt.QTensor)}, "info": q.info}
 
 
-@pytest.mark.slow  # two spawned processes: 30-90 s on the shared machine
+@pytest.mark.slow  # two rank processes (dist_util.run_ranks)
 def test_two_ranks_give_the_one_process_result():
     threads = torch.get_num_threads()
     torch.set_num_threads(1)

@@ -5,12 +5,11 @@ The expected values are our own checkpoint's: exporting it and loading the expor
 codes and scales (compared bit for bit) and the same logits as the checkpoint loaded by ``bridge.load``."""
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
 from bridge_util import same_bits
+from cli_util import main_cli
 from interop.compressed_tensors.helpers import batches, recipe, tiny
 
 import bridge
@@ -111,16 +110,9 @@ def test_load_imported_refuses_a_directory_no_importer_reads(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------- the command
-def _cli(*args):
-    env = {k: v for k, v in __import__("os").environ.items()}
-    env["HF_HUB_OFFLINE"] = "1"
-    return subprocess.run([sys.executable, "-m", "bridge.app.cli", *args], capture_output=True, text=True,
-                          env=env, timeout=600)
-
-
 def test_inspect_describes_an_export_as_imported(exports):
     ck, exported = exports[("compressed-tensors", "llama", "w8a8-int8-dynamic")]
-    res = _cli("inspect", str(exported))
+    res = main_cli("inspect", str(exported))
     assert res.returncode == 0, res.stderr
     first = res.stdout.splitlines()[0]
     assert first.startswith("compressed-tensors checkpoint") and "not re-quantized" in first
@@ -135,12 +127,12 @@ def test_inspect_describes_an_export_as_imported(exports):
 def test_quantize_and_eval_from_a_quark_export(tiny_llama_dir, tmp_path):
     """``quantize --model QUARK_DIR``: the recipe starts from the imported values (no amd-quark involved);
     ``eval --model QUARK_DIR`` runs the imported model as it is stored."""
-    res = _cli("quantize", "--model", str(tiny_llama_dir), "--recipe", "int4-g32-asym", "--no-eval",
-               "--out", str(tmp_path / "ck"), "--to", "quark")
+    res = main_cli("quantize", "--model", str(tiny_llama_dir), "--recipe", "int4-g32-asym", "--no-eval",
+                   "--out", str(tmp_path / "ck"), "--to", "quark")
     assert res.returncode == 0, res.stderr
     quark_dir = tmp_path / "ck-quark"
-    res = _cli("quantize", "--model", str(quark_dir), "--recipe", "int8-channel", "--no-eval",
-               "--out", str(tmp_path / "again"))
+    res = main_cli("quantize", "--model", str(quark_dir), "--recipe", "int8-channel", "--no-eval",
+                   "--out", str(tmp_path / "again"))
     assert res.returncode == 0, res.stderr
     assert "quark checkpoint, dequantized" in res.stderr + res.stdout
     source = interop.read_source(tmp_path / "ck").tree
@@ -149,8 +141,8 @@ def test_quantize_and_eval_from_a_quark_export(tiny_llama_dir, tmp_path):
     spec = again[path].spec
     want = qt.quantize(qt.dequantize(source[path]), qt.choose_qparams(qt.dequantize(source[path]), spec))
     assert same_bits(again[path].codes, want.codes)  # int8 of the imported int4 values, computed here
-    res = _cli("eval", "--model", str(quark_dir), "--baseline", str(tmp_path / "ck"), "--eval-sequences", "1",
-               "--seq-len", "32", "--max-new-tokens", "4", "--json", str(tmp_path / "eval.json"))
+    res = main_cli("eval", "--model", str(quark_dir), "--baseline", str(tmp_path / "ck"), "--eval-sequences", "1",
+                   "--seq-len", "32", "--max-new-tokens", "4", "--json", str(tmp_path / "eval.json"))
     assert res.returncode == 0, res.stderr
     ppl = [r["perplexity"] for r in json.loads((tmp_path / "eval.json").read_text())["results"]]
     assert ppl[0] == ppl[1]  # the imported model is our checkpoint, value for value and kernel for kernel

@@ -1,5 +1,5 @@
 """The streamed run on each rank of a real process group, for the distributed streaming tests (the jobs live
-in an importable module: the ranks are spawned processes)."""
+in an importable module: the ranks are separate processes, the job pickled by name)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""``quantize_checkpoint`` inside a real ``torch.distributed`` group (2 gloo ranks, spawned processes) writes
+"""``quantize_checkpoint`` inside a real ``torch.distributed`` group (2 gloo ranks, separate processes) writes
 the very bytes of the one-process streamed run: block by block (GPTQ; static int8 activations, their
 statistics reduced over the ranks), shard to shard (HQQ, its tensors split among the ranks); rank 0 alone
 writes, the other ranks' scratch goes away; a run that failed mid-way resumes, each rank from its own share.

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from bridge_util import REPO, same_bits, tiny_causal_lm
+from bridge_util import same_bits, tiny_causal_lm
+from cli_util import main_cli
 from interop.compressed_tensors.helpers import FP8, batches as _batches, needs_calibration, recipe as _recipe, tiny as _tiny
 from safetensors.torch import load_file
 
@@ -146,21 +147,36 @@ def _check(name, q, ckpt, clean, arch=None):
 
 CAUSAL = ("llama", "mistral", "qwen2", "phi3", "opt")
 SCHEMES = ("int4-g32", "int4-g32-asym", "int8-channel", "fp8-static-kv", "fp8-dynamic", "nvfp4")
+OTHERS = (("llama", "mxfp4"), ("llama", "mxfp6"), ("llama", "mxfp8"), ("llama", "w8a8-int8-dynamic"), ("bert", "fp8-w8a8"))
+
+
+@pytest.fixture(scope="module")
+def loaded(tmp_path_factory):
+    """``{arch: [(scheme, our model, checkpoint, export, the clean process's result)]}``: every architecture's
+    exports (CAUSAL x SCHEMES) and the others (OTHERS, under "others") loaded by one clean process (its
+    imports, transformers with compressed-tensors, are most of its time)."""
+    runs = {}
+    for arch in CAUSAL:
+        tmp, model = tmp_path_factory.mktemp(arch), _tiny(arch)
+        runs[arch] = [(name, *_quantize(model, name, tmp)) for name in SCHEMES]
+    tmp, models = tmp_path_factory.mktemp("others"), {arch: _tiny(arch) for arch in {a for a, _ in OTHERS}}
+    runs["others"] = [(name, *_quantize(models[arch], name, tmp)) for arch, name in OTHERS]
+    for group in runs.values():
+        for i, (name, q, ckpt) in enumerate(group):
+            group[i] = (name, q, ckpt, interop.export(ckpt, to=TO, out=ckpt.parent / f"{name}-ct"))
+    flat = [run for group in runs.values() for run in group]
+    got = iter(_load_clean([r[3] for r in flat], tmp_path_factory.mktemp("clean")))
+    return {key: [(*run, next(got)) for run in group] for key, group in runs.items()}
 
 
 @pytest.mark.parametrize("arch", CAUSAL)
-def test_tiny_models_load_in_transformers_without_bridge(arch, tmp_path):
+def test_tiny_models_load_in_transformers_without_bridge(arch, loaded):
     """int4 group symmetric, uint4 group with integer zero points, int8 per channel, fp8 with static inputs and
-    key/value cache, fp8 with dynamic per-token inputs, NVFP4: one clean process per architecture."""
-    model = _tiny(arch)
-    runs = []
-    for name in SCHEMES:
-        q, ckpt = _quantize(model, name, tmp_path)
-        out = interop.export(ckpt, to=TO, out=tmp_path / f"{name}-ct")
-        runs.append((name, q, ckpt, out))
-    for (name, q, ckpt, out), got in zip(runs, _load_clean([r[3] for r in runs], tmp_path)):
+    key/value cache, fp8 with dynamic per-token inputs, NVFP4: each architecture's exports in the clean process."""
+    runs = loaded[arch]
+    for name, q, ckpt, out, got in runs:
         _check(name, q, ckpt, got, arch)
-    qc = {name: json.loads((out / "config.json").read_text())["quantization_config"] for name, _, _, out in runs}
+    qc = {name: json.loads((out / "config.json").read_text())["quantization_config"] for name, _, _, out, _ in runs}
     assert qc["int4-g32"]["format"] == "pack-quantized" and qc["int4-g32"]["ignore"] == ["lm_head"]
     g = qc["int4-g32-asym"]["config_groups"]["group_0"]
     assert g["targets"] == ["Linear"] and g["weights"]["symmetric"] is False and g["weights"]["group_size"] == 32
@@ -172,16 +188,11 @@ def test_tiny_models_load_in_transformers_without_bridge(arch, tmp_path):
     assert st[f"{attn}.k_scale"].shape == (1,) and st[f"{attn}.v_scale"].shape == (1,)
 
 
-def test_mx_formats_int8_activations_and_bert(tmp_path):
+def test_mx_formats_int8_activations_and_bert(loaded):
     """MXFP4/6/8 (E8M0 scales), int8 weights with dynamic per-token int8 inputs (int-quantized), and a BERT
     encoder (fp8 weights and static inputs; its self-attention has no cache compressed-tensors quantizes)."""
-    llama, bert = _tiny("llama"), _tiny("bert")
-    runs = []
-    for model, name in ((llama, "mxfp4"), (llama, "mxfp6"), (llama, "mxfp8"), (llama, "w8a8-int8-dynamic"),
-                        (bert, "fp8-w8a8")):
-        q, ckpt = _quantize(model, name, tmp_path)
-        runs.append((name, q, ckpt, interop.export(ckpt, to=TO, out=tmp_path / f"{name}-ct")))
-    for (name, q, ckpt, out), got in zip(runs, _load_clean([r[3] for r in runs], tmp_path)):
+    runs = loaded["others"]
+    for name, q, ckpt, out, got in runs:
         _check(name, q, ckpt, got)
     formats = [json.loads((r[3] / "config.json").read_text())["quantization_config"]["format"] for r in runs]
     assert formats == ["mxfp4-pack-quantized", "mxfp6-pack-quantized", "mxfp8-quantized", "int-quantized",
@@ -263,12 +274,6 @@ def test_refusals_name_the_tree_path_and_write_nothing(tmp_path):
         assert torch.equal(got.tree[path].codes, src.tree[path].codes)
 
 
-def _cli(*args, cwd):
-    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_VERBOSITY="error", TQDM_DISABLE="1")
-    return subprocess.run([sys.executable, "-m", "bridge.app.cli", *args], capture_output=True, text=True,
-                          cwd=cwd, env=env, timeout=600)
-
-
 def test_cli_quantize_to_and_export(tmp_path):
     torch.manual_seed(0)
     from bridge.app.models import load_tokenizer
@@ -276,22 +281,21 @@ def test_cli_quantize_to_and_export(tmp_path):
     tiny = tmp_path / "tiny"
     _tiny("llama").save_pretrained(tiny)
     load_tokenizer(None).save_pretrained(tiny)
-    root = str(REPO)
-    res = _cli("quantize", "--model", str(tiny), "--recipe", "int4-g32", "--no-eval", "--out", str(tmp_path / "q"),
-               "--to", TO, cwd=root)
+    res = main_cli("quantize", "--model", str(tiny), "--recipe", "int4-g32", "--no-eval", "--out", str(tmp_path / "q"),
+                   "--to", TO)
     assert res.returncode == 0, res.stderr
     assert json.loads((tmp_path / f"q-{TO}" / "config.json").read_text())["quantization_config"]["quant_method"] == TO
     assert (tmp_path / f"q-{TO}" / "tokenizer.json").is_file()
-    res = _cli("export", str(tmp_path / "q"), "--to", TO, "--out", str(tmp_path / "again"), cwd=root)
+    res = main_cli("export", str(tmp_path / "q"), "--to", TO, "--out", str(tmp_path / "again"))
     assert res.returncode == 0 and "wrote" in res.stdout, res.stderr
     assert (tmp_path / "again" / "model.safetensors").read_bytes() == (tmp_path / f"q-{TO}" / "model.safetensors").read_bytes()
-    res = _cli("quantize", "--model", str(tiny), "--recipe", "mx6", "--no-eval", "--out", str(tmp_path / "m"),
-               "--to", TO, cwd=root)
+    res = main_cli("quantize", "--model", str(tiny), "--recipe", "mx6", "--no-eval", "--out", str(tmp_path / "m"),
+                   "--to", TO)
     assert res.returncode != 0 and "model.layers.0.self_attn.q_proj.weight" in res.stderr and "mx6" in res.stderr
     assert not (tmp_path / "m").exists() and not (tmp_path / f"m-{TO}").exists()
-    res = _cli("quantize", "--model", str(tiny), "--recipe", "mx6", "--no-eval", "--out", str(tmp_path / "m"), cwd=root)
+    res = main_cli("quantize", "--model", str(tiny), "--recipe", "mx6", "--no-eval", "--out", str(tmp_path / "m"))
     assert res.returncode == 0, res.stderr
-    res = _cli("export", str(tmp_path / "m"), "--to", TO, "--out", str(tmp_path / "m-ct"), cwd=root)
+    res = main_cli("export", str(tmp_path / "m"), "--to", TO, "--out", str(tmp_path / "m-ct"))
     assert res.returncode != 0 and "model.layers.1.mlp.down_proj.weight: mx6" in res.stderr
     assert "Traceback" not in res.stderr and not (tmp_path / "m-ct").exists()
 

@@ -16,6 +16,7 @@ from bridge import interop
 from bridge.interop.gguf import tensors as gguf_tensors
 from bridge.interop.gguf import GGUFExporter, GGUFImporter, nearest_type
 from bridge_util import tiny_causal_lm
+from cli_util import main_cli
 
 gguf = pytest.importorskip("gguf")
 from gguf.quants import dequantize as gguf_dequantize  # noqa: E402
@@ -300,14 +301,10 @@ def test_cli_export_and_refusal(tmp_path):
     bridge.save(bridge.quantize(tiny_causal_lm("llama").eval(), Q4_1), tmp_path / "ok")
     bridge.save(bridge.quantize(tiny_causal_lm("llama").eval(), Q4_1.replace(granularity=qt.PerGroup(64))),
                 tmp_path / "g64")
-
-    def run(*args):
-        return subprocess.run([sys.executable, "-m", "bridge.app.cli", *args], capture_output=True, text=True,
-                              env=_env(), timeout=600)
-    res = run("export", str(tmp_path / "ok"), "--to", "gguf", "--out", str(tmp_path / "out"))
+    res = main_cli("export", str(tmp_path / "ok"), "--to", "gguf", "--out", str(tmp_path / "out"))
     assert res.returncode == 0, res.stderr
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["gguf_export.json", "ok.gguf"]
-    res = run("export", str(tmp_path / "g64"), "--to", "gguf", "--out", str(tmp_path / "refused"))
+    res = main_cli("export", str(tmp_path / "g64"), "--to", "gguf", "--out", str(tmp_path / "refused"))
     assert res.returncode != 0 and "model.layers.0.mlp.down_proj.weight: uint4 g64" in res.stderr
     assert "--allow-nearest" in res.stderr and not (tmp_path / "refused").exists()
 

@@ -17,8 +17,9 @@ from typing import NamedTuple
 import numpy as np
 import pytest
 import torch
+from cli_util import main_cli
 from interop.onnx.helpers import DISABLED, EXACT, IDS, dequant_kernel, outputs, quantize_export, run_onnx
-from interop.quark.helpers import run_cli, same_bits
+from interop.quark.helpers import same_bits
 
 import qtransform as qt
 from bridge import interop
@@ -235,13 +236,13 @@ def test_refuses_what_onnx_cannot_hold_and_writes_nothing(recipe, path, tmp_path
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.slow  # about 30 s: the command quantizes, saves and exports in a fresh interpreter
+@pytest.mark.slow  # the command (main(argv), in this process) quantizes, saves and exports
 def test_cli_quantize_and_export_to_onnx(tiny_llama_dir, tmp_path):
     ckpt = tmp_path / "ckpt"
-    res = run_cli("quantize", "--model", str(tiny_llama_dir), "--recipe", "int4-g32-asym", "--no-eval", "--out",
-                  str(ckpt))
+    res = main_cli("quantize", "--model", str(tiny_llama_dir), "--recipe", "int4-g32-asym", "--no-eval", "--out",
+                   str(ckpt))
     assert res.returncode == 0, res.stderr
-    res = run_cli("export", str(ckpt), "--to", "onnx", "--out", str(tmp_path / "onnx"))
+    res = main_cli("export", str(ckpt), "--to", "onnx", "--out", str(tmp_path / "onnx"))
     assert res.returncode == 0, res.stderr
     assert "wrote" in res.stdout
     assert sorted(p.name for p in (tmp_path / "onnx").iterdir()) == \

@@ -37,15 +37,19 @@ torch.save(out, sys.argv[2])
 """
 
 
-def quark_logits(cases: dict, tmp_path) -> dict:
-    """``{name: {"logits", "quark_layers"} | {"error"}}`` for ``{name: (export dir, auto class, ids)}``."""
+def quark_logits(cases: dict, tmp_path, *, then=None) -> dict:
+    """``{name: {"logits", "quark_layers"} | {"error"}}`` for ``{name: (export dir, auto class, ids)}``.
+
+    ``then``: ``(code, args)``, more Python that the same clean process runs afterwards (amd-quark imported
+    once), its arguments from ``sys.argv[3]`` on."""
     spec = {}
     for name, (d, auto, ids) in cases.items():
         torch.save(ids, tmp_path / f"{name}.ids.pt")
         spec[name] = {"dir": str(d), "auto": auto, "ids": str(tmp_path / f"{name}.ids.pt")}
     (tmp_path / "cases.json").write_text(json.dumps(spec))
-    res = subprocess.run([sys.executable, "-c", _LOAD, str(tmp_path / "cases.json"), str(tmp_path / "out.pt")],
-                         capture_output=True, text=True, cwd=tmp_path, env=ENV, timeout=900)
+    code, args = then if then is not None else ("", [])
+    res = subprocess.run([sys.executable, "-c", _LOAD + code, str(tmp_path / "cases.json"), str(tmp_path / "out.pt"),
+                          *args], capture_output=True, text=True, cwd=tmp_path, env=ENV, timeout=900)
     assert res.returncode == 0, res.stderr[-3000:]
     return torch.load(tmp_path / "out.pt")
 
@@ -108,9 +112,3 @@ def round_trip(ckpt, out):
 def stored(directory) -> dict:
     from safetensors.torch import load_file
     return load_file(str(directory / "model.safetensors"))
-
-
-def run_cli(*args, cwd=None):
-    """The ``qtransform`` command in a subprocess (offline, quiet)."""
-    return subprocess.run([sys.executable, "-m", "bridge.app.cli", *args], capture_output=True, text=True, cwd=cwd,
-                          env=ENV, timeout=600)

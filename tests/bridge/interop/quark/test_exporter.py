@@ -1,7 +1,10 @@
-"""Quark HF-format exports loaded by transformers with amd-quark, in a fresh interpreter that never imports
-``bridge`` or ``qtransform``: the same logits as our quantized models, for every architecture transformers'
-Quark loader handles (and the default model's int4 and fp8 exports, marked long)."""
+"""amd-quark itself, in one fresh interpreter that never imports ``bridge`` or ``qtransform`` (its import is
+most of that process's time): transformers with Quark loads our Quark HF-format exports and gives the same
+logits as our quantized models, for every architecture transformers' Quark loader handles (and the default
+model's int4 and fp8 exports, marked long); Quark quantizes and exports tiny models itself, and we read those
+exports bit for bit against its own dequantization."""
 
+import json
 from typing import NamedTuple
 
 import pytest
@@ -11,6 +14,7 @@ from interop.quark.helpers import IDS, logits, quantize_save, quark_logits
 import bridge
 import qtransform as qt
 from bridge import interop
+from bridge.interop.quark import QuarkImporter
 from bridge.modules import actquant
 
 
@@ -51,8 +55,10 @@ class Case(NamedTuple):
 
 
 @pytest.fixture(scope="module")
-def loaded(tmp_path_factory):
-    """Every case quantized, saved, exported and loaded by transformers + Quark in one clean process."""
+def quark_process(tmp_path_factory):
+    """Every case quantized, saved and exported by us, then one clean process: transformers + Quark load each
+    of them (``{name: {"logits", "quark_layers"} | {"error"}}``), and Quark exports a tiny Llama per
+    :data:`SCHEMES` (under the returned directory)."""
     tmp = tmp_path_factory.mktemp("quark")
     ours, todo = {}, {}
     for name, (arch, recipe, calib, auto) in CASES.items():
@@ -60,9 +66,24 @@ def loaded(tmp_path_factory):
         interop.export(tmp / name, to="quark", out=tmp / f"{name}-quark")
         ours[name] = (logits(qmodel), logits(dequant_kernel(qmodel)), logits(model), qmodel)
         todo[name] = (tmp / f"{name}-quark", auto, IDS)
-    got = quark_logits(todo, tmp)
+    own = tmp_path_factory.mktemp("quark-own")
+    got = quark_logits(todo, tmp, then=(_QUARK_EXPORT, [str(own), *SCHEMES]))
+    return ours, got, own
+
+
+@pytest.fixture(scope="module")
+def loaded(quark_process):
+    """``{name: Case | the error transformers + Quark met}``."""
+    ours, got, _ = quark_process
     return {name: got[name]["error"] if "error" in got[name] else
             Case(got[name]["logits"], *ours[name][:3], got[name]["quark_layers"], ours[name][3]) for name in CASES}
+
+
+@pytest.fixture(scope="module")
+def quark_exports(quark_process):
+    """Quark's own exports (one directory per scheme), each with the weights and scales Quark dequantized after
+    reloading it with transformers."""
+    return quark_process[2]
 
 
 def _check(case, *, expected=None, atol=1e-5, ties=0):
@@ -133,3 +154,62 @@ def test_smollm2_int4_and_fp8_exports_load_in_transformers_without_bridge(tmp_pa
         assert case.quark_layers == 30 * 7  # every linear layer but the (tied) lm_head
         _check(case, atol=1e-4)
         assert (case.quark.argmax(-1) == case.ours.argmax(-1)).float().mean() > 0.95
+
+
+# ---------------------------------------------------------------------------------------------- Quark's own exports
+_QUARK_EXPORT = r"""
+import sys, torch, transformers as tf
+from quark.torch import ModelQuantizer, export_safetensors
+from quark.torch.quantization.config import config as C
+fp8 = C.FP8E4M3PerTensorSpec(is_dynamic=False).to_quantization_spec()
+for scheme in sys.argv[4:]:
+    out = f"{sys.argv[3]}/{scheme}"
+    torch.manual_seed(0)
+    model = tf.LlamaForCausalLM(tf.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)).eval()
+    kv = {}
+    if scheme.startswith("uint4-g32-asym"):
+        layer = C.QLayerConfig(weight=C.Uint4PerGroupSpec(ch_axis=-1, group_size=32, symmetric=False).to_quantization_spec())
+    elif scheme == "int8-channel-a8":
+        layer = C.QLayerConfig(weight=C.Int8PerChannelSpec(ch_axis=0, symmetric=True).to_quantization_spec(),
+                               input_tensors=C.Int8PerTensorSpec(symmetric=False, is_dynamic=False).to_quantization_spec())
+    elif scheme == "fp8-kv":
+        layer = C.QLayerConfig(weight=fp8, input_tensors=fp8)
+        kv = {n: C.QLayerConfig(weight=fp8, input_tensors=fp8, output_tensors=fp8) for n in ("*k_proj", "*v_proj")}
+    elif scheme == "mxfp4":
+        layer = C.QLayerConfig(weight=C.OCP_MXFP4Spec(ch_axis=-1, is_dynamic=False).to_quantization_spec())
+    config = C.QConfig(global_quant_config=layer, layer_quant_config=dict(kv), kv_cache_quant_config=dict(kv),
+                       kv_cache_group=list(kv), exclude=["lm_head"])
+    quantizer = ModelQuantizer(config)
+    model = quantizer.freeze(quantizer.quantize_model(model, [torch.randint(0, 128, (1, 16)) for _ in range(2)]))
+    export_safetensors(model, out, pack_method="order" if scheme.endswith("-order") else "reorder")
+    loaded = tf.AutoModelForCausalLM.from_pretrained(out).eval()
+    weights = {f"{n}.weight": m.weight_quantizer(m.weight).float() for n, m in loaded.named_modules()
+               if type(m).__name__ == "QParamsLinear" and m.weight_quantizer is not None}
+    scales = {n: t for n, t in loaded.state_dict().items() if n.endswith(("input_quantizer.scale", "output_quantizer.scale"))}
+    torch.save({"weights": weights, "scales": scales}, f"{out}/dequantized.pt")
+assert not [m for m in sys.modules if m.split(".")[0] in ("bridge", "qtransform")]
+"""
+SCHEMES = ["uint4-g32-asym", "uint4-g32-asym-order", "int8-channel-a8", "fp8-kv", "mxfp4"]
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_import_of_quarks_own_export(scheme, quark_exports):
+    """We read Quark's export without re-quantizing and dequantize to the very values Quark does."""
+    out = quark_exports / scheme
+    truth = torch.load(out / "dequantized.pt")
+    export = json.loads((out / "config.json").read_text())["quantization_config"]["export"]
+    assert export["pack_method"] == ("order" if scheme.endswith("-order") else "reorder")
+    source = QuarkImporter().read(out)
+    assert sorted(source.meta.entries) == sorted(truth["weights"]) and len(truth["weights"]) == 14
+    for path, w in truth["weights"].items():
+        assert torch.equal(qt.dequantize(source.tree[path], dtype=torch.float32), w), path
+    for name, s in truth["scales"].items():  # "<layer>.input_quantizer.scale": ours by its site's name
+        layer, _, role = name.removesuffix("_quantizer.scale").rpartition(".")
+        parent, _, proj = layer.rpartition(".")
+        ours = (f"{parent}.{proj[0]}_scale" if role == "output" and proj in ("k_proj", "v_proj")
+                else f"{layer}.{role}_scale")
+        assert ours in source.tree and source.tree[ours].float().reshape(()) == s.float().reshape(()), name
+    assert len(truth["scales"]) == {"int8-channel-a8": 14, "fp8-kv": 18}.get(scheme, 0)
+    roles = {site.role for site in source.meta.activations}
+    assert roles == {"int8-channel-a8": {"input"}, "fp8-kv": {"input", "key", "value"}}.get(scheme, set())

@@ -1,14 +1,13 @@
 """Quark export then import gives back the very tree; what Quark can hold (exact / nearest / no) and the
-refusals, by tree path; Quark's own exports read bit for bit against Quark's own dequantization."""
+refusals, by tree path. (Quark's own exports, read bit for bit against its own dequantization: in
+test_exporter.py, whose one clean process runs amd-quark.)"""
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
 from bridge_util import tiny_causal_lm
-from interop.quark.helpers import ENV, quantize_save, round_trip, same_bits, spec, stored
+from interop.quark.helpers import quantize_save, round_trip, same_bits, spec, stored
 
 import bridge
 import qtransform as qt
@@ -137,73 +136,3 @@ def test_importer_refuses_what_it_cannot_map(tmp_path):
     (tmp_path / "quark" / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="weight_format 'fake_quantized'"):
         QuarkImporter().read(tmp_path / "quark")
-
-
-# ---------------------------------------------------------------------------------------------- Quark's own exports
-_QUARK_EXPORT = r"""
-import sys, torch, transformers as tf
-from quark.torch import ModelQuantizer, export_safetensors
-from quark.torch.quantization.config import config as C
-fp8 = C.FP8E4M3PerTensorSpec(is_dynamic=False).to_quantization_spec()
-for scheme in sys.argv[2:]:
-    out = f"{sys.argv[1]}/{scheme}"
-    torch.manual_seed(0)
-    model = tf.LlamaForCausalLM(tf.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)).eval()
-    kv = {}
-    if scheme.startswith("uint4-g32-asym"):
-        layer = C.QLayerConfig(weight=C.Uint4PerGroupSpec(ch_axis=-1, group_size=32, symmetric=False).to_quantization_spec())
-    elif scheme == "int8-channel-a8":
-        layer = C.QLayerConfig(weight=C.Int8PerChannelSpec(ch_axis=0, symmetric=True).to_quantization_spec(),
-                               input_tensors=C.Int8PerTensorSpec(symmetric=False, is_dynamic=False).to_quantization_spec())
-    elif scheme == "fp8-kv":
-        layer = C.QLayerConfig(weight=fp8, input_tensors=fp8)
-        kv = {n: C.QLayerConfig(weight=fp8, input_tensors=fp8, output_tensors=fp8) for n in ("*k_proj", "*v_proj")}
-    elif scheme == "mxfp4":
-        layer = C.QLayerConfig(weight=C.OCP_MXFP4Spec(ch_axis=-1, is_dynamic=False).to_quantization_spec())
-    config = C.QConfig(global_quant_config=layer, layer_quant_config=dict(kv), kv_cache_quant_config=dict(kv),
-                       kv_cache_group=list(kv), exclude=["lm_head"])
-    quantizer = ModelQuantizer(config)
-    model = quantizer.freeze(quantizer.quantize_model(model, [torch.randint(0, 128, (1, 16)) for _ in range(2)]))
-    export_safetensors(model, out, pack_method="order" if scheme.endswith("-order") else "reorder")
-    loaded = tf.AutoModelForCausalLM.from_pretrained(out).eval()
-    weights = {f"{n}.weight": m.weight_quantizer(m.weight).float() for n, m in loaded.named_modules()
-               if type(m).__name__ == "QParamsLinear" and m.weight_quantizer is not None}
-    scales = {n: t for n, t in loaded.state_dict().items() if n.endswith(("input_quantizer.scale", "output_quantizer.scale"))}
-    torch.save({"weights": weights, "scales": scales}, f"{out}/dequantized.pt")
-assert not [m for m in sys.modules if m.split(".")[0] in ("bridge", "qtransform")]
-"""
-SCHEMES = ["uint4-g32-asym", "uint4-g32-asym-order", "int8-channel-a8", "fp8-kv", "mxfp4"]
-
-
-@pytest.fixture(scope="module")
-def quark_exports(tmp_path_factory):
-    """Quark quantizes and exports a tiny Llama per scheme, reloads it with transformers and dequantizes the
-    weights itself (one clean process, no bridge)."""
-    out = tmp_path_factory.mktemp("quark-own")
-    res = subprocess.run([sys.executable, "-c", _QUARK_EXPORT, str(out), *SCHEMES], capture_output=True, text=True,
-                         env=ENV, timeout=900)
-    assert res.returncode == 0, res.stderr[-3000:]
-    return out
-
-
-@pytest.mark.parametrize("scheme", SCHEMES)
-def test_import_of_quarks_own_export(scheme, quark_exports):
-    """We read Quark's export without re-quantizing and dequantize to the very values Quark does."""
-    out = quark_exports / scheme
-    truth = torch.load(out / "dequantized.pt")
-    export = json.loads((out / "config.json").read_text())["quantization_config"]["export"]
-    assert export["pack_method"] == ("order" if scheme.endswith("-order") else "reorder")
-    source = QuarkImporter().read(out)
-    assert sorted(source.meta.entries) == sorted(truth["weights"]) and len(truth["weights"]) == 14
-    for path, w in truth["weights"].items():
-        assert torch.equal(qt.dequantize(source.tree[path], dtype=torch.float32), w), path
-    for name, s in truth["scales"].items():  # "<layer>.input_quantizer.scale": ours by its site's name
-        layer, _, role = name.removesuffix("_quantizer.scale").rpartition(".")
-        parent, _, proj = layer.rpartition(".")
-        ours = (f"{parent}.{proj[0]}_scale" if role == "output" and proj in ("k_proj", "v_proj")
-                else f"{layer}.{role}_scale")
-        assert ours in source.tree and source.tree[ours].float().reshape(()) == s.float().reshape(()), name
-    assert len(truth["scales"]) == {"int8-channel-a8": 14, "fp8-kv": 18}.get(scheme, 0)
-    roles = {site.role for site in source.meta.activations}
-    assert roles == {"int8-channel-a8": {"input"}, "fp8-kv": {"input", "key", "value"}}.get(scheme, set())
