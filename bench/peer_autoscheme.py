@@ -12,8 +12,9 @@ it auto-round's iters=0 path searches scales with an activation-weighted error, 
 Calibration: AutoScheme takes a dataset *name* and tokenizes text itself; to give it the exact token ids the
 main script wrote, this script replaces ``get_dataloader`` (the one function through which AutoScheme and
 AutoRound's calibration read their data: ``auto_round.auto_scheme.delta_loss`` and ``auto_round.calib_dataset``)
-by a loader over those ids, ``batch_size`` rows at a time. AutoScheme's score cache goes to a fresh temporary
-directory (``AR_AUTO_SCHEME_CACHE``), so that no run reuses another's scores (its key does not see the tokens).
+by a loader over those ids, ``batch_size`` rows at a time. AutoScheme's score cache goes to a directory beside
+the token file (``AR_AUTO_SCHEME_CACHE``): the budgets of one bench run reuse the first run's scores
+(``scores_cached`` in the result), as ours reuse one measurement; its key does not see the tokens.
 
 The model is scored as auto-round leaves it in memory (weights fake-quantized in place); the script refuses a
 result unless every quantized linear holds at most ``2**bits`` distinct values in each group of its chosen
@@ -32,7 +33,6 @@ import argparse
 import json
 import math
 import os
-import tempfile
 import time
 
 import torch
@@ -74,7 +74,11 @@ def our_bits(n_param: int, shape: tuple[int, int], bits: int, group: int, sym: b
 def main() -> None:
     a = parser().parse_args()
     torch.set_num_threads(a.threads)
-    os.environ["AR_AUTO_SCHEME_CACHE"] = tempfile.mkdtemp(prefix="autoscheme_cache_")  # no scores reused
+    # AutoScheme's score cache: beside the token file (its key does not see the tokens, the directory does), so
+    # the budgets of one bench run share one scoring, as ours share one measurement.
+    cache = os.path.join(os.path.dirname(os.path.abspath(a.tokens)), "autoscheme_cache")
+    os.environ["AR_AUTO_SCHEME_CACHE"] = cache
+    cached = os.path.isdir(cache) and bool(os.listdir(cache))
     import auto_round
     import auto_round.calib_dataset
     import transformers
@@ -133,14 +137,15 @@ def main() -> None:
         numel += w.numel()
     ppl = perplexity(quantized, ev)
     result = {"avg_bits": a.avg_bits, "options": a.options, "opt_rtn": a.opt_rtn, "seconds": seconds,
-              "search_seconds": sum(search_s), "ppl": ppl,
+              "search_seconds": sum(search_s), "scores_cached": cached, "ppl": ppl,
               "bits_ours": ours_total / numel, "bits_autoround": theirs_total / numel, "numel": numel,
               "layers": layers, "nsamples": calib.shape[0], "seqlen": calib.shape[1], "batch_size": a.batch_size,
               "max_distinct_over_levels": worst,
               "versions": {"auto_round": auto_round.__version__, "transformers": transformers.__version__,
                            "torch": torch.__version__}}
-    with open(a.out, "w") as f:
-        json.dump(result, f)
+    for path in (a.out, os.path.join(os.path.dirname(os.path.abspath(a.tokens)), f"autoscheme_{a.avg_bits}.json")):
+        with open(path, "w") as f:  # a copy beside the tokens outlives the caller's temporary directory
+            json.dump(result, f)
     counts = {}
     for v in layers.values():
         counts[v["bits"]] = counts.get(v["bits"], 0) + 1
