@@ -188,7 +188,8 @@ def main() -> None:
                       f"x{p['ppl'] / fp:.4f}" if ok else "-", f"x{p['ratio_our_rtn']:.4f}" if ok else "-",
                       f"{p['bits_recount']:.4f}" if ok else "-",
                       f"{p['bits_autoround']:.4f}" if ok else "-",
-                      f"{p['search_seconds']:.0f} / {p['seconds']:.0f}" if ok else "-",
+                      (f"{p['search_seconds']:.0f}" + (" (cached scores)" if p.get("scores_cached") else "")
+                       + f" / {p['seconds']:.0f}") if ok else "-",
                       counts_text(p["schemes"]) if ok else (p or {}).get("error", "not run")[-120:],
                       f"x{f['ratio']:.4f}", f"{f['bits']:.4f}", f"{f['search_s']:.0f} / {f['search_s'] + f['quantize_s']:.0f}",
                       counts_text(f["schemes"]),
@@ -206,7 +207,7 @@ def main() -> None:
               f"(lm_head and embeddings untouched). Both apply the chosen schemes by plain round to nearest "
               f"(auto-round: iters=0, disable_opt_rtn). Seconds: 'search' is ours measure + knapsack "
               f"(measurement shared by the budgets, {results['f16 scales measure_s']:.0f} s) and AutoScheme's "
-              f"scoring + DP; 'all' adds the quantization (ours) or is AutoRound's whole quantize() call "
+              f"scoring + DP (its scores cached by the first budget's run, reused by the others); 'all' adds the quantization (ours) or is AutoRound's whole quantize() call "
               f"(scoring, DP, calibration forward, RTN). {a.threads} threads; {info['cpu']}, torch {info['torch']}; "
               f"load average {load[0]:.1f} at the start, {end_load[0]:.1f} at the end (2 cores shared with other "
               f"sessions).\n\ncommand: python {' '.join(sys.argv)}")
