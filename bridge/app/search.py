@@ -42,6 +42,8 @@ __all__ = ["add_parser", "cmd_search"]
 def add_parser(sub, at_least):
     from qtransform.search import ALGORITHMS, DEFAULT_CANDIDATES
 
+    from ..search import ESTIMATES
+
     s = sub.add_parser("search", help="choose each layer's format, width and group under a size budget; write the recipe")
     s.add_argument("--model", help="transformers directory (default: SmolLM2-135M-Instruct)")
     s.add_argument("--budget", type=float, required=True, metavar="BITS",
@@ -50,7 +52,7 @@ def add_parser(sub, at_least):
                    help=f"candidate schemes (default {','.join(DEFAULT_CANDIDATES)})")
     s.add_argument("--algorithm", default="rtn", choices=ALGORITHMS,
                    help="how each candidate quantizes a weight, scored and written as the recipe's step (default rtn)")
-    s.add_argument("--estimate", default="fisher", choices=("fisher", "hessian"),
+    s.add_argument("--estimate", default="fisher", choices=ESTIMATES,
                    help="fisher: each layer's output error weighted by the Fisher of the model's output, an estimate "
                         "of the KL (default); hessian: the output error alone (no backward pass)")
     s.add_argument("--calib", type=at_least(1), default=16, metavar="N", help="calibration sequences (default 16)")

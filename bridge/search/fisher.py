@@ -106,7 +106,7 @@ def fisher_pass(model: nn.Module, batches: Iterable, paths: Sequence[str], *, he
 
     def fold(p: str):
         def grad_hook(g: torch.Tensor) -> None:
-            s = g.detach().double().square().flatten(0, -2).sum(0)
+            s = g.detach().float().square().flatten(0, -2).sum(0).double()  # a batch in float32, the sum in float64
             sums[p] = s if p not in sums else sums[p] + s
 
         def forward_hook(module, args, out):

@@ -108,7 +108,6 @@ def measure(model: nn.Module, batches: Iterable, cands: Sequence[qsearch.Candida
     if estimate not in ESTIMATES:
         raise ValueError(f"estimate must be one of {list(ESTIMATES)}, got {estimate!r}")
     t0 = time.perf_counter()
-    batches = list(batches)
     layers, groups = searched_layers(model)
     hessians, fisher = _statistics(model, batches, layers, groups, estimate, seed, progress)
     tree = extract(model)

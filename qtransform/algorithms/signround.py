@@ -30,7 +30,7 @@ redrawn when used up, like AutoRound's index sampler), ``minmax`` (True: learn `
 offsets only), ``zero_point`` (``"ste"``: AutoRound's straight-through integer zero point; ``"round"``: a
 constant), ``init`` (``"minmax"``: ``alpha = beta = 1``, AutoRound's start; ``"mse"``: per group the
 clipping factor of least squared round-to-nearest error on a grid over [0.5, 1], a better start at 2-3 bits
-where min-max ranges waste levels on outliers), ``best`` (True: keep the iterate of lowest loss; False: the last), ``quantized_inputs`` (True:
+where min-max ranges waste levels on outliers; with ``minmax=False`` that clip stays fixed), ``best`` (True: keep the iterate of lowest loss; False: the last), ``quantized_inputs`` (True:
 train on the quantized chain's inputs, AutoRound's ``enable_quanted_input``; False: the float chain's),
 ``seed`` (0) and ``tokens`` (``None``: all the calibration data given; else whole batches spread over it).
 AutoRound's momentum (0), gradient accumulation (1) and early stop (off) are fixed at its defaults.
@@ -150,8 +150,7 @@ def step(params, plan, *, context, iters: int = 200, lr: float | None = None, mi
     lr = 1.0 / max(iters, 1) if lr is None else float(lr)
     minmax_lr = lr if minmax_lr is None else float(minmax_lr)
     prep = {p: prepare(params[p], plan.specs[p], path=p) for p in weights}
-    state = {p: clip_init(q, zero_point=zero_point) if init == "mse" and minmax else init_state(q)
-             for p, q in prep.items()}
+    state = {p: clip_init(q, zero_point=zero_point) if init == "mse" else init_state(q) for p, q in prep.items()}
     learn_range = {p: minmax and q.ranged for p, q in prep.items()}
     targets = _targets(block)
     inputs = block.inputs if quantized_inputs else block.float_inputs

@@ -140,18 +140,15 @@ def clip_init(lq: Prepared, *, candidates: int = 11, zero_point: str = "ste") ->
     start = init(lq)
     if not lq.ranged:
         return start
-    best_err, best_c = None, start.alpha
+    factors = torch.linspace(1.0, FACTOR_RANGE[0], candidates).tolist()
+    errs = []
     with torch.no_grad():
-        for c in torch.linspace(1.0, FACTOR_RANGE[0], candidates).tolist():
+        for c in factors:
             factor = torch.full_like(start.alpha, c)
             y, _ = _forward(lq, Learned(start.offset, factor, factor), zero_point)
-            err = _to_groups((y - lq.weight).square().sum(dim=blocks.reduce_dims(lq.tiles)), lq)
-            if best_err is None:
-                best_err, best_c = err, factor
-                continue
-            better = err < best_err
-            best_err, best_c = torch.where(better, err, best_err), torch.where(better, factor, best_c)
-    return Learned(start.offset, best_c, best_c.clone())
+            errs.append(_to_groups((y - lq.weight).square().sum(dim=blocks.reduce_dims(lq.tiles)), lq))
+    best = torch.tensor(factors, dtype=start.alpha.dtype)[torch.stack(errs).argmin(0)]  # argmin: the first least
+    return Learned(start.offset, best, best.clone())
 
 
 def _to_groups(t: torch.Tensor, lq: Prepared) -> torch.Tensor:
