@@ -60,15 +60,19 @@ def gptq_seconds(model, cal) -> float:
 
 
 def time_only(a, model, cal, cands) -> None:
-    """The search's wall time (measure + the knapsack at every budget, the slowest solve counted) against one GPTQ
-    run on the same calibration, alternating ``a.time_only`` times; the medians and their ratio."""
+    """The search's wall time (measure + the knapsack at every budget, the slowest solve counted), as shipped and
+    with float32 products kept in float32 arithmetic (``exact_matmul``), against one GPTQ run on the same
+    calibration, alternating ``a.time_only`` times; the medians and their ratios."""
     load = os.getloadavg()[0]
     runs = []
     for _ in range(a.time_only):
-        t = time.perf_counter()
-        with torch.no_grad():
-            sens = bsearch.measure(model, list(cal.split(4)), cands, algorithm=a.algorithm, estimate=a.estimate)
-        measure_s = time.perf_counter() - t
+        run = {}
+        for key, exact in (("measure_s", False), ("measure_exact_s", True)):
+            t = time.perf_counter()
+            with torch.no_grad():
+                sens = bsearch.measure(model, list(cal.split(4)), cands, algorithm=a.algorithm, estimate=a.estimate,
+                                       exact_matmul=exact)
+            run[key] = time.perf_counter() - t
         solves = []
         for budget in BUDGETS:
             t = time.perf_counter()
@@ -77,17 +81,24 @@ def time_only(a, model, cal, cands) -> None:
             except ValueError:  # below the smallest size these candidates reach
                 continue
             solves.append(time.perf_counter() - t)
-        solves = solves or [0.0]
-        runs.append({"measure_s": measure_s, "solve_s": max(solves), "search_s": measure_s + max(solves),
-                     "gptq_s": gptq_seconds(model, cal), "load": os.getloadavg()[0]})
+        run["solve_s"] = max(solves or [0.0])
+        run.update(search_s=run["measure_s"] + run["solve_s"], search_exact_s=run["measure_exact_s"] + run["solve_s"],
+                   gptq_s=gptq_seconds(model, cal), load=os.getloadavg()[0])
+        runs.append(run)
         print(runs[-1], flush=True)
-    med = {k: sorted(r[k] for r in runs)[len(runs) // 2] for k in ("measure_s", "solve_s", "search_s", "gptq_s")}
-    text = (markdown(["search (measure + slowest knapsack)", "measure", "knapsack", "one GPTQ run (uint4 g64)", "ratio"],
-                     [[f"{med['search_s']:.1f} s", f"{med['measure_s']:.1f} s", f"{med['solve_s']:.2f} s",
-                       f"{med['gptq_s']:.1f} s", f"{med['search_s'] / med['gptq_s']:.2f}"]])
-            + f"\n\nmedians of {a.time_only} alternating runs; SmolLM2-135M, calibration {a.calib}x{a.seq_len} tokens, "
+    keys = ("measure_s", "measure_exact_s", "solve_s", "search_s", "search_exact_s", "gptq_s")
+    med = {k: sorted(r[k] for r in runs)[len(runs) // 2] for k in keys}
+    text = (markdown(["search (measure + slowest knapsack)", "knapsack", "search, float32 products exact",
+                      "one GPTQ run (uint4 g64)", "ratio", "ratio, exact"],
+                     [[f"{med['search_s']:.1f} s", f"{med['solve_s']:.2f} s", f"{med['search_exact_s']:.1f} s",
+                       f"{med['gptq_s']:.1f} s", f"{med['search_s'] / med['gptq_s']:.2f}",
+                       f"{med['search_exact_s'] / med['gptq_s']:.2f}"]])
+            + f"\n\nmedians of {a.time_only} alternating runs; SmolLM2-135M, calibration {a.calib}x{a.seq_len} tokens "
+              f"(the Fisher on {bsearch.FISHER_TOKENS} positions of them), "
               f"{len(cands)} candidates ({a.candidates}), estimate {a.estimate}, algorithm {a.algorithm}, "
-              f"{a.threads} threads; load average {load:.1f} at the start, {os.getloadavg()[0]:.1f} at the end.\n\n"
+              f"{a.threads} threads; load average {load:.1f} at the start, {os.getloadavg()[0]:.1f} at the end. "
+              "'exact': measure(exact_matmul=True), no oneDNN bf16 emulation of float32 products (GPTQ runs without "
+              "it in both).\n\n"
               f"command: python {' '.join(sys.argv)}")
     write("search_time", runs, text, {"medians": med})
 

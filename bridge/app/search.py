@@ -1,13 +1,14 @@
 """``qtransform search``: each linear layer's scheme chosen under a size budget, written as a recipe file.
 
     qtransform search [--model DIR] --budget BITS [--candidates A,B,...] [--algorithm rtn|hqq|gptq]
-                      [--estimate fisher|hessian] [--calib N]
+                      [--estimate fisher|hessian [--fisher-tokens N]] [--calib N]
                       [--pin GLOB=SCHEME ...] [--to TARGET] [--reference kl [--reference-layers N]]
                       --out recipe.toml|recipe.json [--plot FILE.png] [--json FILE]
 
 The model runs once on ``--calib`` sequences of the corpus's calibration part, folding the input Hessian of
-every linear (:func:`bridge.search.measure`) and, with ``--estimate fisher`` (the default), runs backward once
-per batch for the Fisher diagonal of its output distribution with respect to every linear's outputs; each layer
+every linear (:func:`bridge.search.measure`) and, with ``--estimate fisher`` (the default), runs backward on
+``--fisher-tokens`` of those positions (batches spread over the calibration) for the Fisher diagonal of its
+output distribution with respect to every linear's outputs; each layer
 is scored under each candidate by its output error weighted by half that Fisher (the second-order estimate of
 the KL divergence of the model's output, in nats, one scale across layers; ``hessian``: unweighted); the
 multiple-choice knapsack (:func:`qtransform.search.search`, exact) picks the least total error within
@@ -42,7 +43,7 @@ __all__ = ["add_parser", "cmd_search"]
 def add_parser(sub, at_least):
     from qtransform.search import ALGORITHMS, DEFAULT_CANDIDATES
 
-    from ..search import ESTIMATES
+    from ..search import ESTIMATES, FISHER_TOKENS
 
     s = sub.add_parser("search", help="choose each layer's format, width and group under a size budget; write the recipe")
     s.add_argument("--model", help="transformers directory (default: SmolLM2-135M-Instruct)")
@@ -55,6 +56,9 @@ def add_parser(sub, at_least):
     s.add_argument("--estimate", default="fisher", choices=ESTIMATES,
                    help="fisher: each layer's output error weighted by the Fisher of the model's output, an estimate "
                         "of the KL (default); hessian: the output error alone (no backward pass)")
+    s.add_argument("--fisher-tokens", type=at_least(1), default=FISHER_TOKENS, metavar="N",
+                   help=f"calibration positions the Fisher is taken on (default {FISHER_TOKENS}; more: less noise, "
+                        "one forward+backward per batch)")
     s.add_argument("--calib", type=at_least(1), default=16, metavar="N", help="calibration sequences (default 16)")
     s.add_argument("--calib-batch", type=at_least(1), default=4, metavar="B", help="calibration sequences per forward pass")
     s.add_argument("--pin", action="append", default=[], metavar="GLOB=SCHEME",
@@ -187,7 +191,7 @@ def cmd_search(a) -> int:
     say(f"measuring {len(cands)} candidates ({a.algorithm}) on {a.calib} calibration sequences ...")
     try:
         sens = bsearch.measure(model, calibration, cands, algorithm=a.algorithm, estimate=a.estimate,
-                               progress=outputs.progress_bar())
+                               fisher_tokens=a.fisher_tokens, progress=outputs.progress_bar())
         result = qsearch.search(sens.layers, cands, sens.losses, budget=a.budget, groups=sens.groups, pins=pins,
                                 allowed=allowed)
     except ValueError as e:
@@ -202,7 +206,8 @@ def cmd_search(a) -> int:
     seconds = time.perf_counter() - t0
     numel = sum(math.prod(s) for s in sens.layers.values())
     notes = [f"model {a.model or models.DEFAULT_MODEL}; candidates {a.candidates}; {a.calib} calibration sequences of "
-             f"{a.seq_len} tokens; estimate {_ESTIMATE[a.estimate]} with {a.algorithm}",
+             f"{a.seq_len} tokens; estimate {_ESTIMATE[a.estimate]} with {a.algorithm}"
+             + (f" (Fisher on {a.fisher_tokens} positions)" if a.estimate == "fisher" else ""),
              f"use: qtransform quantize --recipe {out.name}" + (f" --calib {a.calib}" if a.algorithm == "gptq" else "")]
     notes += [f"pin {g}={n}" for g, n in pins.items()] + ([f"target {a.to}"] if a.to else [])
     steps = (a.algorithm,)
@@ -230,6 +235,7 @@ def _report(a, result, sens, ref, numel, seconds) -> dict:
         "model": a.model, "budget_bits": a.budget, "budget_bytes": result.budget, "bytes": result.size,
         "bits_per_weight": result.bits_per_weight, "weights": numel, "estimated_loss": result.loss,
         "exact": result.exact, "lower_bound": result.bound, "algorithm": a.algorithm, "estimate": a.estimate,
+        "fisher_tokens": a.fisher_tokens if a.estimate == "fisher" else None,
         "layers": len(result.choice), "schemes": counts,
         "uniform": {n: {"bytes": s, "bits_per_weight": 8 * s / numel, "estimated_loss": l}
                     for n, (s, l) in result.uniform.items()},

@@ -2,8 +2,9 @@
 Fisher information of the next-token distribution with respect to each linear layer's outputs.
 
 For each calibration batch the model runs forward, a next token is drawn at every position from the model's own
-distribution (seeded), and the summed log-probability of the drawn tokens is differentiated (the weights are
-frozen; the gradient flows from the embeddings' output). A hook on each layer's output folds the squared
+distribution (seeded; one uniform number per position against the cumulative probabilities), and the summed
+log-probability of the drawn tokens is differentiated (the weights are frozen; the gradient, ``onehot - p`` at
+the logits, flows back to the embeddings' output). A hook on each layer's output folds the squared
 gradient per output channel; the sum over batches divided by the positions is ``F_j``, an unbiased estimate of
 ``E_x E_{y~p(.|x)} [(d log p(y|x) / d out_j)^2]`` averaged over positions: the diagonal of the Hessian of the KL
 divergence ``KL(p_float || p)`` at the float model, which :func:`qtransform.search.output_error` weighs each
@@ -11,7 +12,9 @@ layer's output error with (``weights = F / 2``: the estimate in nats, one scale 
 
 Drawing the token from the model (the *true* Fisher), not reading the next token of the text (the empirical
 Fisher), keeps the estimate a property of the model's output distribution, which is what quantization must
-preserve. One backward pass per batch: about three forward passes.
+preserve. A backward pass costs about one forward pass (no weight gradients), so :func:`fisher_pass` takes the
+Fisher on a few batches spread over the calibration (``fisher_tokens`` positions) and runs the others forward
+only, without gradients and without the output head, for the Hessians it folds beside.
 
 >>> import torch
 >>> from torch import nn
@@ -31,6 +34,7 @@ preserve. One backward pass per batch: about three forward passes.
 from __future__ import annotations
 
 import contextlib
+import math
 from typing import Callable, Iterable, Mapping, Sequence
 
 import torch
@@ -38,17 +42,40 @@ from torch import nn
 
 import qtransform as qt
 
-__all__ = ["output_fisher", "fisher_pass"]
+__all__ = ["output_fisher", "fisher_pass", "fisher_batches"]
+
+
+def _run(model: nn.Module, batch):
+    if isinstance(batch, Mapping):
+        return model(**batch)
+    try:
+        return model(input_ids=batch, use_cache=False)
+    except TypeError:
+        return model(batch)
+
+
+class _HeadSkipped(Exception):
+    """Raised before the output head of a batch that only folds Hessians: the logits are not needed."""
+
+
+def _forward_without_head(model: nn.Module, batch, head: nn.Module | None) -> None:
+    """Run ``batch`` through the model without gradients, stopping before ``head`` (None: run it all)."""
+    def stop(module, args):
+        raise _HeadSkipped
+
+    handle = head.register_forward_pre_hook(stop) if head is not None else None
+    try:
+        with torch.no_grad():
+            _run(model, batch)
+    except _HeadSkipped:
+        pass
+    finally:
+        if handle is not None:
+            handle.remove()
 
 
 def _logits(model: nn.Module, batch) -> torch.Tensor:
-    if isinstance(batch, Mapping):
-        out = model(**batch)
-    else:
-        try:
-            out = model(input_ids=batch, use_cache=False)
-        except TypeError:
-            out = model(batch)
+    out = _run(model, batch)
     logits = out if isinstance(out, torch.Tensor) else getattr(out, "logits", None)
     if not isinstance(logits, torch.Tensor):
         raise ValueError(f"the Fisher estimate needs next-token logits; {type(model).__name__} returns "
@@ -84,11 +111,52 @@ def output_fisher(model: nn.Module, batches: Iterable, paths: Sequence[str], *, 
     return fisher_pass(model, batches, paths, seed=seed, progress=progress)[0]
 
 
+def _positions(batch) -> int:
+    """The positions of a batch the Fisher averages over (an ``attention_mask``'s ones, else every token)."""
+    if isinstance(batch, Mapping):
+        mask = batch.get("attention_mask")
+        if mask is not None:
+            return int(mask.sum())
+        batch = batch.get("input_ids", next(iter(batch.values())))
+    return int(batch.numel()) if isinstance(batch, torch.Tensor) else 1
+
+
+def fisher_batches(batches: Sequence, fisher_tokens: int | None) -> list[int]:
+    """The indices of the batches the Fisher is taken on: all of them (``fisher_tokens`` None), else as few as
+    reach ``fisher_tokens`` positions at the mean batch's size, spread evenly over the calibration.
+
+    >>> fisher_batches([torch.zeros(4, 512)] * 8, 4096), fisher_batches([torch.zeros(4, 512)] * 8, None)[-1]
+    ([0, 4], 7)
+    """
+    n = len(batches)
+    if fisher_tokens is None:
+        return list(range(n))
+    if isinstance(fisher_tokens, bool) or not isinstance(fisher_tokens, int) or fisher_tokens < 1:
+        raise ValueError(f"fisher_tokens must be a positive int or None, got {fisher_tokens!r}")
+    mean = max(sum(_positions(b) for b in batches) / max(n, 1), 1.0)
+    k = min(n, max(1, math.ceil(fisher_tokens / mean)))
+    return sorted({i * n // k for i in range(k)})
+
+
+def _draw_gradient(logits: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    """``d log p(y) / d logits = onehot(y) - p`` at every position, ``y`` drawn from ``p = softmax(logits)`` by
+    inverting its cumulative sum (one uniform number per position)."""
+    p = torch.softmax(logits.detach().float().flatten(0, -2), dim=-1)
+    cdf = p.cumsum(-1)
+    u = torch.rand(cdf.shape[0], 1, generator=gen) * cdf[:, -1:]
+    drawn = torch.searchsorted(cdf, u, right=True).clamp_(max=cdf.shape[1] - 1)
+    del cdf
+    return p.neg_().scatter_add_(1, drawn, torch.ones_like(u))
+
+
 def fisher_pass(model: nn.Module, batches: Iterable, paths: Sequence[str], *, hessian_modules: Sequence[str] = (),
-                seed: int = 0, progress: Callable | None = None) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+                fisher_tokens: int | None = None, seed: int = 0,
+                progress: Callable | None = None) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """``(fisher, hessians)``: :func:`output_fisher`'s ``{weight path: F}`` and, folded in the same forward passes,
     ``{module path: XᵀX / n}`` of the inputs of ``hessian_modules`` (the ``hessian`` observer's, as a calibration
-    pass gives it): the search's two statistics in one pass over the data."""
+    pass gives it): the search's two statistics in one pass over the data. The Fisher is taken on the batches
+    :func:`fisher_batches` picks for ``fisher_tokens`` (forward and backward); the others run forward only, without
+    gradients, for the Hessians."""
     modules = {}
     for p in paths:
         module_path, _, name = p.rpartition(".")
@@ -121,25 +189,34 @@ def fisher_pass(model: nn.Module, batches: Iterable, paths: Sequence[str], *, he
             stats[name] = qt.observe(stats[name], args[0], path=name)
         return hook
 
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if not isinstance(head, nn.Module) or any(model.get_submodule(m) is head for m in hessian_modules):
+        head = None  # the head's own input is folded (or there is no head module): run it
+
+    def from_embedding(module, args, out):
+        return out.detach().requires_grad_() if torch.is_grad_enabled() else None
+
     handles = [m.register_forward_hook(fold(p)) for p, m in modules.items()]
     handles += [model.get_submodule(m).register_forward_hook(observe(m)) for m in hessian_modules]
-    handles.append(embed.register_forward_hook(lambda m, args, out: out.detach().requires_grad_()))
+    handles.append(embed.register_forward_hook(from_embedding))
     gen = torch.Generator().manual_seed(seed)
     positions = 0
     batches = list(batches)
+    chosen = set(fisher_batches(batches, fisher_tokens))
     try:
-        with _frozen(model), torch.enable_grad():
-            for batch in (progress(batches, desc="Fisher", total=len(batches)) if progress else batches):
-                logp = torch.log_softmax(_logits(model, batch).float(), dim=-1).flatten(0, -2)
-                drawn = torch.multinomial(logp.detach().exp(), 1, generator=gen)
-                picked = logp.gather(1, drawn).squeeze(1)
+        with _frozen(model):
+            for i, batch in enumerate(progress(batches, desc="Fisher", total=len(batches)) if progress else batches):
+                if i not in chosen:
+                    _forward_without_head(model, batch, head)
+                    continue
+                with torch.enable_grad():
+                    logits = _logits(model, batch)
+                grad = _draw_gradient(logits, gen)
                 mask = batch.get("attention_mask") if isinstance(batch, Mapping) else None
                 if mask is not None:
-                    picked = picked * mask.flatten().to(picked.dtype)
-                    positions += int(mask.sum())
-                else:
-                    positions += picked.numel()
-                picked.sum().backward()
+                    grad.mul_(mask.reshape(-1, 1).to(grad.dtype))
+                positions += _positions(batch)
+                logits.backward(gradient=grad.view(logits.shape).to(logits.dtype))
     finally:
         for h in handles:
             h.remove()

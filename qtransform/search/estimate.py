@@ -31,7 +31,7 @@ import torch
 from ..algorithms import gptq_math, hqq
 from ..observers import choose_qparams
 from ..spec import QuantSpec
-from ..tensor import dequantize, quantize
+from ..tensor import fake_quantize
 
 __all__ = ["ALGORITHMS", "output_error", "quantized_weight", "rank_correlation"]
 
@@ -59,6 +59,8 @@ def output_error(w: torch.Tensor, w_hat: torch.Tensor, h: torch.Tensor, *,
     if weights is not None and tuple(weights.shape) != (w.shape[0],):
         raise ValueError(f"output_error: weights must have shape ({w.shape[0]},) (one per output channel of w "
                          f"{tuple(w.shape)}), got {tuple(weights.shape)}")
+    if weights is not None and bool((weights < 0).any()):
+        raise ValueError(f"output_error: weights must be nonnegative, got a minimum of {float(weights.min())}")
     e = w.float() - w_hat.float()  # float32 products, a float64 sum: the estimate ranks, 1e-6 is plenty
     rows = ((e @ h.float()) * e).sum(1, dtype=torch.float64)
     return float(rows.sum() if weights is None else (rows * weights.double()).sum())
@@ -78,7 +80,7 @@ def quantized_weight(w: torch.Tensor, spec: QuantSpec, *, algorithm: str = "rtn"
         qp = hqq.optimize(w, spec)
     else:
         qp = choose_qparams(w, spec, path=path)
-    return dequantize(quantize(w, qp, path=path)).to(w.dtype)
+    return fake_quantize(w, qp, path=path)  # = dequantize(quantize(w, qp)) bit for bit, without the codes
 
 
 def _ranks(x: torch.Tensor) -> torch.Tensor:

@@ -31,7 +31,7 @@ def test_search_writes_a_recipe_quantize_reads(model_dir, tmp_path):
     out, report = tmp_path / "r.toml", tmp_path / "r.json"
     argv = ["search", "--model", str(model_dir), "--budget", "4.25", "--pin", "*.down_proj.weight=int8", *ARGS,
             "--reference", "kl", "--reference-layers", "2", "--reference-sequences", "1", "--candidates",
-            "int8,uint4-g64,uint2-g64", "--out", str(out), "--json", str(report)]
+            "int8,uint4-g64,uint2-g64", "--fisher-tokens", "32", "--out", str(out), "--json", str(report)]
     if importlib.util.find_spec("matplotlib") is not None:  # --plot needs it
         argv += ["--plot", str(tmp_path / "front.png")]
     assert main(argv) == 0
@@ -48,6 +48,7 @@ def test_search_writes_a_recipe_quantize_reads(model_dir, tmp_path):
     assert all(rep["choice"][p] == "int8" for p in stored if p.endswith("down_proj.weight"))
     assert rep["reference"]["pairs"] == 6 and -1 <= rep["reference"]["spearman"] <= 1
     assert rep["estimate"] == "fisher" and "KL ~ sum_j F_j/2" in text
+    assert rep["fisher_tokens"] == 32 and "(Fisher on 32 positions)" in text
     if "--plot" in argv:
         assert (tmp_path / "front.png").read_bytes()[:4] == b"\x89PNG"
     assert sorted(x.name for x in tmp_path.iterdir()) == sorted(["r.toml", "r.json"] + (["front.png"] if "--plot" in argv else []))

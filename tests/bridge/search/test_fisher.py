@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from bridge.search import output_fisher
+from bridge.search import fisher_batches, fisher_pass, output_fisher
 
 sys.path.insert(0, str(Path(__file__).parents[1]))
 from bridge_util import tiny_causal_lm  # noqa: E402
@@ -91,3 +91,39 @@ def test_bad_paths_and_models_are_refused_by_name(peaky):
         output_fisher(model, batches[:1], ["model.layers.9.mlp.down_proj.weight"])
     with pytest.raises(ValueError, match="no input embedding"):
         output_fisher(torch.nn.Sequential(torch.nn.Linear(4, 4)), [torch.zeros(1, 4)], ["0.weight"])
+
+
+def test_the_fisher_batches_are_spread_over_the_calibration_and_bad_counts_are_refused():
+    b = [torch.zeros(2, 16, dtype=torch.long)] * 10  # 32 positions each
+    assert fisher_batches(b, None) == list(range(10)) and fisher_batches(b, 10**6) == list(range(10))
+    assert fisher_batches(b, 1) == [0] and fisher_batches(b, 32) == [0]
+    assert fisher_batches(b, 64) == [0, 5] and fisher_batches(b, 96) == [0, 3, 6]
+    masked = [{"input_ids": x, "attention_mask": torch.ones_like(x)[:, :8]} for x in b]  # 16 positions each
+    assert fisher_batches(masked, 64) == [0, 2, 5, 7]
+    for bad in (0, -3, 2.5, True, "64"):
+        with pytest.raises(ValueError, match="fisher_tokens must be a positive int or None"):
+            fisher_batches(b, bad)
+
+
+def test_a_fisher_subset_is_the_fisher_of_those_batches_and_the_hessians_fold_every_batch(peaky):
+    """Batches 0 and 4 of 8 carry the Fisher (forward and backward), the others run without the head; the Hessian
+    of each input is XᵀX/n over all 8 batches, the Fisher that of batches 0 and 4 alone with the same seed."""
+    model, batches = peaky
+    heads = []
+    handle = model.lm_head.register_forward_hook(lambda m, a, o: heads.append(a[0].shape))
+    sites = ["model.layers.0.self_attn.q_proj", "model.layers.1.mlp.down_proj"]
+    fisher, hessians = fisher_pass(model, batches, [DOWN], hessian_modules=sites, fisher_tokens=512, seed=4)
+    handle.remove()
+    assert len(heads) == 2
+    torch.testing.assert_close(fisher[DOWN], output_fisher(model, [batches[0], batches[4]], [DOWN], seed=4)[DOWN],
+                               rtol=1e-12, atol=0)
+    for site in sites:
+        seen = []
+        h = model.get_submodule(site).register_forward_hook(lambda m, a, o: seen.append(a[0].detach().flatten(0, -2)))
+        with torch.no_grad():
+            for b in batches:
+                model(b, use_cache=False)
+        h.remove()
+        x = torch.cat(seen).double()
+        torch.testing.assert_close(hessians[site].double(), x.T @ x / x.shape[0], rtol=1e-5, atol=1e-7)
+    assert all(p.requires_grad and p.grad is None for p in model.parameters())
