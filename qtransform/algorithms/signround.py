@@ -14,14 +14,18 @@ block's outputs on the float chain's inputs (computed once)::
         lr_t = lr * (1 - t / iters)                                              (linear decay)
         V     <- clamp(V     - lr_t        * sign(dL/dV),     -0.5, 0.5)
         alpha <- clamp(alpha - minmax_lr_t * sign(dL/dalpha),  0.5, 1)   (beta alike)
-    W_q = the weight quantized with the best (V, alpha, beta) through the format's codec
+    keep the start instead if its loss on all the batches is not above the best iterate's  (best=True)
+    W_q = the weight quantized with the kept (V, alpha, beta) through the format's codec
 
 ``W~`` is :func:`.signround_math.learned_fake_quantize` (straight-through rounding; the zero point's gradient
 per ``zero_point``). All the block's planned linear weights (``nn.Linear``, GPT-2's ``Conv1D``, a
 mixture-of-experts layer's stacked weights: the paths :func:`.gptq.linear_weights` picks) are trained jointly;
 the other tensors of the block are left to the next steps (round to nearest when none fits them).
-``Fit.info`` holds, per weight, ``signround_loss`` (the best iterate's loss) and ``rtn_loss`` (iteration 0's:
-round to nearest), both the block's output MSE on that iteration's batches.
+The best iterate is judged on the batches of its own iteration, which differ from one iteration to the next (an
+iterate can win on an easy batch), so with ``best`` the kept state is checked once more on all the calibration
+batches against the start (round to nearest from min-max or the ``init`` clip): the learned state stays only if
+it is lower there. ``Fit.info`` holds, per weight, ``signround_loss`` (the kept state's) and ``rtn_loss`` (the
+start's), the block's output MSE on all the batches (with ``best=False`` the last iterate is kept as it is).
 
 Options (defaults; AutoRound's where it has one): ``iters`` (200), ``lr`` (``None``: ``1 / iters``),
 ``minmax_lr`` (``None``: ``lr``), ``batch_size`` (8: calibration sequences per iteration; the step takes whole
@@ -175,7 +179,16 @@ def step(params, plan, *, context, iters: int = 200, lr: float | None = None, mi
             sse = sse + (out - targets[i]).square().sum()
         return sse
 
+    def data_loss(st) -> float:
+        """The block's output MSE with state ``st`` on every calibration batch (all ranks')."""
+        diff = {p: (s.offset, s.alpha, s.beta) if learn_range[p] else (s.offset,) for p, s in st.items()}
+        with torch.no_grad():
+            sse = loss(diff, {p: (s.alpha, s.beta) for p, s in st.items()}, range(len(inputs)))
+        _, sse, count = _reduce({}, sse, float(sum(t.numel() for t in targets)), par)
+        return float(sse) / max(count, 1.0)
+
     grad_and_value = torch.func.grad_and_value(loss)
+    initial = state
     best_loss, best_state, first_loss = math.inf, state, None
     for t in context.track(range(iters), desc=f"signround {block.name}", total=iters):
         picks = [i - start for i in sampler.next() if start <= i < start + len(inputs)]
@@ -192,8 +205,14 @@ def step(params, plan, *, context, iters: int = 200, lr: float | None = None, mi
         decay = 1.0 - t / iters
         state = {p: sign_step(s, Learned(grads[p][0], *(grads[p][1:] if learn_range[p] else (None, None))),
                               lr=lr * decay, minmax_lr=minmax_lr * decay) for p, s in state.items()}
-    if not best:
-        best_state = state
+    if iters:  # the kept state and the start, both on every batch
+        first_loss = data_loss(initial)
+        if not best:
+            best_state, best_loss = state, data_loss(state)
+        else:
+            best_loss = data_loss(best_state) if best_state is not initial else first_loss
+            if first_loss <= best_loss:
+                best_state, best_loss = initial, first_loss
     new, qparams, info = {}, {}, {}
     for p in weights:
         new[p], qparams[p] = finalize(prep[p], best_state[p], zero_point=zero_point)

@@ -99,6 +99,29 @@ def test_signround_lowers_the_block_output_error_below_round_to_nearest(arch, fa
         assert result.qtree[p].spec == result.plan.specs[p]
 
 
+@pytest.mark.parametrize("lr", [0.5, 0.02])
+def test_the_kept_state_is_never_worse_than_the_start_on_all_the_batches(lr):
+    """The best iterate is judged on its own iteration's batches; the step then compares it with the start on all
+    of them. The info's losses are the first block's output MSE over every calibration batch (measured here through
+    the rebuilt modules), the kept one never above the start's, and a step far too large (lr 0.5: every offset
+    moved half a level at once) keeps round to nearest's weights."""
+    model = _model("llama")
+    calib = _batches(4, 1)
+    err_sr, err_rtn, result = _errors(model, "llama", _recipe(U4), calib, calib,
+                                      qt.Step("signround", iters=3, lr=lr, batch_size=2))
+    planned = [p for p in result.plan.specs if p.startswith("model.layers.")]  # both blocks
+    assert len(planned) == 14
+    for p in planned:
+        info = result.info[p]
+        assert info["signround_loss"] <= info["rtn_loss"]
+        if p.startswith(FIRST["llama"] + "."):  # the first block: its inputs are the embeddings on both chains
+            assert info["rtn_loss"] == pytest.approx(err_rtn / len(calib), rel=1e-4)
+            assert info["signround_loss"] == pytest.approx(err_sr / len(calib), rel=1e-4)
+    if lr == 0.5:
+        rtn = bridge.quantize_params(model, _recipe(U4))
+        assert all(torch.equal(qt.dequantize(result.qtree[p]), qt.dequantize(rtn.qtree[p])) for p in planned)
+
+
 @pytest.mark.parametrize("family", ["uint4-asym", "nvfp4"])
 def test_on_held_out_tokens_too(family):
     model = _model("llama")
