@@ -138,6 +138,18 @@ def fisher_batches(batches: Sequence, fisher_tokens: int | None) -> list[int]:
     return sorted({i * n // k for i in range(k)})
 
 
+def _sequences(batch) -> list:
+    """A batch split into its sequences (a backward pass then keeps one sequence's activations at a time)."""
+    ids = batch.get("input_ids") if isinstance(batch, Mapping) else batch
+    n = ids.shape[0] if isinstance(ids, torch.Tensor) and ids.dim() >= 2 else 1
+    if n == 1:
+        return [batch]
+    if not isinstance(batch, Mapping):
+        return list(batch.split(1))
+    return [{k: v[i:i + 1] if isinstance(v, torch.Tensor) and v.dim() >= 1 and v.shape[0] == n else v
+             for k, v in batch.items()} for i in range(n)]
+
+
 def _draw_gradient(logits: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
     """``d log p(y) / d logits = onehot(y) - p`` at every position, ``y`` drawn from ``p = softmax(logits)`` by
     inverting its cumulative sum (one uniform number per position)."""
@@ -155,8 +167,8 @@ def fisher_pass(model: nn.Module, batches: Iterable, paths: Sequence[str], *, he
     """``(fisher, hessians)``: :func:`output_fisher`'s ``{weight path: F}`` and, folded in the same forward passes,
     ``{module path: XᵀX / n}`` of the inputs of ``hessian_modules`` (the ``hessian`` observer's, as a calibration
     pass gives it): the search's two statistics in one pass over the data. The Fisher is taken on the batches
-    :func:`fisher_batches` picks for ``fisher_tokens`` (forward and backward); the others run forward only, without
-    gradients, for the Hessians."""
+    :func:`fisher_batches` picks for ``fisher_tokens`` (forward and backward, one sequence at a time); the others run
+    forward only, without gradients, for the Hessians."""
     modules = {}
     for p in paths:
         module_path, _, name = p.rpartition(".")
@@ -209,14 +221,16 @@ def fisher_pass(model: nn.Module, batches: Iterable, paths: Sequence[str], *, he
                 if i not in chosen:
                     _forward_without_head(model, batch, head)
                     continue
-                with torch.enable_grad():
-                    logits = _logits(model, batch)
-                grad = _draw_gradient(logits, gen)
-                mask = batch.get("attention_mask") if isinstance(batch, Mapping) else None
-                if mask is not None:
-                    grad.mul_(mask.reshape(-1, 1).to(grad.dtype))
-                positions += _positions(batch)
-                logits.backward(gradient=grad.view(logits.shape).to(logits.dtype))
+                for seq in _sequences(batch):
+                    with torch.enable_grad():
+                        logits = _logits(model, seq)
+                    grad = _draw_gradient(logits, gen)
+                    mask = seq.get("attention_mask") if isinstance(seq, Mapping) else None
+                    if mask is not None:
+                        grad.mul_(mask.reshape(-1, 1).to(grad.dtype))
+                    positions += _positions(seq)
+                    logits.backward(gradient=grad.view(logits.shape).to(logits.dtype))
+                    del logits, grad
     finally:
         for h in handles:
             h.remove()

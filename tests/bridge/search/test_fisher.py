@@ -106,15 +106,16 @@ def test_the_fisher_batches_are_spread_over_the_calibration_and_bad_counts_are_r
 
 
 def test_a_fisher_subset_is_the_fisher_of_those_batches_and_the_hessians_fold_every_batch(peaky):
-    """Batches 0 and 4 of 8 carry the Fisher (forward and backward), the others run without the head; the Hessian
-    of each input is XᵀX/n over all 8 batches, the Fisher that of batches 0 and 4 alone with the same seed."""
+    """Batches 0 and 4 of 8 carry the Fisher (forward and backward, sequence by sequence), the others run without
+    the head; the Hessian of each input is XᵀX/n over all 8 batches, the Fisher that of batches 0 and 4 alone with
+    the same seed."""
     model, batches = peaky
     heads = []
     handle = model.lm_head.register_forward_hook(lambda m, a, o: heads.append(a[0].shape))
     sites = ["model.layers.0.self_attn.q_proj", "model.layers.1.mlp.down_proj"]
     fisher, hessians = fisher_pass(model, batches, [DOWN], hessian_modules=sites, fisher_tokens=512, seed=4)
     handle.remove()
-    assert len(heads) == 2
+    assert len(heads) == 16 and all(h[0] == 1 for h in heads)  # batches 0 and 4, one sequence at a time
     torch.testing.assert_close(fisher[DOWN], output_fisher(model, [batches[0], batches[4]], [DOWN], seed=4)[DOWN],
                                rtol=1e-12, atol=0)
     for site in sites:
