@@ -42,23 +42,17 @@ from torch import nn
 
 import qtransform as qt
 
+from ..calibrate.sites import run_batch
+from ..tree import extract
+
 __all__ = ["output_fisher", "fisher_pass", "fisher_batches"]
-
-
-def _run(model: nn.Module, batch):
-    if isinstance(batch, Mapping):
-        return model(**batch)
-    try:
-        return model(input_ids=batch, use_cache=False)
-    except TypeError:
-        return model(batch)
 
 
 class _HeadSkipped(Exception):
     """Raised before the output head of a batch that only folds Hessians: the logits are not needed."""
 
 
-def _forward_without_head(model: nn.Module, batch, head: nn.Module | None) -> None:
+def _forward_without_head(model: nn.Module, params, batch, head: nn.Module | None) -> None:
     """Run ``batch`` through the model without gradients, stopping before ``head`` (None: run it all)."""
     def stop(module, args):
         raise _HeadSkipped
@@ -66,7 +60,7 @@ def _forward_without_head(model: nn.Module, batch, head: nn.Module | None) -> No
     handle = head.register_forward_pre_hook(stop) if head is not None else None
     try:
         with torch.no_grad():
-            _run(model, batch)
+            run_batch(model, params, batch)
     except _HeadSkipped:
         pass
     finally:
@@ -74,8 +68,8 @@ def _forward_without_head(model: nn.Module, batch, head: nn.Module | None) -> No
             handle.remove()
 
 
-def _logits(model: nn.Module, batch) -> torch.Tensor:
-    out = _run(model, batch)
+def _logits(model: nn.Module, params, batch) -> torch.Tensor:
+    out = run_batch(model, params, batch)
     logits = out if isinstance(out, torch.Tensor) else getattr(out, "logits", None)
     if not isinstance(logits, torch.Tensor):
         raise ValueError(f"the Fisher estimate needs next-token logits; {type(model).__name__} returns "
@@ -215,15 +209,16 @@ def fisher_pass(model: nn.Module, batches: Iterable, paths: Sequence[str], *, he
     positions = 0
     batches = list(batches)
     chosen = set(fisher_batches(batches, fisher_tokens))
+    params = extract(model)
     try:
         with _frozen(model):
             for i, batch in enumerate(progress(batches, desc="Fisher", total=len(batches)) if progress else batches):
                 if i not in chosen:
-                    _forward_without_head(model, batch, head)
+                    _forward_without_head(model, params, batch, head)
                     continue
                 for seq in _sequences(batch):
                     with torch.enable_grad():
-                        logits = _logits(model, seq)
+                        logits = _logits(model, params, seq)
                     grad = _draw_gradient(logits, gen)
                     mask = seq.get("attention_mask") if isinstance(seq, Mapping) else None
                     if mask is not None:

@@ -179,27 +179,28 @@ def step(params, plan, *, context, iters: int = 200, lr: float | None = None, mi
             sse = sse + (out - targets[i]).square().sum()
         return sse
 
+    def split(st):
+        """``(diff, fixed)``: per weight the tensors to differentiate (offsets, and clipping factors where learned)
+        and the clipping factors as they stand."""
+        return ({p: (s.offset, s.alpha, s.beta) if learn_range[p] else (s.offset,) for p, s in st.items()},
+                {p: (s.alpha, s.beta) for p, s in st.items()})
+
     def data_loss(st) -> float:
         """The block's output MSE with state ``st`` on every calibration batch (all ranks')."""
-        diff = {p: (s.offset, s.alpha, s.beta) if learn_range[p] else (s.offset,) for p, s in st.items()}
         with torch.no_grad():
-            sse = loss(diff, {p: (s.alpha, s.beta) for p, s in st.items()}, range(len(inputs)))
+            sse = loss(*split(st), range(len(inputs)))
         _, sse, count = _reduce({}, sse, float(sum(t.numel() for t in targets)), par)
         return float(sse) / max(count, 1.0)
 
     grad_and_value = torch.func.grad_and_value(loss)
     initial = state
-    best_loss, best_state, first_loss = math.inf, state, None
+    best_loss, best_state, first_loss = math.inf, state, math.nan
     for t in context.track(range(iters), desc=f"signround {block.name}", total=iters):
         picks = [i - start for i in sampler.next() if start <= i < start + len(inputs)]
-        diff = {p: (s.offset, s.alpha, s.beta) if learn_range[p] else (s.offset,) for p, s in state.items()}
-        fixed = {p: (s.alpha, s.beta) for p, s in state.items()}
-        grads, sse = grad_and_value(diff, fixed, picks)
+        grads, sse = grad_and_value(*split(state), picks)
         count = float(sum(targets[i].numel() for i in picks))
         grads, sse, count = _reduce(grads, sse, count, par)
         value = float(sse) / max(count, 1.0)
-        if first_loss is None:
-            first_loss = value
         if value < best_loss or not best:
             best_loss, best_state = value, state
         decay = 1.0 - t / iters
