@@ -281,16 +281,25 @@ def fit_block_on(model: nn.Module, name: str, current: Mapping, inputs: list, pl
             raise ValueError(f"block {name}: call: {path!r} is not inside the block")
         return torch.func.functional_call(model.get_submodule(path), _local({**state, **tensors}, path), args, kwargs)
 
+    memo: list = []
+
+    def float_outputs():  # the float chain's outputs, run once: a step's targets and the next block's float inputs
+        if not memo:
+            memo.append([first_tensor(o) for o in quiet({}, float_inputs)])
+        return memo[0]
+
     tokens = sum(batch_tokens(a, k) for a, k in inputs)
     if parallel.world > 1:
         tokens = int(parallel.all_sum(torch.tensor(tokens, dtype=torch.int64)))
     block = qt.Block(name=name, paths=paths, inputs=tuple(inputs), run=lambda tensors: run(tensors),
                      site_stats=site_stats, capture=capture, call=call, tokens=tokens, parallel=parallel,
-                     float_inputs=None if float_inputs is None else tuple(float_inputs))
+                     float_inputs=None if float_inputs is None else tuple(float_inputs),
+                     float_outputs=None if float_inputs is None else float_outputs)
     fit = fit_block(block, state)
     floats = None
     if float_inputs is not None:  # the float chain: this block as the earlier steps left it, before this fit
-        floats = [_with_first(a, k, first_tensor(o), name) for (a, k), o in zip(float_inputs, quiet({}, float_inputs))]
+        floats = [_with_first(a, k, o, name) for (a, k), o in zip(float_inputs, float_outputs())]
+        memo.clear()
     state.update(fit.params)
     prior = {p: q for p, q in prior.items() if p not in fit.params}  # what was fitted before described the old tensor
     quantized = _quantized(state, paths, plan, {**prior, **(fitted or {}), **fit.qparams})

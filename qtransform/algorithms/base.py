@@ -214,6 +214,10 @@ class Block(NamedTuple):
         float_inputs: if the step asked (``BlockInputs.float_inputs``), per batch the block's ``(args, kwargs)`` in
             the float model (the blocks before it as the earlier steps left them, unquantized), batch for batch as
             ``inputs``; else ``None``. The block's float output on batch ``i``: ``call(name, {}, *float_inputs[i])``.
+        float_outputs: with ``float_inputs``, ``float_outputs() -> [hidden states per batch]``: the block's output
+            tensors on ``float_inputs`` with its tensors as the earlier steps left them (a step's targets), run once
+            on the first call and shared with the caller, who passes them on as the next block's float inputs
+            (``None`` where the caller offers no such cache: compute them with ``call``).
     """
 
     name: str
@@ -226,6 +230,7 @@ class Block(NamedTuple):
     tokens: int | None = None
     parallel: Parallel = SERIAL
     float_inputs: Sequence[Any] | None = None
+    float_outputs: Callable[[], Sequence[torch.Tensor]] | None = None
 
 
 def batch_tokens(args: Sequence, kwargs: Mapping) -> int:

@@ -26,6 +26,8 @@ def probe():
     def fn(params, plan, *, context, learn=False):
         b = context.block
         row = {"name": b.name, "float": b.float_inputs, "inputs": b.inputs}
+        if b.float_outputs is not None:
+            row["outputs"] = (b.float_outputs(), b.float_outputs())
         if learn:
             w = next(p for p in b.paths if p in plan.specs)
             args, kwargs = b.inputs[0]
@@ -113,3 +115,24 @@ def test_a_streamed_run_hands_the_same_float_inputs(probe, tmp_path):
     for (_, mf, mi), (_, sf, si) in zip(memory, streamed):
         for a, b in zip(mf + mi, sf + si):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_float_outputs_run_once_are_the_float_blocks_and_become_the_next_float_inputs(probe):
+    torch.manual_seed(0)
+    model = tiny_causal_lm("llama").eval()
+    names = list(find_blocks(model))
+    want = [hidden_into(model, n, BATCHES) for n in names[1:]]  # hooks on the float model: block i's outputs
+    calls = []
+    handles = [model.get_submodule(n).register_forward_hook(lambda m, a, o, n=n: calls.append(n)) for n in names]
+    bridge.quantize(model, qt.Recipe(**RECIPE, steps=["float_probe"]), calibration=BATCHES, kernel="dequant")
+    for h in handles:
+        h.remove()
+    # per block: the float pass (asked twice, run once) and the quantized pass for the next inputs
+    assert calls.count(names[0]) == calls.count(names[1]) == 2 * len(BATCHES)
+    for i, row in enumerate(probe):
+        first, again = row["outputs"]
+        assert all(a is b for a, b in zip(first, again))
+        if i + 1 < len(probe):
+            for got, nxt, ref in zip(first, _first(probe[i + 1]["float"]), want[i]):
+                assert got is nxt  # handed on as they are
+                torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
