@@ -57,14 +57,15 @@ def spec_of(name: str) -> qt.QuantSpec:
     return qt.QuantSpec(format=f"uint{bits}", granularity=qt.PerGroup(group), symmetric=False, pad=True)
 
 
-def steps_of(method: str, *, iters: int, batch_size: int, lr: float) -> list[qt.Step]:
+def steps_of(method: str, *, iters: int, batch_size: int, lr: float, amp: bool = False) -> list[qt.Step]:
     """The recipe steps of one of our rows (``METHODS`` but ``autoround``)."""
     base, low = (method[:-len(LOWRANK)], True) if method.endswith(LOWRANK) else (method, False)
     if base not in BASES:
         raise ValueError(f"--methods: unknown method {method!r}; known: {METHODS}")
-    signround = qt.Step("signround", iters=iters, batch_size=batch_size, lr=lr)
+    learned = dict(iters=iters, batch_size=batch_size, lr=lr, **({"amp": True} if amp else {}))
+    signround = qt.Step("signround", **learned)
     steps = {"rtn": [], "gptq": [qt.Step("gptq")], "awq": [qt.Step("awq")], "signround": [signround],
-             "signround_mse": [qt.Step("signround", iters=iters, batch_size=batch_size, lr=lr, init="mse")],
+             "signround_mse": [qt.Step("signround", **learned, init="mse")],
              "awq_signround": [qt.Step("awq", clip=False), signround],
              "gptaq": [qt.Step("gptq", gptaq=True)]}[base]
     return steps + [qt.Step("lowrank", rank=32)] if low else steps
@@ -83,12 +84,12 @@ def unavailable(steps: list[qt.Step]) -> str | None:
 
 
 def peer_command(python: str, files: tuple[str, str, str], scheme: str, *, iters: int, batch_size: int, lr: float,
-                 threads: int, out: str) -> list[str]:
+                 threads: int, out: str, amp: bool = False) -> list[str]:
     """The command line of bench/peer_autoround.py for one scheme."""
     bits, group = SCHEMES[scheme]
     return [python, str(HERE / "peer_autoround.py"), "--model", files[2], "--tokens", files[0], "--eval", files[1],
             "--bits", str(bits), "--group-size", str(group), "--iters", str(iters), "--batch-size", str(batch_size),
-            "--lr", repr(lr), "--threads", str(threads), "--out", out]
+            "--lr", repr(lr), "--threads", str(threads), "--out", out] + (["--amp"] if amp else [])
 
 
 def peer(python: str, files, scheme: str, **kw) -> dict | None:
@@ -102,7 +103,7 @@ def peer(python: str, files, scheme: str, **kw) -> dict | None:
 
 
 def measure(model, cal, ev, fp, *, schemes, methods, iters, batch_size, lr, threads=2, peer_python=None,
-            files=None) -> tuple[list[dict], dict[str, str]]:
+            files=None, amp=False) -> tuple[list[dict], dict[str, str]]:
     """One row per (scheme, method) that ran: ``{"scheme", "method", "ppl", "ratio", "seconds", "load"}``, and
     ``{method: why}`` for the methods that cannot run here (not registered, or no ``peer_python``)."""
     rows, skipped = [], {}
@@ -112,13 +113,14 @@ def measure(model, cal, ev, fp, *, schemes, methods, iters, batch_size, lr, thre
                 if peer_python is None:
                     skipped[method] = "no --peer-python"
                     continue
-                other = peer(peer_python, files, scheme, iters=iters, batch_size=batch_size, lr=lr, threads=threads)
+                other = peer(peer_python, files, scheme, iters=iters, batch_size=batch_size, lr=lr, threads=threads,
+                             amp=amp)
                 if other is None:
                     skipped[method] = "auto-round failed (see the log)"
                     continue
                 ppl, seconds = other["ppl"], other["seconds"]
             else:
-                steps = steps_of(method, iters=iters, batch_size=batch_size, lr=lr)
+                steps = steps_of(method, iters=iters, batch_size=batch_size, lr=lr, amp=amp)
                 why = unavailable(steps)
                 if why is not None:
                     if method not in skipped:
@@ -131,7 +133,7 @@ def measure(model, cal, ev, fp, *, schemes, methods, iters, batch_size, lr, thre
                    "seconds": round(seconds, 1), "load": round(os.getloadavg()[0], 1),
                    "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
             if "signround" in method or method == "autoround":  # signround_mse too
-                row["settings"] = {"iters": iters, "batch_size": batch_size, "lr": lr}
+                row["settings"] = {"iters": iters, "batch_size": batch_size, "lr": lr, **({"amp": True} if amp else {})}
             if method == "autoround":
                 row["peer"] = {k: other.get(k) for k in ("max_distinct_per_group", "layers_changed", "versions")}
             rows.append(row)
@@ -160,7 +162,9 @@ def table(rows: list[dict], settings: dict | None = None) -> str:
     def cell(r):
         other = r.get("settings") not in (None, settings)
         return f"x{r['ratio']}, {r['seconds']} s" + (f" ({r['settings']['iters']} it, batch "
-                                                     f"{r['settings']['batch_size']})" if other else "")
+                                                     f"{r['settings']['batch_size']}"
+                                                     + (", amp" if r['settings'].get("amp") else "") + ")"
+                                                     if other else "")
     cells = {(r["scheme"], r["method"]): cell(r) for r in rows}
     methods = [m for m in METHODS if any(r["method"] == m for r in rows)]
     return markdown(["method", *SCHEMES], [[label(m), *(cells.get((s, m), "-") for s in SCHEMES)] for m in methods])
@@ -172,6 +176,8 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=4, help="SignRound iterations per block, both sides")
     ap.add_argument("--batch-size", type=int, default=1, help="samples per SignRound iteration, both sides")
     ap.add_argument("--lr", type=float, default=None, help="signed-gradient step, both sides (default 1 / iters)")
+    ap.add_argument("--amp", action="store_true", help="tuning in bfloat16, both sides (ours: amp=True; auto-round's "
+                                                       "amp, its CPU default)")
     a = ap.parse_args()
     methods = a.methods or METHODS
     for m in methods:
@@ -180,12 +186,13 @@ def main() -> None:
     lr = a.lr if a.lr is not None else 1.0 / a.iters
     model, cal, ev, fp, files = setup(a)
     rows, skipped = measure(model, cal, ev, fp, schemes=a.only or list(SCHEMES), methods=methods, iters=a.iters,
-                            batch_size=a.batch_size, lr=lr, threads=a.threads, peer_python=a.peer_python, files=files)
+                            batch_size=a.batch_size, lr=lr, threads=a.threads, peer_python=a.peer_python, files=files,
+                            amp=a.amp)
     path = RESULTS / "signround.json"
     old = json.loads(path.read_text()) if path.is_file() else {}
     rows = merge(old.get("rows", []), rows)
     commands = old.get("commands", []) + [" ".join(["python", *sys.argv])]
-    text = table(rows, {"iters": a.iters, "batch_size": a.batch_size, "lr": lr})
+    text = table(rows, {"iters": a.iters, "batch_size": a.batch_size, "lr": lr, **({"amp": True} if a.amp else {})})
     if skipped:
         text += "\n\nnot available on this main (left out): " + "; ".join(f"{label(m)}: {w}"
                                                                          for m, w in skipped.items())

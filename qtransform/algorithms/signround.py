@@ -36,6 +36,9 @@ constant), ``init`` (``"minmax"``: ``alpha = beta = 1``, AutoRound's start; ``"m
 clipping factor of least squared round-to-nearest error on a grid over [0.5, 1], a better start at 2-3 bits
 where min-max ranges waste levels on outliers; with ``minmax=False`` that clip stays fixed), ``best`` (True: keep the iterate of lowest loss; False: the last), ``quantized_inputs`` (True:
 train on the quantized chain's inputs, AutoRound's ``enable_quanted_input``; False: the float chain's),
+``amp`` (False: the tuning iterations' forward and backward passes in the model's dtype; True: under
+``torch.autocast`` in bfloat16, AutoRound's ``amp``, about 1.7x faster on CPUs with bf16 dot products; the float
+targets, the check against the start and the final quantization stay in the model's dtype),
 ``seed`` (0) and ``tokens`` (``None``: all the calibration data given; else whole batches spread over it).
 AutoRound's momentum (0), gradient accumulation (1) and early stop (off) are fixed at its defaults.
 
@@ -86,6 +89,7 @@ class Options:
     zero_point: str = option("ste", choices=ZERO_POINTS, doc="integer zero point's gradient: straight-through or none")
     best: bool = option(True, doc="keep the iterate of lowest loss (False: the last)")
     quantized_inputs: bool = option(True, doc="train on the quantized chain's block inputs (False: the float chain's)")
+    amp: bool = option(False, doc="the tuning passes under torch.autocast in bfloat16 (AutoRound's amp)")
     seed: int = option(0, ge=0, doc="the batches' shuffle")
     tokens: int | None = option(None, ge=1, doc="calibration tokens used (None: all given)")
 
@@ -127,22 +131,25 @@ class _Sampler:
 
 
 def _targets(block) -> list[torch.Tensor]:
-    """The float block's outputs (float32) on the float chain's inputs, once per batch."""
+    """The float block's outputs (float32) on the float chain's inputs, once per batch (the caller's
+    ``Block.float_outputs`` where it offers them: the same pass gives it the next block's float inputs)."""
     batches = block.float_inputs
     if batches is None:
         raise ValueError(f"block {block.name}: signround needs the float model's block inputs (Block.float_inputs); "
                          "the calibrator gave none")
     with torch.no_grad():
-        return [_first(block.call(block.name, {}, args, kwargs)).detach().to(torch.float32)
-                for args, kwargs in batches]
+        outs = block.float_outputs() if block.float_outputs is not None else [
+            _first(block.call(block.name, {}, args, kwargs)) for args, kwargs in batches]
+        return [o.detach().to(torch.float32) for o in outs]
 
 
 def step(params, plan, *, context, iters: int = 200, lr: float | None = None, minmax_lr: float | None = None,
          batch_size: int = 8, minmax: bool = True, init: str = "minmax", zero_point: str = "ste", best: bool = True,
-         quantized_inputs: bool = True, seed: int = 0, tokens: int | None = None) -> Fit:
+         quantized_inputs: bool = True, amp: bool = False, seed: int = 0, tokens: int | None = None) -> Fit:
     """The ``signround`` step on one block (``context.block``); see the module docstring."""
     check_options(iters=iters, lr=lr, minmax_lr=minmax_lr, batch_size=batch_size, minmax=minmax, init=init,
-                  zero_point=zero_point, best=best, quantized_inputs=quantized_inputs, seed=seed, tokens=tokens)
+                  zero_point=zero_point, best=best, quantized_inputs=quantized_inputs, amp=amp, seed=seed,
+                  tokens=tokens)
     block = context.block
     if block is None:
         raise ValueError("signround runs block by block on calibration data (a calibrator's blockwise)")
@@ -169,14 +176,17 @@ def step(params, plan, *, context, iters: int = 200, lr: float | None = None, mi
     per = max(1, math.ceil(batch_size / max(max(rows), 1)))
     sampler = _Sampler(sum(counts), per, seed)
 
-    def loss(diff, fixed, picks):
+    device = targets[0].device.type if targets else "cpu"
+
+    def loss(diff, fixed, picks, fast=False):
         tensors = {p: learned_fake_quantize(prep[p], Learned(diff[p][0], *(diff[p][1:] or fixed[p])),
                                             zero_point=zero_point) for p in weights}
         sse = torch.zeros((), dtype=torch.float32)
         for i in picks:
             args, kwargs = inputs[i]
-            out = _first(block.call(block.name, tensors, args, kwargs)).to(torch.float32)
-            sse = sse + (out - targets[i]).square().sum()
+            with torch.autocast(device, dtype=torch.bfloat16, enabled=fast):
+                out = _first(block.call(block.name, tensors, args, kwargs))
+            sse = sse + (out.to(torch.float32) - targets[i]).square().sum()
         return sse
 
     def split(st):
@@ -197,7 +207,7 @@ def step(params, plan, *, context, iters: int = 200, lr: float | None = None, mi
     best_loss, best_state, first_loss = math.inf, state, math.nan
     for t in context.track(range(iters), desc=f"signround {block.name}", total=iters):
         picks = [i - start for i in sampler.next() if start <= i < start + len(inputs)]
-        grads, sse = grad_and_value(*split(state), picks)
+        grads, sse = grad_and_value(*split(state), picks, amp)
         count = float(sum(targets[i].numel() for i in picks))
         grads, sse, count = _reduce(grads, sse, count, par)
         value = float(sse) / max(count, 1.0)
