@@ -2,7 +2,8 @@
 perplexity ratio quantized / float on 16x512 tokens of the built-in corpus's evaluation part, calibrated on 40x512
 tokens of its calibration part, and the seconds of the quantization call, all run in this script on the same
 tokens and threads, one after the other. Widths: W4 g128, W3 g64, W2 g64, unsigned asymmetric with an integer zero
-point. Rows: RTN, GPTQ, AWQ, SignRound (from min-max ranges, and from a clipping search: init="mse"), AWQ->SignRound, GPTAQ, each also followed by a rank-32 low-rank
+point. Rows: RTN, GPTQ, AWQ, SignRound (from min-max ranges, from a clipping search: init="mse", and from GPTQ's solution:
+init="gptq"), AWQ->SignRound, GPTAQ, each also followed by a rank-32 low-rank
 correction, and auto-round (SignRound's reference implementation) with the same scheme, tokens, iterations, batch
 size and learning rate.
 
@@ -35,7 +36,8 @@ HERE = pathlib.Path(__file__).parent
 #: name -> (bits, group size); uint, asymmetric, integer zero point, groups along in_features.
 SCHEMES = {"uint4-asym-g128": (4, 128), "uint3-asym-g64": (3, 64), "uint2-asym-g64": (2, 64)}
 BASES = {"rtn": "RTN", "gptq": "GPTQ", "awq": "AWQ", "signround": "SignRound",
-         "signround_mse": "SignRound, init mse", "awq_signround": "AWQ -> SignRound", "gptaq": "GPTAQ"}
+         "signround_mse": "SignRound, init mse", "signround_gptq": "SignRound, init gptq",
+         "awq_signround": "AWQ -> SignRound", "gptaq": "GPTAQ"}
 LOWRANK = "+lowrank32"
 #: every row in table order: each of ours, then each + the rank-32 correction, then the peer.
 METHODS = [*BASES, *(b + LOWRANK for b in BASES), "autoround"]
@@ -66,6 +68,7 @@ def steps_of(method: str, *, iters: int, batch_size: int, lr: float, amp: bool =
     signround = qt.Step("signround", **learned)
     steps = {"rtn": [], "gptq": [qt.Step("gptq")], "awq": [qt.Step("awq")], "signround": [signround],
              "signround_mse": [qt.Step("signround", **learned, init="mse")],
+             "signround_gptq": [qt.Step("signround", **learned, init="gptq")],
              "awq_signround": [qt.Step("awq", clip=False), signround],
              "gptaq": [qt.Step("gptq", gptaq=True)]}[base]
     return steps + [qt.Step("lowrank", rank=32)] if low else steps

@@ -154,12 +154,13 @@ def _is_experts(paths, plan) -> bool:
     return len(paths) == 1 and plan[paths[0]].module_type == "Experts"
 
 
-def _solve_set(paths: list[str], H, params, plan, options, cross=None) -> tuple[dict, dict, dict]:
+def _solve_set(paths: list[str], H, params, plan, options, cross=None) -> tuple[dict, dict, dict, dict]:
+    """GPTQ of one sharing set: ``(weights, qparams, info, unrounded)`` by path (stacked experts: no unrounded)."""
     if _is_experts(paths, plan):
         new, qps, info = _solve_experts(paths[0], H, params, plan, options)
         if cross is not None or options["gptaq"]:
             info[paths[0]]["gptaq"] = "experts: gptq"
-        return new, qps, info
+        return new, qps, info, {}
     alpha = options["gptaq_alpha"]
     options = {k: v for k, v in options.items() if not k.startswith(("expert_", "gptaq"))}
     if cross is not None:
@@ -173,17 +174,18 @@ def _solve_set(paths: list[str], H, params, plan, options, cross=None) -> tuple[
         specs.append(spec)
         flips.append(flip)
     results = gptq_many(weights, H, specs, paths=paths, **options)
-    new, qps, info = {}, {}, {}
+    new, qps, info, unrounded = {}, {}, {}, {}
     for p, r, flip in zip(paths, results, flips):
         qp = r.qparams
         if flip:
             qp = transposed_qparams(qp, plan.specs[p], path=p)
         new[p] = r.weight.T.contiguous() if flip else r.weight
+        unrounded[p] = r.unrounded.T.contiguous() if flip else r.unrounded
         qps[p] = qp
         info[p] = {"gptq_loss": float(f"{r.loss:.6g}")}  # 6 significant digits: small losses stay nonzero
         if cross is not None:
             info[p]["gptaq"] = f"alpha {alpha:g}"
-    return new, qps, info
+    return new, qps, info, unrounded
 
 
 def solve_cost(paths: list[str], params, plan) -> float:
@@ -201,7 +203,7 @@ def solve_cost(paths: list[str], params, plan) -> float:
 
 
 def _solve_stage(stage, sites, block, changed, params, plan, solver, context) -> dict:
-    """One stage's shared solves: ``{path: (weight, qparams, info)}``. Each solve has an owner
+    """One stage's shared solves: ``{path: (weight, qparams, info, unrounded or None)}``. Each solve has an owner
     (``block.parallel.owners`` by :func:`solve_cost`; rank 0 in one process) that gets its Hessian alone and
     solves it; on several ranks the results travel packed (the quantized tensor) to every rank."""
     par = block.parallel
@@ -221,11 +223,12 @@ def _solve_stage(stage, sites, block, changed, params, plan, solver, context) ->
         s = key[site]
         H = stats.pop(site)  # each Hessian freed once used
         H = H if isinstance(H, (tuple, torch.Tensor)) else finalize_stats(H, path=s[0])  # experts: one per expert
-        new, qps, more = _solve_set(s, H, params, plan, solver, cross=crosses.pop(site, None))
-        out[site] = {p: (new[p], qps[p], more[p]) for p in s}
+        new, qps, more, unr = _solve_set(s, H, params, plan, solver, cross=crosses.pop(site, None))
+        out[site] = {p: (new[p], qps[p], more[p], unr.get(p)) for p in s}
     if par.world > 1:
-        packed = {site: {p: (quantize(w, qp, path=p), i) for p, (w, qp, i) in v.items()} for site, v in out.items()}
-        out = {site: {p: (dequantize(q), q.qparams, i) for p, (q, i) in v.items()}
+        packed = {site: {p: (quantize(w, qp, path=p), i, u) for p, (w, qp, i, u) in v.items()}
+                  for site, v in out.items()}
+        out = {site: {p: (dequantize(q), q.qparams, i, u) for p, (q, i, u) in v.items()}
                for site, v in par.share(packed, owners).items()}
     return {p: v for site in key for p, v in out[site].items()}
 
@@ -283,27 +286,39 @@ def step(params, plan, *, context, damp: float = 0.01, block_size: int = 128, ac
          groups=None, expert_min_tokens: int = 8, expert_fallback: str = "rtn", gptaq: bool = False,
          gptaq_alpha: float = 0.25) -> Fit:
     """The ``gptq`` step on one block (``context.block``); see the module docstring."""
-    check_options(damp=damp, block_size=block_size, act_order=act_order, static_groups=static_groups, init=init,
-                  observer=observer, true_sequential=true_sequential, groups=groups,
-                  expert_min_tokens=expert_min_tokens, expert_fallback=expert_fallback, gptaq=gptaq,
-                  gptaq_alpha=gptaq_alpha)
+    changed, qparams, info, _ = solve(
+        params, plan, context=context, damp=damp, block_size=block_size, act_order=act_order,
+        static_groups=static_groups, init=init, observer=observer, true_sequential=true_sequential, groups=groups,
+        expert_min_tokens=expert_min_tokens, expert_fallback=expert_fallback, gptaq=gptaq, gptaq_alpha=gptaq_alpha)
+    return Fit(params=changed, qparams=qparams, info=info)
+
+
+def solve(params, plan, *, context, **options) -> tuple[dict, dict, dict, dict]:
+    """GPTQ of one block's planned linear weights (``options`` as the step's, checked here):
+    ``(weights, qparams, info, unrounded)`` by path; ``unrounded`` holds, for each 2-D linear weight, the weight
+    as its columns stood when rounded (:attr:`.gptq_math.GPTQResult.unrounded`; none for stacked experts,
+    solved expert by expert). The ``gptq`` step's result, and a learned step's start (``signround``'s
+    ``init="gptq"``)."""
+    o = check_options(**options)
     block = context.block
     if block is None:
         raise ValueError("gptq runs block by block on calibration data (a calibrator's blockwise)")
     weights = linear_weights(params, plan, block.paths)
     if not weights:
-        return Fit()
-    solver = dict(damp=float(damp), block_size=block_size, act_order=act_order, static_groups=static_groups,
-                  init=init, observer=observer, expert_min_tokens=expert_min_tokens, expert_fallback=expert_fallback,
-                  gptaq=gptaq, gptaq_alpha=float(gptaq_alpha))
-    groups = plan.groups if groups is None else groups  # the plan's where the model is known; none is fine
+        return {}, {}, {}, {}
+    solver = dict(damp=float(o.damp), block_size=o.block_size, act_order=o.act_order, static_groups=o.static_groups,
+                  init=o.init, observer=o.observer, expert_min_tokens=o.expert_min_tokens,
+                  expert_fallback=o.expert_fallback, gptaq=o.gptaq, gptaq_alpha=float(o.gptaq_alpha))
+    groups = plan.groups if o.groups is None else o.groups  # the plan's where the model is known; none is fine
     mine = [g for g in groups or () if all(lin.startswith(block.name + ".") for lin in g["linears"])]
-    changed, qparams, info = {}, {}, {}
-    for stage in _stages(weights, mine, true_sequential):
+    changed, qparams, info, unrounded = {}, {}, {}, {}
+    for stage in _stages(weights, mine, o.true_sequential):
         sites = {Site(plan.site_module(s[0]), "input"): init_stats(observer="hessian") for s in stage}
-        for p, (w, qp, more) in _solve_stage(stage, sites, block, changed, params, plan, solver, context).items():
+        for p, (w, qp, more, u) in _solve_stage(stage, sites, block, changed, params, plan, solver, context).items():
             changed[p], qparams[p], info[p] = w, qp, more
-    return Fit(params=changed, qparams=qparams, info=info)
+            if u is not None:
+                unrounded[p] = u
+    return changed, qparams, info, unrounded
 
 
 register_algorithm("gptq", step, needs=BlockInputs(float_inputs=lambda **o: bool(o.get("gptaq"))), options=Options,

@@ -81,13 +81,17 @@ class GPTQResult(NamedTuple):
     """``weight``: the quantized weight (dequantized values, input columns in their own order, the
     dtype of the input); ``qparams``: its parameters (of ``weight[:, perm]`` when ``g_idx`` is
     given); ``loss``: GPTQ's ``Σ e² / 2``; ``perm``: the processing order (``act_order``) or
-    ``None``; ``g_idx``: group of each input column, only for ``act_order`` with dynamic groups."""
+    ``None``; ``g_idx``: group of each input column, only for ``act_order`` with dynamic groups;
+    ``unrounded``: the weight as its columns stood when they were rounded (the errors of the columns before
+    them compensated; float32, input columns in their own order): rounding it to nearest with ``qparams``
+    gives ``weight``."""
 
     weight: torch.Tensor
     qparams: QParams
     loss: float
     perm: torch.Tensor | None = None
     g_idx: torch.Tensor | None = None
+    unrounded: torch.Tensor | None = None
 
 
 def inverse_hessian_factor(H: torch.Tensor, *, damp: float = 0.01, max_retries: int = 6,
@@ -325,16 +329,17 @@ def gptq_many(weights: Sequence[torch.Tensor], H: torch.Tensor, specs: Sequence[
             if P is not None:  # W1: the block's columns before rounding
                 Wt[i2:].addmm_(P[i1:i2, i2:].T, W1)
     inv = None if perm is None else torch.argsort(perm)
-    Qo = Q if inv is None else Q[inv]
+    Qo, Wo = (Q, Wt) if inv is None else (Q[inv], Wt[inv])  # Wt: each column as it stood when rounded
     results = []
     for i, (W, m) in enumerate(zip(weights, members)):
         weight = Qo[:, m.rows].T.to(W.dtype).contiguous()
+        unrounded = Wo[:, m.rows].T.contiguous()
         loss = float(losses[m.rows].sum())
         if m.static:
-            results.append(GPTQResult(weight, fitted[i], loss, perm))
+            results.append(GPTQResult(weight, fitted[i], loss, perm, unrounded=unrounded))
         else:
             g_idx = None if perm is None else (inv // m.group).to(torch.int32)
-            results.append(GPTQResult(weight, _splice(groups[i], m.spec), loss, perm, g_idx))
+            results.append(GPTQResult(weight, _splice(groups[i], m.spec), loss, perm, g_idx, unrounded))
     return results
 
 

@@ -34,7 +34,10 @@ redrawn when used up, like AutoRound's index sampler), ``minmax`` (True: learn `
 offsets only), ``zero_point`` (``"ste"``: AutoRound's straight-through integer zero point; ``"round"``: a
 constant), ``init`` (``"minmax"``: ``alpha = beta = 1``, AutoRound's start; ``"mse"``: per group the
 clipping factor of least squared round-to-nearest error on a grid over [0.5, 1], a better start at 2-3 bits
-where min-max ranges waste levels on outliers; with ``minmax=False`` that clip stays fixed), ``best`` (True: keep the iterate of lowest loss; False: the last), ``quantized_inputs`` (True:
+where min-max ranges waste levels on outliers; with ``minmax=False`` that clip stays fixed; ``"gptq"``: GPTQ's
+solution of the block, :func:`.gptq.solve`: the weights as its columns stood when rounded, the ranges its
+parameters stand for, and at ``alpha = beta = 1`` its parameters exactly, so the start is GPTQ's result;
+stacked experts from min-max), ``best`` (True: keep the iterate of lowest loss; False: the last), ``quantized_inputs`` (True:
 train on the quantized chain's inputs, AutoRound's ``enable_quanted_input``; False: the float chain's),
 ``amp`` (False: the tuning iterations' forward and backward passes in the model's dtype; True: under
 ``torch.autocast`` in bfloat16, AutoRound's ``amp``, about 1.7x faster on CPUs with bf16 dot products; the float
@@ -59,15 +62,17 @@ import torch
 
 from .base import BlockInputs, Fit, register_algorithm
 from .gptq import linear_weights
+from .gptq import solve as gptq_solve
 from .options import option, options_checker
 from .signround_math import ZERO_POINTS, Learned, clip_init, finalize, learned_fake_quantize, prepare, sign_step
 from .signround_math import init as init_state
 
 __all__ = ["step", "Options", "check_options", "INITS"]
 
-#: Where the clipping factors start: ``minmax`` (1: min-max ranges, AutoRound's start) or ``mse`` (per group the
-#: factor of a grid over [0.5, 1] with the least squared round-to-nearest error, :func:`.signround_math.clip_init`).
-INITS = ("minmax", "mse")
+#: Where the learning starts: ``minmax`` (1: min-max ranges, AutoRound's start), ``mse`` (per group the factor of a
+#: grid over [0.5, 1] with the least squared round-to-nearest error, :func:`.signround_math.clip_init`) or ``gptq``
+#: (GPTQ's solution of the block: its unrounded weights and parameters, :func:`.gptq.solve`).
+INITS = ("minmax", "mse", "gptq")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -85,7 +90,8 @@ class Options:
     minmax_lr: float | None = option(None, gt=0, doc="the clipping factors' step size (None: lr)")
     batch_size: int = option(8, ge=1, doc="calibration sequences per iteration")
     minmax: bool = option(True, doc="learn the clipping factors alpha, beta")
-    init: str = option("minmax", choices=INITS, doc="the start: min-max ranges (AutoRound's) or a clipping search")
+    init: str = option("minmax", choices=INITS, doc="the start: min-max ranges (AutoRound's), a clipping search, "
+                                                    "or GPTQ's solution")
     zero_point: str = option("ste", choices=ZERO_POINTS, doc="integer zero point's gradient: straight-through or none")
     best: bool = option(True, doc="keep the iterate of lowest loss (False: the last)")
     quantized_inputs: bool = option(True, doc="train on the quantized chain's block inputs (False: the float chain's)")
@@ -160,7 +166,9 @@ def step(params, plan, *, context, iters: int = 200, lr: float | None = None, mi
         return Fit()
     lr = 1.0 / max(iters, 1) if lr is None else float(lr)
     minmax_lr = lr if minmax_lr is None else float(minmax_lr)
-    prep = {p: prepare(params[p], plan.specs[p], path=p) for p in weights}
+    start = _gptq_start(params, plan, context, weights) if init == "gptq" else {}
+    prep = {p: prepare(start[p][0], plan.specs[p], path=p, start=start[p][1])._replace(dtype=params[p].dtype)
+            if p in start else prepare(params[p], plan.specs[p], path=p) for p in weights}
     state = {p: clip_init(q, zero_point=zero_point) if init == "mse" else init_state(q) for p, q in prep.items()}
     learn_range = {p: minmax and q.ranged for p, q in prep.items()}
     targets = _targets(block)
@@ -229,6 +237,14 @@ def step(params, plan, *, context, iters: int = 200, lr: float | None = None, mi
         new[p], qparams[p] = finalize(prep[p], best_state[p], zero_point=zero_point)
         info[p] = {"signround_loss": float(f"{best_loss:.6g}"), "rtn_loss": float(f"{first_loss:.6g}")} if iters else {}
     return Fit(params=new, qparams=qparams, info=info)
+
+
+def _gptq_start(params, plan, context, weights) -> dict:
+    """``{path: (unrounded weight, QParams)}``: GPTQ's solution of the block (its default options), each 2-D
+    linear weight as its columns stood when rounded (float32) with GPTQ's parameters; stacked experts (solved
+    expert by expert, no unrounded weight kept) are left out and start from min-max ranges."""
+    _, qparams, _, unrounded = gptq_solve(params, plan, context=context)
+    return {p: (unrounded[p], qparams[p]) for p in weights if p in unrounded}
 
 
 def _reduce(grads: Mapping, sse, count: float, par):

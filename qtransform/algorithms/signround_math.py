@@ -90,12 +90,16 @@ class Prepared(NamedTuple):
     ranged: bool                # the scale follows the range (False for the casts: alpha, beta unused)
     dtype: torch.dtype
     path: str | None
+    start: QParams | None = None  # given parameters (GPTQ's): used as they are where alpha = beta = 1
 
 
-def prepare(w: torch.Tensor, spec: QuantSpec, *, path: str | None = None) -> Prepared:
+def prepare(w: torch.Tensor, spec: QuantSpec, *, path: str | None = None, start: QParams | None = None) -> Prepared:
     """The float weight ``w`` (any rank the spec tiles: a 2-D linear, 3-D stacked experts with a stacked spec)
-    prepared for :func:`learned_fake_quantize`. ``ValueError`` naming ``path`` for a spec that does not tile
-    ``w``, a dynamic spec, non-finite data."""
+    prepared for :func:`learned_fake_quantize`. ``start``: parameters to start from instead of min-max ranges
+    (GPTQ's, with ``w`` its unrounded weight): the ranges are those they stand for (their lowest and highest
+    codes dequantized), and where ``alpha = beta = 1`` the parameters are ``start``'s exactly, so the start
+    is ``start``'s round to nearest of ``w``. ``ValueError`` naming ``path`` for a spec that does not tile
+    ``w``, a dynamic spec, non-finite data, a ``start`` of another spec or grid."""
     if not isinstance(spec, QuantSpec):
         raise TypeError(f"{where(path)}spec must be a QuantSpec, got {type(spec).__name__}")
     check_float_tensor(w, path=path)
@@ -108,11 +112,33 @@ def prepare(w: torch.Tensor, spec: QuantSpec, *, path: str | None = None) -> Pre
     dims = blocks.reduce_dims(tiles)
     wmin, wmax = xb.amin(dim=dims), xb.amax(dim=dims)
     g = None
-    if spec.scale_dtype == "float8_e4m3fn":
+    if start is not None:
+        wmin, wmax = _start_range(start, spec, tiles, groups, path)
+        g = start.global_scale
+    elif spec.scale_dtype == "float8_e4m3fn":
         g = QParams.from_range(wmin, wmax, spec, path=path).global_scale
     uniform = bool((spec.fmt.codec.half_spacing(torch.tensor([0.0, 0.3, 1.7, 5.0])) == 0.5).all())
     ranged = not isinstance(spec.fmt.scheme, UnitScheme)
-    return Prepared(xb, wmin, wmax, tiles, groups, spec, g, uniform, ranged, w.dtype, path)
+    return Prepared(xb, wmin, wmax, tiles, groups, spec, g, uniform, ranged, w.dtype, path, start)
+
+
+def _start_range(qp: QParams, spec: QuantSpec, tiles, groups, path) -> tuple[torch.Tensor, torch.Tensor]:
+    """The range ``[lo, hi]`` per group that ``qp`` stands for: its lowest and highest codes dequantized."""
+    if not isinstance(qp, QParams) or qp.spec != spec:
+        raise ValueError(f"{where(path)}signround: the start's parameters must be QParams of spec {spec}, got "
+                         f"{getattr(qp, 'spec', type(qp).__name__)}")
+    if tiles.grid != groups.grid or tuple(qp.scale.shape) != tuple(groups.grid):
+        raise ValueError(f"{where(path)}signround: a start from given parameters needs one scale per group "
+                         f"(grid {tuple(groups.grid)}), got scale {tuple(qp.scale.shape)} for spec {spec}")
+    s, z = (t if t is None else t.to(torch.float32) for t in qp.effective())
+    qlo, qhi = element_range(spec)
+    if qlo is None:
+        qlo, qhi = spec.fmt.codec.qrange(symmetric=spec.symmetric, restricted=False)
+    if z is None:
+        return qlo * s, qhi * s
+    if spec.zero_point_domain == "offset":
+        return qlo * s + z, qhi * s + z
+    return (qlo - z) * s, (qhi - z) * s
 
 
 def init(lq: Prepared) -> Learned:
@@ -186,11 +212,22 @@ def _ratio(r: torch.Tensor) -> torch.Tensor:
     return torch.where(pos, r / torch.where(pos, rd, 1.0), 1.0)
 
 
+def _pick(keep: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``torch.where(keep, a, b)`` in ``a``'s dtype (fp8 scales picked through float32, exactly)."""
+    if a.dtype.is_floating_point and a.element_size() == 1:
+        return torch.where(keep, a.to(torch.float32), b.to(torch.float32)).to(a.dtype)
+    return torch.where(keep, a, b.to(a.dtype))
+
+
 def _range(lq: Prepared, t: Learned):
     """The learned ranges on the element grid, their parameters, and the differentiable ``(scale, zero point)``."""
     spec = lq.spec
     lo, hi = lq.wmin * _to_tiles(t.alpha, lq), lq.wmax * _to_tiles(t.beta, lq)
     qp = _qparams(lo.detach(), hi.detach(), lq)
+    if lq.start is not None:  # the given parameters where the factors stand at 1 (the start, exactly)
+        keep = (t.alpha.detach() == 1) & (t.beta.detach() == 1)
+        qp = QParams(scale=_pick(keep, lq.start.scale, qp.scale), zero_point=None if qp.zero_point is None
+                     else _pick(keep, lq.start.zero_point, qp.zero_point), global_scale=qp.global_scale, spec=qp.spec)
     s_val, z_val = qp.effective()
     if not lq.ranged:  # a cast: the scale is 1 whatever the range
         return qp, s_val, z_val

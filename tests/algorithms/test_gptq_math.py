@@ -39,8 +39,9 @@ def affine_params(block: torch.Tensor, bits: int, symmetric: bool):
     return scale, zero, 0, qmax
 
 
-def reference(w, H, bits, symmetric, group, *, act_order=False, static=True, damp=0.01):
-    """Textbook GPTQ (OBS with explicit inverse Hessians, one column at a time), float64."""
+def reference(w, H, bits, symmetric, group, *, act_order=False, static=True, damp=0.01, unrounded=False):
+    """Textbook GPTQ (OBS with explicit inverse Hessians, one column at a time), float64; with ``unrounded``
+    also each column as it stood when rounded."""
     W = w.double().clone()
     H = H.double().clone()
     n = W.shape[1]
@@ -54,7 +55,7 @@ def reference(w, H, bits, symmetric, group, *, act_order=False, static=True, dam
         for g0 in range(0, n, group):
             params[g0] = affine_params(W[:, g0:g0 + group], bits, symmetric)
     Hinv = torch.linalg.inv(H)
-    Q = torch.zeros_like(W)
+    Q, U = torch.zeros_like(W), torch.zeros_like(W)
     remaining = list(order)
     for pos, j in enumerate(order):
         g0 = (j // group) * group if static else (pos // group) * group
@@ -62,14 +63,14 @@ def reference(w, H, bits, symmetric, group, *, act_order=False, static=True, dam
             params[g0] = affine_params(W[:, order[pos:pos + group]], bits, symmetric)
         scale, zero, qmin, qmax = params[g0]
         q = (torch.clamp(torch.round(W[:, j] / scale + zero), qmin, qmax) - zero) * scale
-        Q[:, j] = q
+        Q[:, j], U[:, j] = q, W[:, j]
         remaining.remove(j)
         d = Hinv[j, j]
         err = (W[:, j] - q) / d
         for k in remaining:
             W[:, k] -= err * Hinv[j, k]
         Hinv = Hinv - torch.outer(Hinv[:, j], Hinv[j, :]) / d  # remove column j
-    return Q.float()
+    return (Q.float(), U.float()) if unrounded else Q.float()
 
 
 def spec_of(bits, symmetric, group, width):
@@ -92,6 +93,20 @@ def test_matches_the_textbook_reference(bits, symmetric, group, act_order, block
     ref = reference(w, H, bits, symmetric, group, act_order=act_order, static=True)
     r = gptq(w, H, spec, act_order=act_order, static_groups=True, block_size=block_size)
     assert agree(r.weight, ref)
+
+
+@pytest.mark.parametrize("act_order,static", [(False, True), (True, True), (False, False)])
+def test_the_unrounded_weight_is_each_column_as_it_stood_when_rounded(act_order, static):
+    """``unrounded``: the textbook's compensated columns at their rounding (float32 against float64), and rounding
+    it to nearest with the result's parameters gives the result's weight exactly."""
+    x, w, H = problem(seed=5)
+    spec = spec_of(3, False, 16, w.shape[1])
+    q_ref, u_ref = reference(w, H, 3, False, 16, act_order=act_order, static=static, unrounded=True)
+    r = gptq(w, H, spec, act_order=act_order, static_groups=static, block_size=8)
+    assert agree(r.weight, q_ref)
+    torch.testing.assert_close(r.unrounded, u_ref, rtol=1e-3, atol=1e-4 * float(u_ref.abs().max()))
+    assert r.unrounded.dtype == torch.float32 and r.unrounded.shape == w.shape
+    assert torch.equal(qt.dequantize(qt.quantize(r.unrounded, r.qparams)), r.weight)
 
 
 def test_dynamic_groups_follow_the_updated_columns():

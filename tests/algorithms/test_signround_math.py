@@ -148,6 +148,38 @@ def test_bad_input_is_named():
         sm.prepare(torch.randn(4, 32), qt.QuantSpec(format="int8", granularity=qt.PerGroup(32), dynamic=True))
 
 
+def test_a_given_start_is_used_exactly_where_the_factors_stand_at_one_and_its_range_elsewhere():
+    """``prepare(start=qp)``: with ``alpha = beta = 1`` the quantizer uses ``qp`` as given (its round to nearest of
+    the weight, whatever float rounding inverting its range would cost); moving a factor recomputes that group's
+    parameters from the range ``qp`` stands for, scaled (the range: its lowest and highest codes dequantized)."""
+    spec = qt.QuantSpec(format="uint3", granularity=qt.PerGroup(16), symmetric=False)
+    w = torch.randn(4, 32, generator=torch.Generator().manual_seed(7))
+    qp = qt.choose_qparams(w * 0.8, spec)  # parameters of a narrower range than w's own
+    lq = sm.prepare(w, spec, start=qp)
+    t = sm.init(lq)
+    assert torch.equal(sm.learned_fake_quantize(lq, t), qt.dequantize(qt.quantize(w, qp)))
+    s, z = qp.effective()
+    torch.testing.assert_close(lq.wmin, (0 - z) * s)
+    torch.testing.assert_close(lq.wmax, (7 - z) * s)
+    alpha = t.alpha.clone()
+    alpha[0, 0] = 0.75
+    _, moved = sm.finalize(lq, t._replace(alpha=alpha))
+    want = qt.QParams.from_range(lq.wmin[0, 0] * 0.75, lq.wmax[0, 0], spec)
+    assert torch.equal(moved.scale[0, 0], want.scale) and torch.equal(moved.zero_point[0, 0], want.zero_point)
+    assert torch.equal(moved.scale[1:], qp.scale[1:]) and torch.equal(moved.zero_point[1:], qp.zero_point[1:])
+
+
+def test_a_start_of_another_spec_or_grid_is_refused_by_path():
+    spec = qt.QuantSpec(format="uint3", granularity=qt.PerGroup(16), symmetric=False)
+    w = torch.randn(4, 32)
+    other = qt.choose_qparams(w, qt.QuantSpec(format="uint4", granularity=qt.PerGroup(16), symmetric=False))
+    with pytest.raises(ValueError, match="layers.1.w: signround: the start's parameters must be QParams of spec"):
+        sm.prepare(w, spec, path="layers.1.w", start=other)
+    wider = qt.choose_qparams(torch.randn(4, 48), spec)
+    with pytest.raises(ValueError, match=r"layers.1.w: signround: .*one scale per group \(grid \(4, 2\)\)"):
+        sm.prepare(w, spec, path="layers.1.w", start=wider)
+
+
 def _group_errors(w, y, group):
     return (w - y).square().reshape(w.shape[0], -1, group).sum(-1)
 
