@@ -202,8 +202,9 @@ def solve_cost(paths: list[str], params, plan) -> float:
     return float(d_in) ** 3 + float(d_out) * float(d_in) ** 2
 
 
-def _solve_stage(stage, sites, block, changed, params, plan, solver, context) -> dict:
-    """One stage's shared solves: ``{path: (weight, qparams, info, unrounded or None)}``. Each solve has an owner
+def _solve_stage(stage, sites, block, changed, params, plan, solver, context, keep: bool = False) -> dict:
+    """One stage's shared solves: ``{path: (weight, qparams, info, unrounded or None)}`` (unrounded weights only
+    with ``keep``: on several ranks they travel to every rank, in float32). Each solve has an owner
     (``block.parallel.owners`` by :func:`solve_cost`; rank 0 in one process) that gets its Hessian alone and
     solves it; on several ranks the results travel packed (the quantized tensor) to every rank."""
     par = block.parallel
@@ -224,7 +225,7 @@ def _solve_stage(stage, sites, block, changed, params, plan, solver, context) ->
         H = stats.pop(site)  # each Hessian freed once used
         H = H if isinstance(H, (tuple, torch.Tensor)) else finalize_stats(H, path=s[0])  # experts: one per expert
         new, qps, more, unr = _solve_set(s, H, params, plan, solver, cross=crosses.pop(site, None))
-        out[site] = {p: (new[p], qps[p], more[p], unr.get(p)) for p in s}
+        out[site] = {p: (new[p], qps[p], more[p], unr.get(p) if keep else None) for p in s}
     if par.world > 1:
         packed = {site: {p: (quantize(w, qp, path=p), i, u) for p, (w, qp, i, u) in v.items()}
                   for site, v in out.items()}
@@ -293,10 +294,10 @@ def step(params, plan, *, context, damp: float = 0.01, block_size: int = 128, ac
     return Fit(params=changed, qparams=qparams, info=info)
 
 
-def solve(params, plan, *, context, **options) -> tuple[dict, dict, dict, dict]:
+def solve(params, plan, *, context, unrounded: bool = False, **options) -> tuple[dict, dict, dict, dict]:
     """GPTQ of one block's planned linear weights (``options`` as the step's, checked here):
-    ``(weights, qparams, info, unrounded)`` by path; ``unrounded`` holds, for each 2-D linear weight, the weight
-    as its columns stood when rounded (:attr:`.gptq_math.GPTQResult.unrounded`; none for stacked experts,
+    ``(weights, qparams, info, unrounded)`` by path; with ``unrounded``, the last holds for each 2-D linear weight
+    the weight as its columns stood when rounded (:attr:`.gptq_math.GPTQResult.unrounded`; none for stacked experts,
     solved expert by expert). The ``gptq`` step's result, and a learned step's start (``signround``'s
     ``init="gptq"``)."""
     o = check_options(**options)
@@ -311,14 +312,15 @@ def solve(params, plan, *, context, **options) -> tuple[dict, dict, dict, dict]:
                   expert_fallback=o.expert_fallback, gptaq=o.gptaq, gptaq_alpha=float(o.gptaq_alpha))
     groups = plan.groups if o.groups is None else o.groups  # the plan's where the model is known; none is fine
     mine = [g for g in groups or () if all(lin.startswith(block.name + ".") for lin in g["linears"])]
-    changed, qparams, info, unrounded = {}, {}, {}, {}
+    changed, qparams, info, kept = {}, {}, {}, {}
     for stage in _stages(weights, mine, o.true_sequential):
         sites = {Site(plan.site_module(s[0]), "input"): init_stats(observer="hessian") for s in stage}
-        for p, (w, qp, more, u) in _solve_stage(stage, sites, block, changed, params, plan, solver, context).items():
+        for p, (w, qp, more, u) in _solve_stage(stage, sites, block, changed, params, plan, solver, context,
+                                                unrounded).items():
             changed[p], qparams[p], info[p] = w, qp, more
             if u is not None:
-                unrounded[p] = u
-    return changed, qparams, info, unrounded
+                kept[p] = u
+    return changed, qparams, info, kept
 
 
 register_algorithm("gptq", step, needs=BlockInputs(float_inputs=lambda **o: bool(o.get("gptaq"))), options=Options,

@@ -243,7 +243,7 @@ def _gptq_start(params, plan, context, weights) -> dict:
     """``{path: (unrounded weight, QParams)}``: GPTQ's solution of the block (its default options), each 2-D
     linear weight as its columns stood when rounded (float32) with GPTQ's parameters; stacked experts (solved
     expert by expert, no unrounded weight kept) are left out and start from min-max ranges."""
-    _, qparams, _, unrounded = gptq_solve(params, plan, context=context)
+    _, qparams, _, unrounded = gptq_solve(params, plan, context=context, unrounded=True)
     return {p: (unrounded[p], qparams[p]) for p in weights if p in unrounded}
 
 
