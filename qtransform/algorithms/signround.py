@@ -166,9 +166,9 @@ def step(params, plan, *, context, iters: int = 200, lr: float | None = None, mi
         return Fit()
     lr = 1.0 / max(iters, 1) if lr is None else float(lr)
     minmax_lr = lr if minmax_lr is None else float(minmax_lr)
-    start = _gptq_start(params, plan, context, weights) if init == "gptq" else {}
-    prep = {p: prepare(start[p][0], plan.specs[p], path=p, start=start[p][1])._replace(dtype=params[p].dtype)
-            if p in start else prepare(params[p], plan.specs[p], path=p) for p in weights}
+    solved = _gptq_start(params, plan, context, weights) if init == "gptq" else {}
+    prep = {p: prepare(solved[p][0], plan.specs[p], path=p, start=solved[p][1])._replace(dtype=params[p].dtype)
+            if p in solved else prepare(params[p], plan.specs[p], path=p) for p in weights}
     state = {p: clip_init(q, zero_point=zero_point) if init == "mse" else init_state(q) for p, q in prep.items()}
     learn_range = {p: minmax and q.ranged for p, q in prep.items()}
     targets = _targets(block)
