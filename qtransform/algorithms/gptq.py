@@ -154,8 +154,10 @@ def _is_experts(paths, plan) -> bool:
     return len(paths) == 1 and plan[paths[0]].module_type == "Experts"
 
 
-def _solve_set(paths: list[str], H, params, plan, options, cross=None) -> tuple[dict, dict, dict, dict]:
-    """GPTQ of one sharing set: ``(weights, qparams, info, unrounded)`` by path (stacked experts: no unrounded)."""
+def _solve_set(paths: list[str], H, params, plan, options, cross=None,
+               keep: bool = False) -> tuple[dict, dict, dict, dict]:
+    """GPTQ of one sharing set: ``(weights, qparams, info, unrounded)`` by path (unrounded weights only with
+    ``keep``, and none for stacked experts)."""
     if _is_experts(paths, plan):
         new, qps, info = _solve_experts(paths[0], H, params, plan, options)
         if cross is not None or options["gptaq"]:
@@ -173,14 +175,15 @@ def _solve_set(paths: list[str], H, params, plan, options, cross=None) -> tuple[
         weights.append(w)
         specs.append(spec)
         flips.append(flip)
-    results = gptq_many(weights, H, specs, paths=paths, **options)
+    results = gptq_many(weights, H, specs, paths=paths, unrounded=keep, **options)
     new, qps, info, unrounded = {}, {}, {}, {}
     for p, r, flip in zip(paths, results, flips):
         qp = r.qparams
         if flip:
             qp = transposed_qparams(qp, plan.specs[p], path=p)
         new[p] = r.weight.T.contiguous() if flip else r.weight
-        unrounded[p] = r.unrounded.T.contiguous() if flip else r.unrounded
+        if r.unrounded is not None:
+            unrounded[p] = r.unrounded.T.contiguous() if flip else r.unrounded
         qps[p] = qp
         info[p] = {"gptq_loss": float(f"{r.loss:.6g}")}  # 6 significant digits: small losses stay nonzero
         if cross is not None:
@@ -224,8 +227,8 @@ def _solve_stage(stage, sites, block, changed, params, plan, solver, context, ke
         s = key[site]
         H = stats.pop(site)  # each Hessian freed once used
         H = H if isinstance(H, (tuple, torch.Tensor)) else finalize_stats(H, path=s[0])  # experts: one per expert
-        new, qps, more, unr = _solve_set(s, H, params, plan, solver, cross=crosses.pop(site, None))
-        out[site] = {p: (new[p], qps[p], more[p], unr.get(p) if keep else None) for p in s}
+        new, qps, more, unr = _solve_set(s, H, params, plan, solver, cross=crosses.pop(site, None), keep=keep)
+        out[site] = {p: (new[p], qps[p], more[p], unr.get(p)) for p in s}
     if par.world > 1:
         packed = {site: {p: (quantize(w, qp, path=p), i, u) for p, (w, qp, i, u) in v.items()}
                   for site, v in out.items()}

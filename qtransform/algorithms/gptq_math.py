@@ -82,9 +82,9 @@ class GPTQResult(NamedTuple):
     dtype of the input); ``qparams``: its parameters (of ``weight[:, perm]`` when ``g_idx`` is
     given); ``loss``: GPTQ's ``Σ e² / 2``; ``perm``: the processing order (``act_order``) or
     ``None``; ``g_idx``: group of each input column, only for ``act_order`` with dynamic groups;
-    ``unrounded``: the weight as its columns stood when they were rounded (the errors of the columns before
-    them compensated; float32, input columns in their own order): rounding it to nearest with ``qparams``
-    gives ``weight``."""
+    ``unrounded`` (when asked): the weight as its columns stood when they were rounded (the errors of the
+    columns before them compensated; float32, input columns in their own order): rounding it to nearest with
+    ``qparams`` gives ``weight``."""
 
     weight: torch.Tensor
     qparams: QParams
@@ -208,7 +208,7 @@ def gptq_many(weights: Sequence[torch.Tensor], H: torch.Tensor, specs: Sequence[
               damp: float = 0.01, block_size: int = 128, act_order: bool = False, static_groups: bool = False,
               init: str = "minmax", observer=None, max_retries: int = 6,
               paths: Sequence[str | None] | None = None, cross: torch.Tensor | None = None,
-              alpha: float = 0.25) -> list[GPTQResult]:
+              alpha: float = 0.25, unrounded: bool = False) -> list[GPTQResult]:
     """GPTQ of weights that read the same input (one ``H``: q/k/v, gate/up), solved together: their
     rows are stacked, the Hessian is factorized once and every column step covers all of them. Each
     result equals :func:`gptq` of that weight alone.
@@ -227,6 +227,8 @@ def gptq_many(weights: Sequence[torch.Tensor], H: torch.Tensor, specs: Sequence[
         paths: tree paths, for messages.
         cross: GPTAQ's ``(in, in)`` ``ΔXᵀX̃ / n`` (same tokens and scale as ``H``); ``None``: GPTQ.
         alpha: GPTAQ's scale of the asymmetric term (``>= 0``; with ``cross`` only).
+        unrounded: also return each weight as its columns stood when rounded (:attr:`GPTQResult.unrounded`;
+            one more float32 copy of the weights).
     """
     paths = list(paths) if paths is not None else [None] * len(weights)
     if len(weights) != len(specs) or len(paths) != len(weights) or not weights:
@@ -329,17 +331,18 @@ def gptq_many(weights: Sequence[torch.Tensor], H: torch.Tensor, specs: Sequence[
             if P is not None:  # W1: the block's columns before rounding
                 Wt[i2:].addmm_(P[i1:i2, i2:].T, W1)
     inv = None if perm is None else torch.argsort(perm)
-    Qo, Wo = (Q, Wt) if inv is None else (Q[inv], Wt[inv])  # Wt: each column as it stood when rounded
+    Qo = Q if inv is None else Q[inv]
+    Wo = None if not unrounded else Wt if inv is None else Wt[inv]  # Wt: each column as it stood when rounded
     results = []
     for i, (W, m) in enumerate(zip(weights, members)):
         weight = Qo[:, m.rows].T.to(W.dtype).contiguous()
-        unrounded = Wo[:, m.rows].T.contiguous()
+        kept = None if Wo is None else Wo[:, m.rows].T.contiguous()
         loss = float(losses[m.rows].sum())
         if m.static:
-            results.append(GPTQResult(weight, fitted[i], loss, perm, unrounded=unrounded))
+            results.append(GPTQResult(weight, fitted[i], loss, perm, unrounded=kept))
         else:
             g_idx = None if perm is None else (inv // m.group).to(torch.int32)
-            results.append(GPTQResult(weight, _splice(groups[i], m.spec), loss, perm, g_idx, unrounded))
+            results.append(GPTQResult(weight, _splice(groups[i], m.spec), loss, perm, g_idx, kept))
     return results
 
 

@@ -102,8 +102,9 @@ def test_the_unrounded_weight_is_each_column_as_it_stood_when_rounded(act_order,
     x, w, H = problem(seed=5)
     spec = spec_of(3, False, 16, w.shape[1])
     q_ref, u_ref = reference(w, H, 3, False, 16, act_order=act_order, static=static, unrounded=True)
-    r = gptq(w, H, spec, act_order=act_order, static_groups=static, block_size=8)
+    r = gptq(w, H, spec, act_order=act_order, static_groups=static, block_size=8, unrounded=True)
     assert agree(r.weight, q_ref)
+    assert gptq(w, H, spec, act_order=act_order, static_groups=static, block_size=8).unrounded is None
     torch.testing.assert_close(r.unrounded, u_ref, rtol=1e-3, atol=1e-4 * float(u_ref.abs().max()))
     assert r.unrounded.dtype == torch.float32 and r.unrounded.shape == w.shape
     assert torch.equal(qt.dequantize(qt.quantize(r.unrounded, r.qparams)), r.weight)
