@@ -129,10 +129,12 @@ $(AUTOROUND)/bin/python:
 
 bench-signround-peer: $(AUTOROUND)/bin/python
 
-## learned rounding (issue 33) on SmolLM2 at W4 g128, W3 g64, W2 g64: RTN, GPTQ, AWQ, SignRound, AWQ->SignRound, GPTAQ,
-## each + low-rank 32, beside auto-round with the same tokens and iterations (bench/results/signround.{json,md})
+## learned rounding (issue 33) on SmolLM2 at W4 g128, W3 g64, W2 g64: RTN, GPTQ, GPTAQ, AWQ, SignRound (from min-max,
+## a clipping search, GPTQ's solution), AWQ->SignRound, each + low-rank 32, beside auto-round with the same tokens,
+## 8 iterations of batch 4, lr 1/8 (about 3 hours on 2 quiet cores; bench/results/signround.{json,md})
 bench-signround: $(STAMP) $(AUTOROUND)/bin/python
-	HF_HUB_OFFLINE=1 $(BIN)/python bench/bench_signround.py --peer-python $(AUTOROUND)/bin/python
+	HF_HUB_OFFLINE=1 $(BIN)/python bench/bench_signround.py --peer-python $(AUTOROUND)/bin/python --iters 8 \
+		--batch-size 4 --lr 0.125
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis
