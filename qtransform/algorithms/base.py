@@ -165,12 +165,11 @@ class SiteStats(NamedTuple):
 class BlockInputs(NamedTuple):
     """The step runs one block at a time on that block's calibration inputs (``context.block``).
 
-    Its :class:`Fit` for a block may only touch that block's tensors; the calibrator quantizes the
-    block with the parameters fitted so far (round to nearest where none were) before computing
-    the next block's inputs. ``tokens(**options) -> int | None``, when given, says how many
-    calibration tokens the step uses: the calibrator then keeps whole batches, spread over the
-    data, until that many (``None``: all). ``float_inputs(**options) -> bool``, when true, asks for the float
-    model's inputs of each block as well (:attr:`Block.float_inputs`: AutoRound's and GPTAQ's targets)."""
+    Its :class:`Fit` for a block may only touch that block's tensors; the calibrator quantizes the block with
+    the parameters fitted so far (round to nearest where none were) before computing the next block's inputs.
+    ``tokens(**options) -> int | None``: how many calibration tokens the step uses (whole batches spread over
+    the data; ``None``: all). ``float_inputs(**options) -> bool``: when true, the float model's inputs of each
+    block as well (:attr:`Block.float_inputs`: AutoRound's and GPTAQ's targets)."""
 
     tokens: Callable[..., int | None] | None = None
     float_inputs: Callable[..., bool] | None = None
@@ -205,19 +204,15 @@ class Block(NamedTuple):
         call: ``call(module, params, args, kwargs) -> output``: the module at path ``module`` (inside the
             block, or the block itself) on ``args``/``kwargs``, its tensors taken from ``params``
             (missing paths keep the current tree's): a pure, differentiable function of ``params``.
-        tokens: the calibration tokens in ``inputs`` over all batches, counted by the caller who captured
-            them and knows which input holds the hidden states (``None``: :func:`block_tokens` counts the
-            rows of each batch's first tensor).
+        tokens: the calibration tokens in ``inputs`` over all batches, counted by the caller, who knows which
+            input holds the hidden states (``None``: :func:`block_tokens` counts the first tensor's rows).
         parallel: the processes running this step on disjoint shares of the calibration data
             (:class:`qtransform.Parallel`; :data:`qtransform.SERIAL` for one). ``inputs``, ``run``, ``capture``
             and ``call`` are this rank's share; ``site_stats`` and ``tokens`` are over all ranks' data.
         float_inputs: if the step asked (``BlockInputs.float_inputs``), per batch the block's ``(args, kwargs)`` in
             the float model (the blocks before it as the earlier steps left them, unquantized), batch for batch as
-            ``inputs``; else ``None``. The block's float output on batch ``i``: ``call(name, {}, *float_inputs[i])``.
-        float_outputs: with ``float_inputs``, ``float_outputs() -> [hidden states per batch]``: the block's output
-            tensors on ``float_inputs`` with its tensors as the earlier steps left them (a step's targets), run once
-            on the first call and shared with the caller, who passes them on as the next block's float inputs
-            (``None`` where the caller offers no such cache: compute them with ``call``).
+            ``inputs``; else ``None``. ``float_outputs()``: the block's output tensors on them (a step's targets),
+            run once and passed on by the caller as the next block's float inputs (``None``: use ``call``).
     """
 
     name: str

@@ -271,7 +271,7 @@ def test_the_preset_from_the_command_line_saves_and_reloads_with_identical_logit
 
 @pytest.mark.parametrize("options,message", [
     ({"iters": -1}, "iters must be an int >= 0"), ({"lr": 0.0}, "lr must be"), ({"batch_size": 0}, "batch_size"),
-    ({"zero_point": "floor"}, "zero_point must be one of"), ({"init": "gptq"}, "init must be one of"), ({"minmax": "yes"}, "minmax must be true or false"),
+    ({"zero_point": "floor"}, "zero_point must be one of"), ({"init": "hqq"}, "init must be one of"), ({"minmax": "yes"}, "minmax must be true or false"),
     ({"itres": 3}, "itres")])
 def test_bad_options_are_refused_by_name_before_calibration(options, message):
     calls = []
