@@ -68,7 +68,8 @@ def steps_of(method: str, *, iters: int, batch_size: int, lr: float, amp: bool =
     signround = qt.Step("signround", **learned)
     steps = {"rtn": [], "gptq": [qt.Step("gptq")], "awq": [qt.Step("awq")], "signround": [signround],
              "signround_mse": [qt.Step("signround", **learned, init="mse")],
-             "signround_gptq": [qt.Step("signround", **learned, init="gptq")],
+             "signround_gptq": [qt.Step("signround", **{k: v for k, v in learned.items() if k != "lr"},
+                                        init="gptq")],  # the step's own lr from GPTQ's start: 1 / (10 iters)
              "awq_signround": [qt.Step("awq", clip=False), signround],
              "gptaq": [qt.Step("gptq", gptaq=True)]}[base]
     return steps + [qt.Step("lowrank", rank=32)] if low else steps
@@ -136,7 +137,10 @@ def measure(model, cal, ev, fp, *, schemes, methods, iters, batch_size, lr, thre
                    "seconds": round(seconds, 1), "load": round(os.getloadavg()[0], 1),
                    "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
             if "signround" in method or method == "autoround":  # signround_mse too
-                row["settings"] = {"iters": iters, "batch_size": batch_size, "lr": lr, **({"amp": True} if amp else {})}
+                step_lr = lr if method == "autoround" else next(
+                    s.options.get("lr", 0.1 / iters) for s in steps if s.name == "signround")
+                row["settings"] = {"iters": iters, "batch_size": batch_size, "lr": step_lr,
+                                   **({"amp": True} if amp else {})}
             if method == "autoround":
                 row["peer"] = {k: other.get(k) for k in ("max_distinct_per_group", "layers_changed", "versions")}
             rows.append(row)
@@ -165,7 +169,7 @@ def table(rows: list[dict], settings: dict | None = None) -> str:
     def cell(r):
         other = r.get("settings") not in (None, settings)
         return f"x{r['ratio']}, {r['seconds']} s" + (f" ({r['settings']['iters']} it, batch "
-                                                     f"{r['settings']['batch_size']}"
+                                                     f"{r['settings']['batch_size']}, lr {r['settings']['lr']:g}"
                                                      + (", amp" if r['settings'].get("amp") else "") + ")"
                                                      if other else "")
     cells = {(r["scheme"], r["method"]): cell(r) for r in rows}

@@ -14,7 +14,7 @@ block's outputs on the float chain's inputs (computed once)::
         lr_t = lr * (1 - t / iters)                                              (linear decay)
         V     <- clamp(V     - lr_t        * sign(dL/dV),     -0.5, 0.5)
         alpha <- clamp(alpha - minmax_lr_t * sign(dL/dalpha),  0.5, 1)   (beta alike)
-    keep the start instead if its loss on all the batches is not above the best iterate's  (best=True)
+    keep the lowest of the start, the best iterate and the last on the judging batches       (best=True)
     W_q = the weight quantized with the kept (V, alpha, beta) through the format's codec
 
 ``W~`` is :func:`.signround_math.learned_fake_quantize` (straight-through rounding; the zero point's gradient
@@ -22,12 +22,16 @@ per ``zero_point``). All the block's planned linear weights (``nn.Linear``, GPT-
 mixture-of-experts layer's stacked weights: the paths :func:`.gptq.linear_weights` picks) are trained jointly;
 the other tensors of the block are left to the next steps (round to nearest when none fits them).
 The best iterate is judged on the batches of its own iteration, which differ from one iteration to the next (an
-iterate can win on an easy batch), so with ``best`` the kept state is checked once more on all the calibration
-batches against the start (round to nearest from min-max or the ``init`` clip): the learned state stays only if
-it is lower there. ``Fit.info`` holds, per weight, ``signround_loss`` (the kept state's) and ``rtn_loss`` (the
-start's), the block's output MSE on all the batches (with ``best=False`` the last iterate is kept as it is).
+iterate can win on an easy batch, and the start often does), so with ``best`` the kept state is the lowest of
+three on the judging batches: the start (round to nearest from min-max, the ``init`` clip, or GPTQ's result),
+the best iterate and the last one (the state after the last step, which the loop never scores). The judging
+batches are all the calibration batches, or with ``holdout = k`` every k-th one (batches k-1, 2k-1, ...), which
+then take no part in the tuning: a state lower on the batches it was trained on can be higher on other text.
+``Fit.info`` holds, per weight, ``signround_loss`` (the kept state's) and ``rtn_loss`` (the start's), the
+block's output MSE on the judging batches (with ``best=False`` the last iterate is kept as it is).
 
-Options (defaults; AutoRound's where it has one): ``iters`` (200), ``lr`` (``None``: ``1 / iters``),
+Options (defaults; AutoRound's where it has one): ``iters`` (200), ``lr`` (``None``: ``1 / iters``, AutoRound's;
+with ``init="gptq"`` ``1 / (10 iters)``: GPTQ's start is close already, larger steps undo it),
 ``minmax_lr`` (``None``: ``lr``), ``batch_size`` (8: calibration sequences per iteration; the step takes whole
 calibration batches, ``ceil(batch_size / rows per batch)`` of them, from a shuffle seeded by ``seed`` that is
 redrawn when used up, like AutoRound's index sampler), ``minmax`` (True: learn ``alpha``, ``beta``; False:
@@ -42,7 +46,9 @@ train on the quantized chain's inputs, AutoRound's ``enable_quanted_input``; Fal
 ``amp`` (False: the tuning iterations' forward and backward passes in the model's dtype; True: under
 ``torch.autocast`` in bfloat16, AutoRound's ``amp``, about 1.7x faster on CPUs with bf16 dot products; the float
 targets, the check against the start and the final quantization stay in the model's dtype),
-``seed`` (0) and ``tokens`` (``None``: all the calibration data given; else whole batches spread over it).
+``seed`` (0), ``holdout`` (5: every fifth calibration batch judges instead of training, when there are five or
+more; 0: none, all batches train and judge, AutoRound's use of the data) and
+``tokens`` (``None``: all the calibration data given; else whole batches spread over it).
 AutoRound's momentum (0), gradient accumulation (1) and early stop (off) are fixed at its defaults.
 
 On several ranks (``block.parallel``) each rank computes the gradient on its share of the batches and the
@@ -86,7 +92,8 @@ class Options:
     """
 
     iters: int = option(200, ge=0, doc="signed gradient steps per block")
-    lr: float | None = option(None, gt=0, doc="the offsets' step size (None: 1 / iters), decayed linearly to 0")
+    lr: float | None = option(None, gt=0, doc="the offsets' step size (None: 1 / iters; from GPTQ's start "
+                                               "1 / (10 iters)), decayed linearly to 0")
     minmax_lr: float | None = option(None, gt=0, doc="the clipping factors' step size (None: lr)")
     batch_size: int = option(8, ge=1, doc="calibration sequences per iteration")
     minmax: bool = option(True, doc="learn the clipping factors alpha, beta")
@@ -97,7 +104,13 @@ class Options:
     quantized_inputs: bool = option(True, doc="train on the quantized chain's block inputs (False: the float chain's)")
     amp: bool = option(False, doc="the tuning passes under torch.autocast in bfloat16 (AutoRound's amp)")
     seed: int = option(0, ge=0, doc="the batches' shuffle")
+    holdout: int = option(5, ge=0, expect="an int, 0 (none) or >= 2",
+                          doc="every holdout-th calibration batch judges the kept state instead of training it")
     tokens: int | None = option(None, ge=1, doc="calibration tokens used (None: all given)")
+
+    def __post_init__(self):
+        if self.holdout == 1:
+            raise ValueError("holdout must be an int, 0 (none) or >= 2, got 1 (every batch held out)")
 
 
 check_options = options_checker("signround", Options)
@@ -122,16 +135,17 @@ def _rows(args, kwargs) -> int:
 
 
 class _Sampler:
-    """Whole batches, ``per`` at a time, from a seeded shuffle redrawn when fewer than ``per`` are left."""
+    """Whole batches of ``pool`` (their indices), ``per`` at a time, from a seeded shuffle redrawn when fewer than
+    ``per`` are left."""
 
-    def __init__(self, n: int, per: int, seed: int):
-        self.n, self.per = n, min(per, n)
+    def __init__(self, pool: list[int], per: int, seed: int):
+        self.pool, self.per = pool, min(per, len(pool))
         self.gen = torch.Generator().manual_seed(seed)
         self.order, self.at = [], 0
 
     def next(self) -> list[int]:
         if self.at + self.per > len(self.order):
-            self.order, self.at = torch.randperm(self.n, generator=self.gen).tolist(), 0
+            self.order, self.at = [self.pool[j] for j in torch.randperm(len(self.pool), generator=self.gen)], 0
         self.at += self.per
         return self.order[self.at - self.per:self.at]
 
@@ -151,11 +165,12 @@ def _targets(block) -> list[torch.Tensor]:
 
 def step(params, plan, *, context, iters: int = 200, lr: float | None = None, minmax_lr: float | None = None,
          batch_size: int = 8, minmax: bool = True, init: str = "minmax", zero_point: str = "ste", best: bool = True,
-         quantized_inputs: bool = True, amp: bool = False, seed: int = 0, tokens: int | None = None) -> Fit:
+         quantized_inputs: bool = True, amp: bool = False, seed: int = 0, holdout: int = 5,
+         tokens: int | None = None) -> Fit:
     """The ``signround`` step on one block (``context.block``); see the module docstring."""
     check_options(iters=iters, lr=lr, minmax_lr=minmax_lr, batch_size=batch_size, minmax=minmax, init=init,
                   zero_point=zero_point, best=best, quantized_inputs=quantized_inputs, amp=amp, seed=seed,
-                  tokens=tokens)
+                  holdout=holdout, tokens=tokens)
     block = context.block
     if block is None:
         raise ValueError("signround runs block by block on calibration data (a calibrator's blockwise)")
@@ -164,7 +179,7 @@ def step(params, plan, *, context, iters: int = 200, lr: float | None = None, mi
     weights = linear_weights(params, plan, block.paths)
     if not weights:
         return Fit()
-    lr = 1.0 / max(iters, 1) if lr is None else float(lr)
+    lr = (0.1 if init == "gptq" else 1.0) / max(iters, 1) if lr is None else float(lr)
     minmax_lr = lr if minmax_lr is None else float(minmax_lr)
     solved = _gptq_start(params, plan, context, weights) if init == "gptq" else {}
     prep = {p: prepare(solved[p][0], plan.specs[p], path=p, start=solved[p][1])._replace(dtype=params[p].dtype)
@@ -182,11 +197,14 @@ def step(params, plan, *, context, iters: int = 200, lr: float | None = None, mi
     start = sum(counts[:par.rank])
     rows = [_rows(*inputs[0])] if par.world == 1 else par.gather(_rows(*inputs[0]) if inputs else 1)
     per = max(1, math.ceil(batch_size / max(max(rows), 1)))
-    sampler = _Sampler(sum(counts), per, seed)
+    total = sum(counts)
+    held = [i for i in range(total) if holdout and i % holdout == holdout - 1]
+    sampler = _Sampler(sorted(set(range(total)) - set(held)), per, seed)
+    judge = [i - start for i in held if start <= i < start + len(inputs)] if held else range(len(inputs))
 
     device = targets[0].device.type if targets else "cpu"
 
-    def loss(diff, fixed, picks, fast=False):
+    def error(diff, fixed, picks, fast=False):
         tensors = {p: learned_fake_quantize(prep[p], Learned(diff[p][0], *(diff[p][1:] or fixed[p])),
                                             zero_point=zero_point) for p in weights}
         sse = torch.zeros((), dtype=torch.float32)
@@ -204,13 +222,14 @@ def step(params, plan, *, context, iters: int = 200, lr: float | None = None, mi
                 {p: (s.alpha, s.beta) for p, s in st.items()})
 
     def data_loss(st) -> float:
-        """The block's output MSE with state ``st`` on every calibration batch (all ranks')."""
+        """The block's output MSE with state ``st`` on the judging batches (all ranks'): the held-out ones, else
+        every calibration batch."""
         with torch.no_grad():
-            sse = loss(*split(st), range(len(inputs)))
-        _, sse, count = _reduce({}, sse, float(sum(t.numel() for t in targets)), par)
+            sse = error(*split(st), judge)
+        _, sse, count = _reduce({}, sse, float(sum(targets[i].numel() for i in judge)), par)
         return float(sse) / max(count, 1.0)
 
-    grad_and_value = torch.func.grad_and_value(loss)
+    grad_and_value = torch.func.grad_and_value(error)
     initial = state
     best_loss, best_state, first_loss = math.inf, state, math.nan
     for t in context.track(range(iters), desc=f"signround {block.name}", total=iters):
@@ -224,14 +243,13 @@ def step(params, plan, *, context, iters: int = 200, lr: float | None = None, mi
         decay = 1.0 - t / iters
         state = {p: sign_step(s, Learned(grads[p][0], *(grads[p][1:] if learn_range[p] else (None, None))),
                               lr=lr * decay, minmax_lr=minmax_lr * decay) for p, s in state.items()}
-    if iters:  # the kept state and the start, both on every batch
+    if iters:  # the start, the best iterate and the last one on the judging batches (ties: the earlier)
         first_loss = data_loss(initial)
-        if not best:
-            best_state, best_loss = state, data_loss(state)
-        else:
-            best_loss = data_loss(best_state) if best_state is not initial else first_loss
-            if first_loss <= best_loss:
-                best_state, best_loss = initial, first_loss
+        kept = [(first_loss, 0, initial)] if best else []
+        if best and best_state is not initial:
+            kept.append((data_loss(best_state), 1, best_state))
+        kept.append((data_loss(state), 2, state))
+        best_loss, _, best_state = min(kept, key=lambda k: k[:2])
     new, qparams, info = {}, {}, {}
     for p in weights:
         new[p], qparams[p] = finalize(prep[p], best_state[p], zero_point=zero_point)

@@ -41,8 +41,7 @@ def test_steps_of_each_row():
     assert bench.steps_of("signround+lowrank32", **kw) == [sr, qt.Step("lowrank", rank=32)]
     assert bench.steps_of("rtn+lowrank32", **kw) == [qt.Step("lowrank", rank=32)]
     assert bench.steps_of("signround_mse", **kw) == [qt.Step("signround", iters=3, batch_size=2, lr=0.5, init="mse")]
-    assert bench.steps_of("signround_gptq", **kw) == [qt.Step("signround", iters=3, batch_size=2, lr=0.5,
-                                                              init="gptq")]
+    assert bench.steps_of("signround_gptq", **kw) == [qt.Step("signround", iters=3, batch_size=2, init="gptq")]
     assert bench.steps_of("signround", amp=True, **kw) == [qt.Step("signround", iters=3, batch_size=2, lr=0.5,
                                                                    amp=True)]
     assert len(bench.METHODS) == 17 and bench.METHODS[-1] == "autoround"
@@ -99,7 +98,7 @@ def test_merge_keeps_unrepeated_rows_in_table_order_and_table_marks_other_settin
         "| method | uint4-asym-g128 | uint3-asym-g64 | uint2-asym-g64 |", "|---|---|---|---|",
         "| RTN | x1.3, 1.0 s | - | x40.0, 2.0 s |", "| GPTQ | - | - | x3.0, 100.0 s |",
         "| auto-round (intel, same run) | - | - | x9.0, 500.0 s |"]
-    assert "x9.0, 500.0 s (4 it, batch 1)" in bench.table(rows, {**s, "iters": 8})
+    assert "x9.0, 500.0 s (4 it, batch 1, lr 0.25)" in bench.table(rows, {**s, "iters": 8})
 
 
 def test_peer_command_round_trips_through_the_peer_parser():

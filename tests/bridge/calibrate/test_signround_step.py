@@ -123,6 +123,53 @@ def test_the_kept_state_is_never_worse_than_the_start_on_all_the_batches(lr):
         assert all(torch.equal(qt.dequantize(result.qtree[p]), qt.dequantize(rtn.qtree[p])) for p in planned)
 
 
+@pytest.mark.parametrize("lr", [0.3, 0.05])
+def test_the_kept_state_is_never_worse_than_the_last_iterate(lr):
+    """``best=True`` keeps the lowest of the start, the best iterate and the last iterate; ``best=False`` the last.
+    On the first block (the same inputs, the embeddings, in both runs) the kept state's error on all the batches,
+    measured through the rebuilt modules, is never above the last iterate's."""
+    model = _model("llama")
+    calib = _batches(4, 1)
+    err_best, _, _ = _errors(model, "llama", _recipe(U2), calib, calib,
+                             qt.Step("signround", iters=5, lr=lr, batch_size=2))
+    err_last, _, _ = _errors(model, "llama", _recipe(U2), calib, calib,
+                             qt.Step("signround", iters=5, lr=lr, batch_size=2, best=False))
+    assert err_best <= err_last * (1 + 1e-5), (err_best, err_last)
+
+
+def test_holdout_batches_judge_and_are_never_trained_on():
+    """``holdout=2``: calibration batches 1 and 3 (every second) are left out of the tuning passes (run with
+    gradients) and are the ones the start, the best and the last iterate are compared on; the info's losses are the first
+    block's output MSE over those two batches' elements alone (measured here through the rebuilt modules)."""
+    model = _model("llama")
+    g = torch.Generator().manual_seed(1)
+    calib = [torch.randint(0, 128, (2, 20 + i), generator=g) for i in range(4)]  # batch i: 20 + i tokens
+    recipe = _recipe(U2)
+    seen = []
+    hook = model.get_submodule(FIRST["llama"]).self_attn.q_proj.register_forward_pre_hook(
+        lambda m, a: seen.append((a[0].shape[-2], torch.is_grad_enabled())))
+    try:
+        result = _quantize(model, recipe, calib, qt.Step("signround", iters=6, batch_size=2, lr=0.1, holdout=2))
+    finally:
+        hook.remove()
+    tuned = [n for n, grad in seen if grad]
+    assert len(tuned) == 6 and set(tuned) == {20, 22}, tuned
+    untuned = [n for n, grad in seen if not grad]
+    # + the three states judged: the start, the best iterate (not the start here) and the last one
+    assert untuned.count(21) == untuned.count(23) == untuned.count(20) + 3, untuned
+    learned, rtn = bridge.to_module(model, result, kernel="dequant"), bridge.quantize(model, recipe, kernel="dequant")
+    sse = {"signround_loss": 0.0, "rtn_loss": 0.0}
+    for ids in (calib[1], calib[3]):
+        y = _first_block_output(model, FIRST["llama"], ids)[0]
+        for key, m in (("signround_loss", learned), ("rtn_loss", rtn)):
+            sse[key] += float((_first_block_output(m, FIRST["llama"], ids)[0] - y).pow(2).sum())
+    count = 2 * (21 + 23) * model.config.hidden_size
+    info = result.info[f"{FIRST['llama']}.self_attn.q_proj.weight"]
+    for key in sse:
+        assert info[key] == pytest.approx(sse[key] / count, rel=1e-4), key
+    assert info["signround_loss"] < info["rtn_loss"]
+
+
 @pytest.mark.parametrize("family", ["uint4-asym", "nvfp4"])
 def test_on_held_out_tokens_too(family):
     model = _model("llama")
@@ -271,7 +318,8 @@ def test_the_preset_from_the_command_line_saves_and_reloads_with_identical_logit
 
 @pytest.mark.parametrize("options,message", [
     ({"iters": -1}, "iters must be an int >= 0"), ({"lr": 0.0}, "lr must be"), ({"batch_size": 0}, "batch_size"),
-    ({"zero_point": "floor"}, "zero_point must be one of"), ({"init": "hqq"}, "init must be one of"), ({"minmax": "yes"}, "minmax must be true or false"),
+    ({"zero_point": "floor"}, "zero_point must be one of"), ({"init": "hqq"}, "init must be one of"),
+    ({"holdout": 1}, "holdout must be an int, 0 .none. or >= 2"), ({"minmax": "yes"}, "minmax must be true or false"),
     ({"itres": 3}, "itres")])
 def test_bad_options_are_refused_by_name_before_calibration(options, message):
     calls = []

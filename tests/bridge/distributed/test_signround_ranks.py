@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).parents[1]))
 from dist_util import run_ranks  # noqa: E402
 
 
-def _job(rank, world, batch_size):
+def _job(rank, world, batch_size, holdout=0):
     import bridge
     from bridge_util import tiny_causal_lm
 
@@ -28,7 +28,8 @@ def _job(rank, world, batch_size):
     g = torch.Generator().manual_seed(1)
     batches = [torch.randint(0, 128, (2, 16), generator=g) for _ in range(5)]
     recipe = dataclasses.replace(qt.get_preset("signround4-g128").recipe,
-                                 steps=(qt.Step("signround", iters=12, batch_size=batch_size, lr=0.05),))
+                                 steps=(qt.Step("signround", iters=12, batch_size=batch_size, lr=0.05,
+                                                holdout=holdout),))
     q = bridge.quantize_params(model, recipe, calibration=batches)
     return {"tree": qt.flatten_tree(q.qtree), "info": q.info}
 
@@ -50,3 +51,17 @@ def test_two_ranks_take_the_one_process_steps():
     ranks = run_ranks(2, _job, 2)
     # one batch per iteration, held by one rank (the other adds zeros): the one-process tree on both
     assert _same(ranks[0], one) and _same(ranks[1], one)
+
+
+def test_with_held_out_batches_too():
+    """``holdout=2``: batches 1 and 3 judge (on whichever rank holds them), the others
+    train; the ranks' tree and losses are the one-process ones."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        one = _job(0, 1, 2, 2)
+    finally:
+        torch.set_num_threads(threads)
+    ranks = run_ranks(2, _job, 2, 2)
+    assert _same(ranks[0], one) and _same(ranks[1], one)
+    assert one["info"] != _job(0, 1, 2, 0)["info"]  # judged on other batches than with no holdout
