@@ -28,6 +28,7 @@ import tempfile
 import time
 
 import qtransform as qt
+from qtransform.algorithms.signround import default_lr
 
 from bench_gptq import arguments, ours, setup
 from common import RESULTS, machine, markdown, write
@@ -138,7 +139,8 @@ def measure(model, cal, ev, fp, *, schemes, methods, iters, batch_size, lr, thre
                    "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
             if "signround" in method or method == "autoround":  # signround_mse too
                 step_lr = lr if method == "autoround" else next(
-                    s.options.get("lr", 0.1 / iters) for s in steps if s.name == "signround")
+                    s.options.get("lr", default_lr(iters, s.options.get("init", "minmax")))
+                    for s in steps if s.name == "signround")
                 row["settings"] = {"iters": iters, "batch_size": batch_size, "lr": step_lr,
                                    **({"amp": True} if amp else {})}
             if method == "autoround":

@@ -73,7 +73,7 @@ from .options import option, options_checker
 from .signround_math import ZERO_POINTS, Learned, clip_init, finalize, learned_fake_quantize, prepare, sign_step
 from .signround_math import init as init_state
 
-__all__ = ["step", "Options", "check_options", "INITS"]
+__all__ = ["step", "Options", "check_options", "INITS", "default_lr"]
 
 #: Where the learning starts: ``minmax`` (1: min-max ranges, AutoRound's start), ``mse`` (per group the factor of a
 #: grid over [0.5, 1] with the least squared round-to-nearest error, :func:`.signround_math.clip_init`) or ``gptq``
@@ -179,7 +179,7 @@ def step(params, plan, *, context, iters: int = 200, lr: float | None = None, mi
     weights = linear_weights(params, plan, block.paths)
     if not weights:
         return Fit()
-    lr = (0.1 if init == "gptq" else 1.0) / max(iters, 1) if lr is None else float(lr)
+    lr = default_lr(iters, init) if lr is None else float(lr)
     minmax_lr = lr if minmax_lr is None else float(minmax_lr)
     solved = _gptq_start(params, plan, context, weights) if init == "gptq" else {}
     prep = {p: prepare(solved[p][0], plan.specs[p], path=p, start=solved[p][1])._replace(dtype=params[p].dtype)
@@ -255,6 +255,16 @@ def step(params, plan, *, context, iters: int = 200, lr: float | None = None, mi
         new[p], qparams[p] = finalize(prep[p], best_state[p], zero_point=zero_point)
         info[p] = {"signround_loss": float(f"{best_loss:.6g}"), "rtn_loss": float(f"{first_loss:.6g}")} if iters else {}
     return Fit(params=new, qparams=qparams, info=info)
+
+
+def default_lr(iters: int, init: str = "minmax") -> float:
+    """The offsets' step size when ``lr`` is ``None``: ``1 / iters`` (AutoRound's), ``1 / (10 iters)`` from GPTQ's
+    start (larger steps undo its compensation).
+
+    >>> default_lr(8), default_lr(8, "gptq")
+    (0.125, 0.0125)
+    """
+    return (0.1 if init == "gptq" else 1.0) / max(iters, 1)
 
 
 def _gptq_start(params, plan, context, weights) -> dict:
