@@ -31,7 +31,7 @@ then take no part in the tuning: a state lower on the batches it was trained on 
 block's output MSE on the judging batches (with ``best=False`` the last iterate is kept as it is).
 
 Options (defaults; AutoRound's where it has one): ``iters`` (200), ``lr`` (``None``: ``1 / iters``, AutoRound's;
-with ``init="gptq"`` ``1 / (10 iters)``: GPTQ's start is close already, larger steps undo it),
+with ``init="gptq"`` or ``"gptaq"`` ``1 / (10 iters)``: GPTQ's start is close already, larger steps undo it),
 ``minmax_lr`` (``None``: ``lr``), ``batch_size`` (8: calibration sequences per iteration; the step takes whole
 calibration batches, ``ceil(batch_size / rows per batch)`` of them, from a shuffle seeded by ``seed`` that is
 redrawn when used up, like AutoRound's index sampler), ``minmax`` (True: learn ``alpha``, ``beta``; False:
@@ -41,8 +41,9 @@ clipping factor of least squared round-to-nearest error on a grid over [0.5, 1],
 where min-max ranges waste levels on outliers; with ``minmax=False`` that clip stays fixed; ``"gptq"``: GPTQ's
 solution of the block, :func:`.gptq.solve`: the weights as its columns stood when rounded, the ranges its
 parameters stand for, and at ``alpha = beta = 1`` its parameters exactly, so the start is GPTQ's result;
-stacked experts from min-max), ``best`` (True: keep the iterate of lowest loss; False: the last), ``quantized_inputs`` (True:
-train on the quantized chain's inputs, AutoRound's ``enable_quanted_input``; False: the float chain's),
+stacked experts from min-max; ``"gptaq"``: the same from GPTAQ's solution, ``gptq``'s ``gptaq=True``),
+``best`` (True: keep the iterate of lowest loss; False: the last), ``quantized_inputs`` (True: train on the
+quantized chain's inputs, AutoRound's ``enable_quanted_input``; False: the float chain's),
 ``amp`` (False: the tuning iterations' forward and backward passes in the model's dtype; True: under
 ``torch.autocast`` in bfloat16, AutoRound's ``amp``, about 1.7x faster on CPUs with bf16 dot products; the float
 targets, the check against the start and the final quantization stay in the model's dtype),
@@ -77,8 +78,11 @@ __all__ = ["step", "Options", "check_options", "INITS", "default_lr"]
 
 #: Where the learning starts: ``minmax`` (1: min-max ranges, AutoRound's start), ``mse`` (per group the factor of a
 #: grid over [0.5, 1] with the least squared round-to-nearest error, :func:`.signround_math.clip_init`) or ``gptq``
-#: (GPTQ's solution of the block: its unrounded weights and parameters, :func:`.gptq.solve`).
-INITS = ("minmax", "mse", "gptq")
+#: (GPTQ's solution of the block: its unrounded weights and parameters, :func:`.gptq.solve`) or ``gptaq`` (GPTAQ's:
+#: GPTQ fitting the float model's outputs, ``gptq``'s ``gptaq=True``).
+INITS = ("minmax", "mse", "gptq", "gptaq")
+#: The starts that are a GPTQ solution (the smaller default lr, :func:`default_lr`).
+GPTQ_INITS = ("gptq", "gptaq")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -98,7 +102,7 @@ class Options:
     batch_size: int = option(8, ge=1, doc="calibration sequences per iteration")
     minmax: bool = option(True, doc="learn the clipping factors alpha, beta")
     init: str = option("minmax", choices=INITS, doc="the start: min-max ranges (AutoRound's), a clipping search, "
-                                                    "or GPTQ's solution")
+                                                    "or GPTQ's or GPTAQ's solution")
     zero_point: str = option("ste", choices=ZERO_POINTS, doc="integer zero point's gradient: straight-through or none")
     best: bool = option(True, doc="keep the iterate of lowest loss (False: the last)")
     quantized_inputs: bool = option(True, doc="train on the quantized chain's block inputs (False: the float chain's)")
@@ -181,7 +185,7 @@ def step(params, plan, *, context, iters: int = 200, lr: float | None = None, mi
         return Fit()
     lr = default_lr(iters, init) if lr is None else float(lr)
     minmax_lr = lr if minmax_lr is None else float(minmax_lr)
-    solved = _gptq_start(params, plan, context, weights) if init == "gptq" else {}
+    solved = _gptq_start(params, plan, context, weights, gptaq=init == "gptaq") if init in GPTQ_INITS else {}
     prep = {p: prepare(solved[p][0], plan.specs[p], path=p, start=solved[p][1])._replace(dtype=params[p].dtype)
             if p in solved else prepare(params[p], plan.specs[p], path=p) for p in weights}
     state = {p: clip_init(q, zero_point=zero_point) if init == "mse" else init_state(q) for p, q in prep.items()}
@@ -259,19 +263,20 @@ def step(params, plan, *, context, iters: int = 200, lr: float | None = None, mi
 
 def default_lr(iters: int, init: str = "minmax") -> float:
     """The offsets' step size when ``lr`` is ``None``: ``1 / iters`` (AutoRound's), ``1 / (10 iters)`` from GPTQ's
-    start (larger steps undo its compensation).
+    or GPTAQ's start (larger steps undo its compensation).
 
     >>> default_lr(8), default_lr(8, "gptq")
     (0.125, 0.0125)
     """
-    return (0.1 if init == "gptq" else 1.0) / max(iters, 1)
+    return (0.1 if init in GPTQ_INITS else 1.0) / max(iters, 1)
 
 
-def _gptq_start(params, plan, context, weights) -> dict:
-    """``{path: (unrounded weight, QParams)}``: GPTQ's solution of the block (its default options), each 2-D
-    linear weight as its columns stood when rounded (float32) with GPTQ's parameters; stacked experts (solved
-    expert by expert, no unrounded weight kept) are left out and start from min-max ranges."""
-    _, qparams, _, unrounded = gptq_solve(params, plan, context=context, unrounded=True)
+def _gptq_start(params, plan, context, weights, gptaq: bool = False) -> dict:
+    """``{path: (unrounded weight, QParams)}``: GPTQ's solution of the block (its default options; with ``gptaq``
+    GPTAQ's, from the block's float inputs as well), each 2-D linear weight as its columns stood when rounded
+    (float32) with GPTQ's parameters; stacked experts (solved expert by expert, no unrounded weight kept) are left
+    out and start from min-max ranges."""
+    _, qparams, _, unrounded = gptq_solve(params, plan, context=context, unrounded=True, gptaq=gptaq)
     return {p: (unrounded[p], qparams[p]) for p in weights if p in unrounded}
 
 

@@ -42,9 +42,10 @@ def test_steps_of_each_row():
     assert bench.steps_of("rtn+lowrank32", **kw) == [qt.Step("lowrank", rank=32)]
     assert bench.steps_of("signround_mse", **kw) == [qt.Step("signround", iters=3, batch_size=2, lr=0.5, init="mse")]
     assert bench.steps_of("signround_gptq", **kw) == [qt.Step("signround", iters=3, batch_size=2, init="gptq")]
+    assert bench.steps_of("signround_gptaq", **kw) == [qt.Step("signround", iters=3, batch_size=2, init="gptaq")]
     assert bench.steps_of("signround", amp=True, **kw) == [qt.Step("signround", iters=3, batch_size=2, lr=0.5,
                                                                    amp=True)]
-    assert len(bench.METHODS) == 17 and bench.METHODS[-1] == "autoround"
+    assert len(bench.METHODS) == 19 and bench.METHODS[-1] == "autoround"
     with pytest.raises(ValueError, match="signround2"):
         bench.steps_of("signround2", **kw)
 

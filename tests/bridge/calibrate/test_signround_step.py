@@ -205,17 +205,19 @@ def _quantize(model, recipe, calib, *steps):
     return bridge.quantize_params(model, dataclasses.replace(recipe, steps=steps), calibration=calib)
 
 
-@pytest.mark.parametrize("arch,family", [("llama", "uint4-asym"), ("llama", "int4-sym"), ("llama", "nf4"),
-                                         ("llama", "nvfp4"), ("gpt2", "uint4-asym"), ("qwen3_moe", "uint4-asym")])
-def test_init_gptq_starts_from_gptqs_result_exactly(arch, family):
+@pytest.mark.parametrize("arch,family,init", [
+    ("llama", "uint4-asym", "gptq"), ("llama", "int4-sym", "gptq"), ("llama", "nf4", "gptq"),
+    ("llama", "nvfp4", "gptq"), ("gpt2", "uint4-asym", "gptq"), ("qwen3_moe", "uint4-asym", "gptq"),
+    ("llama", "uint4-asym", "gptaq"), ("gpt2", "int4-sym", "gptaq"), ("qwen3_moe", "uint4-asym", "gptaq")])
+def test_init_gptq_starts_from_gptqs_result_exactly(arch, family, init):
     """``init="gptq"`` with no iterations gives the ``gptq`` step's result, value for value (GPTQ's unrounded
-    weights rounded to nearest with its parameters). Stacked experts (solved expert by expert, no unrounded
-    weights kept) start from min-max ranges instead (so a MoE model's later blocks see other inputs: compared in
-    its first block only)."""
+    weights rounded to nearest with its parameters); ``init="gptaq"`` the ``gptq`` step's with ``gptaq=True``.
+    Stacked experts (solved expert by expert, no unrounded weights kept) start from min-max ranges instead (so a
+    MoE model's later blocks see other inputs: compared in its first block only)."""
     model = _model(arch)
     calib, recipe = _batches(4, 1), _recipe(FAMILIES[family])
-    gptq = _quantize(model, recipe, calib, qt.Step("gptq"))
-    start = _quantize(model, recipe, calib, qt.Step("signround", iters=0, init="gptq"))
+    gptq = _quantize(model, recipe, calib, qt.Step("gptq", gptaq=init == "gptaq"))
+    start = _quantize(model, recipe, calib, qt.Step("signround", iters=0, init=init))
     planned = [p for p in gptq.plan.specs if "gptq_loss" in gptq.info.get(p, {})]
     if arch == "qwen3_moe":
         planned = [p for p in planned if p.startswith(FIRST[arch] + ".")]
