@@ -38,7 +38,7 @@ HERE = pathlib.Path(__file__).parent
 SCHEMES = {"uint4-asym-g128": (4, 128), "uint3-asym-g64": (3, 64), "uint2-asym-g64": (2, 64)}
 BASES = {"rtn": "RTN", "gptq": "GPTQ", "awq": "AWQ", "signround": "SignRound",
          "signround_mse": "SignRound, init mse", "signround_gptq": "SignRound, init gptq",
-         "signround_gptaq": "SignRound, init gptaq",
+         "signround_gptaq": "SignRound, init gptaq", "signround_clip": "SignRound, clipping only",
          "awq_signround": "AWQ -> SignRound", "gptaq": "GPTAQ"}
 LOWRANK = "+lowrank32"
 #: every row in table order: each of ours, then each + the rank-32 correction, then the peer.
@@ -70,6 +70,7 @@ def steps_of(method: str, *, iters: int, batch_size: int, lr: float, amp: bool =
     signround = qt.Step("signround", **learned)
     steps = {"rtn": [], "gptq": [qt.Step("gptq")], "awq": [qt.Step("awq")], "signround": [signround],
              "signround_mse": [qt.Step("signround", **learned, init="mse")],
+             "signround_clip": [qt.Step("signround", **learned, offsets=False)],  # learned weight clipping alone
              # from GPTQ's or GPTAQ's start the step's own lr: 1 / (10 iters)
              **{f"signround_{i}": [qt.Step("signround", **{k: v for k, v in learned.items() if k != "lr"}, init=i)]
                 for i in ("gptq", "gptaq")},

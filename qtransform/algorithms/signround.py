@@ -35,10 +35,12 @@ with ``init="gptq"`` or ``"gptaq"`` ``1 / (10 iters)``: GPTQ's start is close al
 ``minmax_lr`` (``None``: ``lr``), ``batch_size`` (8: calibration sequences per iteration; the step takes whole
 calibration batches, ``ceil(batch_size / rows per batch)`` of them, from a shuffle seeded by ``seed`` that is
 redrawn when used up, like AutoRound's index sampler), ``minmax`` (True: learn ``alpha``, ``beta``; False:
-offsets only), ``zero_point`` (``"ste"``: AutoRound's straight-through integer zero point; ``"round"``: a
-constant), ``init`` (``"minmax"``: ``alpha = beta = 1``, AutoRound's start; ``"mse"``: per group the
-clipping factor of least squared round-to-nearest error on a grid over [0.5, 1], a better start at 2-3 bits
-where min-max ranges waste levels on outliers; with ``minmax=False`` that clip stays fixed; ``"gptq"``: GPTQ's
+offsets only), ``offsets`` (True: learn ``V``; False: ``V`` stays 0 and only the clipping factors are learned,
+OmniQuant's learnable weight clipping by signed descent; a format with no learnable range then keeps its start),
+``zero_point`` (``"ste"``: AutoRound's straight-through integer zero point; ``"round"``: a constant), ``init``
+(``"minmax"``: ``alpha = beta = 1``, AutoRound's start; ``"mse"``: per group the clipping factor of least squared
+round-to-nearest error on a grid over [0.5, 1], a better start at 2-3 bits where min-max ranges waste levels on
+outliers; with ``minmax=False`` that clip stays fixed; ``"gptq"``: GPTQ's
 solution of the block, :func:`.gptq.solve`: the weights as its columns stood when rounded, the ranges its
 parameters stand for, and at ``alpha = beta = 1`` its parameters exactly, so the start is GPTQ's result;
 stacked experts from min-max; ``"gptaq"``: the same from GPTAQ's solution, ``gptq``'s ``gptaq=True``),
@@ -101,6 +103,7 @@ class Options:
     minmax_lr: float | None = option(None, gt=0, doc="the clipping factors' step size (None: lr)")
     batch_size: int = option(8, ge=1, doc="calibration sequences per iteration")
     minmax: bool = option(True, doc="learn the clipping factors alpha, beta")
+    offsets: bool = option(True, doc="learn the rounding offsets V (False: V = 0, the clipping factors alone)")
     init: str = option("minmax", choices=INITS, doc="the start: min-max ranges (AutoRound's), a clipping search, "
                                                     "or GPTQ's or GPTAQ's solution")
     zero_point: str = option("ste", choices=ZERO_POINTS, doc="integer zero point's gradient: straight-through or none")
@@ -115,6 +118,9 @@ class Options:
     def __post_init__(self):
         if self.holdout == 1:
             raise ValueError("holdout must be an int, 0 (none) or >= 2, got 1 (every batch held out)")
+        if not self.offsets and not self.minmax:
+            raise ValueError("offsets=False with minmax=False learns nothing: learn the offsets, the clipping factors "
+                             "or both")
 
 
 check_options = options_checker("signround", Options)
@@ -168,12 +174,12 @@ def _targets(block) -> list[torch.Tensor]:
 
 
 def step(params, plan, *, context, iters: int = 200, lr: float | None = None, minmax_lr: float | None = None,
-         batch_size: int = 8, minmax: bool = True, init: str = "minmax", zero_point: str = "ste", best: bool = True,
-         quantized_inputs: bool = True, amp: bool = False, seed: int = 0, holdout: int = 5,
-         tokens: int | None = None) -> Fit:
+         batch_size: int = 8, minmax: bool = True, offsets: bool = True, init: str = "minmax",
+         zero_point: str = "ste", best: bool = True, quantized_inputs: bool = True, amp: bool = False, seed: int = 0,
+         holdout: int = 5, tokens: int | None = None) -> Fit:
     """The ``signround`` step on one block (``context.block``); see the module docstring."""
-    check_options(iters=iters, lr=lr, minmax_lr=minmax_lr, batch_size=batch_size, minmax=minmax, init=init,
-                  zero_point=zero_point, best=best, quantized_inputs=quantized_inputs, amp=amp, seed=seed,
+    check_options(iters=iters, lr=lr, minmax_lr=minmax_lr, batch_size=batch_size, minmax=minmax, offsets=offsets,
+                  init=init, zero_point=zero_point, best=best, quantized_inputs=quantized_inputs, amp=amp, seed=seed,
                   holdout=holdout, tokens=tokens)
     block = context.block
     if block is None:
@@ -245,7 +251,8 @@ def step(params, plan, *, context, iters: int = 200, lr: float | None = None, mi
         if value < best_loss or not best:
             best_loss, best_state = value, state
         decay = 1.0 - t / iters
-        state = {p: sign_step(s, Learned(grads[p][0], *(grads[p][1:] if learn_range[p] else (None, None))),
+        state = {p: sign_step(s, Learned(grads[p][0] if offsets else None,
+                                         *(grads[p][1:] if learn_range[p] else (None, None))),
                               lr=lr * decay, minmax_lr=minmax_lr * decay) for p, s in state.items()}
     if iters:  # the start, the best iterate and the last one on the judging batches (ties: the earlier)
         first_loss = data_loss(initial)

@@ -43,9 +43,11 @@ def test_steps_of_each_row():
     assert bench.steps_of("signround_mse", **kw) == [qt.Step("signround", iters=3, batch_size=2, lr=0.5, init="mse")]
     assert bench.steps_of("signround_gptq", **kw) == [qt.Step("signround", iters=3, batch_size=2, init="gptq")]
     assert bench.steps_of("signround_gptaq", **kw) == [qt.Step("signround", iters=3, batch_size=2, init="gptaq")]
+    assert bench.steps_of("signround_clip", **kw) == [qt.Step("signround", iters=3, batch_size=2, lr=0.5,
+                                                              offsets=False)]
     assert bench.steps_of("signround", amp=True, **kw) == [qt.Step("signround", iters=3, batch_size=2, lr=0.5,
                                                                    amp=True)]
-    assert len(bench.METHODS) == 19 and bench.METHODS[-1] == "autoround"
+    assert len(bench.METHODS) == 21 and bench.METHODS[-1] == "autoround"
     with pytest.raises(ValueError, match="signround2"):
         bench.steps_of("signround2", **kw)
 

@@ -262,6 +262,24 @@ def test_offsets_and_factors_stay_in_range_and_the_result_is_the_codec_grid(monk
     assert float(fac.min()) < 1.0 and (off != 0).float().mean() > 0.2
 
 
+def test_offsets_false_learns_the_clipping_factors_alone(monkeypatch):
+    """``offsets=False``: every kept offset is exactly 0, the clipping factors moved, and the first block's error
+    (through the rebuilt modules) is below round to nearest's at 2 bits."""
+    seen = []
+    real = sr_step.finalize
+
+    def spy(lq, t, **kw):
+        seen.append(t)
+        return real(lq, t, **kw)
+
+    monkeypatch.setattr(sr_step, "finalize", spy)
+    model, calib = _model("llama"), _batches(4, 1)
+    err, rtn, _ = _errors(model, "llama", _recipe(U2), calib, calib, qt.Step("signround", iters=20, offsets=False))
+    assert len(seen) == 14 and all(int(torch.count_nonzero(t.offset)) == 0 for t in seen)
+    assert float(torch.cat([torch.cat([t.alpha.reshape(-1), t.beta.reshape(-1)]) for t in seen]).min()) < 1.0
+    assert err < rtn, (err, rtn)
+
+
 def test_init_mse_starts_from_each_groups_least_error_clip():
     """iters=0: the stored weights are the start itself, clip_init's round to nearest of each float weight (the
     first block's; its inputs do not depend on the chain), with fewer squared weight errors than min-max's."""
@@ -321,7 +339,8 @@ def test_the_preset_from_the_command_line_saves_and_reloads_with_identical_logit
 @pytest.mark.parametrize("options,message", [
     ({"iters": -1}, "iters must be an int >= 0"), ({"lr": 0.0}, "lr must be"), ({"batch_size": 0}, "batch_size"),
     ({"zero_point": "floor"}, "zero_point must be one of"), ({"init": "hqq"}, "init must be one of"),
-    ({"holdout": 1}, "holdout must be an int, 0 .none. or >= 2"), ({"minmax": "yes"}, "minmax must be true or false"),
+    ({"holdout": 1}, "holdout must be an int, 0 .none. or >= 2"),
+    ({"offsets": False, "minmax": False}, "offsets=False with minmax=False learns nothing"), ({"minmax": "yes"}, "minmax must be true or false"),
     ({"itres": 3}, "itres")])
 def test_bad_options_are_refused_by_name_before_calibration(options, message):
     calls = []
