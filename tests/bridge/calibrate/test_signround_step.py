@@ -243,7 +243,8 @@ def test_init_gptq_learns_below_gptq_at_2_bits(arch):
     assert err_sr < 0.9 * err_gptq, (err_sr, err_gptq)
 
 
-def test_offsets_and_factors_stay_in_range_and_the_result_is_the_codec_grid(monkeypatch):
+def _kept_states(monkeypatch) -> list:
+    """The ``Learned`` state each weight is finalized with, in the order the step finalizes them."""
     seen = []
     real = sr_step.finalize
 
@@ -252,6 +253,11 @@ def test_offsets_and_factors_stay_in_range_and_the_result_is_the_codec_grid(monk
         return real(lq, t, **kw)
 
     monkeypatch.setattr(sr_step, "finalize", spy)
+    return seen
+
+
+def test_offsets_and_factors_stay_in_range_and_the_result_is_the_codec_grid(monkeypatch):
+    seen = _kept_states(monkeypatch)
     model = _model("llama")
     step = qt.Step("signround", iters=40, lr=0.05, minmax_lr=0.05)  # large steps: pushed against the bounds
     bridge.quantize_params(model, _recipe(U4, step), calibration=_batches(2, 3))
@@ -265,14 +271,7 @@ def test_offsets_and_factors_stay_in_range_and_the_result_is_the_codec_grid(monk
 def test_offsets_false_learns_the_clipping_factors_alone(monkeypatch):
     """``offsets=False``: every kept offset is exactly 0, the clipping factors moved, and the first block's error
     (through the rebuilt modules) is below round to nearest's at 2 bits."""
-    seen = []
-    real = sr_step.finalize
-
-    def spy(lq, t, **kw):
-        seen.append(t)
-        return real(lq, t, **kw)
-
-    monkeypatch.setattr(sr_step, "finalize", spy)
+    seen = _kept_states(monkeypatch)
     model, calib = _model("llama"), _batches(4, 1)
     err, rtn, _ = _errors(model, "llama", _recipe(U2), calib, calib, qt.Step("signround", iters=20, offsets=False))
     assert len(seen) == 14 and all(int(torch.count_nonzero(t.offset)) == 0 for t in seen)
