@@ -28,7 +28,7 @@ import tempfile
 import time
 
 import qtransform as qt
-from qtransform.algorithms.signround import default_lr
+from qtransform.algorithms.signround import GPTQ_INITS, default_lr
 
 from bench_gptq import arguments, ours, setup
 from common import RESULTS, machine, markdown, write
@@ -73,7 +73,7 @@ def steps_of(method: str, *, iters: int, batch_size: int, lr: float, amp: bool =
              "signround_clip": [qt.Step("signround", **learned, offsets=False)],  # learned weight clipping alone
              # from GPTQ's or GPTAQ's start the step's own lr: 1 / (10 iters)
              **{f"signround_{i}": [qt.Step("signround", **{k: v for k, v in learned.items() if k != "lr"}, init=i)]
-                for i in ("gptq", "gptaq")},
+                for i in GPTQ_INITS},
              "awq_signround": [qt.Step("awq", clip=False), signround],
              "gptaq": [qt.Step("gptq", gptaq=True)]}[base]
     return steps + [qt.Step("lowrank", rank=32)] if low else steps

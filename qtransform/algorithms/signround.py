@@ -76,7 +76,7 @@ from .options import option, options_checker
 from .signround_math import ZERO_POINTS, Learned, clip_init, finalize, learned_fake_quantize, prepare, sign_step
 from .signround_math import init as init_state
 
-__all__ = ["step", "Options", "check_options", "INITS", "default_lr"]
+__all__ = ["step", "Options", "check_options", "INITS", "GPTQ_INITS", "default_lr"]
 
 #: Where the learning starts: ``minmax`` (1: min-max ranges, AutoRound's start), ``mse`` (per group the factor of a
 #: grid over [0.5, 1] with the least squared round-to-nearest error, :func:`.signround_math.clip_init`) or ``gptq``
