@@ -152,19 +152,19 @@ class BlockRun:
             algo = qt.get_algorithm(s.name)
             if algo.needs is None and not algo.local and not _rotating(algo):
                 raise ValueError(f"recipe.steps[{i}] ({s.name}): changes tensors across the whole model together; a "
-                                 "streamed run quantizes one block at a time: quantize in memory (without --stream)")
+                                 "streamed run quantizes one block at a time: quantize in memory (--in-memory)")
         if any(_rotating(qt.get_algorithm(s.name)) for s in p.steps) and p.layout is not None:
             segment = {q: next((n for n in names if q.startswith(n + ".")), "") for q in p}
             split = [n.weight for n in p.layout.norms if any(segment.get(r) != segment.get(n.weight) for r in n.readers)]
             if split:
                 raise ValueError(f"rotations: norm {split[0]!r} feeds linears in another decoder block; a streamed "
-                                 "run rotates one block at a time: quantize in memory (without --stream)")
+                                 "run rotates one block at a time: quantize in memory (--in-memory)")
         outside = [f"{s.module} ({s.role})" for s, spec in p.activations.items()
                    if not spec.dynamic and not any(s.module.startswith(n + ".") for n in names)]
         if outside:
             raise ValueError(f"static activation quantizer(s) {outside[:3]} sit outside the decoder blocks "
-                             f"({names[0]}...), which a streamed run calibrates; quantize in memory (without "
-                             "--stream) or make them dynamic")
+                             f"({names[0]}...), which a streamed run calibrates; quantize in memory "
+                             "(--in-memory) or make them dynamic")
 
     # -- streams -------------------------------------------------------------------------------------------
     def _read(self, path: str) -> torch.Tensor:

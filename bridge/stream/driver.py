@@ -22,7 +22,6 @@ import torch
 
 import qtransform as qt
 
-from .. import pipeline
 from ..checkpoint import metadata
 from ..checkpoint.store import FLOAT_DTYPES, parse_size
 from ..distributed import current
@@ -30,6 +29,7 @@ from ..io import cast_leaf, config_dtype, write_extras
 from . import skeleton as skel
 from .memory import reuse_freed_memory
 from .ranks import NoFiles, barrier, drop_scratch, on_rank0, scratch, to_rank0
+from .accept import prepare
 from .shards import ShardFiles, ShardPlan
 from .source import Built, Source
 from .workdir import WorkDir, calibration_digest, fingerprint
@@ -73,28 +73,6 @@ def _check_dtype(dtype):
         raise TypeError(f"dtype must be 'auto' or a float torch.dtype {FLOAT_DTYPES}, got {dtype!r}")
 
 
-def _local(p: qt.Plan) -> bool:
-    """Every step fits one tensor at a time without data."""
-    return all(qt.get_algorithm(s.name).local and qt.get_algorithm(s.name).needs is None for s in p.steps)
-
-
-def _recipe_of(model, recipe, calibration):
-    p = pipeline.plan(model, recipe)
-    if not p.specs:
-        raise ValueError(pipeline.nothing_selected(model, p))
-    pipeline.check_calibration(p, calibrated=calibration is not None)
-    qt.check_steps(p.steps, calibrated=calibration is not None)
-    pipeline.check_facts(model, p)
-    for i, s in enumerate(p.steps):
-        if isinstance(qt.get_algorithm(s.name).needs, qt.ModelLoss):
-            raise ValueError(f"recipe.steps[{i}] ({s.name}): learns on the whole model's loss, which a streamed run "
-                             "never holds; quantize in memory (without --stream) on a machine the model fits")
-        if s.name == "lowrank":  # its corrections are not written by the streamed run: refused, never dropped
-            raise ValueError(f"recipe.steps[{i}] (lowrank): low-rank corrections are not written by a streamed run; "
-                             "quantize in memory (without --stream)")
-    return p
-
-
 def quantize_checkpoint(source, out, recipe, *, calibration: Iterable | None = None, overwrite: bool = False,
                         resume: bool = False, dtype="auto", device="cpu", max_memory=None,
                         max_shard_size="2GB", recipe_name: str | None = None, tokenizer=None, model_class=None,
@@ -136,18 +114,8 @@ def quantize_checkpoint(source, out, recipe, *, calibration: Iterable | None = N
         raise TypeError(f"parallel must be a qtransform.Parallel, got {type(parallel).__name__}")
     par = current(device=dev) if parallel is None else parallel
     budget = None if max_memory is None else parse_size(max_memory)
-    src = Source(source)
-    qc = src.config().get("quantization_config")
-    if qc is not None:
-        method = qc.get("quant_method") if isinstance(qc, dict) else None
-        raise ValueError(f"--stream: {src.root} holds a quantized checkpoint (quantization_config, quant_method "
-                         f"{method!r}); a streamed run reads float checkpoints: quantize it without --stream (its "
-                         "values are dequantized first)")
-    model = skel.build(src.root, model_class)
-    src.map_to(model)  # stored names -> the model's (transformers' conversion mapping: stacked experts...)
-    shapes, tied = skel.model_tensors(model)
-    src.check_against(shapes, tied)
-    p = _recipe_of(model, recipe, calibration)
+    prep = prepare(source, recipe, calibrated=calibration is not None, model_class=model_class)
+    src, model, tied, p, tensor_run = prep.src, prep.model, prep.tied, prep.plan, prep.tensor_run
     dtypes = stored_dtypes_of(src, model, dtype)
     specs = {s: q for s, q in p.activations.items()}
     layout = skel.output_layout(model, p, dtypes, activations=specs)
@@ -158,11 +126,6 @@ def quantize_checkpoint(source, out, recipe, *, calibration: Iterable | None = N
                      calibration=calibration_digest(calibration), shards=str(max_shard_size),
                      observer=repr(act_observer), device=dev.type,
                      versions=[qt.__version__, torch.__version__], **({"ranks": par.world} if par.world > 1 else {}))
-    tensor_run = _local(p) and calibration is None
-    if not tensor_run:
-        from .blocks import BlockRun
-
-        BlockRun.check(model, p)
     writer = par.rank == 0  # the others compute the same tensors and write nothing
     if not writer:
         on_tensor = progress = None
@@ -176,6 +139,8 @@ def quantize_checkpoint(source, out, recipe, *, calibration: Iterable | None = N
             reuse_freed_memory()  # many tensors of the same sizes, one after the other
             run = _TensorRun(src, tied, p, layout, dtypes, files, on_tensor, progress, par)
         else:
+            from .blocks import BlockRun
+
             run = BlockRun(src, tied, model, p, layout, dtypes, files, calibration, device=dev, budget=budget,
                            work=scratch(work.path, par, fresh=manifest is None), progress=progress,
                            on_tensor=on_tensor, act_observer=act_observer, parallel=par, all_experts=all_experts)
@@ -188,7 +153,7 @@ def quantize_checkpoint(source, out, recipe, *, calibration: Iterable | None = N
                 saved = time.monotonic()
         acts, online, info = run.results()
         resumed = len((manifest or {}).get("done", []))
-        mode = "shard to shard" if tensor_run else "block by block"
+        mode = prep.mode
 
         def finish():
             files.finish()

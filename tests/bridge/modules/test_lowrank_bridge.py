@@ -162,8 +162,8 @@ def test_command_line_lowrank_flag_and_report(tmp_path, monkeypatch, capsys):
 
 
 def test_streamed_runs_refuse_the_step(tmp_path):
-    from bridge.stream.driver import _recipe_of
+    from bridge.stream.accept import plan_streamed
 
     with pytest.raises(ValueError, match=r"recipe\.steps\[1\] \(lowrank\): low-rank corrections are not written"):
-        _recipe_of(_model("llama"), qt.Recipe(default=U2, steps=[qt.Step("rtn"), qt.Step("lowrank", weighted=False)]),
-                   None)
+        plan_streamed(_model("llama"), qt.Recipe(default=U2, steps=[qt.Step("rtn"), qt.Step("lowrank", weighted=False)]),
+                      calibrated=False)

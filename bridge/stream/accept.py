@@ -1,0 +1,97 @@
+"""What a streamed run accepts, decided before anything is read but headers and ``config.json``: the one
+pre-run check of :func:`bridge.stream.quantize_checkpoint`, and what ``qtransform quantize`` asks to choose its
+driver.
+
+:func:`prepare` builds the model's skeleton from ``config.json`` (weights on ``meta``), maps the stored tensors to
+it, checks them against it and plans the recipe (:func:`bridge.pipeline.plan` with the library's calibration
+and step checks). What the streamed driver cannot do but the in-memory one can is a :class:`CannotStream`
+(a ``ValueError``) naming the part and the reason: a quantized input, a step that learns on the whole model's
+loss or changes tensors across the whole model together, low-rank corrections, a rotation or a static
+activation quantizer that does not fit one decoder block. Every other problem (a recipe that selects nothing,
+a missing tensor) is the error the in-memory run would give too.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import qtransform as qt
+from torch import nn
+
+from .. import pipeline
+from . import skeleton as skel
+from .source import Source
+
+__all__ = ["CannotStream", "Prepared", "prepare", "local_steps"]
+
+
+class CannotStream(ValueError):
+    """A run the streamed driver cannot do (the in-memory driver can): the message names the part and why."""
+
+
+class Prepared(NamedTuple):
+    """What :func:`prepare` found: the ``src`` tensors mapped to ``model`` (the skeleton on ``meta``), its
+    ``shapes`` and ``tied`` tensors, the ``plan``, and whether the run goes ``tensor_run`` (shard to shard)
+    or block by block."""
+
+    src: Source
+    model: nn.Module
+    shapes: dict
+    tied: dict
+    plan: qt.Plan
+    tensor_run: bool
+
+    @property
+    def mode(self) -> str:
+        return "shard to shard" if self.tensor_run else "block by block"
+
+
+def local_steps(p: qt.Plan) -> bool:
+    """Every step of ``p`` fits one tensor at a time without data."""
+    return all(qt.get_algorithm(s.name).local and qt.get_algorithm(s.name).needs is None for s in p.steps)
+
+
+def prepare(source, recipe, *, calibrated: bool, model_class=None) -> Prepared:
+    """The checks and the plan of a streamed run of ``recipe`` on checkpoint directory ``source`` (a path or a
+    :class:`~bridge.stream.Source`), with calibration data or not: :class:`CannotStream` for what only the
+    in-memory driver does, ``ValueError``/``CheckpointError`` for what neither does."""
+    src = source if isinstance(source, Source) else Source(source)
+    qc = src.config().get("quantization_config")
+    if qc is not None:
+        method = qc.get("quant_method") if isinstance(qc, dict) else None
+        raise CannotStream(f"{src.root} holds a quantized checkpoint (quantization_config, quant_method "
+                           f"{method!r}); a streamed run reads float checkpoints: quantize it in memory "
+                           "(--in-memory; its values are dequantized first)")
+    model = skel.build(src.root, model_class)
+    src.map_to(model)  # stored names -> the model's (transformers' conversion mapping: stacked experts...)
+    shapes, tied = skel.model_tensors(model)
+    src.check_against(shapes, tied)
+    p = plan_streamed(model, recipe, calibrated=calibrated)
+    tensor_run = local_steps(p) and not calibrated
+    if not tensor_run:
+        from .blocks import BlockRun
+
+        try:
+            BlockRun.check(model, p)
+        except ValueError as e:
+            raise CannotStream(str(e)) from None
+    return Prepared(src, model, shapes, tied, p, tensor_run)
+
+
+def plan_streamed(model: nn.Module, recipe, *, calibrated: bool) -> qt.Plan:
+    """``recipe`` planned on ``model`` with the checks of both drivers, then the steps a streamed run cannot
+    take refused as :class:`CannotStream`."""
+    p = pipeline.plan(model, recipe)
+    if not p.specs:
+        raise ValueError(pipeline.nothing_selected(model, p))
+    pipeline.check_calibration(p, calibrated=calibrated)
+    qt.check_steps(p.steps, calibrated=calibrated)
+    pipeline.check_facts(model, p)
+    for i, s in enumerate(p.steps):
+        if isinstance(qt.get_algorithm(s.name).needs, qt.ModelLoss):
+            raise CannotStream(f"recipe.steps[{i}] ({s.name}): learns on the whole model's loss, which a streamed "
+                               "run never holds; quantize in memory (--in-memory) on a machine the model fits")
+        if s.name == "lowrank":  # its corrections are not written by the streamed run: refused, never dropped
+            raise CannotStream(f"recipe.steps[{i}] (lowrank): low-rank corrections are not written by a streamed "
+                               "run; quantize in memory (--in-memory)")
+    return p
