@@ -2,7 +2,8 @@
 
     qtransform quantize [--model PATH] [--recipe NAME|FILE] [--algorithm NAME] [--lowrank RANK] [--calib N [--calib-batch B]]
                         [--out DIR [--overwrite]] [--plot] [--json FILE] [--no-eval] [--dtype auto|float32|...]
-                        [--device DEV] [--stream [--resume] [--max-memory SIZE]]   (bridge.app.streaming)
+                        [--device DEV] [--stream | --in-memory] [--resume] [--max-memory SIZE]
+                        [--no-memory-check] [--no-layer-errors]   (bridge.app.driver, bridge.app.streaming)
                         [--nproc N] [--dist-timeout SECONDS]   (bridge.app.ranks, docs/distributed.md)
     qtransform eval --model DIR [--baseline PATH] [--tasks NAME[,NAME] [--include-path DIR] [--limit N]]
                                                                             (bridge.app.lmeval: lm-eval-harness)
@@ -89,6 +90,7 @@ def cmd_eval(a) -> int:
         if seqs is None:
             seqs = inputs.sequences(tokenizer, text, a.corpus, a.seq_len, a.eval_sequences)
         inputs.check_seq_len(model, a.seq_len)
+        inputs.check_vocab(model, seqs, "evaluation text")
         ppl = evaluate.perplexity(model, seqs, progress=True).perplexity
         generation = evaluate.generate(model, tokenizer, a.prompt, max_new_tokens=a.max_new_tokens)
         results.append({"role": role, "model": path, "perplexity": ppl, "generation": generation})

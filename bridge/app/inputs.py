@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 __all__ = ["UserError", "load_plugins", "load_recipe", "model_source", "skeleton", "model_and_tokenizer",
-           "check_seq_len", "corpus_text", "sequences", "calibration"]
+           "check_seq_len", "check_vocab", "corpus_text", "sequences", "calibration"]
 
 
 class UserError(Exception):
@@ -158,6 +158,19 @@ def check_seq_len(model, seq_len: int) -> None:
                   if isinstance(getattr(config, k, None), int)), None)
     if limit is not None and seq_len > limit:
         raise UserError(f"--seq-len {seq_len} exceeds the model's {limit} positions")
+
+
+def check_vocab(model, batches, what: str) -> None:
+    """Every token id of ``batches`` (tensors, or ``None``) has a row in ``model``'s input embeddings: a tokenizer
+    larger than the model's vocabulary is refused with both numbers, before any forward pass."""
+    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    rows = getattr(getattr(emb, "weight", None), "shape", (None,))[0]
+    if rows is None or batches is None:
+        return
+    top = max((int(b.max()) for b in ([batches] if hasattr(batches, "max") else batches) if b.numel()), default=-1)
+    if top >= rows:
+        raise UserError(f"the tokenizer gives token id {top} in the {what}, but the model's embedding has {rows} "
+                        f"rows (vocabulary size {rows}): the tokenizer does not belong to this model")
 
 
 def calibration(a, tokenizer, text: str | None):

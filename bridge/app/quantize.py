@@ -4,8 +4,10 @@ pipeline.
 The run checks first whatever it can without the weights: the recipe (``--algorithm`` and
 ``--kv-cache`` applied), its steps and the calibration data they and its static activation specs
 need (:func:`bridge.pipeline.check_calibration`, the library's own rule), where the outputs go,
-and the recipe against the shapes of ``config.json``. Then the model is resolved (where it lives
-and in which format) and loaded once, planned (:func:`bridge.plan`), quantized by
+and the recipe against the shapes of ``config.json``. Then the driver is chosen
+(:func:`bridge.app.driver.choose`: a checkpoint directory streams, :mod:`bridge.app.streaming`; the rest runs
+in memory here) and its peak memory checked against the machine's. In memory, the model is resolved (where it
+lives and in which format) and loaded once, planned (:func:`bridge.plan`), quantized by
 :func:`bridge.quantize_params` and rebuilt by :func:`bridge.to_module` of that result: the very
 functions :func:`bridge.quantize` runs, so the command and the library make the same model.
 
@@ -26,6 +28,7 @@ import json
 import time
 from pathlib import Path
 
+from . import driver as drivers
 from . import export, inputs, outputs, streaming
 from .inputs import UserError
 from .outputs import say, warn
@@ -85,7 +88,8 @@ def recipe_of(a):
 
 def _prepare(a, recipe, label, source, out):
     """The corpus read, the model loaded (on ``--device``), the evaluation and calibration sequences, the
-    plan and the stored dtypes: ``(model, tokenizer, device, eval_seqs, calibration, plan, dtypes)``."""
+    plan, the dtypes to write and the stored ones: ``(model, tokenizer, device, eval_seqs, calibration, plan, dtypes,
+    stored)``."""
     from . import models
 
     text = None if a.no_eval else inputs.corpus_text(a.corpus)
@@ -108,10 +112,13 @@ def _prepare(a, recipe, label, source, out):
         inputs.check_seq_len(model, a.seq_len)
     eval_seqs = None if a.no_eval else inputs.sequences(tokenizer, text, a.corpus, a.seq_len, a.eval_sequences)
     calibration = inputs.calibration(a, tokenizer, calib_text)
+    inputs.check_vocab(model, eval_seqs, "evaluation text")
+    inputs.check_vocab(model, calibration, "calibration text")
     plan = _plan(model, recipe, label)
     export.check_plan(a, plan, out)
     dtypes = streaming.stored_dtypes(a, source, model)  # of the float model: its tied tensors still tied
-    return model, tokenizer, device, eval_seqs, calibration, plan, dtypes
+    stored = streaming.stored_dtypes(a, source, model, dtype="auto")  # as the input stores them: the "before"
+    return model, tokenizer, device, eval_seqs, calibration, plan, dtypes, stored
 
 
 def cmd_quantize(a) -> int:
@@ -140,11 +147,12 @@ def cmd_quantize(a) -> int:
                 raise UserError("--plot needs matplotlib: pip install matplotlib")
         source = inputs.model_source(a.model)  # where the model lives and in which format: resolved once
         streaming.check_options(a)
-    if a.stream:
-        return streaming.cmd_streamed(a, recipe, label, out, source, t0)
+        driver = drivers.choose(a, recipe, label, source)  # streamed or in memory, and whether it fits
+    if driver.streamed:
+        return streaming.cmd_streamed(a, recipe, label, out, source, t0, driver)
     phases = {"check": time.perf_counter() - t0}  # seconds of each phase (PHASES), in the report
     with launch.stage():
-        model, tokenizer, device, eval_seqs, calibration, plan, dtypes = _prepare(a, recipe, label, source, out)
+        model, tokenizer, device, eval_seqs, calibration, plan, dtypes, stored = _prepare(a, recipe, label, source, out)
     phases["load"] = time.perf_counter() - t0 - phases["check"]
     unmatched = recipe.unmatched(plan)
     for glob in unmatched:
@@ -170,9 +178,9 @@ def cmd_quantize(a) -> int:
     if device is not None:  # back to the host: the quantized model is built and written there, as without --device
         model.to("cpu")
         result = streaming.to_host(result, host=extract(model))
-    size_before = report.tree_bytes(result.params)
+    size_before = streaming.stored_size(source, result.params, stored)
     tr = time.perf_counter()
-    rows = report.layer_rows(result.params, result.qtree, plan) if main else []
+    rows = report.layer_rows(result.params, result.qtree, plan, error=a.layer_errors, dtypes=stored) if main else []
     tm = time.perf_counter()
     qmodel = to_module(model, result, inplace=True)  # as bridge.quantize does
     phases["report"], phases["modules"] = tm - tr, time.perf_counter() - tm
@@ -202,7 +210,8 @@ def cmd_quantize(a) -> int:
                         calib_tokens=0 if calibration is None else sum(int(b.numel()) for b in calibration),
                         out=str(out), unmatched=unmatched, activations=act_rows, step_info=step_info,
                         online=online_rows, peak_memory=report.peak_memory(),
-                        lowrank=lowrank_ranks(qmodel), lowrank_bytes=lowrank_bytes(qmodel), phases=phases)
+                        lowrank=lowrank_ranks(qmodel), lowrank_bytes=lowrank_bytes(qmodel), phases=phases,
+                        driver=driver.why)
     write = io.checkpoint_writer(qmodel, recipe=recipe, recipe_name=label, tokenizer=tokenizer,
                                  rules={p: plan[p].rule for p in plan.specs},
                                  dtypes=dtypes)

@@ -38,12 +38,15 @@ def _rel_error(w: torch.Tensor, q: qt.QTensor) -> float:
     return float(torch.dot(d, d) / torch.dot(w, w).clamp(min=torch.finfo(torch.float32).tiny))
 
 
-def layer_rows(params: Mapping[str, torch.Tensor], qtree: Mapping[str, Any], plan: Mapping) -> list[LayerRow]:
-    """One row per quantized tensor (dequantized one at a time: memory stays one layer)."""
+def layer_rows(params: Mapping[str, torch.Tensor], qtree: Mapping[str, Any], plan: Mapping, *, error: bool = True,
+               dtypes: Mapping[str, torch.dtype] | None = None) -> list[LayerRow]:
+    """One row per quantized tensor (dequantized one at a time: memory stays one layer); ``dtypes``: the
+    dtypes the float tensors are stored in (their bytes before), else as loaded."""
     rows = []
     for path, q in qtree.items():
         if isinstance(q, qt.QTensor):
-            rows.append(layer_row(path, params[path], q, plan[path].rule if path in plan else ""))
+            rows.append(layer_row(path, params[path], q, plan[path].rule if path in plan else "", error=error,
+                                  stored=(dtypes or {}).get(path)))
     return rows
 
 
@@ -59,24 +62,27 @@ def peak_memory() -> int:
         return 0
 
 
-def layer_row(path: str, w: torch.Tensor, q: qt.QTensor, rule: str, *, error: bool = True) -> LayerRow:
-    """The row of one quantized tensor ``q`` of float ``w`` (its relative error measured with ``error``)."""
+def layer_row(path: str, w: torch.Tensor, q: qt.QTensor, rule: str, *, error: bool = True,
+              stored: torch.dtype | None = None) -> LayerRow:
+    """The row of one quantized tensor ``q`` of float ``w`` (its relative error measured with ``error``; its
+    bytes before in the ``stored`` dtype, else in ``w``'s)."""
     return LayerRow(path, str(q.spec), tuple(q.shape), q.nbytes(), q.bits_per_element(),
                     _rel_error(w, q) if error else None, rule,
-                    w.numel() * w.element_size())
+                    w.numel() * (stored or w.dtype).itemsize)
 
 
-def tree_bytes(tree: Mapping[str, Any]) -> int:
-    """Bytes held by a (possibly quantized) flat tree, counting shared tensors once."""
+def tree_bytes(tree: Mapping[str, Any], dtypes: Mapping[str, torch.dtype] | None = None) -> int:
+    """Bytes held by a (possibly quantized) flat tree, counting shared tensors once; a float tensor whose path
+    ``dtypes`` names counts in that dtype (the one it is stored in)."""
     seen, total = set(), 0
-    for v in tree.values():
+    for path, v in tree.items():
         if isinstance(v, qt.QTensor):
             total += v.nbytes()
         elif isinstance(v, torch.Tensor):
             key = (v.untyped_storage().data_ptr(), v.storage_offset(), tuple(v.shape))
             if key not in seen:
                 seen.add(key)
-                total += v.numel() * v.element_size()
+                total += v.numel() * (dtypes or {}).get(path, v.dtype).itemsize
     return total
 
 
@@ -122,6 +128,8 @@ class Report:
     online: list[dict] = dataclasses.field(default_factory=list)
     peak_memory: int = 0
     streamed: str = ""  # how a streamed run went: "shard to shard" or "block by block"; "" in memory
+    driver: str = ""  # the driver and why it was chosen: "streamed block by block (the default for ...)"
+    notes: list[str] = dataclasses.field(default_factory=list)  # what the run left out on purpose, and why
     lowrank: dict = dataclasses.field(default_factory=dict)  # {module: rank} of the low-rank corrections
     lowrank_bytes: int = 0  # their buffers' bytes (included in size_after)
     phases: dict = dataclasses.field(default_factory=dict)  # {phase: seconds} of the command, in order
@@ -178,7 +186,7 @@ class Report:
             lines += table([["tensor", "spec", "rel. error"]] +
                            [[r.path, r.spec, f"{r.rel_error:.5f}"] for r in self.worst()])
         else:
-            lines += ["", "per-layer errors not measured (--layer-errors measures them)"]
+            lines += ["", "per-layer errors not measured (--no-layer-errors)"]
         if self.activations:
             static = [a for a in self.activations if not a["dynamic"]]
             lines += ["", f"activations: {len(self.activations)} quantized "
@@ -212,6 +220,9 @@ class Report:
             summary.append(["peak host memory", "", format_bytes(self.peak_memory)
                             + (f" (streamed: {self.streamed})" if self.streamed else " (in memory)")])
         lines += ["", *table(summary)]
+        if self.driver:
+            lines += ["", f"driver: {self.driver}"]
+        lines += [f"note: {n}" for n in self.notes]
         if self.unmatched:
             lines += ["", "warning: recipe patterns that matched nothing: " + ", ".join(self.unmatched)]
         if self.out:

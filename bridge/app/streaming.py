@@ -1,17 +1,20 @@
-"""``qtransform quantize --stream``: a checkpoint quantized shard to shard or block by block
-(:func:`bridge.stream.quantize_checkpoint`), never whole in memory; and ``--dtype``, the dtype the float
-tensors of every quantized checkpoint are stored in (default: as in the input).
+"""``qtransform quantize`` streamed (the default for a checkpoint directory, :mod:`bridge.app.driver`): a
+checkpoint quantized shard to shard or block by block (:func:`bridge.stream.quantize_checkpoint`), never whole in
+memory; and ``--dtype``, the dtype the float tensors of every quantized checkpoint are stored in (default: as in
+the input).
 
 ``--resume`` continues a streamed run that was interrupted (same command, same inputs: anything else is
 refused, naming what changed); ``--device`` runs the block being calibrated there (in memory: the whole model,
 see :mod:`bridge.app.quantize`); ``--max-memory`` bounds the
-calibration activations kept in memory (beyond, they go to disk). With ``--stream`` the perplexity is measured
-on the quantized checkpoint only (the float model is never loaded whole): ``qtransform eval --model DIR``
-measures the original's.
+calibration activations kept in memory (beyond, they go to disk). The perplexity after is measured on the
+quantized checkpoint written; the original's by loading the float model whole (in float32, as in memory) when
+:func:`bridge.app.driver.choose` found that it fits the memory available, else the report says it was not
+measured (``qtransform eval --model DIR`` measures it elsewhere).
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import time
@@ -19,7 +22,7 @@ from pathlib import Path
 
 from . import export, inputs, outputs
 from .inputs import UserError
-from .outputs import say
+from .outputs import say, warn
 
 __all__ = ["add_options", "check_options", "run_device", "to_host", "dtype_of", "stored_dtypes", "cmd_streamed"]
 
@@ -27,32 +30,36 @@ _DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
 def add_options(q) -> None:
-    q.add_argument("--stream", action="store_true",
-                   help="quantize shard to shard (steps without data) or block by block (calibrated steps), never "
-                        "holding the whole model: for models larger than memory")
-    q.add_argument("--resume", action="store_true", help="continue an interrupted --stream run of the same command")
+    how = q.add_mutually_exclusive_group()
+    how.add_argument("--stream", action="store_true",
+                     help="insist on quantizing shard to shard (steps without data) or block by block (calibrated "
+                          "steps), never holding the whole model: the default for a checkpoint directory of "
+                          "safetensors shards; with --stream a run that cannot stream is an error")
+    how.add_argument("--in-memory", action="store_true",
+                     help="load the whole model and quantize it in memory (the default for a GGUF file, another "
+                          "tool's checkpoint and what streaming refuses)")
+    q.add_argument("--resume", action="store_true", help="continue an interrupted streamed run of the same command")
     q.add_argument("--device", help="where the quantization runs (cpu, cuda, cuda:1...; default cpu): in memory the whole "
                                     "model is moved there from the host for the steps and the perplexities, and the "
-                                    "checkpoint is written from the host as without --device (the same format; values "
-                                    "equal to a CPU run's but at rounding near-ties); with --stream only the block "
+                                    "checkpoint is written from the host as on the CPU (the same format; values "
+                                    "equal to a CPU run's but at rounding near-ties); streamed only the block "
                                     "being calibrated is there")
     q.add_argument("--max-memory", metavar="SIZE",
-                   help="with --stream: calibration activations kept in memory (e.g. 4GB); beyond, they spill to disk")
-    q.add_argument("--layer-errors", action="store_true",
-                   help="with --stream: also measure each quantized tensor's relative error for the report (costs "
-                        "about as much as round-to-nearest itself; in memory they are always measured)")
+                   help="streamed: calibration activations kept in memory (e.g. 4GB); beyond, they spill to disk")
+    q.add_argument("--no-memory-check", action="store_true",
+                   help="run even when the estimated peak memory exceeds what the machine has available")
+    q.add_argument("--layer-errors", action=argparse.BooleanOptionalAction, default=True,
+                   help="measure each quantized tensor's relative error for the report (default; it costs about as "
+                        "much as round-to-nearest itself: --no-layer-errors skips it)")
     q.add_argument("--dtype", choices=_DTYPES, default="auto",
                    help="dtype of the checkpoint's float tensors (default auto: as stored in the input)")
 
 
 def check_options(a) -> None:
-    """The streaming options fit together (before anything is loaded)."""
+    """The device and memory options are well formed (before anything is loaded; which driver takes
+    ``--resume`` and ``--max-memory`` is :func:`bridge.app.driver.choose`'s)."""
     from ..checkpoint.store import parse_size
 
-    options = (("--resume", a.resume), ("--max-memory", a.max_memory), ("--layer-errors", a.layer_errors))
-    if any(v for _, v in options) and not a.stream:
-        given = [o for o, v in options if v]
-        raise UserError(f"{', '.join(given)} go with --stream")
     if a.device:
         import torch
 
@@ -112,10 +119,11 @@ def dtype_of(a):
     return "auto" if a.dtype == "auto" else getattr(torch, a.dtype)
 
 
-def stored_dtypes(a, source, model):
+def stored_dtypes(a, source, model, dtype=None):
     """``save(dtypes=...)`` of the in-memory run: the float tensors as stored in a safetensors input (``auto``),
-    ``--dtype`` for all, or as loaded (``auto`` for a GGUF file or another tool's checkpoint)."""
-    dtype = dtype_of(a)
+    ``--dtype`` for all, or as loaded (``auto`` for a GGUF file or another tool's checkpoint); ``dtype``
+    instead of ``--dtype`` when given (``"auto"``: as stored, the report's "before")."""
+    dtype = dtype_of(a) if dtype is None else dtype
     if source.gguf_file is not None or source.imported is not None or not _has_safetensors(source.directory):
         return None if dtype == "auto" else dtype
     from ..stream.driver import stored_dtypes_of
@@ -124,32 +132,46 @@ def stored_dtypes(a, source, model):
     return stored_dtypes_of(Source(source.directory), model, dtype)
 
 
+def stored_size(source, params, dtypes) -> int:
+    """The model's size as the input stores it (the report's "before"): its float tensors in their stored
+    ``dtypes``; a GGUF file's own size; as loaded for another tool's checkpoint."""
+    from .report import tree_bytes
+
+    if source.gguf_file is not None and (source.directory / source.gguf_file).is_file():
+        return (source.directory / source.gguf_file).stat().st_size
+    return tree_bytes(params, dtypes)
+
+
 def _has_safetensors(directory: Path) -> bool:
     return (directory / "model.safetensors").is_file() or (directory / "model.safetensors.index.json").is_file()
 
 
-def cmd_streamed(a, recipe, label: str, out: Path, source, t0: float) -> int:
+def cmd_streamed(a, recipe, label: str, out: Path, source, t0: float, driver) -> int:
     from ..checkpoint import CheckpointError, store
+    from ..distributed import current
     from ..stream import quantize_checkpoint
     from . import evaluate, models, report
 
     name = a.model or models.DEFAULT_MODEL
-    if source.gguf_file is not None or source.imported is not None or not _has_safetensors(source.directory):
-        what = source.gguf_file or (f"a {source.imported} checkpoint" if source.imported else "not safetensors")
-        raise UserError(f"--stream reads a transformers directory of safetensors shards; {name} is {what}: quantize "
-                        "it without --stream")
-    tokenizer = models.load_tokenizer(source)
-    seq_check = inputs.skeleton(source)
-    if seq_check is not None and (not a.no_eval or a.calib):
-        inputs.check_seq_len(seq_check, a.seq_len)
+    skeleton, plan = driver.prepared.model, driver.prepared.plan
+    export.check_plan(a, plan, out)  # the --to target holds every spec, before anything is written
+    for glob in recipe.unmatched(plan):
+        warn(f"recipe pattern {glob!r} matches no tensor of the model")
+    text = None if a.no_eval else inputs.corpus_text(a.corpus)
     calib_text = inputs.corpus_text(a.corpus, part="calibration") if a.calib else None
+    if not a.no_eval or a.calib:
+        inputs.check_seq_len(skeleton, a.seq_len)
+    tokenizer = models.load_tokenizer(source)
     calibration = inputs.calibration(a, tokenizer, calib_text)
-    eval_seqs = None if a.no_eval else inputs.sequences(tokenizer, inputs.corpus_text(a.corpus), a.corpus, a.seq_len,
-                                                        a.eval_sequences)
-    rows, rep = [], {}
+    eval_seqs = None if text is None else inputs.sequences(tokenizer, text, a.corpus, a.seq_len, a.eval_sequences)
+    inputs.check_vocab(skeleton, eval_seqs, "evaluation text")
+    inputs.check_vocab(skeleton, calibration, "calibration text")
+    rows, rep, notes = [], {}, []
+    stored = stored_dtypes(a, source, skeleton, dtype="auto")  # the bytes before of each row
+    ppl_before = _original_perplexity(source, eval_seqs, driver, notes, parallel=current())
 
     def on_tensor(path, w, q):
-        rows.append(report.layer_row(path, w, q, "", error=a.layer_errors))
+        rows.append(report.layer_row(path, w, q, "", error=a.layer_errors, stored=stored.get(path)))
 
     def before_publish(tmp: Path, result) -> None:
         ppl = None
@@ -159,11 +181,12 @@ def cmd_streamed(a, recipe, label: str, out: Path, source, t0: float) -> int:
         layers = [dataclasses.replace(row, rule=result.plan[row.path].rule) for row in rows]
         r = report.Report(model=name, recipe=label, steps=[s.to_dict() for s in recipe.steps], layers=layers,
                           size_before=result.bytes_in, size_after=result.bytes_out, seconds_quantize=result.seconds,
-                          ppl_after=ppl, eval_tokens=0 if eval_seqs is None else int(eval_seqs.numel()),
+                          ppl_before=ppl_before, ppl_after=ppl, eval_tokens=0 if eval_seqs is None else int(eval_seqs.numel()),
                           calib_tokens=0 if calibration is None else sum(int(b.numel()) for b in calibration),
                           out=str(out), unmatched=recipe.unmatched(result.plan),
                           activations=report.activation_rows(result.activations), step_info=result.info,
-                          online=report.online_rows(result.online), streamed=result.mode)
+                          online=report.online_rows(result.online), streamed=result.mode, driver=driver.why,
+                          notes=notes)
         r.seconds_total = time.perf_counter() - t0
         r.peak_memory = report.peak_memory()
         (tmp / "report.json").write_text(json.dumps(r.to_dict(), indent=2) + "\n")
@@ -171,7 +194,7 @@ def cmd_streamed(a, recipe, label: str, out: Path, source, t0: float) -> int:
             r.plot(tmp / "report.png")
         rep["report"] = r
 
-    say(f"quantizing {name} streamed with {label} ({report.steps_label(recipe.steps)}) ...")
+    say(f"quantizing {name} {driver.why} with {label} ({report.steps_label(recipe.steps)}) ...")
     try:
         done = quantize_checkpoint(source.directory, out, recipe, calibration=calibration, overwrite=a.overwrite,
                                    resume=a.resume, dtype=dtype_of(a), device=a.device or "cpu",
@@ -197,3 +220,25 @@ def cmd_streamed(a, recipe, label: str, out: Path, source, t0: float) -> int:
     say(r.render() + (f"\nresumed after {done.resumed} finished units" if done.resumed else "")
         + (f"\nexported ({a.to}): {exported}" if exported else ""))
     return 0
+
+
+def _original_perplexity(source, eval_seqs, driver, notes: list, parallel):
+    """The float model's perplexity for a streamed run: the model loaded whole in float32 (as the in-memory run
+    measures it) when that fits the memory available, else ``None`` with a note saying why."""
+    import gc
+
+    from ..stream.sizing import format_size
+    from . import evaluate, models
+
+    if eval_seqs is None:
+        return None
+    if not driver.eval_before:
+        notes.append(f"perplexity of the original not measured: the float model loaded whole does not fit the "
+                     f"{format_size(driver.available)} available (`qtransform eval --model` measures it elsewhere)")
+        return None
+    say(f"perplexity of the original on {eval_seqs.numel()} tokens ...")
+    model = models.load_causal_lm(source)
+    ppl = evaluate.perplexity(model, eval_seqs, progress=parallel.rank == 0, parallel=parallel).perplexity
+    del model
+    gc.collect()
+    return ppl

@@ -96,6 +96,7 @@ class WorkDir:
         if self.path.exists():
             shutil.rmtree(self.path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        store.remove_stale(self.target)  # what dead in-memory saves to the same place left, as atomic_directory does
         os.mkdir(self.path, 0o777)
         self.save({"version": _VERSION, "fingerprint": dict(fp), "done": []})
         return None

@@ -69,7 +69,7 @@ def _quantize_via_cli(model_dir, out, preset, monkeypatch, *extra):
     """Run the command; return (report, logits of the quantized model it held in memory)."""
     seen = {}
     on_command_model(monkeypatch, lambda qmodel: seen.update(logits=qmodel(input_ids=IDS).logits))
-    rc = main(["quantize", "--model", str(model_dir), "--recipe", preset, "--out", str(out), "--threads", "1", *extra])
+    rc = main(["quantize", "--in-memory", "--model", str(model_dir), "--recipe", preset, "--out", str(out), "--threads", "1", *extra])
     assert rc == 0
     return json.loads((out / "report.json").read_text()), seen["logits"]
 

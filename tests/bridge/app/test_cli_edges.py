@@ -210,7 +210,7 @@ def test_a_failure_while_writing_leaves_nothing(model_dir, tmp_path, capsys, mon
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(bridge.io, "checkpoint_writer", lambda *a, **k: full_disk)  # checked, then the write fails
-    one_line_error(cli(capsys, "quantize", "--model", model_dir, "--out", tmp_path / "a" / "b" / "ckpt", "--no-eval",
+    one_line_error(cli(capsys, "quantize", "--in-memory", "--model", model_dir, "--out", tmp_path / "a" / "b" / "ckpt", "--no-eval",
                        "--json", tmp_path / "r.json"), "No space left on device")
     nothing_in(tmp_path)
 

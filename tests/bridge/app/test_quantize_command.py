@@ -81,7 +81,7 @@ def test_the_input_is_resolved_and_loaded_once(model_dir, tmp_path, monkeypatch)
             return _real(*a, **k)
 
         monkeypatch.setattr(module, name, counted)
-    assert main(["quantize", "--model", str(model_dir), "--recipe", "int4-g32", "--out", str(tmp_path / "o"),
+    assert main(["quantize", "--in-memory", "--model", str(model_dir), "--recipe", "int4-g32", "--out", str(tmp_path / "o"),
                  "--no-eval"]) == 0
     # resolve: once by the command; the loaders get the source it returned (and pass it through)
     assert calls["imported_format"] == 1 and calls["load_causal_lm"] == 1 and calls["load_tokenizer"] == 1
@@ -93,7 +93,7 @@ def test_a_killed_run_leaves_what_the_store_cleans(model_dir, tmp_path):
     plugin.write_text(KILL_WHILE_WRITING)
     out = tmp_path / "ckpt"
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_VERBOSITY="error", TQDM_DISABLE="1")
-    res = subprocess.run([sys.executable, "-m", "bridge.app.cli", "quantize", "--model", str(model_dir), "--recipe",
+    res = subprocess.run([sys.executable, "-m", "bridge.app.cli", "quantize", "--in-memory", "--model", str(model_dir), "--recipe",
                           "int4-g32", "--out", str(out), "--no-eval", "--plugin", str(plugin)],
                          capture_output=True, text=True, env=env, timeout=600)
     assert res.returncode == -signal.SIGKILL, res.stderr

@@ -60,7 +60,7 @@ def test_gptq_presets_from_the_command_line(arch, preset, tmp_path, monkeypatch,
     on_command_model(monkeypatch, lambda qmodel: seen.update(logits=_logits(qmodel)))
     out = tmp_path / "ckpt"
     capsys.readouterr()
-    rc = main(["quantize", "--model", str(src), "--recipe", preset, "--out", str(out), "--threads", "1",
+    rc = main(["quantize", "--in-memory", "--model", str(src), "--recipe", preset, "--out", str(out), "--threads", "1",
                "--no-eval", "--calib", "4", "--seq-len", "16"])
     stdout = capsys.readouterr().out
     assert rc == 0

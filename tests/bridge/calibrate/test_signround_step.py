@@ -324,7 +324,7 @@ def test_the_preset_from_the_command_line_saves_and_reloads_with_identical_logit
     ids = _batches(1, 7)[0]
     on_command_model(monkeypatch, lambda qmodel: seen.update(logits=qmodel(ids).logits.detach()))
     out = tmp_path / "ckpt"
-    rc = main(["quantize", "--model", str(src), "--recipe", "signround4-g128", "--out", str(out), "--threads", "1",
+    rc = main(["quantize", "--in-memory", "--model", str(src), "--recipe", "signround4-g128", "--out", str(out), "--threads", "1",
                "--no-eval", "--calib", "4", "--seq-len", "16"])
     assert rc == 0, capsys.readouterr().err
     rep = json.loads((out / "report.json").read_text())

@@ -106,7 +106,7 @@ def test_quantize_onto_a_full_disk(small_disk, tmp_path, capsys):
     _too_big().save_pretrained(src)
     tiny_lm.tokenizer().save_pretrained(src)
     out = small_disk / "ck"
-    rc = main(["quantize", "--model", str(src), "--recipe", "int4-g32", "--out", str(out), "--no-eval"])
+    rc = main(["quantize", "--in-memory", "--model", str(src), "--recipe", "int4-g32", "--out", str(out), "--no-eval"])
     _one_line(capsys, rc, str(out), "No space left on device")
     assert os.listdir(small_disk) == []
 

@@ -21,7 +21,7 @@ from bridge.distributed import launch
 
 ROOT = Path(__file__).resolve().parents[3]
 TIMEOUT = 180  # seconds for any launch (a run takes ~20 s on a busy 2-core machine)
-ARGS = ["--recipe", "gptq4-g64", "--calib", "8", "--calib-batch", "2", "--seq-len", "32", "--eval-sequences", "8",
+ARGS = ["--in-memory", "--recipe", "gptq4-g64", "--calib", "8", "--calib-batch", "2", "--seq-len", "32", "--eval-sequences", "8",
         "--dist-timeout", "60"]
 LAUNCH_VARS = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT",
                "TORCHELASTIC_RUN_ID")

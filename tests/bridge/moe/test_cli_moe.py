@@ -84,7 +84,7 @@ def test_every_preset_on_every_moe_architecture_round_trips(arch, preset, model_
     seen = {}
     on_command_model(monkeypatch, lambda qmodel: seen.update(logits=qmodel(input_ids=IDS).logits))
     calib = ["--calib", "4", "--seq-len", "24"] if _needs_data(preset) else []
-    cmd = ["quantize", "--model", str(model_dirs[arch]), "--recipe", preset, "--out", str(out), "--threads", "1",
+    cmd = ["quantize", "--in-memory", "--model", str(model_dirs[arch]), "--recipe", preset, "--out", str(out), "--threads", "1",
            "--no-eval", *calib]
     if _refused(arch, preset):
         rc = main(cmd)

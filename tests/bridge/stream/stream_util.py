@@ -27,9 +27,11 @@ def save_tiny(arch: str, directory: Path, *, dtype=torch.bfloat16, shard="40KB",
 
 
 def quantize(model_dir: Path, out: Path, preset: str, *extra: str) -> dict:
-    """``qtransform quantize`` in this process; returns its report."""
+    """``qtransform quantize`` in this process, in memory unless ``extra`` says ``--stream`` (a checkpoint
+    directory streams by default: the comparisons name both drivers); returns its report."""
+    driver = () if "--stream" in extra else ("--in-memory",)
     rc = main(["quantize", "--model", str(model_dir), "--recipe", preset, "--out", str(out), "--threads", "1",
-               "--seq-len", "16", "--eval-sequences", "1", *extra])
+               "--seq-len", "16", "--eval-sequences", "1", *driver, *extra])
     assert rc == 0
     return json.loads((out / "report.json").read_text())
 

@@ -113,6 +113,8 @@ def test_dtype_float32_stores_everything_in_float32(sources, tmp_path):
 
 
 def test_a_streamed_run_evaluates_the_quantized_checkpoint(sources, tmp_path):
-    rep = quantize(sources["llama"], tmp_path / "q", "int4-g128", "--stream")
-    assert rep["ppl_before"] is None and rep["ppl_after"] > 1
+    rep = quantize(sources["llama"], tmp_path / "q", "int4-g128", "--stream", "--no-layer-errors")
+    memory = quantize(sources["llama"], tmp_path / "m", "int4-g128")
+    # the original's perplexity from the float model loaded whole (it fits), as the in-memory run measures it
+    assert rep["ppl_before"] == pytest.approx(memory["ppl_before"], rel=1e-6) and rep["ppl_after"] > 1
     assert rep["layers"] and all(r["rel_error"] is None for r in rep["layers"]) and rep["mean_rel_error"] is None

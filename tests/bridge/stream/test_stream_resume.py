@@ -101,6 +101,6 @@ def test_a_resume_with_other_inputs_is_refused_naming_what_changed(source, tmp_p
 
 
 def test_resume_goes_with_stream(source, tmp_path, capsys):
-    rc = main(["quantize", "--model", str(source), "--out", str(tmp_path / "o"), "--resume", "--no-eval"])
+    rc = main(["quantize", "--model", str(source), "--out", str(tmp_path / "o"), "--resume", "--no-eval", "--in-memory"])
     assert rc == 2 or rc == 1
     assert "--resume" in capsys.readouterr().err and not (tmp_path / "o").exists()

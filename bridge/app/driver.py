@@ -1,0 +1,129 @@
+"""Which driver ``qtransform quantize`` runs, chosen before anything is loaded, and whether the machine has the
+memory for it.
+
+A transformers checkpoint directory of safetensors shards is **streamed** (:mod:`bridge.stream`: shard to shard
+or block by block, as the recipe needs) unless ``--in-memory`` says otherwise; the in-memory driver takes the
+rest: the default model and any GGUF file, another tool's quantized checkpoint (its values are dequantized
+first), and what the streamed driver refuses (:class:`bridge.stream.accept.CannotStream`: low-rank corrections,
+a step learning on the whole model's loss...), with the reason in the report. ``--stream`` insists on
+streaming: a run it cannot stream is an error naming why.
+
+Then the peak memory of the chosen path is estimated from ``config.json`` and the plan
+(:mod:`bridge.stream.sizing`) and compared with what this machine has: a run that cannot fit is refused with
+its estimate and the way out, instead of being killed by the kernel minutes later (``--no-memory-check``
+runs it anyway). The perplexity of the original, which a streamed run measures by loading the float model
+whole, is skipped (said in the report) when that load does not fit.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from .inputs import UserError
+
+__all__ = ["Driver", "choose"]
+
+
+class Driver(NamedTuple):
+    """The chosen driver: ``streamed`` or not, ``why`` (a line of the report), the estimated ``peak``
+    (:class:`~bridge.stream.sizing.Estimate`, ``None`` where the model's config cannot be read ahead), the
+    memory ``available``; for a streamed run whether the float model's evaluation fits (``eval_before``) and what
+    :func:`bridge.stream.accept.prepare` found (``prepared``)."""
+
+    streamed: bool
+    why: str
+    peak: object = None
+    available: int | None = None
+    eval_before: bool = True
+    prepared: object = None
+
+
+def _refusal(source) -> str | None:
+    """Why ``source`` cannot be streamed whatever the recipe (``None``: it can)."""
+    if source.gguf_file is not None:
+        return f"{source.gguf_file} is a GGUF file (streaming reads a directory of safetensors shards)"
+    if source.imported is not None:
+        return f"it is a {source.imported} checkpoint (its values are dequantized first)"
+    d = source.directory
+    if not ((d / "model.safetensors").is_file() or (d / "model.safetensors.index.json").is_file()):
+        return "it holds no safetensors shards"
+    return None
+
+
+def _streams(plan) -> int:
+    """Calibrated passes over the model: one per step that needs data, one for static activation scales."""
+    import qtransform as qt
+
+    steps = sum(qt.get_algorithm(s.name).needs is not None for s in plan.steps)
+    static = any(not spec.dynamic for spec in plan.activations.values())
+    return max(1, steps + static)
+
+
+def choose(a, recipe, label: str, source) -> Driver:
+    """The driver of ``qtransform quantize`` (see the module docstring); ``UserError`` for a run that cannot
+    fit this machine's memory or that ``--stream`` cannot stream."""
+    from ..checkpoint import CheckpointError
+    from ..checkpoint.store import parse_size
+    from ..stream import accept, sizing
+    from . import inputs, loadcheck
+
+    name = a.model or "the default model"
+    streaming_options = [o for o, v in (("--resume", a.resume), ("--max-memory", a.max_memory)) if v]
+    cannot = "--in-memory" if a.in_memory else _refusal(source)
+    prep = None
+    if cannot is None:
+        try:
+            loadcheck.check_quantized_without_config(source)  # codes without their config: refused as loading does
+            prep = accept.prepare(source.directory, recipe, calibrated=bool(a.calib))
+        except accept.CannotStream as e:
+            cannot = str(e)
+        except CheckpointError as e:
+            raise UserError(f"cannot load model {name}: {str(e).splitlines()[0]}") from None
+        except (TypeError, ValueError) as e:
+            raise UserError(f"recipe {label}: {e}") from None
+    if cannot is not None and a.stream:
+        raise UserError(f"--stream: {name} cannot be streamed: {cannot}")
+    if cannot is not None and streaming_options:
+        raise UserError(f"{', '.join(streaming_options)} go with a streamed run (a checkpoint directory, or --stream); "
+                        f"{name} runs in memory: {cannot}")
+    free = sizing.available()
+    evaluating = not a.no_eval
+    if prep is not None:
+        tokens = a.calib * a.seq_len if a.calib else 0
+        run = sizing.streamed(prep.model, prep.plan, block_by_block=not prep.tensor_run, tokens=tokens,
+                              streams=_streams(prep.plan), max_memory=parse_size(a.max_memory) if a.max_memory else None)
+        after = sizing.evaluation(prep.model, prep.plan, seq_len=a.seq_len) if evaluating else None
+        peak = run if after is None or after.total <= run.total else after
+        before = sizing.evaluation(prep.model, None, seq_len=a.seq_len).total if evaluating else 0
+        why = "--stream" if a.stream else "the default for a checkpoint directory"
+        driver = Driver(True, f"streamed {prep.mode} ({why})", peak, free,
+                        eval_before=free is None or before <= free, prepared=prep)
+        _check(a, driver, name, way_out=_stream_way_out(a, run, after))
+        return driver
+    skeleton = inputs.skeleton(source)
+    peak = None if skeleton is None else sizing.in_memory(skeleton, calibrated=bool(a.calib))
+    why = "--in-memory" if a.in_memory else (cannot if a.model else "the default model is a GGUF file")
+    driver = Driver(False, f"in memory ({why})", peak, free)
+    _check(a, driver, name, way_out="quantize it streamed (without --in-memory)" if a.in_memory else
+           "quantize it on a machine with more memory, or from a safetensors checkpoint directory, which streams")
+    return driver
+
+
+def _stream_way_out(a, run, after) -> str:
+    ways = []
+    if after is not None and after.total > run.total:
+        ways.append("--no-eval (the evaluation loads the quantized model whole; `qtransform eval` can measure it "
+                    "elsewhere)")
+    if a.calib:
+        ways.append("--max-memory SIZE (calibration activations beyond it spill to disk) or a smaller --calib")
+    return "; ".join(ways) or "a machine with more memory"
+
+
+def _check(a, driver: Driver, name: str, *, way_out: str) -> None:
+    from ..stream.sizing import format_size
+
+    if a.no_memory_check or driver.peak is None or driver.available is None:
+        return
+    if driver.peak.total > driver.available:
+        raise UserError(f"quantizing {name} {driver.why} needs about {driver.peak.describe()}; this machine has "
+                        f"{format_size(driver.available)} available: {way_out} (--no-memory-check runs it anyway)")
