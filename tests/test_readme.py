@@ -53,6 +53,20 @@ def test_readme_opens_with_the_two_commands():
     assert [line.split("#")[0].strip() for line in first_block.strip().splitlines()] == ["make demo", "make test"]
 
 
+#: The README is the entry point: measured tables and long explanations live in docs/ (performance.md and the
+#: page of their topic), the README summarises and links.
+README_MAX_LINES = 300
+
+
+def test_readme_is_an_entry_point_that_starts_with_the_two_commands():
+    lines = README.read_text().splitlines()
+    assert len(lines) <= README_MAX_LINES, (
+        f"README.md has {len(lines)} lines (at most {README_MAX_LINES}): move tables and detail to docs/, link them")
+    assert lines[0].startswith("# ") and lines[1] == "", "README.md starts with its title"
+    opening = [line.split("#")[0].strip() for line in lines[2:6]]
+    assert opening == ["```", "make demo", "make test", "```"], "README.md opens with `make demo` and `make test`"
+
+
 def test_every_docs_page_is_linked_from_the_readme():
     text = README.read_text()
     assert [p.name for p in DOCS[1:] if f"docs/{p.name}" not in text] == []
