@@ -143,8 +143,7 @@ def command(case: str, scratch: Path, a, *, out: Path | None = None) -> list[str
     checkpoint, args, stream = CASES[case]
     cmd = [a.qtransform, "quantize", "--model", str(scratch / checkpoint), *args,
            "--out", str(out or scratch / "out" / case), "--overwrite"]
-    if stream:
-        cmd.append("--stream")
+    cmd.append("--stream" if stream else "--in-memory")  # a checkpoint directory streams unless told otherwise
     if a.threads:
         cmd += ["--threads", str(a.threads)]
     return cmd
