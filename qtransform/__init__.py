@@ -35,7 +35,7 @@ from .rotation import OnlineRotation, hadamard, hadamard_transform, orthogonal, 
 from .tree import (dequantize_tree, flatten_tree, is_qtensor, merge_stats_tree, observe_tree, qparams_tree,
                    quantize_tree)
 
-__version__ = "0.2.0"
+__version__ = "0.3.0"
 
 __all__ = [
     "Registry", "data_checks",

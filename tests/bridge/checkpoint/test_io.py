@@ -132,6 +132,14 @@ def test_a_float_tensor_stored_in_another_float_dtype_loads_in_the_models_dtype(
     assert torch.equal(back[1].weight, stored["w"].float())
 
 
+def test_a_checkpoint_written_by_an_older_qtransform_loads(saved):
+    model, d = saved
+    assert json.loads((d / "config.json").read_text())["quantization_config"]["qtransform_version"] == qt.__version__
+    now = bridge.load(d, like=model)
+    _edit_config(d, lambda c: c.update(qtransform_version="0.2.0"))  # what 0.2.0 wrote; the layout is the same
+    assert_same_model(bridge.load(d, like=model), now)
+
+
 BAD_FILES = {
     "truncated shard": (lambda d: open(d / "model.safetensors", "r+b").truncate(os.path.getsize(d / "model.safetensors") - 10),
                         r"model\.safetensors: not a readable safetensors file"),
