@@ -251,6 +251,3 @@ def _fit_weights(current: Mapping, plan, weights, rows, source, in_scale, clip: 
 
 register_algorithm("awq", step, needs=BlockInputs(tokens=_tokens, float_inputs=_float_inputs), options=Options, requires=("groups",),
                    description="AWQ: per-channel scales searched on activations, then clipping ranges")
-
-#: The old name of :func:`step` (kept for one version).
-awq = step

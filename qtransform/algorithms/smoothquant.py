@@ -145,6 +145,3 @@ def step(params, plan, *, context, alpha: Any = 0.5, groups=None, activation=Non
 
 register_algorithm("smoothquant", step, needs=BlockInputs(), options=Options, requires=("groups",),
                    description="SmoothQuant: activation outliers folded into the weights (alpha fixed or 'auto')")
-
-#: The old name of :func:`step` (kept for one version).
-smoothquant = step
