@@ -23,13 +23,13 @@ The convention, one for every algorithm:
   :mod:`qtransform.observers`.
 """
 
-from .base import (ALGORITHMS, Algorithm, Block, BlockInputs, Context, Fit, ModelLoss, SiteStats, apply_fit, batch_tokens,
+from .base import (ALGORITHMS, Algorithm, Block, BlockInputs, Context, Fit, ModelLoss, SiteStats, apply_fit,
                    check_algorithm_options, get_algorithm, register_algorithm)
 from .lowrank_math import LowRank
 from . import (rtn, hqq_math, hqq, smoothing, smoothquant_math, smoothquant, gptq_math, gptq, awq_math, awq, rotate,
                spinquant, signround_math, signround, lowrank_math, lowrank)
 
-__all__ = ["LowRank", "ALGORITHMS", "Algorithm", "Block", "BlockInputs", "ModelLoss", "batch_tokens", "Context", "Fit", "SiteStats",
+__all__ = ["LowRank", "ALGORITHMS", "Algorithm", "Block", "BlockInputs", "ModelLoss", "Context", "Fit", "SiteStats",
            "apply_fit", "check_algorithm_options", "get_algorithm", "register_algorithm", "rtn", "hqq_math", "hqq",
            "smoothing", "smoothquant_math", "smoothquant", "gptq_math", "gptq", "awq_math", "awq", "rotate",
            "spinquant", "signround_math", "signround", "lowrank_math", "lowrank"]

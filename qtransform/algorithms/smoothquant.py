@@ -53,7 +53,7 @@ from typing import Any
 
 from ..observers import finalize_stats, init_stats
 from ..spec import Site
-from .base import BlockInputs, Fit, block_tokens, register_algorithm
+from .base import BlockInputs, Fit, register_algorithm
 from .options import option, options_checker
 from .smoothing import as_groups, block_groups, fold, input_module, quantized_linears, weight_path
 from .smoothquant_math import (EPS, SCORES, Choice, _group_scales, check_activation, sample_stats, scales, search,
@@ -114,7 +114,7 @@ def step(params, plan, *, context, alpha: Any = 0.5, groups=None, activation=Non
         return Fit()
     auto = alpha == "auto"
     if auto:
-        stride = max(1, math.ceil(block_tokens(block) / (tokens or 1024)))
+        stride = max(1, math.ceil((block.tokens or 0) / (tokens or 1024)))  # every row when uncounted
         want = {Site(input_module(g), "input"): sample_stats(stride) for g in mine}
     else:
         want = {Site(input_module(g), "input"): init_stats(observer="channel") for g in mine}
