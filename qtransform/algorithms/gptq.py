@@ -51,7 +51,7 @@ from ..tensor import dequantize, quantize, transposed_qparams
 from .base import BlockInputs, Fit, register_algorithm
 from .experts import FALLBACKS, experts_cost, fit_experts
 from .gptaq_math import cross
-from .gptq_math import INITS, gptq_many
+from .gptq_math import QPARAMS_INITS, gptq_many
 from .options import option, options_checker
 from .rtn import check_range_observer
 
@@ -75,7 +75,7 @@ class Options:
     block_size: int = option(128, ge=1, doc="columns per lazy-batch block")
     act_order: bool = option(True, doc="columns by decreasing Hessian diagonal")
     static_groups: bool = option(True, doc="group parameters fixed before the column loop")
-    init: str = option("clip", choices=INITS, doc="how group parameters are chosen")
+    init: str = option("clip", choices=QPARAMS_INITS, doc="how group parameters are chosen")
     observer: Any = option(None, doc="init='minmax': the range observer")
     true_sequential: bool = option(False, doc="groups solved in order, Hessians collected anew")
     groups: list | None = option(None, doc="smoothing groups replacing the plan's (Plan.groups)")

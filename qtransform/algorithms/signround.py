@@ -76,13 +76,13 @@ from .options import option, options_checker
 from .signround_math import ZERO_POINTS, Learned, clip_init, finalize, learned_fake_quantize, prepare, sign_step
 from .signround_math import init as init_state
 
-__all__ = ["step", "Options", "check_options", "INITS", "GPTQ_INITS", "default_lr"]
+__all__ = ["step", "Options", "check_options", "SIGNROUND_INITS", "GPTQ_INITS", "default_lr"]
 
 #: Where the learning starts: ``minmax`` (1: min-max ranges, AutoRound's start), ``mse`` (per group the factor of a
 #: grid over [0.5, 1] with the least squared round-to-nearest error, :func:`.signround_math.clip_init`) or ``gptq``
 #: (GPTQ's solution of the block: its unrounded weights and parameters, :func:`.gptq.solve`) or ``gptaq`` (GPTAQ's:
 #: GPTQ fitting the float model's outputs, ``gptq``'s ``gptaq=True``).
-INITS = ("minmax", "mse", "gptq", "gptaq")
+SIGNROUND_INITS = ("minmax", "mse", "gptq", "gptaq")
 #: The starts that are a GPTQ solution (the smaller default lr, :func:`default_lr`).
 GPTQ_INITS = ("gptq", "gptaq")
 
@@ -104,8 +104,8 @@ class Options:
     batch_size: int = option(8, ge=1, doc="calibration sequences per iteration")
     minmax: bool = option(True, doc="learn the clipping factors alpha, beta")
     offsets: bool = option(True, doc="learn the rounding offsets V (False: V = 0, the clipping factors alone)")
-    init: str = option("minmax", choices=INITS, doc="the start: min-max ranges (AutoRound's), a clipping search, "
-                                                    "or GPTQ's or GPTAQ's solution")
+    init: str = option("minmax", choices=SIGNROUND_INITS,
+                       doc="the start: min-max ranges (AutoRound's), a clipping search, or GPTQ's or GPTAQ's solution")
     zero_point: str = option("ste", choices=ZERO_POINTS, doc="integer zero point's gradient: straight-through or none")
     best: bool = option(True, doc="keep the iterate of lowest loss (False: the last)")
     quantized_inputs: bool = option(True, doc="train on the quantized chain's block inputs (False: the float chain's)")
