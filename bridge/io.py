@@ -344,7 +344,7 @@ def imported_format(path) -> str | None:
 
 
 def from_source(like: nn.Module, source, *, kernel: str = "auto") -> nn.Module:
-    """``like`` rebuilt from an imported checkpoint (:class:`bridge.interop.Source`): its quantized
+    """``like`` rebuilt from an imported checkpoint (:class:`bridge.interop.Checkpoint`): its quantized
     tensors as they are stored (never re-quantized), every tensor checked against ``like`` first."""
     meta, tree = source.meta, dict(source.tree)
     ref = extract(like)

@@ -26,7 +26,7 @@ import qtransform as qt
 
 from . import arch as gguf_arch, checks, tensors as gguf_tensors
 from . import moe as gguf_moe
-from ..base import Exporter, Source, Support, judged_spec
+from ..base import Checkpoint, Exporter, Support, judged_spec
 
 __all__ = ["GGUFExporter", "nearest_type", "REPORT"]
 
@@ -84,7 +84,7 @@ class GGUFExporter(Exporter):
             return Support("exact", f"GGUF {qtype}")
         return Support("nearest", _nearest_note(spec, self.k_quants))
 
-    def problems(self, source: Source, *, allow_nearest: bool = False) -> list[str]:
+    def problems(self, source: Checkpoint, *, allow_nearest: bool = False) -> list[str]:
         out = super().problems(source, allow_nearest=allow_nearest)
         config = source.config
         arch_issues = gguf_arch.arch_problems(config)
@@ -106,12 +106,12 @@ class GGUFExporter(Exporter):
         return out
 
     @staticmethod
-    def _paths(source: Source) -> list[str]:
+    def _paths(source: Checkpoint) -> list[str]:
         """Tree paths to write: tied copies (aliases) of tied embeddings are left out."""
         tied = bool(source.config.get("tie_word_embeddings", False))
         return [p for p in source.tree if not (p in source.meta.aliases and tied)]
 
-    def write(self, source: Source, out: Path, *, allow_nearest: bool = False) -> None:
+    def write(self, source: Checkpoint, out: Path, *, allow_nearest: bool = False) -> None:
         import gguf
 
         config = source.config
@@ -139,7 +139,7 @@ class GGUFExporter(Exporter):
         (Path(out) / REPORT).write_text(json.dumps(summary, indent=2) + "\n")
 
 
-def _planned(source: Source, paths: list[str]) -> list[tuple[str, str | None, object, slice | None]]:
+def _planned(source: Checkpoint, paths: list[str]) -> list[tuple[str, str | None, object, slice | None]]:
     """``(tree path, GGUF name or None, leaf, rows of each expert)`` per tensor: a stacked experts weight as its
     GGUF pieces (:func:`.moe.expert_pieces`), the shared-expert gate ``(1, H)`` as llama.cpp's vector ``(H,)``."""
     config = source.config

@@ -1,7 +1,7 @@
 """GGUF (llama.cpp): import of GGUF files.
 
 **Import** (:class:`GGUFImporter`, registered as ``"gguf"``): a ``.gguf`` file (or a directory
-holding one) read into a :class:`~bridge.interop.Source` without re-quantizing: Q4_1, Q8_0, Q4_0,
+holding one) read into a :class:`~bridge.interop.Checkpoint` without re-quantizing: Q4_1, Q8_0, Q4_0,
 MXFP4, Q4_K and Q6_K blocks become QTensors whose codes are the file's and whose dequantized values
 are the bits the ``gguf`` package's dequantization gives (:data:`~.tensors.IMPORT_SPECS`);
 F32/F16/BF16 tensors stay float. Other types raise ``ValueError`` naming the tensor and type,
@@ -26,13 +26,13 @@ import qtransform as qt
 from ...checkpoint.metadata import Metadata, entries_of
 from ...checkpoint.metadata import CheckpointError
 from . import arch as gguf_arch, checks, moe as gguf_moe, tensors as gguf_tensors
-from ..base import Importer, Source
+from ..base import Checkpoint, Importer
 
 __all__ = ["GGUFImporter"]
 
 
 class GGUFImporter(Importer):
-    """Reads a ``.gguf`` file (or a directory with exactly one) into a :class:`Source` (see the module).
+    """Reads a ``.gguf`` file (or a directory with exactly one) into a :class:`Checkpoint` (see the module).
 
     ``dequantize=True`` reads types without an exact spec of ours as float32 instead of refusing."""
 
@@ -57,8 +57,8 @@ class GGUFImporter(Importer):
     def detect(self, directory: Path) -> bool:
         return self._file(directory) is not None
 
-    def read(self, directory: Path, *, verify: bool = True, like=None) -> Source:
-        """The file as a :class:`Source`, checked first (see the module): ``verify`` checks the tensors
+    def read(self, directory: Path, *, verify: bool = True, like=None) -> Checkpoint:
+        """The file as a :class:`Checkpoint`, checked first (see the module): ``verify`` checks the tensors
         against our exporter's digests when present; ``like`` (a transformers model) must have the
         file's architecture and hyperparameters."""
         from gguf import GGMLQuantizationType, dequantize
@@ -130,7 +130,7 @@ class GGUFImporter(Importer):
         meta = Metadata(entries=entries_of(quantized), aliases=aliases)
         if notes:
             config["gguf_dequantized"] = notes
-        return Source(path.parent, meta, tree, config)
+        return Checkpoint(path.parent, meta, tree, config)
 
 
 def _gguf_to_hf(config: dict) -> dict[str, str]:
