@@ -38,7 +38,7 @@ from ..algorithms.base import FACTS, needs_data
 from ..algorithms.lowrank_math import check_lowrank
 from ..observers import Observer, init_stats
 from ..parallel import SERIAL
-from ..rotation.online import ROLES as ONLINE_ROLES
+from ..rotation.online import ONLINE_ROLES
 from ..spec import Plan, Site, Step, as_plan
 from ..tensor import QParams, dequantize, quantize
 

@@ -3,7 +3,7 @@ orthogonal matrices for any order, the residual-stream rotation of a parameter t
 offline rotations) and the rotations a model applies at run time (online)."""
 
 from .constructions import HadamardConstruction, hadamard, hadamard_construction, hadamard_transform, has_hadamard
-from .online import ROLES as ONLINE_ROLES, OnlineRotation, apply_online, check_online, online_hadamard
+from .online import ONLINE_ROLES, OnlineRotation, apply_online, check_online, online_hadamard
 from .orthogonal import (orthogonal, orthogonal_construction, random_hadamard, random_orthogonal,
                          random_signs)
 from .residual import HeadPair, NormReaders, QueryKey, ResidualLayout, fuse_norms, rotate
