@@ -57,7 +57,8 @@ from .rtn import check_range_observer
 
 __all__ = ["step", "Options", "check_options", "linear_weights"]
 
-#: the module types whose 2-D weights are linear maps (GPT-2's Conv1D stores one transposed)
+#: The module types whose 2-D weights are linear maps (GPT-2's Conv1D stores one transposed): what GPTQ solves and
+#: the presets quantize (``qtransform.pipeline.LINEAR_TYPES``).
 LINEAR_TYPES = ("Linear", "Conv1D")
 
 
