@@ -33,11 +33,15 @@ from ..modules.experts import EXPERT_WEIGHTS
 __all__ = ["Checkpoint", "Support", "Exporter", "EXPORTERS", "register_exporter", "Importer", "IMPORTERS",
            "register_importer", "detect_format", "read_source", "read_imported", "verify_digests", "verify_shards",
            "export",
-           "EXTRA_FILES", "copy_extras", "write_config", "SUPPORT_KINDS", "judged_spec"]
+           "EXTRA_FILES", "copy_extras", "write_config", "SUPPORT_KINDS", "FLOAT_SCALES", "judged_spec"]
 
 #: What :meth:`Exporter.support` answers: the target holds the spec bit for bit, holds the nearest
 #: format it has (extra error, said in the note), or cannot hold it.
 SUPPORT_KINDS = ("exact", "nearest", "no")
+
+#: Float scale dtypes the targets keep as they are (compressed-tensors stores them as given, Quark reads them
+#: into its float32 scale buffers without loss).
+FLOAT_SCALES = ("float32", "float16", "bfloat16")
 
 #: Files a transformers checkpoint carries beside its weights, copied into exports that keep
 #: the transformers directory shape: generation settings and the tokenizer's files

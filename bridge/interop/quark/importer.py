@@ -43,7 +43,7 @@ from ...checkpoint.tree_io import CONFIG
 from . import config as qc
 from ...checkpoint.metadata import CheckpointError
 from .. import experts
-from ..base import Checkpoint, Importer, verify_shards
+from ..base import FLOAT_SCALES, Checkpoint, Importer, verify_shards
 from .tensors import from_quark, symmetric_zero
 from .validate import check_config
 
@@ -95,8 +95,8 @@ def _scale_dtype(cfg: dict, scale: torch.Tensor, where: str) -> str:
             raise ValueError(f"{where}: e8m0 scales stored as {scale.dtype}, expected uint8")
         return "e8m0"
     name = dtype_name(scale.dtype)
-    if name not in qc.FLOAT_SCALES:
-        raise ValueError(f"{where}: scales stored as {name}; expected one of {list(qc.FLOAT_SCALES)}")
+    if name not in FLOAT_SCALES:
+        raise ValueError(f"{where}: scales stored as {name}; expected one of {list(FLOAT_SCALES)}")
     return name
 
 
