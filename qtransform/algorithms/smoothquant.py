@@ -56,10 +56,10 @@ from ..spec import Site
 from .base import BlockInputs, Fit, register_algorithm
 from .options import option, options_checker
 from .smoothing import as_groups, block_groups, fold, input_module, quantized_linears, weight_path
-from .smoothquant_math import (EPS, SCORES, Choice, _group_scales, check_activation, sample_stats, scales, search,
-                               smooth)
+from .smoothquant_math import (EPS, SCORES, Choice, _group_scales, check_activation, sample_stats, scales,
+                               search_alpha, smooth)
 
-__all__ = ["EPS", "scales", "smooth", "search", "Choice", "Options", "check_options", "step"]
+__all__ = ["EPS", "scales", "smooth", "search_alpha", "Choice", "Options", "check_options", "step"]
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Options:
@@ -128,8 +128,8 @@ def step(params, plan, *, context, alpha: Any = 0.5, groups=None, activation=Non
             specs = {lin: plan.specs.get(weight_path(g, lin)) for lin in quantized_linears(g)}
             act = activation if activation is not None else recipe_acts.get(
                 Site(plan.site_module(weight_path(g, quantized_linears(g)[0])), "input"))
-            choice = search(summary, current, g, activation=act, weight_specs=specs, grid=grid or 11,
-                            score=score or "calibration")
+            choice = search_alpha(summary, current, g, activation=act, weight_specs=specs, grid=grid or 11,
+                                  score=score or "calibration")
             s, chosen = choice.scales, choice.alpha
         else:
             s, chosen = _group_scales(current, g, summary.absmax, float(alpha)), float(alpha)
