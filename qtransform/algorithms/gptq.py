@@ -291,14 +291,14 @@ def step(params, plan, *, context, damp: float = 0.01, block_size: int = 128, ac
          groups=None, expert_min_tokens: int = 8, expert_fallback: str = "rtn", gptaq: bool = False,
          gptaq_alpha: float = 0.25) -> Fit:
     """The ``gptq`` step on one block (``context.block``); see the module docstring."""
-    changed, qparams, info, _ = solve(
+    changed, qparams, info, _ = solve_block(
         params, plan, context=context, damp=damp, block_size=block_size, act_order=act_order,
         static_groups=static_groups, init=init, observer=observer, true_sequential=true_sequential, groups=groups,
         expert_min_tokens=expert_min_tokens, expert_fallback=expert_fallback, gptaq=gptaq, gptaq_alpha=gptaq_alpha)
     return Fit(params=changed, qparams=qparams, info=info)
 
 
-def solve(params, plan, *, context, unrounded: bool = False, **options) -> tuple[dict, dict, dict, dict]:
+def solve_block(params, plan, *, context, unrounded: bool = False, **options) -> tuple[dict, dict, dict, dict]:
     """GPTQ of one block's planned linear weights (``options`` as the step's, checked here):
     ``(weights, qparams, info, unrounded)`` by path; with ``unrounded``, the last holds for each 2-D linear weight
     the weight as its columns stood when rounded (:attr:`.gptq_math.GPTQResult.unrounded`; none for stacked experts,

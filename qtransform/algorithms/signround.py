@@ -41,7 +41,7 @@ OmniQuant's learnable weight clipping by signed descent; a format with no learna
 (``"minmax"``: ``alpha = beta = 1``, AutoRound's start; ``"mse"``: per group the clipping factor of least squared
 round-to-nearest error on a grid over [0.5, 1], a better start at 2-3 bits where min-max ranges waste levels on
 outliers; with ``minmax=False`` that clip stays fixed; ``"gptq"``: GPTQ's
-solution of the block, :func:`.gptq.solve`: the weights as its columns stood when rounded, the ranges its
+solution of the block, :func:`.gptq.solve_block`: the weights as its columns stood when rounded, the ranges its
 parameters stand for, and at ``alpha = beta = 1`` its parameters exactly, so the start is GPTQ's result;
 stacked experts from min-max; ``"gptaq"``: the same from GPTAQ's solution, ``gptq``'s ``gptaq=True``),
 ``best`` (True: keep the iterate of lowest loss; False: the last), ``quantized_inputs`` (True: train on the
@@ -71,7 +71,7 @@ import torch
 
 from .base import BlockInputs, Fit, register_algorithm
 from .gptq import linear_weights
-from .gptq import solve as gptq_solve
+from .gptq import solve_block as gptq_solve
 from .options import option, options_checker
 from .signround_math import ZERO_POINTS, Learned, clip_init, finalize, learned_fake_quantize, prepare, sign_step
 from .signround_math import init as init_state
@@ -80,8 +80,8 @@ __all__ = ["step", "Options", "check_options", "SIGNROUND_INITS", "GPTQ_INITS", 
 
 #: Where the learning starts: ``minmax`` (1: min-max ranges, AutoRound's start), ``mse`` (per group the factor of a
 #: grid over [0.5, 1] with the least squared round-to-nearest error, :func:`.signround_math.clip_init`) or ``gptq``
-#: (GPTQ's solution of the block: its unrounded weights and parameters, :func:`.gptq.solve`) or ``gptaq`` (GPTAQ's:
-#: GPTQ fitting the float model's outputs, ``gptq``'s ``gptaq=True``).
+#: (GPTQ's solution of the block: its unrounded weights and parameters, :func:`.gptq.solve_block`) or ``gptaq``
+#: (GPTAQ's: GPTQ fitting the float model's outputs, ``gptq``'s ``gptaq=True``).
 SIGNROUND_INITS = ("minmax", "mse", "gptq", "gptaq")
 #: The starts that are a GPTQ solution (the smaller default lr, :func:`default_lr`).
 GPTQ_INITS = ("gptq", "gptaq")
