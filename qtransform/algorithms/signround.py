@@ -73,8 +73,8 @@ from .base import BlockInputs, Fit, register_algorithm
 from .gptq import linear_weights
 from .gptq import solve_block as gptq_solve
 from .options import option, options_checker
-from .signround_math import ZERO_POINTS, Learned, clip_init, finalize, learned_fake_quantize, prepare, sign_step
-from .signround_math import init as init_state
+from .signround_math import (ZERO_POINTS, Learned, clip_init, finalize, learned_fake_quantize, minmax_init, prepare,
+                              sign_step)
 
 __all__ = ["step", "Options", "check_options", "SIGNROUND_INITS", "GPTQ_INITS", "default_lr"]
 
@@ -194,7 +194,7 @@ def step(params, plan, *, context, iters: int = 200, lr: float | None = None, mi
     solved = _gptq_start(params, plan, context, weights, gptaq=init == "gptaq") if init in GPTQ_INITS else {}
     prep = {p: prepare(solved[p][0], plan.specs[p], path=p, start=solved[p][1])._replace(dtype=params[p].dtype)
             if p in solved else prepare(params[p], plan.specs[p], path=p) for p in weights}
-    state = {p: clip_init(q, zero_point=zero_point) if init == "mse" else init_state(q) for p, q in prep.items()}
+    state = {p: clip_init(q, zero_point=zero_point) if init == "mse" else minmax_init(q) for p, q in prep.items()}
     learn_range = {p: minmax and q.ranged for p, q in prep.items()}
     targets = _targets(block)
     inputs = block.inputs if quantized_inputs else block.float_inputs
