@@ -181,11 +181,11 @@ def _tensor(path: str, leaf, config: dict, *, allow_nearest: bool, k_quants: boo
     if qtype is not None and (blocks_fit or qtype not in gguf_tensors.EXACT_TYPES):
         if stacked:  # expert by expert, each an ordinary matrix: experts the outermost axis
             leaf = gguf_moe.take_expert_rows(leaf, rows, path)
-            data = np.stack([gguf_tensors.encode(qt.stacked.matrix(leaf, e), qtype, path=f"{path}[{e}]")
+            data = np.stack([gguf_tensors.encode_blocks(qt.stacked.matrix(leaf, e), qtype, path=f"{path}[{e}]")
                              for e in range(leaf.shape[0])])
             return data, qtype, {"kind": "exact", "spec": str(spec)}
         q = gguf_arch.reorder_rows(leaf, index)
-        return gguf_tensors.encode(q, qtype, path=path), qtype, {"kind": "exact", "spec": str(leaf.spec)}
+        return gguf_tensors.encode_blocks(q, qtype, path=path), qtype, {"kind": "exact", "spec": str(leaf.spec)}
     if not allow_nearest:  # problems() refused it already; a direct call gets the same answer
         raise ValueError(f"{path}: {leaf.spec} has no exact GGUF type; pass allow_nearest=True")
     w = gguf_arch.reorder_rows(gguf_moe.take_expert_rows(qt.dequantize(leaf, dtype=torch.float32), rows, path), index)
@@ -198,7 +198,7 @@ def _tensor(path: str, leaf, config: dict, *, allow_nearest: bool, k_quants: boo
         if qtype in ("Q4_K", "Q6_K"):
             data = gguf_tensors.quantize_k(w2, qtype)
         else:
-            data = gguf_tensors.encode(qt.quantize(w2, qt.choose_qparams(w2, gguf_tensors.IMPORT_SPECS[qtype])),
+            data = gguf_tensors.encode_blocks(qt.quantize(w2, qt.choose_qparams(w2, gguf_tensors.IMPORT_SPECS[qtype])),
                                       qtype, path=path)
         data = data.reshape(*w.shape[:-1], -1)
         back = torch.from_numpy(gguf.quants.dequantize(data, gguf.GGMLQuantizationType[qtype]).copy())

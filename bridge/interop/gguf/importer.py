@@ -96,10 +96,10 @@ class GGUFImporter(Importer):
             kind = GGMLQuantizationType(int(t.tensor_type)).name
             if kind in gguf_tensors.IMPORT_SPECS and len(shape) == 3 and hf == t.name:  # experts: one matrix each
                 raw = np.asarray(t.data).reshape(shape[0], shape[1], -1)
-                leaf = qt.stacked.stack([gguf_tensors.decode(raw[e], kind, shape[1:], path=f"{t.name}[{e}]")
+                leaf = qt.stacked.stack([gguf_tensors.decode_blocks(raw[e], kind, shape[1:], path=f"{t.name}[{e}]")
                                          for e in range(shape[0])])
             elif kind in gguf_tensors.IMPORT_SPECS:
-                leaf = gguf_tensors.decode(np.asarray(t.data), kind, shape, path=t.name)
+                leaf = gguf_tensors.decode_blocks(np.asarray(t.data), kind, shape, path=t.name)
             elif kind in ("F32", "F16", "BF16"):
                 leaf = torch.from_numpy(np.array(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(shape))
                 if kind == "F16":
