@@ -72,7 +72,7 @@ class GGUFImporter(Importer):
         reader = checks.open_reader(path)
         hyper = checks.hyperparameters(reader, path)
         if like is not None:
-            checks.check_like(hyper, like, path)
+            checks.check_hyperparameters(hyper, like, path)
         if verify:
             checks.check_digests(reader, path)
         try:
