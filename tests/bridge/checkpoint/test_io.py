@@ -11,7 +11,7 @@ from torch import nn
 import qtransform as qt
 import bridge
 from bridge import CheckpointError
-from bridge_util import ConvNet, EmbedNet, format_specs, same_bits
+from bridge_util import format_specs, same_bits
 
 
 def assert_same_model(a: nn.Module, b: nn.Module):
