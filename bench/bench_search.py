@@ -109,7 +109,7 @@ def main() -> None:
     ap.add_argument("--eval", type=int, default=8)
     ap.add_argument("--seq-len", type=int, default=512)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--algorithm", default="rtn", choices=qsearch.ALGORITHMS)
+    ap.add_argument("--algorithm", default="rtn", choices=qsearch.SEARCH_ALGORITHMS)
     ap.add_argument("--reference-layers", type=int, default=6)
     ap.add_argument("--no-gptq", action="store_true", help="skip the GPTQ timing run")
     ap.add_argument("--candidates", default=",".join(qsearch.DEFAULT_CANDIDATES))

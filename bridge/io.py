@@ -48,7 +48,7 @@ from .modules.lowrank import lowrank_ranks
 from .modules.online import check as check_online, online_rotations
 from .tree import Quantized, extract, tie_groups, to_module
 
-__all__ = ["save", "checkpoint_writer", "write_extras", "stored_dtypes", "config_dtype", "cast_leaf", "load",
+__all__ = ["save", "checkpoint_writer", "write_extras", "cast_dtypes", "config_dtype", "cast_leaf", "load",
            "imported_format", "from_source", "TOKENIZER_FILES"]
 
 
@@ -156,7 +156,7 @@ def checkpoint_writer(model_or_qtree, *, max_shard_size="2GB", recipe=None, reci
         activations, online = (dict(result.activations) or None, dict(result.online) or None) if result else (None, None)
     layout = LAYOUTS["native"]
     groups, aliases = tensor_groups(tree, layout)  # ties found on the tensors as they are, before any cast
-    targets, recorded_dtype = stored_dtypes(tree, dtypes)
+    targets, recorded_dtype = cast_dtypes(tree, dtypes)
     if targets:
         tree = {p: cast_leaf(v, targets[p]) if p in targets else v for p, v in tree.items()}
         groups = [{n: cast_leaf(t, targets[n]) if n in targets else t for n, t in g.items()} for g in groups]
@@ -184,7 +184,7 @@ def checkpoint_writer(model_or_qtree, *, max_shard_size="2GB", recipe=None, reci
     return write
 
 
-def stored_dtypes(tree: Mapping, dtypes) -> tuple[dict, torch.dtype | None]:
+def cast_dtypes(tree: Mapping, dtypes) -> tuple[dict, torch.dtype | None]:
     """``({path: dtype}, config dtype)`` of ``save(dtypes=...)`` for the float leaves of ``tree`` (see :func:`save`)."""
     if dtypes is None:
         return {}, None
@@ -344,7 +344,7 @@ def imported_format(path) -> str | None:
 
 
 def from_source(like: nn.Module, source, *, kernel: str = "auto") -> nn.Module:
-    """``like`` rebuilt from an imported checkpoint (:class:`bridge.interop.Source`): its quantized
+    """``like`` rebuilt from an imported checkpoint (:class:`bridge.interop.Checkpoint`): its quantized
     tensors as they are stored (never re-quantized), every tensor checked against ``like`` first."""
     meta, tree = source.meta, dict(source.tree)
     ref = extract(like)

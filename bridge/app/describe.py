@@ -22,10 +22,10 @@ from ..checkpoint.store import read_json
 from ..io import imported_format
 from .report import format_bytes, online_rows, online_summary, steps_label, table, tree_bytes
 
-__all__ = ["describe", "describe_imported", "tensor_bytes"]
+__all__ = ["describe", "describe_imported", "stored_bytes"]
 
 
-def tensor_bytes(directory) -> dict[str, int]:
+def stored_bytes(directory) -> dict[str, int]:
     """``{stored tensor name: bytes}`` from the shard headers (no tensor data is read)."""
     return store.header_bytes(*store.open_shards(Path(directory)))
 
@@ -39,7 +39,7 @@ def describe(directory) -> str:
         return describe_imported(root, fmt)
     meta = read_metadata(root)
     raw = read_json(root / CONFIG, "model config")["quantization_config"]
-    sizes = tensor_bytes(root)
+    sizes = stored_bytes(root)
     layout = LAYOUTS[meta.layout]
     parts = {p: [n for n in layout.expected(p, e.spec, e.shape, e.dtype) if n in sizes]
              for p, e in meta.entries.items()}

@@ -41,7 +41,7 @@ __all__ = ["add_parser", "cmd_search"]
 
 
 def add_parser(sub, at_least):
-    from qtransform.search import ALGORITHMS, DEFAULT_CANDIDATES
+    from qtransform.search import DEFAULT_CANDIDATES, SEARCH_ALGORITHMS
 
     from ..search import ESTIMATES, FISHER_TOKENS
 
@@ -51,7 +51,7 @@ def add_parser(sub, at_least):
                    help="bits per weight of the searched linear weights, scales and zero points counted")
     s.add_argument("--candidates", default=",".join(DEFAULT_CANDIDATES), metavar="A,B,...",
                    help=f"candidate schemes (default {','.join(DEFAULT_CANDIDATES)})")
-    s.add_argument("--algorithm", default="rtn", choices=ALGORITHMS,
+    s.add_argument("--algorithm", default="rtn", choices=SEARCH_ALGORITHMS,
                    help="how each candidate quantizes a weight, scored and written as the recipe's step (default rtn)")
     s.add_argument("--estimate", default="fisher", choices=ESTIMATES,
                    help="fisher: each layer's output error weighted by the Fisher of the model's output, an estimate "

@@ -2,7 +2,7 @@
 
 Version 2::
 
-    {"quant_method": "qtransform", "version": 2, "qtransform_version": "0.2.0", "layout": "native",
+    {"quant_method": "qtransform", "version": 2, "qtransform_version": "0.3.0", "layout": "native",
      "specs": [<QuantSpec.to_dict()>, ...],
      "tensors": {"model.layers.0.mlp.up_proj.weight": {"spec": 0, "shape": [1536, 576], "dtype": "float32"}},
      "recipe": <Recipe.to_dict(), steps included> | null, "recipe_name": "hqq4-g64",

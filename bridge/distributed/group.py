@@ -22,12 +22,12 @@ import torch.utils._pytree as pytree
 
 import qtransform as qt
 
-__all__ = ["TorchParallel", "current", "to_host"]
+__all__ = ["TorchParallel", "current", "to_cpu"]
 
 _OPS = {"sum": "SUM", "max": "MAX", "min": "MIN"}
 
 
-def to_host(value):
+def to_cpu(value):
     """``value`` (a pytree: dicts, lists, qtransform's statistics, QParams, QTensors) with every tensor moved
     to the CPU: what travels in object collectives (a CUDA tensor would unpickle on the sender's device)."""
     return pytree.tree_map_only(torch.Tensor, lambda t: t.detach().cpu(), value)
@@ -75,7 +75,7 @@ class TorchParallel(qt.Parallel):
 
     def gather(self, value: Any) -> list:
         out = [None] * self.world
-        dist.all_gather_object(out, to_host(value), group=self.group)
+        dist.all_gather_object(out, to_cpu(value), group=self.group)
         return out
 
     def share(self, values: Mapping[Hashable, Any], owners: Mapping[Hashable, int]) -> dict:
@@ -84,7 +84,7 @@ class TorchParallel(qt.Parallel):
             raise ValueError(f"Parallel.share: rank {self.rank} owns {missing[:3]} but gave no value for them")
         got = {}
         for r in sorted(set(owners.values())):
-            box = [to_host({k: values[k] for k in owners if owners[k] == r}) if r == self.rank else None]
+            box = [to_cpu({k: values[k] for k in owners if owners[k] == r}) if r == self.rank else None]
             dist.broadcast_object_list(box, src=self._global(r), group=self.group)
             got.update(box[0])
         return {k: _to(got[k], self.device) for k in owners}
@@ -128,7 +128,7 @@ class TorchParallel(qt.Parallel):
 
     def _merge(self, s, dst):
         """Gather ``s`` from every rank (to ``dst`` only, when given) and merge in rank order."""
-        mine = to_host(s)
+        mine = to_cpu(s)
         if dst is None:
             parts = self.gather(mine)
         else:

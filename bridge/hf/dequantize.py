@@ -206,7 +206,7 @@ def dequantize_model(model: nn.Module, dtype: torch.dtype | None = None) -> nn.M
         m = model.get_submodule(path)
         m.weight = nn.Parameter(w, requires_grad=m.weight.requires_grad)
     for m in model.modules():  # key/value cache quantizers
-        for role in actquant.KV_ROLES:
+        for role in qt.spec.KV_ROLES:
             if f"{role}_spec" in m.__dict__:
                 actquant.attach(m, role, None)
                 m.__dict__.pop(f"{role}_spec", None)

@@ -3,7 +3,7 @@
 A target (``quark``, ``compressed-tensors``, ``gguf``, ``onnx``...) is an :class:`Exporter` in its own
 package of :mod:`bridge.interop` (its importer beside it), registered in :data:`EXPORTERS` under its name. It says, per quantized
 tensor, whether its format can hold the spec (:meth:`Exporter.support`: ``"exact"``, ``"nearest"``
-with the reason, or ``"no"``) and writes a :class:`Source` (a qtransform checkpoint read without a
+with the reason, or ``"no"``) and writes a :class:`Checkpoint` (a qtransform checkpoint read without a
 model: its metadata, tree and ``config.json``) into a directory (:meth:`Exporter.write`).
 
 :func:`export` is what the ``qtransform export`` command and ``qtransform quantize --to`` call:
@@ -30,14 +30,18 @@ from ..checkpoint.metadata import CheckpointError, Metadata
 from ..checkpoint.tree_io import CONFIG, TOKENIZER_FILES, load_tree, read_metadata
 from ..modules.experts import EXPERT_WEIGHTS
 
-__all__ = ["Source", "Support", "Exporter", "EXPORTERS", "register_exporter", "Importer", "IMPORTERS",
+__all__ = ["Checkpoint", "Support", "Exporter", "EXPORTERS", "register_exporter", "Importer", "IMPORTERS",
            "register_importer", "detect_format", "read_source", "read_imported", "verify_digests", "verify_shards",
            "export",
-           "EXTRA_FILES", "copy_extras", "write_config", "SUPPORT_KINDS", "judged_spec"]
+           "EXTRA_FILES", "copy_extras", "write_config", "SUPPORT_KINDS", "FLOAT_SCALES", "judged_spec"]
 
 #: What :meth:`Exporter.support` answers: the target holds the spec bit for bit, holds the nearest
 #: format it has (extra error, said in the note), or cannot hold it.
 SUPPORT_KINDS = ("exact", "nearest", "no")
+
+#: Float scale dtypes the targets keep as they are (compressed-tensors stores them as given, Quark reads them
+#: into its float32 scale buffers without loss).
+FLOAT_SCALES = ("float32", "float16", "bfloat16")
 
 #: Files a transformers checkpoint carries beside its weights, copied into exports that keep
 #: the transformers directory shape: generation settings and the tokenizer's files
@@ -45,7 +49,7 @@ SUPPORT_KINDS = ("exact", "nearest", "no")
 EXTRA_FILES = ("generation_config.json", *TOKENIZER_FILES)
 
 
-class Source(NamedTuple):
+class Checkpoint(NamedTuple):
     """A qtransform checkpoint read without a model.
 
     ``tree``: ``{path: Tensor | QTensor}`` (tied paths included, bit for bit as stored);
@@ -84,10 +88,10 @@ class Exporter(abc.ABC):
         activation site's role (``"input"``, ``"output"``, ``"key"``, ``"value"``)."""
 
     @abc.abstractmethod
-    def write(self, source: Source, out: Path, *, allow_nearest: bool = False) -> None:
+    def write(self, source: Checkpoint, out: Path, *, allow_nearest: bool = False) -> None:
         """Write the export of ``source`` into the (empty, temporary) directory ``out``."""
 
-    def problems(self, source: Source, *, allow_nearest: bool = False) -> list[str]:
+    def problems(self, source: Checkpoint, *, allow_nearest: bool = False) -> list[str]:
         """Why ``source`` cannot be exported (one line per tree path or site; empty when it can).
         Targets with whole-model conditions (an architecture, online rotations) extend it."""
         out = []
@@ -123,7 +127,7 @@ def judged_spec(path: str, entry) -> qt.QuantSpec:
 
 
 class Importer(abc.ABC):
-    """Reads another tool's checkpoint into a :class:`Source` (our tree and metadata) without
+    """Reads another tool's checkpoint into a :class:`Checkpoint` (our tree and metadata) without
     re-quantizing where its format maps to one of ours. Subclasses set :attr:`name`."""
 
     name: str = ""
@@ -133,8 +137,8 @@ class Importer(abc.ABC):
         """True when ``directory`` (or file) is a checkpoint of this format (cheap: headers, config)."""
 
     @abc.abstractmethod
-    def read(self, directory: Path, *, verify: bool = True) -> Source:
-        """The checkpoint as a :class:`Source`; ``ValueError`` (a :class:`~bridge.CheckpointError` for a
+    def read(self, directory: Path, *, verify: bool = True) -> Checkpoint:
+        """The checkpoint as a :class:`Checkpoint`; ``ValueError`` (a :class:`~bridge.CheckpointError` for a
         damaged file) naming the file and the tensor or key it cannot map. What it reads is validated
         before anything is built; digests written with the tensors are checked unless ``verify=False``
         (:func:`verify_digests`, :func:`verify_shards`)."""
@@ -197,7 +201,7 @@ def quantization_config_of(config, file) -> dict:
     return q
 
 
-def read_imported(fmt: str, path, *, verify: bool = True, like=None) -> Source:
+def read_imported(fmt: str, path, *, verify: bool = True, like=None) -> Checkpoint:
     """``IMPORTERS[fmt].read(path, verify=verify, like=like)``, passing only the options its ``read`` takes: an
     importer registered before ``verify`` existed (its ``read`` takes the path alone) checks no digests, and
     ``like`` (the model the tree is for) goes to importers that check the file's hyperparameters against it."""
@@ -262,18 +266,18 @@ def register_exporter(exporter: Exporter, *, replace: bool = False) -> Exporter:
     return EXPORTERS.register(getattr(exporter, "name", None), exporter, replace=replace)
 
 
-def read_source(checkpoint, *, verify: bool = True) -> Source:
-    """Read a qtransform checkpoint directory into a :class:`Source` (checksums verified unless
+def read_source(checkpoint, *, verify: bool = True) -> Checkpoint:
+    """Read a qtransform checkpoint directory into a :class:`Checkpoint` (checksums verified unless
     ``verify=False``); :class:`~bridge.CheckpointError` when it is not one."""
     root = Path(checkpoint)
     meta = read_metadata(root)
     tree = load_tree(root, verify=verify)
     config = store.read_json(root / CONFIG, "checkpoint config")
     config = {k: v for k, v in config.items() if k != "quantization_config"}
-    return Source(root, meta, tree, config)
+    return Checkpoint(root, meta, tree, config)
 
 
-def copy_extras(source: Source, out: Path, names=EXTRA_FILES) -> list[str]:
+def copy_extras(source: Checkpoint, out: Path, names=EXTRA_FILES) -> list[str]:
     """Copy the tokenizer and generation files that sit beside the checkpoint; the names copied."""
     copied = []
     for name in names:

@@ -19,7 +19,7 @@ import qtransform as qt
 
 from ..modules.actquant import PREFIX
 from ..tree import tie_groups
-from .base import Source
+from .base import Checkpoint
 
 __all__ = ["HEADS", "transformers_model", "model_paths", "float_model"]
 
@@ -71,13 +71,13 @@ def transformers_model(config: Mapping, *, paths: Iterable[str] = (), device: st
     return model.eval()
 
 
-def model_paths(source: Source) -> list[str]:
+def model_paths(source: Checkpoint) -> list[str]:
     """The paths of ``source``'s tree that are the model's own tensors (not activation or key/value scales)."""
     acts = {f"{s.module}.{PREFIX[s.role]}{f}" for s in source.meta.activations for f in qt.QParams.FIELDS}
     return [p for p in source.tree if p not in acts]
 
 
-def float_model(source: Source, dtype: torch.dtype = torch.float32) -> nn.Module:
+def float_model(source: Checkpoint, dtype: torch.dtype = torch.float32) -> nn.Module:
     """The transformers model whose weights ``source`` holds (see :func:`transformers_model`) in ``dtype``,
     loaded with the tree (quantized tensors dequantized; activation and key/value scales left out).
     ``ValueError`` naming the tensors the model lacks or the checkpoint does not give."""

@@ -93,8 +93,8 @@ class DecodeState(NamedTuple):
 @functools.cache
 def _build():
     """Build (or load the cached build of) the kernel once per process and register its ops:
-    ``(module, None)`` when it runs here, else ``(None, reason)`` (:func:`native.build`)."""
-    mod, reason = native.build(_SOURCE, _NAME, env="QTRANSFORM_NO_DECODE_KERNEL")
+    ``(module, None)`` when it runs here, else ``(None, reason)`` (:func:`native.build_extension`)."""
+    mod, reason = native.build_extension(_SOURCE, _NAME, env="QTRANSFORM_NO_DECODE_KERNEL")
     if mod is not None:
         _register_fakes()
     return mod, reason

@@ -96,7 +96,7 @@ def dequantize_int(codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tenso
     dev = codes.device
     w = _buffer("weight", (n, k), dtype, dev)
     if four and dtype == torch.float32 and dev.type == "cpu" and (k // groups) % 2 == 0:
-        ext, _ = native.build("dense_avx2.cpp", "qtransform_dense_avx2")
+        ext, _ = native.build_extension("dense_avx2.cpp", "qtransform_dense_avx2")
         if ext is not None:  # one AVX2 pass (5x the plain ops below)
             ext.dequant_int4(codes.contiguous(), scale.to(torch.float32).contiguous(),
                              offset.to(torch.float32).contiguous(), bool(signed), w)

@@ -87,7 +87,7 @@ def fused_reason(spec) -> str | None:
 
 @functools.cache
 def _build():
-    return native.build("int8dyn_avx2.cpp", "qtransform_int8dyn_avx2", env="QTRANSFORM_NO_INT8_KERNEL")
+    return native.build_extension("int8dyn_avx2.cpp", "qtransform_int8dyn_avx2", env="QTRANSFORM_NO_INT8_KERNEL")
 
 
 def native_reason() -> str | None:

@@ -1,6 +1,6 @@
 """Building the project's small C++ CPU kernels at first use (``torch.utils.cpp_extension``).
 
-Each kernel source sits beside its Python module; :func:`build` compiles it once per machine
+Each kernel source sits beside its Python module; :func:`build_extension` compiles it once per machine
 (gcc and ninja) into a directory of torch's extension cache named after what the build depends
 on (the source's bytes, the flags, torch's version and the Python environment), so later
 processes only load it, and two checkouts or virtualenvs of different versions never rebuild over
@@ -22,7 +22,7 @@ import time
 
 import torch
 
-__all__ = ["build", "build_directory", "CFLAGS", "STALE_LOCK_S"]
+__all__ = ["build_extension", "build_directory", "CFLAGS", "STALE_LOCK_S"]
 
 CFLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-DNDEBUG")
 #: A build lock older than this (seconds) belongs to a build that was killed: builds take < 2 min.
@@ -52,7 +52,7 @@ def _remove_stale_lock(directory: pathlib.Path) -> None:
 
 
 @functools.cache
-def build(source: str, name: str, *, env: str | None = None):
+def build_extension(source: str, name: str, *, env: str | None = None):
     """``(extension, None)`` when ``source`` (a file name beside this module) builds and runs here,
     else ``(None, reason)``; once per process. ``env``: a variable that, when set, turns it off."""
     for var in filter(None, ("QTRANSFORM_NO_NATIVE_KERNELS", env)):

@@ -45,15 +45,14 @@ import torch
 from torch import nn
 
 import qtransform as qt
+from qtransform.spec import KV_ROLES
 from qtransform import QParams
 
 from ..kernels import int8dyn
 
-__all__ = ["ROLES", "KV_ROLES", "PREFIX", "attach", "kv_heads", "activation_view", "qparams_for", "apply", "activation_specs", "stored_buffers",
+__all__ = ["PREFIX", "attach", "kv_heads", "activation_view", "qparams_for", "apply", "activation_specs", "stored_buffers",
            "static_buffers", "abstract_qparams"]
 
-ROLES = ("input", "output")
-KV_ROLES = qt.spec.KV_ROLES
 #: The observer of dynamic quantizers (min/max of each input), made once: ``torch.compile`` traces
 #: its statistics but not the observer registry's lookup.
 DYNAMIC_OBSERVER = _DYNAMIC_OBSERVER = qt.make_observer("minmax")

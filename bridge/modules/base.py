@@ -220,7 +220,7 @@ class QModule(nn.Module):
             bits = f" [{q.bits_per_element():.3f} bits/element]"
         except RuntimeError:
             bits = ""
-        act = "".join(f", {r}={getattr(self, r + '_spec')}" for r in actquant.ROLES if getattr(self, r + "_spec"))
+        act = "".join(f", {r}={getattr(self, r + '_spec')}" for r in qt.spec.ROLES if getattr(self, r + "_spec"))
         return f"weight={self.spec}{bits}{act}, kernel={self._kernel_request if self.weight.is_meta else self.kernel}"
 
     def input_qparams(self, x: torch.Tensor):

@@ -29,6 +29,7 @@ from torch import nn
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
 
+import qtransform as qt
 from qtransform.rotation import apply_online
 
 from . import actquant
@@ -109,7 +110,7 @@ def quantized_attention(model: nn.Module) -> list[str]:
     """Paths of the attention modules of ``model`` with a key or value quantizer or an online rotation of
     their queries and keys."""
     return [name for name, m in model.named_modules()
-            if _is_attention(m) and (any(getattr(m, f"{r}_spec", None) is not None for r in actquant.KV_ROLES)
+            if _is_attention(m) and (any(getattr(m, f"{r}_spec", None) is not None for r in qt.spec.KV_ROLES)
                                      or "key" in getattr(m, "_qt_online", {}))]
 
 

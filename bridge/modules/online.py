@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 import qtransform as qt
-from qtransform.rotation import ONLINE_ROLES as ROLES, OnlineRotation, apply_online, check_online
+from qtransform.rotation import ONLINE_ROLES, OnlineRotation, apply_online, check_online
 
 from . import kvcache
 
@@ -70,8 +70,8 @@ def check(model: nn.Module, online: Mapping) -> dict:
         raise TypeError(f"online must map qtransform Sites to OnlineRotation, got {type(online).__name__}")
     attention = None
     for site, rot in online.items():
-        if not isinstance(site, qt.Site) or site.role not in ROLES:
-            raise TypeError(f"online: keys must be qtransform.Site(module, role) with role in {list(ROLES)}, "
+        if not isinstance(site, qt.Site) or site.role not in ONLINE_ROLES:
+            raise TypeError(f"online: keys must be qtransform.Site(module, role) with role in {list(ONLINE_ROLES)}, "
                             f"got {site!r}")
         where = f"online rotation at {site.module} ({site.role})"
         try:

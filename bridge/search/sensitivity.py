@@ -147,8 +147,8 @@ def measure(model: nn.Module, batches: Iterable, cands: Sequence[qsearch.Candida
             lets oneDNN compute them from bf16 pieces where the CPU has bf16 dot products (:func:`_fast_matmul`).
         progress: ``progress(iterable, desc=..., total=...)``, e.g. a tqdm bar.
     """
-    if algorithm not in qsearch.ALGORITHMS:
-        raise ValueError(f"algorithm must be one of {list(qsearch.ALGORITHMS)}, got {algorithm!r}")
+    if algorithm not in qsearch.SEARCH_ALGORITHMS:
+        raise ValueError(f"algorithm must be one of {list(qsearch.SEARCH_ALGORITHMS)}, got {algorithm!r}")
     if estimate not in ESTIMATES:
         raise ValueError(f"estimate must be one of {list(ESTIMATES)}, got {estimate!r}")
     t0 = time.perf_counter()

@@ -80,12 +80,12 @@ def to_rank0(parallel: qt.Parallel, value: Any) -> list | None:
         return [value]
     import torch.distributed as dist
 
-    from ..distributed import to_host
+    from ..distributed import to_cpu
 
     group = getattr(parallel, "group", None)
     dst = 0 if group is None else dist.get_global_rank(group, 0)
     out = [None] * parallel.world if parallel.rank == 0 else None
-    dist.gather_object(to_host(value), out, dst=dst, group=group)
+    dist.gather_object(to_cpu(value), out, dst=dst, group=group)
     return out
 
 

@@ -11,14 +11,14 @@ is stored (in, out). A recipe speaks of every linear layer as ``nn.Linear`` does
 
 :func:`model_plan` resolves a recipe for a model that way. The tree keeps the tensors as stored
 (``extract`` is the state dict, ``functional_call`` works on it); the plan gives a stored-transposed
-weight the spec of the *stored* tensor (:func:`transposed_spec`, axes swapped), so the steps,
+weight the spec of the *stored* tensor (:func:`qtransform.transposed_spec`, axes swapped), so the steps,
 ``quantize_tree``, the quantized modules and checkpoints all work on the tensor as stored, with the
 grid an ``nn.Linear`` gets. Checkpoints record that stored spec, so files written before this rule
 (whose ``Conv1D`` specs described the stored tensor) load unchanged.
 
 >>> import torch, qtransform as qt
 >>> spec = qt.QuantSpec(format="int8", granularity=qt.PerChannel(0))
->>> str(transposed_spec(spec, (32, 64)).granularity)
+>>> str(qt.transposed_spec(spec, (32, 64)).granularity)
 'PerChannel(axis=1)'
 """
 
@@ -36,7 +36,7 @@ from ..modules.experts import is_experts, stacked_like
 from ..modules.kvcache import attention_modules
 from .extract import module_types, weight_paths
 
-__all__ = ["TYPE_FALLBACK", "stored_transposed", "transposed_spec", "model_plan"]
+__all__ = ["TYPE_FALLBACK", "stored_transposed", "model_plan"]
 
 #: ``{module type: type whose rules it follows when the recipe has no rule for it}``: a ``Linear`` rule
 #: reaches GPT-2's ``Conv1D`` and the stacked ``Experts`` weights of mixture-of-experts layers (each expert is
@@ -47,10 +47,6 @@ TYPE_FALLBACK = {"Conv1D": "Linear", "Experts": "Linear"}
 def stored_transposed(module: nn.Module) -> bool:
     """Whether ``module`` stores its linear weight (in, out): a ``Conv1D``, or the ``QLinear`` replacing one."""
     return is_conv1d(module) or (isinstance(module, QLinear) and module.transposed)
-
-
-#: The spec of a stored-transposed weight (core: :func:`qtransform.transposed_spec`).
-transposed_spec = qt.transposed_spec
 
 
 def _stacked(path: str, m: qt.Match, module: nn.Module, stored: tuple[int, ...]) -> qt.QuantSpec:
@@ -92,7 +88,7 @@ def model_plan(model: nn.Module, recipe: qt.Recipe, tree: Mapping[str, torch.Ten
                 raise ValueError(f"{path}: recipe {m.rule} ({spec}): {e}; a {types.get(path)} weight is stored "
                                  f"(in, out) = {tuple(tree[path].shape)}, specs apply to its (out, in) layout "
                                  f"{logical} as for Linear") from None
-            spec = transposed_spec(spec, logical)
+            spec = qt.transposed_spec(spec, logical)
         matches[path] = qt.Match(spec, m.rule, types.get(path))
     flipped = [p for p, m in owners.items() if types.get(p) == "Experts" and is_experts(m) and stacked_like(m, p.rpartition(".")[2])[1]]
     return qt.Plan(recipe, matches, attention=resolved.attention, transposed_experts=flipped)

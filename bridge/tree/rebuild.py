@@ -26,7 +26,6 @@ integration records the model's quantization config there, for ``save_pretrained
 from __future__ import annotations
 
 import copy
-import warnings
 from typing import Any, Mapping
 
 import torch
@@ -247,9 +246,7 @@ def _check_activations(model: nn.Module, quantized: Mapping, activations: Mappin
                             f"{type(quant).__name__}")
 
 
-def to_module(model: nn.Module, qtree: Any, *, inplace: bool = False, kernel: str = "auto",
-              plan: qt.Plan | None = None, activations: Mapping | None = None,
-              online: Mapping | None = None) -> nn.Module:
+def to_module(model: nn.Module, qtree: Any, *, inplace: bool = False, kernel: str = "auto") -> nn.Module:
     """A model with quantized modules where ``qtree`` holds QTensors (see module docstring).
 
     Args:
@@ -259,30 +256,16 @@ def to_module(model: nn.Module, qtree: Any, *, inplace: bool = False, kernel: st
             ``{path: Tensor | QTensor}`` (e.g. ``qt.quantize_tree(bridge.extract(model), recipe)``).
         inplace: modify ``model`` itself instead of returning a new model.
         kernel: kernel request for every new quantized module (``"auto"`` or e.g. ``"dequant"``).
-        plan, activations, online: deprecated (kept for one version): the parts of a
-            :class:`~bridge.tree.Quantized` given one by one with a plain tree. ``plan`` goes to the
-            rebuild hooks (recipe, rules); ``activations`` (``{Site: dynamic QuantSpec | static QParams}``,
-            :func:`qtransform.activation_quantizers`) are attached to the quantized modules; ``online``
-            (``{Site: OnlineRotation}``, the ``rotate`` step's ``Fit.online``) are installed by
-            :func:`bridge.modules.online.install_online_rotations`.
 
     Returns:
         The quantized model (``model`` itself when ``inplace``).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    given = [name for name, v in (("plan", plan), ("activations", activations), ("online", online)) if v is not None]
-    lowrank = {}
+    plan, activations, online, lowrank = None, None, None, {}
     if isinstance(qtree, Quantized):
-        if given:
-            raise TypeError(f"to_module: {', '.join(given)} come with the Quantized result; pass them only with a "
-                            "plain tree")
         qtree, plan, activations, online, lowrank = (qtree.changed(), qtree.plan, qtree.activations, qtree.online,
                                                      qtree.lowrank)
-    elif given:
-        warnings.warn(f"to_module(model, tree, {'=..., '.join(given)}=...) is deprecated and goes in the next "
-                      "version: pass the pipeline's result, to_module(model, bridge.Quantized(params, qtree, plan, "
-                      "activations, online=online))", DeprecationWarning, stacklevel=2)
     leaves = qt.flatten_tree(qtree)
     known = set(model.state_dict())
     unknown = sorted(p for p in leaves if p not in known)

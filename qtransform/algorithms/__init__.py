@@ -21,18 +21,15 @@ The convention, one for every algorithm:
   math (Hadamard matrices, the residual-stream rotation of a tree, online rotations) is its own package,
   :mod:`qtransform.rotation`, read by ``rotate`` and ``spinquant``; ``rtn`` needs none beyond
   :mod:`qtransform.observers`.
-
-``gptq_solver`` and ``awq_search`` are the old names of ``gptq_math`` and ``awq_math``, re-exported for
-one version.
 """
 
-from .base import (ALGORITHMS, Algorithm, Block, BlockInputs, Context, Fit, ModelLoss, SiteStats, apply_fit, batch_tokens,
+from .base import (ALGORITHMS, Algorithm, Block, BlockInputs, Context, Fit, ModelLoss, SiteStats, apply_fit,
                    check_algorithm_options, get_algorithm, register_algorithm)
 from .lowrank_math import LowRank
 from . import (rtn, hqq_math, hqq, smoothing, smoothquant_math, smoothquant, gptq_math, gptq, awq_math, awq, rotate,
-               spinquant, gptq_solver, awq_search, signround_math, signround, lowrank_math, lowrank)
+               spinquant, signround_math, signround, lowrank_math, lowrank)
 
-__all__ = ["LowRank", "ALGORITHMS", "Algorithm", "Block", "BlockInputs", "ModelLoss", "batch_tokens", "Context", "Fit", "SiteStats",
+__all__ = ["LowRank", "ALGORITHMS", "Algorithm", "Block", "BlockInputs", "ModelLoss", "Context", "Fit", "SiteStats",
            "apply_fit", "check_algorithm_options", "get_algorithm", "register_algorithm", "rtn", "hqq_math", "hqq",
            "smoothing", "smoothquant_math", "smoothquant", "gptq_math", "gptq", "awq_math", "awq", "rotate",
-           "spinquant", "gptq_solver", "awq_search", "signround_math", "signround", "lowrank_math", "lowrank"]
+           "spinquant", "signround_math", "signround", "lowrank_math", "lowrank"]

@@ -54,7 +54,7 @@ from ..parallel import SERIAL, Parallel
 from ..spec import Site, module_of
 from .awq_clip import CLIP_RANGES, search_magnitude
 from .awq_math import QUANTIZERS, search_scales
-from .base import BlockInputs, Fit, block_tokens, register_algorithm
+from .base import BlockInputs, Fit, register_algorithm
 from .clip_search import input_gram, search_range
 from .gptq import linear_weights
 from .hqq_math import check_spec, optimize as hqq_optimize
@@ -177,7 +177,7 @@ def step(params, plan, *, context, groups=None, grid: int = 20, duo_scaling: boo
     clipped = [p for p in weights if params[p].dim() != 3]
     source = {module_of(p): module_of(p) for p in clipped}  # whose recorded input each linear reads
     source.update({lin: input_module(g) for g in mine for lin in g.linears if lin not in g.stacked})  # one shared
-    stride = max(1, -(-block_tokens(block) // _KEPT))  # rows kept for the means and Gram matrices
+    stride = max(1, -(-(block.tokens or 0) // _KEPT))  # rows kept for the means and Gram matrices (all: uncounted)
     sites = {Site(m, "input"): sample_stats(stride) for m in set(source.values())}
     if float_inputs and block.float_inputs is None:
         raise ValueError(f"block {block.name}: awq: float_inputs=True needs the float model's block inputs "
@@ -251,6 +251,3 @@ def _fit_weights(current: Mapping, plan, weights, rows, source, in_scale, clip: 
 
 register_algorithm("awq", step, needs=BlockInputs(tokens=_tokens, float_inputs=_float_inputs), options=Options, requires=("groups",),
                    description="AWQ: per-channel scales searched on activations, then clipping ranges")
-
-#: The old name of :func:`step` (kept for one version).
-awq = step

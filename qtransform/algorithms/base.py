@@ -58,7 +58,7 @@ from .lowrank_math import LowRank
 from .options import check_options as _check_options
 from .options import option_fields
 
-__all__ = ["Fit", "Context", "SiteStats", "BlockInputs", "ModelLoss", "Block", "batch_tokens", "block_tokens", "Algorithm", "ALGORITHMS", "register_algorithm", "get_algorithm",
+__all__ = ["Fit", "Context", "SiteStats", "BlockInputs", "ModelLoss", "Block", "Algorithm", "ALGORITHMS", "register_algorithm", "get_algorithm",
            "check_algorithm_options", "apply_fit"]
 
 
@@ -205,7 +205,9 @@ class Block(NamedTuple):
             block, or the block itself) on ``args``/``kwargs``, its tensors taken from ``params``
             (missing paths keep the current tree's): a pure, differentiable function of ``params``.
         tokens: the calibration tokens in ``inputs`` over all batches, counted by the caller, who knows which
-            input holds the hidden states (``None``: :func:`block_tokens` counts the first tensor's rows).
+            input holds the hidden states (the bridge: ``bridge.calibrate.blocks.batch_tokens``); ``None``: not
+            counted, and the steps that sample rows by it (``awq``, ``smoothquant`` with ``alpha="auto"``) keep
+            every row.
         parallel: the processes running this step on disjoint shares of the calibration data
             (:class:`qtransform.Parallel`; :data:`qtransform.SERIAL` for one). ``inputs``, ``run``, ``capture``
             and ``call`` are this rank's share; ``site_stats`` and ``tokens`` are over all ranks' data.
@@ -226,28 +228,6 @@ class Block(NamedTuple):
     parallel: Parallel = SERIAL
     float_inputs: Sequence[Any] | None = None
     float_outputs: Callable[[], Sequence[torch.Tensor]] | None = None
-
-
-def batch_tokens(args: Sequence, kwargs: Mapping) -> int:
-    """Tokens in one batch of a block's inputs, as far as the inputs alone tell: the rows (all dimensions
-    but the last) of the first positional tensor, else of the first tensor keyword. (Which input holds the
-    hidden states is the caller's knowledge: the bridge counts them itself and fills ``Block.tokens``.)
-
-    >>> import torch, qtransform as qt
-    >>> qt.batch_tokens((torch.zeros(2, 8, 16),), {})
-    16
-    """
-    h = args[0] if args and isinstance(args[0], torch.Tensor) else next(
-        (v for v in kwargs.values() if isinstance(v, torch.Tensor)), None)
-    return 0 if h is None or h.dim() == 0 else h.numel() // max(h.shape[-1], 1)
-
-
-def block_tokens(block: Block) -> int:
-    """Tokens in a block's calibration inputs over all batches: ``block.tokens`` where the caller counted
-    them, else :func:`batch_tokens` summed over the batches."""
-    if block.tokens is not None:
-        return block.tokens
-    return sum(batch_tokens(args, kwargs) for args, kwargs in block.inputs)
 
 
 class Context(NamedTuple):

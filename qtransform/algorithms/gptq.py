@@ -51,13 +51,14 @@ from ..tensor import dequantize, quantize, transposed_qparams
 from .base import BlockInputs, Fit, register_algorithm
 from .experts import FALLBACKS, experts_cost, fit_experts
 from .gptaq_math import cross
-from .gptq_math import INITS, gptq_many
+from .gptq_math import QPARAMS_INITS, gptq_many
 from .options import option, options_checker
 from .rtn import check_range_observer
 
 __all__ = ["step", "Options", "check_options", "linear_weights"]
 
-#: the module types whose 2-D weights are linear maps (GPT-2's Conv1D stores one transposed)
+#: The module types whose 2-D weights are linear maps (GPT-2's Conv1D stores one transposed): what GPTQ solves and
+#: the presets quantize (``qtransform.pipeline.LINEAR_TYPES``).
 LINEAR_TYPES = ("Linear", "Conv1D")
 
 
@@ -75,7 +76,7 @@ class Options:
     block_size: int = option(128, ge=1, doc="columns per lazy-batch block")
     act_order: bool = option(True, doc="columns by decreasing Hessian diagonal")
     static_groups: bool = option(True, doc="group parameters fixed before the column loop")
-    init: str = option("clip", choices=INITS, doc="how group parameters are chosen")
+    init: str = option("clip", choices=QPARAMS_INITS, doc="how group parameters are chosen")
     observer: Any = option(None, doc="init='minmax': the range observer")
     true_sequential: bool = option(False, doc="groups solved in order, Hessians collected anew")
     groups: list | None = option(None, doc="smoothing groups replacing the plan's (Plan.groups)")
@@ -290,14 +291,14 @@ def step(params, plan, *, context, damp: float = 0.01, block_size: int = 128, ac
          groups=None, expert_min_tokens: int = 8, expert_fallback: str = "rtn", gptaq: bool = False,
          gptaq_alpha: float = 0.25) -> Fit:
     """The ``gptq`` step on one block (``context.block``); see the module docstring."""
-    changed, qparams, info, _ = solve(
+    changed, qparams, info, _ = solve_block(
         params, plan, context=context, damp=damp, block_size=block_size, act_order=act_order,
         static_groups=static_groups, init=init, observer=observer, true_sequential=true_sequential, groups=groups,
         expert_min_tokens=expert_min_tokens, expert_fallback=expert_fallback, gptaq=gptaq, gptaq_alpha=gptaq_alpha)
     return Fit(params=changed, qparams=qparams, info=info)
 
 
-def solve(params, plan, *, context, unrounded: bool = False, **options) -> tuple[dict, dict, dict, dict]:
+def solve_block(params, plan, *, context, unrounded: bool = False, **options) -> tuple[dict, dict, dict, dict]:
     """GPTQ of one block's planned linear weights (``options`` as the step's, checked here):
     ``(weights, qparams, info, unrounded)`` by path; with ``unrounded``, the last holds for each 2-D linear weight
     the weight as its columns stood when rounded (:attr:`.gptq_math.GPTQResult.unrounded`; none for stacked experts,

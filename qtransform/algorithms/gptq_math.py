@@ -65,7 +65,7 @@ from .gptaq_math import asymmetric_term, check_alpha, check_cross
 from .hqq_math import check_spec as check_hqq_spec
 from .hqq_math import optimize as hqq_optimize
 
-__all__ = ["GPTQResult", "gptq", "gptq_many", "inverse_hessian_factor", "INITS"]
+__all__ = ["GPTQResult", "gptq", "gptq_many", "inverse_hessian_factor", "QPARAMS_INITS"]
 
 #: Columns whose errors are pushed one by one onto each other before one product updates the block's rest. At
 #: 128 (the default block) the loop is the textbook lazy batch, bit for bit; 16 saved ~5% of the loop's CPU time on
@@ -73,8 +73,8 @@ __all__ = ["GPTQResult", "gptq", "gptq_many", "inverse_hessian_factor", "INITS"]
 #: it stays off.
 _SUB_BLOCK = 128
 
-#: How group parameters are chosen before their columns are quantized.
-INITS = ("minmax", "clip", "hqq")
+#: How the quantization parameters of a group are chosen before its columns are quantized (gptq's ``init``).
+QPARAMS_INITS = ("minmax", "clip", "hqq")
 
 
 class GPTQResult(NamedTuple):
@@ -241,8 +241,8 @@ def gptq_many(weights: Sequence[torch.Tensor], H: torch.Tensor, specs: Sequence[
         raise ValueError(f"{where(paths[0])}gptq: block_size must be an int >= 1, got {block_size!r}")
     if isinstance(damp, bool) or not isinstance(damp, (int, float)) or not 0 <= damp < float("inf"):
         raise ValueError(f"{where(paths[0])}gptq: damp must be a number >= 0, got {damp!r}")
-    if init not in INITS:
-        raise ValueError(f"{where(paths[0])}gptq: init must be one of {list(INITS)}, got {init!r}")
+    if init not in QPARAMS_INITS:
+        raise ValueError(f"{where(paths[0])}gptq: init must be one of {list(QPARAMS_INITS)}, got {init!r}")
     alpha = check_alpha(alpha, path=paths[0])
     if cross is not None:
         check_cross(cross, H.shape[0], path=paths[0])

@@ -78,7 +78,7 @@ from .options import options_checker
 from .base import Fit, register_algorithm
 from .hqq_math import Options, _optimize, _options, check_spec, optimize, optimize_stack, supports
 
-__all__ = ["optimize", "optimize_stack", "fit_tree", "qparams_tree", "check_spec", "check_options", "supports",
+__all__ = ["optimize", "optimize_stack", "fit_tree", "check_spec", "check_options", "supports",
            "Options", "step"]
 
 #: ``check_options(*, path=None, **options) -> Options``: ``ValueError``/``TypeError`` naming the option unless
@@ -115,10 +115,6 @@ def fit_tree(params: Any, recipe, *, types: Mapping[str, str] | None = None,
     o = _options(None, **options)
     plan = as_plan(recipe, params, types=types)
     return _fit(dict(_pytree.flatten_with_paths(params)[0]), plan, o, paths=paths, progress=progress)
-
-
-#: The old name of :func:`fit_tree` (kept for one version; ``qtransform.qparams_tree`` is another function).
-qparams_tree = fit_tree
 
 
 def _fit(flat: Mapping[str, torch.Tensor], plan, o, *, paths=None, progress=None) -> dict[str, QParams]:

@@ -1,5 +1,5 @@
 """HQQ's tensor math: :func:`optimize` (one tensor), :func:`optimize_stack` (layers of equal shape) and
-the half-quadratic iterations on groups of a weight (:func:`solve`); :mod:`.hqq` explains the method and
+the half-quadratic iterations on groups of a weight (:func:`solve_groups`); :mod:`.hqq` explains the method and
 registers the step.
 
 The solver works on ``(G, g)`` float32 groups with ``(G, 1)`` stored scales and zero points; every
@@ -26,7 +26,7 @@ from ..spec import QuantSpec
 from ..tensor import QParams, blocks
 from .options import check_options, option
 
-__all__ = ["Options", "solve", "optimize", "optimize_stack", "check_spec", "supports"]
+__all__ = ["Options", "solve_groups", "optimize", "optimize_stack", "check_spec", "supports"]
 
 _CHUNK = 1 << 20  # elements per chunk: a few working buffers stay in cache
 
@@ -167,7 +167,7 @@ def _write(done, rows, s, z):
     return done[0].index_copy(0, rows, s), done[1].index_copy(0, rows, z)
 
 
-def solve(w, s, z, lo, hi, spec, o: Options):
+def solve_groups(w, s, z, lo, hi, spec, o: Options):
     """All groups: ``w`` (G, g); ``s``, ``z``, ``lo``, ``hi`` (G, 1). Chunks are solved independently."""
     codec = spec.fmt.codec
     kw = dict(codec=codec, rounding=spec.rounding, qmax=float(codec.qmax),
@@ -250,7 +250,7 @@ def _solve_pieces(wf: torch.Tensor, grids, tiles: blocks.Tiling, spec: QuantSpec
         sub = blocks.Tiling(tuple(part.shape), block, tuple(part.shape),
                                tuple(n // b for n, b in zip(part.shape, block)))
         flat = blocks.flat(blocks.view(part, sub), sub)
-        s, z = solve(flat.reshape(-1, flat.shape[-1]), *(t[cells].reshape(-1, 1) for t in grids), spec, o)
+        s, z = solve_groups(flat.reshape(-1, flat.shape[-1]), *(t[cells].reshape(-1, 1) for t in grids), spec, o)
         return s.reshape(sub.grid), z.reshape(sub.grid)
     parts = [_solve_pieces(wf, grids, tiles, spec, o, axis + 1, ranges + (r,)) for r in _pieces(tiles)[axis]]
     if len(parts) == 1:

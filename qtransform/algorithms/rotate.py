@@ -151,6 +151,3 @@ register_algorithm("rotate", step, options=Options, requires=("layout",),
                    description="QuaRot: norms fused, residual stream and heads rotated (randomised Hadamard), "
                                "online Hadamard before the down projections (and on queries/keys); the function "
                                "unchanged")
-
-#: The old name of :func:`step` (kept for one version).
-rotate_step = step

@@ -60,6 +60,3 @@ def step(params, plan, *, context, observer=None) -> Fit:
 
 register_algorithm("rtn", step, local=True, options=Options,
                    description="round to nearest (observer: minmax, percentile or mse)")
-
-#: The old name of :func:`step` (kept for one version).
-rtn = step

@@ -41,7 +41,7 @@ OmniQuant's learnable weight clipping by signed descent; a format with no learna
 (``"minmax"``: ``alpha = beta = 1``, AutoRound's start; ``"mse"``: per group the clipping factor of least squared
 round-to-nearest error on a grid over [0.5, 1], a better start at 2-3 bits where min-max ranges waste levels on
 outliers; with ``minmax=False`` that clip stays fixed; ``"gptq"``: GPTQ's
-solution of the block, :func:`.gptq.solve`: the weights as its columns stood when rounded, the ranges its
+solution of the block, :func:`.gptq.solve_block`: the weights as its columns stood when rounded, the ranges its
 parameters stand for, and at ``alpha = beta = 1`` its parameters exactly, so the start is GPTQ's result;
 stacked experts from min-max; ``"gptaq"``: the same from GPTAQ's solution, ``gptq``'s ``gptaq=True``),
 ``best`` (True: keep the iterate of lowest loss; False: the last), ``quantized_inputs`` (True: train on the
@@ -71,18 +71,18 @@ import torch
 
 from .base import BlockInputs, Fit, register_algorithm
 from .gptq import linear_weights
-from .gptq import solve as gptq_solve
+from .gptq import solve_block as gptq_solve
 from .options import option, options_checker
-from .signround_math import ZERO_POINTS, Learned, clip_init, finalize, learned_fake_quantize, prepare, sign_step
-from .signround_math import init as init_state
+from .signround_math import (ZERO_POINTS, Learned, clip_init, finalize, learned_fake_quantize, minmax_init, prepare,
+                              sign_step)
 
-__all__ = ["step", "Options", "check_options", "INITS", "GPTQ_INITS", "default_lr"]
+__all__ = ["step", "Options", "check_options", "SIGNROUND_INITS", "GPTQ_INITS", "default_lr"]
 
 #: Where the learning starts: ``minmax`` (1: min-max ranges, AutoRound's start), ``mse`` (per group the factor of a
 #: grid over [0.5, 1] with the least squared round-to-nearest error, :func:`.signround_math.clip_init`) or ``gptq``
-#: (GPTQ's solution of the block: its unrounded weights and parameters, :func:`.gptq.solve`) or ``gptaq`` (GPTAQ's:
-#: GPTQ fitting the float model's outputs, ``gptq``'s ``gptaq=True``).
-INITS = ("minmax", "mse", "gptq", "gptaq")
+#: (GPTQ's solution of the block: its unrounded weights and parameters, :func:`.gptq.solve_block`) or ``gptaq``
+#: (GPTAQ's: GPTQ fitting the float model's outputs, ``gptq``'s ``gptaq=True``).
+SIGNROUND_INITS = ("minmax", "mse", "gptq", "gptaq")
 #: The starts that are a GPTQ solution (the smaller default lr, :func:`default_lr`).
 GPTQ_INITS = ("gptq", "gptaq")
 
@@ -104,8 +104,8 @@ class Options:
     batch_size: int = option(8, ge=1, doc="calibration sequences per iteration")
     minmax: bool = option(True, doc="learn the clipping factors alpha, beta")
     offsets: bool = option(True, doc="learn the rounding offsets V (False: V = 0, the clipping factors alone)")
-    init: str = option("minmax", choices=INITS, doc="the start: min-max ranges (AutoRound's), a clipping search, "
-                                                    "or GPTQ's or GPTAQ's solution")
+    init: str = option("minmax", choices=SIGNROUND_INITS,
+                       doc="the start: min-max ranges (AutoRound's), a clipping search, or GPTQ's or GPTAQ's solution")
     zero_point: str = option("ste", choices=ZERO_POINTS, doc="integer zero point's gradient: straight-through or none")
     best: bool = option(True, doc="keep the iterate of lowest loss (False: the last)")
     quantized_inputs: bool = option(True, doc="train on the quantized chain's block inputs (False: the float chain's)")
@@ -194,7 +194,7 @@ def step(params, plan, *, context, iters: int = 200, lr: float | None = None, mi
     solved = _gptq_start(params, plan, context, weights, gptaq=init == "gptaq") if init in GPTQ_INITS else {}
     prep = {p: prepare(solved[p][0], plan.specs[p], path=p, start=solved[p][1])._replace(dtype=params[p].dtype)
             if p in solved else prepare(params[p], plan.specs[p], path=p) for p in weights}
-    state = {p: clip_init(q, zero_point=zero_point) if init == "mse" else init_state(q) for p, q in prep.items()}
+    state = {p: clip_init(q, zero_point=zero_point) if init == "mse" else minmax_init(q) for p, q in prep.items()}
     learn_range = {p: minmax and q.ranged for p, q in prep.items()}
     targets = _targets(block)
     inputs = block.inputs if quantized_inputs else block.float_inputs

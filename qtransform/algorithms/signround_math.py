@@ -39,7 +39,7 @@ the casts (bf16, fp16: scale 1) learn only ``V``.
 >>> w = torch.tensor([[-1.0, -0.2, 0.3, 0.9]])
 >>> spec = qt.QuantSpec(format="uint2", granularity=qt.PerGroup(4), symmetric=False)
 >>> lq = prepare(w, spec)
->>> t = init(lq)
+>>> t = minmax_init(lq)
 >>> (learned_fake_quantize(lq, t) * 3 / 1.9).round().tolist()  # round to nearest: scale 1.9/3, zero point 2
 [[-2.0, 0.0, 0.0, 1.0]]
 >>> w2, qp = finalize(lq, t._replace(offset=torch.tensor([[0.0, 0.0, 0.5, 0.0]])))  # 0.3 rounds up
@@ -59,7 +59,7 @@ from ..spec import QuantSpec
 from ..tensor import QParams, blocks, dequantize, quantize
 from ..tensor.quantize import element_range
 
-__all__ = ["Learned", "Prepared", "ZERO_POINTS", "OFFSET_RANGE", "FACTOR_RANGE", "prepare", "init", "clip_init",
+__all__ = ["Learned", "Prepared", "ZERO_POINTS", "OFFSET_RANGE", "FACTOR_RANGE", "prepare", "minmax_init", "clip_init",
            "learned_fake_quantize", "sign_step", "finalize"]
 
 ZERO_POINTS = ("ste", "round")
@@ -141,7 +141,7 @@ def _start_range(qp: QParams, spec: QuantSpec, tiles, groups, path) -> tuple[tor
     return (qlo - z) * s, (qhi - z) * s
 
 
-def init(lq: Prepared) -> Learned:
+def minmax_init(lq: Prepared) -> Learned:
     """``V = 0``, ``alpha = beta = 1``: round to nearest with min-max ranges."""
     ones = torch.ones(lq.groups.grid, dtype=torch.float32, device=lq.weight.device)
     return Learned(torch.zeros(lq.tiles.shape, dtype=torch.float32, device=lq.weight.device), ones, ones.clone())
@@ -151,19 +151,19 @@ def clip_init(lq: Prepared, *, candidates: int = 11, zero_point: str = "ste") ->
     """``V = 0`` and, per group, ``alpha = beta = c`` for the ``c`` of ``linspace(1, 0.5, candidates)`` whose round
     to nearest has the least squared error on the group's weights (the first such ``c``: 1 wins ties): the
     start of a clipping search, within the factors' range. Where the factors do not apply (the casts) it is
-    :func:`init`.
+    :func:`minmax_init`.
 
     >>> import torch, qtransform as qt
     >>> w = torch.tensor([[-0.1, 0.0, 0.1, 0.2, 0.3, -0.2, 0.15, 4.0]])
     >>> lq = prepare(w, qt.QuantSpec(format="uint2", granularity=qt.PerGroup(8), symmetric=False))
     >>> t = clip_init(lq)
     >>> float(t.beta) < 1.0, bool((learned_fake_quantize(lq, t) - w).square().sum()
-    ...                            <= (learned_fake_quantize(lq, init(lq)) - w).square().sum())
+    ...                            <= (learned_fake_quantize(lq, minmax_init(lq)) - w).square().sum())
     (True, True)
     """
     if isinstance(candidates, bool) or not isinstance(candidates, int) or candidates < 1:
         raise ValueError(f"clip_init: candidates must be an int >= 1, got {candidates!r}")
-    start = init(lq)
+    start = minmax_init(lq)
     if not lq.ranged:
         return start
     factors = torch.linspace(1.0, FACTOR_RANGE[0], candidates).tolist()

@@ -53,13 +53,13 @@ from typing import Any
 
 from ..observers import finalize_stats, init_stats
 from ..spec import Site
-from .base import BlockInputs, Fit, block_tokens, register_algorithm
+from .base import BlockInputs, Fit, register_algorithm
 from .options import option, options_checker
 from .smoothing import as_groups, block_groups, fold, input_module, quantized_linears, weight_path
-from .smoothquant_math import (EPS, SCORES, Choice, _group_scales, check_activation, sample_stats, scales, search,
-                               smooth)
+from .smoothquant_math import (EPS, SCORES, Choice, _group_scales, check_activation, sample_stats, scales,
+                               search_alpha, smooth)
 
-__all__ = ["EPS", "scales", "smooth", "search", "Choice", "Options", "check_options", "step"]
+__all__ = ["EPS", "scales", "smooth", "search_alpha", "Choice", "Options", "check_options", "step"]
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Options:
@@ -114,7 +114,7 @@ def step(params, plan, *, context, alpha: Any = 0.5, groups=None, activation=Non
         return Fit()
     auto = alpha == "auto"
     if auto:
-        stride = max(1, math.ceil(block_tokens(block) / (tokens or 1024)))
+        stride = max(1, math.ceil((block.tokens or 0) / (tokens or 1024)))  # every row when uncounted
         want = {Site(input_module(g), "input"): sample_stats(stride) for g in mine}
     else:
         want = {Site(input_module(g), "input"): init_stats(observer="channel") for g in mine}
@@ -128,8 +128,8 @@ def step(params, plan, *, context, alpha: Any = 0.5, groups=None, activation=Non
             specs = {lin: plan.specs.get(weight_path(g, lin)) for lin in quantized_linears(g)}
             act = activation if activation is not None else recipe_acts.get(
                 Site(plan.site_module(weight_path(g, quantized_linears(g)[0])), "input"))
-            choice = search(summary, current, g, activation=act, weight_specs=specs, grid=grid or 11,
-                            score=score or "calibration")
+            choice = search_alpha(summary, current, g, activation=act, weight_specs=specs, grid=grid or 11,
+                                  score=score or "calibration")
             s, chosen = choice.scales, choice.alpha
         else:
             s, chosen = _group_scales(current, g, summary.absmax, float(alpha)), float(alpha)
@@ -145,6 +145,3 @@ def step(params, plan, *, context, alpha: Any = 0.5, groups=None, activation=Non
 
 register_algorithm("smoothquant", step, needs=BlockInputs(), options=Options, requires=("groups",),
                    description="SmoothQuant: activation outliers folded into the weights (alpha fixed or 'auto')")
-
-#: The old name of :func:`step` (kept for one version).
-smoothquant = step

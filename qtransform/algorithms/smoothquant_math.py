@@ -1,5 +1,5 @@
 """SmoothQuant's tensor math: the scales (:func:`scales`, :func:`smooth`) and, for ``alpha="auto"``,
-choosing them on calibration data (:func:`search`) by the quantized layer output error of candidates.
+choosing them on calibration data (:func:`search_alpha`) by the quantized layer output error of candidates.
 :mod:`.smoothquant` registers the step.
 
 For a :class:`~qtransform.algorithms.smoothing.SmoothGroup` with input rows ``X`` (``(N, C)``, what
@@ -13,7 +13,7 @@ against the float outputs:
 ``Qw`` is each weight's spec (the plan's; ``None``: not quantized), ``Qa`` the activation spec. A
 static activation spec's range is the range given with the sample (``lo``/``hi`` per channel, divided
 by ``s``): of *all* calibration rows, as a calibrated static quantizer would see it, while the error is
-measured on a sample of rows; in :func:`search`'s held-out score, of the other fold's sequences only
+measured on a sample of rows; in :func:`search_alpha`'s held-out score, of the other fold's sequences only
 (rows outside it are clipped, as unseen text would be). A dynamic spec fits each row sample itself.
 
 :func:`sample_stats` are empty statistics of a fold that keeps every ``stride``-th row of each
@@ -49,7 +49,7 @@ from .smoothing import (SmoothGroup, as_groups, fold, group_shape, logical_weigh
                         to_input, to_prev, weight_absmax, weight_path)
 
 __all__ = ["RowSample", "RowSampleStats", "Rows", "sample_stats", "check_activation", "layer_errors", "EPS", "scales",
-           "smooth", "search", "Choice", "SCORES", "folds"]
+           "smooth", "search_alpha", "Choice", "SCORES", "folds"]
 
 #: Floor of the activation and weight maxima in :func:`scales`.
 EPS = 1e-5
@@ -75,7 +75,7 @@ class RowSampleStats:
 class Rows(NamedTuple):
     """A finalized sample: ``rows`` ``(n, C)`` and the range ``lo``/``hi`` ``(C,)`` of every row seen; optionally
     ``unit`` ``(n,)``, the sequence of each row, and ``unit_lo``/``unit_hi`` ``(U, C)``, each sequence's range
-    (what the held-out score of :func:`search` splits)."""
+    (what the held-out score of :func:`search_alpha` splits)."""
 
     rows: torch.Tensor
     lo: torch.Tensor
@@ -253,7 +253,7 @@ def smooth(params: Mapping[str, torch.Tensor], groups: Sequence, act_absmax: Seq
 
 
 class Choice(NamedTuple):
-    """What :func:`search` chose: ``alpha`` (``None``: no smoothing), its ``scales`` (``None`` too),
+    """What :func:`search_alpha` chose: ``alpha`` (``None``: no smoothing), its ``scales`` (``None`` too),
     the candidates' ``alphas`` and ``errors`` (no smoothing first, then the grid)."""
 
     alpha: float | None
@@ -262,7 +262,8 @@ class Choice(NamedTuple):
     errors: torch.Tensor
 
 
-#: How :func:`search` scores a candidate: on held-out sequences (the default) or on the calibration rows themselves.
+#: How :func:`search_alpha` scores a candidate: on held-out sequences (the default) or on the calibration rows
+#: themselves.
 SCORES = ("heldout", "calibration")
 
 
@@ -286,9 +287,9 @@ def folds(sample: Rows, k: int = 2) -> list[tuple[torch.Tensor, torch.Tensor, to
     return out
 
 
-def search(sample: Rows, params: Mapping[str, torch.Tensor], group, *, activation=None,
-           weight_specs: Mapping[str, QuantSpec | None] | None = None, grid: int = 11,
-           score: str = "calibration") -> Choice:
+def search_alpha(sample: Rows, params: Mapping[str, torch.Tensor], group, *, activation=None,
+                 weight_specs: Mapping[str, QuantSpec | None] | None = None, grid: int = 11,
+                 score: str = "calibration") -> Choice:
     """α for one group minimising its quantized output error (auto-SmoothQuant), on the sample or held out.
 
     The candidates are no smoothing and the scales of every α in ``linspace(0, 1, grid)``. ``score="heldout"``:

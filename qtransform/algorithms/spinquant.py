@@ -212,6 +212,3 @@ register_algorithm("spinquant", step, needs=ModelLoss(),
                    options=Options, requires=("layout",),
                    description="SpinQuant: QuaRot's rotations learned on the quantized model's loss (Cayley SGD "
                                "through torch.func.grad), online Hadamard transforms as in rotate")
-
-#: The old name of :func:`step` (kept for one version).
-spinquant = step

@@ -24,7 +24,7 @@ from ..tensor import blocks
 from .base import Observer
 from .minmax import check_grids
 
-__all__ = ["HistogramStats", "HistogramObserver", "bins_for", "build", "merge", "MAX_ENTRIES"]
+__all__ = ["HistogramStats", "HistogramObserver", "bins_for", "build_histogram", "merge", "MAX_ENTRIES"]
 
 MAX_ENTRIES = 1 << 23
 _MIN_EXP = -126
@@ -51,7 +51,7 @@ def _scatter(values: torch.Tensor, index: torch.Tensor, nb: int) -> torch.Tensor
     return out.reshape(G, nb)
 
 
-def build(xf: torch.Tensor, bins: int) -> dict:
+def build_histogram(xf: torch.Tensor, bins: int) -> dict:
     """Histogram of ``xf`` (G, m): one row per block."""
     bmin, bmax = xf.amin(1), xf.amax(1)
     k = _exponent(torch.maximum(bmin.abs(), bmax.abs()))
@@ -141,7 +141,7 @@ class HistogramObserver(Observer):
         p = blocks.tiling(x.shape, stats.spec, sub_block=True, path=path)
         xf = blocks.flat(blocks.view(x.detach().to(torch.float32), p), p)
         n_blocks = xf[..., 0].numel()
-        h = build(xf.reshape(n_blocks, -1), bins_for(self.bins, n_blocks))
+        h = build_histogram(xf.reshape(n_blocks, -1), bins_for(self.bins, n_blocks))
         return _from_flat(stats, h, p.grid)
 
     def merge(self, a, b, *, path=None):

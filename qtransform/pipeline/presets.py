@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from typing import Callable, NamedTuple
 
+from ..algorithms.gptq import LINEAR_TYPES  # the module types a preset quantizes: the linear layers
 from ..granularity import PerChannel, PerGroup
 from ..registry import Registry
 from ..spec import QuantSpec, Recipe, Step
@@ -28,8 +29,6 @@ __all__ = ["Preset", "PRESETS", "register_preset", "presets", "get_preset", "hqq
           
            "LINEAR_TYPES", "DEFAULT_EXCLUDE"]
 
-#: Module types a preset quantizes (transformers' GPT-2 Conv1D is a linear layer too).
-LINEAR_TYPES = ("Linear", "Conv1D")
 #: What presets keep in full precision.
 DEFAULT_EXCLUDE = ("lm_head*",)
 

@@ -38,11 +38,11 @@ from ..algorithms.base import FACTS, needs_data
 from ..algorithms.lowrank_math import check_lowrank
 from ..observers import Observer, init_stats
 from ..parallel import SERIAL
-from ..rotation.online import ROLES as ONLINE_ROLES
+from ..rotation.online import ONLINE_ROLES
 from ..spec import Plan, Site, Step, as_plan
 from ..tensor import QParams, dequantize, quantize
 
-__all__ = ["Calibrator", "run_steps", "check_steps", "check_facts"]
+__all__ = ["Calibrator", "run_steps", "check_steps", "check_plan_facts"]
 
 
 class Calibrator(Protocol):
@@ -106,7 +106,7 @@ def check_steps(steps: Sequence[Step], *, calibrated: bool | None = None, on_loa
                              "`qtransform quantize --calib N`) or a calibrator")
 
 
-def check_facts(plan: Plan, *, where: str = "recipe.steps") -> None:
+def check_plan_facts(plan: Plan, *, where: str = "recipe.steps") -> None:
     """``ValueError`` naming the first step whose algorithm ``requires`` a model fact (``Plan.groups``,
     ``Plan.layout``) that ``plan`` does not have and the step's options do not give."""
     for i, step in enumerate(plan.steps):
@@ -220,7 +220,7 @@ def run_steps(params: Any, recipe, *, types: Mapping[str, str] | None = None, ca
     plan = as_plan(recipe, params, types=types)
     check_steps(plan.steps, calibrated=calibrator is not None)
     _check_calibrator(plan.steps, calibrator)
-    check_facts(plan)
+    check_plan_facts(plan)
     flat = dict(_pytree.flatten_with_paths(params)[0])
     total, reference = Fit(), {}
     for i, step in enumerate(plan.steps):

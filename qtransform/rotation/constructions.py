@@ -31,7 +31,7 @@ from typing import NamedTuple
 
 import torch
 
-__all__ = ["HadamardConstruction", "HadamardPlan", "hadamard", "hadamard_construction", "hadamard_plan", "has_hadamard", "hadamard_transform"]
+__all__ = ["HadamardConstruction", "hadamard", "hadamard_construction", "has_hadamard", "hadamard_transform"]
 
 
 class HadamardConstruction(NamedTuple):
@@ -112,11 +112,6 @@ def hadamard_construction(n: int) -> HadamardConstruction:
                          f"Kronecker products; nearest covered orders {_nearest(n)}); use "
                          "qtransform.rotation.orthogonal(n) for a fast orthogonal matrix of any order")
     return found
-
-
-#: The old names of :class:`HadamardConstruction` and :func:`hadamard_construction` (kept for one version).
-HadamardPlan = HadamardConstruction
-hadamard_plan = hadamard_construction
 
 
 def has_hadamard(n: int) -> bool:

@@ -32,12 +32,12 @@ import torch
 
 from .constructions import hadamard_transform, has_hadamard
 
-__all__ = ["ROLES", "OnlineRotation", "online_hadamard", "apply_online", "check_online"]
+__all__ = ["ONLINE_ROLES", "ONLINE_KINDS", "OnlineRotation", "online_hadamard", "apply_online", "check_online"]
 
 #: The kinds of online rotation.
-KINDS = ("hadamard",)
+ONLINE_KINDS = ("hadamard",)
 #: Where online rotations sit: a linear's input, an attention module's queries and keys (site role ``"key"``).
-ROLES = ("input", "key")
+ONLINE_ROLES = ("input", "key")
 
 
 class OnlineRotation(NamedTuple):
@@ -59,8 +59,8 @@ class OnlineRotation(NamedTuple):
             rot = cls(size=value["size"], kind=value["kind"])
         else:
             raise ValueError(f"{where}: expected {{'kind': 'hadamard', 'size': n}}, got {value!r:.80}")
-        if rot.kind not in KINDS:
-            raise ValueError(f"{where}: kind must be one of {list(KINDS)}, got {rot.kind!r}")
+        if rot.kind not in ONLINE_KINDS:
+            raise ValueError(f"{where}: kind must be one of {list(ONLINE_KINDS)}, got {rot.kind!r}")
         if not isinstance(rot.size, int) or isinstance(rot.size, bool) or rot.size < 1 or not has_hadamard(rot.size):
             raise ValueError(f"{where}: size must be an order with a Hadamard matrix, got {rot.size!r}")
         return rot

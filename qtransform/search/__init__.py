@@ -8,11 +8,11 @@ formats); ``recipe_text`` writes the answer as a recipe file. The bridge measure
 
 from .size import budget_bytes, tensor_bytes
 from .candidates import DEFAULT_CANDIDATES, Candidate, candidate, candidates
-from .estimate import ALGORITHMS, output_error, quantized_weight, rank_correlation
+from .estimate import SEARCH_ALGORITHMS, output_error, quantized_weight, rank_correlation
 from .knapsack import Solution, front, solve
 from .problem import SearchResult, search, tied_groups
 from .recipe_text import recipe_dict, recipe_json, recipe_toml, search_recipe
 
 __all__ = ["budget_bytes", "tensor_bytes", "DEFAULT_CANDIDATES", "Candidate", "candidate", "candidates",
-           "ALGORITHMS", "output_error", "quantized_weight", "rank_correlation", "Solution", "front", "solve", "SearchResult", "search",
+           "SEARCH_ALGORITHMS", "output_error", "quantized_weight", "rank_correlation", "Solution", "front", "solve", "SearchResult", "search",
            "tied_groups", "recipe_dict", "recipe_json", "recipe_toml", "search_recipe"]

@@ -33,10 +33,11 @@ from ..observers import choose_qparams
 from ..spec import QuantSpec
 from ..tensor import fake_quantize
 
-__all__ = ["ALGORITHMS", "output_error", "quantized_weight", "rank_correlation"]
+__all__ = ["SEARCH_ALGORITHMS", "output_error", "quantized_weight", "rank_correlation"]
 
-#: Algorithms the estimate knows.
-ALGORITHMS = ("rtn", "hqq", "gptq")
+#: The algorithms the search quantizes its candidates with (:func:`quantized_weight`'s ``algorithm``), by name
+#: of their steps in :data:`qtransform.ALGORITHMS`.
+SEARCH_ALGORITHMS = ("rtn", "hqq", "gptq")
 
 
 def output_error(w: torch.Tensor, w_hat: torch.Tensor, h: torch.Tensor, *,
@@ -69,8 +70,8 @@ def output_error(w: torch.Tensor, w_hat: torch.Tensor, h: torch.Tensor, *,
 def quantized_weight(w: torch.Tensor, spec: QuantSpec, *, algorithm: str = "rtn", h: torch.Tensor | None = None,
                      path: str | None = None) -> torch.Tensor:
     """``Ŵ``: ``w`` quantized with ``spec`` by ``algorithm`` and dequantized (``h`` needed by ``gptq``)."""
-    if algorithm not in ALGORITHMS:
-        raise ValueError(f"algorithm must be one of {list(ALGORITHMS)}, got {algorithm!r}")
+    if algorithm not in SEARCH_ALGORITHMS:
+        raise ValueError(f"algorithm must be one of {list(SEARCH_ALGORITHMS)}, got {algorithm!r}")
     if algorithm == "gptq":
         if h is None:
             raise ValueError("quantized_weight: algorithm 'gptq' needs h, the input Hessian")

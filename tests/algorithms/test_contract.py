@@ -148,10 +148,9 @@ def test_every_step_module_follows_the_convention():
         assert not imported & builtin, f"{path.name} imports the step module(s) {sorted(imported & builtin)}"
 
 
-def test_block_tokens_come_from_the_caller_else_from_the_first_tensor():
-    from qtransform.algorithms.base import block_tokens
+def test_the_core_counts_no_tokens_the_caller_does():
+    import qtransform.algorithms.base as base
 
-    inputs = (((torch.zeros(2, 3, 4),), {}), ((), {"mask": torch.zeros(1, 5, 4), "x": torch.zeros(7, 4)}))
-    block = qt.Block(name="b", paths=(), inputs=inputs, run=lambda t: [], site_stats=lambda t, s: {})
-    assert qt.batch_tokens(*inputs[0]) == 6 and block_tokens(block) == 6 + 5  # no keyword is special in the core
-    assert block_tokens(block._replace(tokens=13)) == 13  # the caller knows which input holds the hidden states
+    block = qt.Block(name="b", paths=(), inputs=(), run=lambda t: [], site_stats=lambda t, s: {})
+    assert block.tokens is None  # not counted unless the caller (the bridge: which input holds the hidden states) does
+    assert not hasattr(qt, "batch_tokens") and not hasattr(base, "batch_tokens")  # one count, in the bridge

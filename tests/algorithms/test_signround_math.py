@@ -30,7 +30,7 @@ SPECS = _specs()
 def test_start_is_round_to_nearest_and_end_is_on_the_codec_grid(spec):
     w = torch.randn(6, 64, generator=torch.Generator().manual_seed(1))
     lq = sm.prepare(w, spec)
-    t = sm.init(lq)
+    t = sm.minmax_init(lq)
     rtn = qt.dequantize(qt.quantize(w, qt.choose_qparams(w, spec)))
     assert torch.equal(sm.learned_fake_quantize(lq, t), rtn)
     # some learned state: offsets and factors off their start
@@ -49,7 +49,7 @@ def test_nvfp4_keeps_the_float_weight_global_scale():
     w = torch.randn(4, 64, generator=torch.Generator().manual_seed(3))
     spec = qt.QuantSpec(format="nvfp4")
     lq = sm.prepare(w, spec)
-    t = sm.init(lq)
+    t = sm.minmax_init(lq)
     _, qp = sm.finalize(lq, t._replace(alpha=t.alpha * 0.6, beta=t.beta * 0.6))
     assert torch.equal(qp.global_scale, qt.choose_qparams(w, spec).global_scale)
 
@@ -103,7 +103,7 @@ def test_offsets_and_factors_stay_in_range_under_many_steps():
     w = torch.randn(8, 64, generator=torch.Generator().manual_seed(4))
     spec = qt.QuantSpec(format="uint4", granularity=qt.PerGroup(32), symmetric=False)
     lq = sm.prepare(w, spec)
-    t = sm.init(lq)
+    t = sm.minmax_init(lq)
     target = torch.randn(8, 64, generator=torch.Generator().manual_seed(5)) * 3
     for _ in range(40):  # a far target: every step pushes against the bounds
         tt = sm.Learned(*(x.clone().requires_grad_() for x in t))
@@ -130,7 +130,7 @@ def test_stacked_experts_and_transposed_layouts_tile_like_the_codec():
     lq = sm.prepare(w3, spec)
     assert lq.groups.grid == (3, 8, 2)
     rtn = qt.dequantize(qt.quantize(w3, qt.choose_qparams(w3, spec)))
-    assert torch.equal(sm.learned_fake_quantize(lq, sm.init(lq)), rtn)
+    assert torch.equal(sm.learned_fake_quantize(lq, sm.minmax_init(lq)), rtn)
     wt = torch.randn(64, 8, generator=torch.Generator().manual_seed(7))   # Conv1D: groups along axis 0
     spec_t = qt.QuantSpec(format="int4", granularity=qt.PerGroup(32, axis=0))
     lq = sm.prepare(wt, spec_t)
@@ -143,7 +143,7 @@ def test_bad_input_is_named():
         sm.prepare(w, qt.QuantSpec(format="int4", granularity=qt.PerGroup(32)), path="layers.0.w")
     lq = sm.prepare(torch.randn(4, 32), qt.QuantSpec(format="int4", granularity=qt.PerGroup(32)))
     with pytest.raises(ValueError, match="zero_point must be one of"):
-        sm.learned_fake_quantize(lq, sm.init(lq), zero_point="floor")
+        sm.learned_fake_quantize(lq, sm.minmax_init(lq), zero_point="floor")
     with pytest.raises(ValueError, match="dynamic"):
         sm.prepare(torch.randn(4, 32), qt.QuantSpec(format="int8", granularity=qt.PerGroup(32), dynamic=True))
 
@@ -156,7 +156,7 @@ def test_a_given_start_is_used_exactly_where_the_factors_stand_at_one_and_its_ra
     w = torch.randn(4, 32, generator=torch.Generator().manual_seed(7))
     qp = qt.choose_qparams(w * 0.8, spec)  # parameters of a narrower range than w's own
     lq = sm.prepare(w, spec, start=qp)
-    t = sm.init(lq)
+    t = sm.minmax_init(lq)
     assert torch.equal(sm.learned_fake_quantize(lq, t), qt.dequantize(qt.quantize(w, qp)))
     s, z = qp.effective()
     torch.testing.assert_close(lq.wmin, (0 - z) * s)
@@ -189,7 +189,7 @@ def test_clip_init_never_starts_worse_than_min_max(spec):
     w = torch.randn(6, 64, generator=torch.Generator().manual_seed(3)) * torch.linspace(0.1, 3, 64)
     w[0, 5] = 9.0  # an outlier a clipped range gives up
     lq = sm.prepare(w, spec)
-    a = sm.learned_fake_quantize(lq, sm.init(lq))
+    a = sm.learned_fake_quantize(lq, sm.minmax_init(lq))
     t = sm.clip_init(lq)
     b = sm.learned_fake_quantize(lq, t)
     assert torch.equal(t.alpha, t.beta) and bool(((t.alpha >= 0.5) & (t.alpha <= 1)).all())

@@ -146,7 +146,7 @@ def test_the_search_measures_errors_as_computed_independently_and_picks_the_smal
     sample = qt.finalize_stats(qt.observe(sample_stats(1), x))
     group = {"prev": "norm", "linears": ["fc", "fc2"]}
     specs = {"fc": W8, "fc2": W8}
-    choice = smoothquant.search(sample, params, group, activation=A8, weight_specs=specs, grid=11)
+    choice = smoothquant.search_alpha(sample, params, group, activation=A8, weight_specs=specs, grid=11)
     assert choice.alphas[0] is None and choice.alphas[1:] == tuple(round(i / 10, 12) for i in range(11))
     assert math.isclose(float(choice.errors[0]), _w8a8_error(xhat, params), rel_tol=1e-4)  # no smoothing
     half = smoothquant.smooth(params, [group], [x.abs().amax(0)], alpha=0.5)

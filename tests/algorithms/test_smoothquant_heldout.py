@@ -82,7 +82,7 @@ def test_the_chosen_alpha_minimises_the_heldout_error_computed_by_brute_force(se
     x[4, :, 9] *= 60  # and one that fires in a single sequence: calibration sees it, a held-out fold does not
     params = {"norm.weight": torch.ones(16), "fc.weight": torch.randn(20, 16, generator=g) * 0.1}
     sample = qt.finalize_stats(qt.observe(sample_stats(1), x))
-    choice = smoothquant.search(sample, params, GROUP, activation=A8, weight_specs={"fc": W8}, grid=11,
+    choice = smoothquant.search_alpha(sample, params, GROUP, activation=A8, weight_specs={"fc": W8}, grid=11,
                                 score="heldout")
     want = _brute_heldout(x, params["fc.weight"], choice.alphas)
     np.testing.assert_allclose(choice.errors.numpy(), want, rtol=2e-3)
@@ -92,9 +92,9 @@ def test_the_chosen_alpha_minimises_the_heldout_error_computed_by_brute_force(se
     else:  # its scales are those of the chosen alpha on *all* sequences
         torch.testing.assert_close(choice.scales, smoothquant.scales(
             x.reshape(-1, 16).abs().amax(0), params["fc.weight"].abs().amax(0), choice.alpha))
-    fitted = smoothquant.search(sample, params, GROUP, activation=A8, weight_specs={"fc": W8}, grid=11)
-    assert torch.equal(fitted.errors, smoothquant.search(sample, params, GROUP, activation=A8, weight_specs={"fc": W8},
-                                                         score="calibration").errors)  # the default
+    fitted = smoothquant.search_alpha(sample, params, GROUP, activation=A8, weight_specs={"fc": W8}, grid=11)
+    default = smoothquant.search_alpha(sample, params, GROUP, activation=A8, weight_specs={"fc": W8}, score="calibration")
+    assert torch.equal(fitted.errors, default.errors)  # the default
     # the rare channel: smoothed by a maximum only one sequence shows, which the calibration score rewards
     assert fitted.alpha is not None and (-1 if choice.alpha is None else choice.alpha) < fitted.alpha
 
@@ -104,8 +104,8 @@ def test_a_single_sequence_is_scored_on_its_own_rows():
     params = {"norm.weight": torch.ones(16), "fc.weight": torch.randn(8, 16, generator=torch.Generator().manual_seed(4))}
     sample = qt.finalize_stats(qt.observe(sample_stats(1), x))
     assert folds(sample) == []
-    a = smoothquant.search(sample, params, GROUP, activation=A8, weight_specs={"fc": W8}, score="heldout")
-    b = smoothquant.search(sample, params, GROUP, activation=A8, weight_specs={"fc": W8}, score="calibration")
+    a = smoothquant.search_alpha(sample, params, GROUP, activation=A8, weight_specs={"fc": W8}, score="heldout")
+    b = smoothquant.search_alpha(sample, params, GROUP, activation=A8, weight_specs={"fc": W8}, score="calibration")
     assert torch.equal(a.errors, b.errors) and a.alpha == b.alpha
 
 
@@ -122,5 +122,5 @@ def test_bad_score_options_are_named():
     sample = qt.finalize_stats(qt.observe(sample_stats(1), torch.randn(4, 8, 16)))
     params = {"norm.weight": torch.ones(16), "fc.weight": torch.randn(8, 16)}
     with pytest.raises(ValueError, match="smoothquant: score must be one of"):
-        smoothquant.search(sample, params, GROUP, score="held-out")
+        smoothquant.search_alpha(sample, params, GROUP, score="held-out")
     check(alpha="auto", score="calibration")

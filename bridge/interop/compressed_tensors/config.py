@@ -29,13 +29,11 @@ import torch
 
 import qtransform as qt
 
-from ..base import Support
+from ..base import FLOAT_SCALES, Support
 
 __all__ = ["Mapping", "weight_mapping", "activation_args", "judge", "nearest", "compression_format", "spec_of",
-           "activation_spec_of", "SCALE_DTYPES", "MX_KINDS"]
+           "activation_spec_of", "MX_KINDS"]
 
-#: Float scale dtypes compressed-tensors stores as they are.
-SCALE_DTYPES = ("float32", "float16", "bfloat16")
 #: Our MX formats compressed-tensors holds: format name -> (storage kind, its format name, bits).
 MX_KINDS = {"mxfp4": ("mxfp4", "mxfp4-pack-quantized", 4), "mxfp6_e2m3": ("mxfp6", "mxfp6-pack-quantized", 6),
             "mxfp8_e4m3": ("mxfp8", "mxfp8-quantized", 8)}
@@ -57,7 +55,7 @@ def _why(spec: qt.QuantSpec) -> str | None:
     """Why compressed-tensors cannot hold ``spec`` as it is (``None``: it can, or nearly)."""
     fmt = spec.fmt
     if fmt.family == "int":
-        if spec.scale_dtype not in SCALE_DTYPES and spec.scale_dtype != "e8m0":
+        if spec.scale_dtype not in FLOAT_SCALES and spec.scale_dtype != "e8m0":
             return f"scale dtype {spec.scale_dtype}"
         return None
     if spec.format in ("fp8_e4m3", "nvfp4") or spec.format in MX_KINDS or spec.format in _NEAREST_FORMAT:
@@ -176,7 +174,7 @@ def _judge_activation(spec: qt.QuantSpec, role: str) -> Support:
                                  "takes dynamic groups of features")
     elif not isinstance(g, qt.PerTensor):
         return Support("no", f"{role} activations per {g}")
-    if spec.scale_dtype not in SCALE_DTYPES:
+    if spec.scale_dtype not in FLOAT_SCALES:
         return Support("no", f"{role} activations with {spec.scale_dtype} scales")
     if spec.symmetric_range == "restricted":
         if spec.dynamic:
@@ -206,7 +204,7 @@ def judge(spec: qt.QuantSpec, role: str = "weight") -> Support:
         strategy, why = _strategy(spec)
         if strategy is None:
             return Support("no", why)
-        if spec.fmt.family != "int" and spec.scale_dtype not in SCALE_DTYPES:
+        if spec.fmt.family != "int" and spec.scale_dtype not in FLOAT_SCALES:
             return Support("no", f"fp8 weights with {spec.scale_dtype} scales")
     if spec.format in _NEAREST_FORMAT or (spec.fmt.family == "int" and not spec.symmetric
                                           and spec.zero_point_domain != "int"):
@@ -256,8 +254,8 @@ def spec_of(args: dict, fmt: str, scale_dtype: torch.dtype, *, where: str) -> tu
         if fmt == f and bits == b and typ == "float":
             return qt.QuantSpec(format=name), kind
     sd = str(scale_dtype).removeprefix("torch.")
-    if sd not in SCALE_DTYPES:
-        raise ValueError(f"{where}: weight_scale of dtype {sd} (expected one of {list(SCALE_DTYPES)})")
+    if sd not in FLOAT_SCALES:
+        raise ValueError(f"{where}: weight_scale of dtype {sd} (expected one of {list(FLOAT_SCALES)})")
     gran = _granularity(args, where)
     if typ == "float":
         if bits != 8 or not sym:
@@ -285,7 +283,7 @@ def activation_spec_of(args: dict, scale_dtype: torch.dtype | None, *, where: st
     if gran is None:
         raise ValueError(f"{where}: activation strategy {strategy!r} has no qtransform equivalent")
     sd = "float32" if scale_dtype is None else str(scale_dtype).removeprefix("torch.")
-    if sd not in SCALE_DTYPES:
+    if sd not in FLOAT_SCALES:
         raise ValueError(f"{where}: activation scale of dtype {sd}")
     if typ == "float" and bits == 8 and sym:
         return qt.QuantSpec(format="fp8_e4m3", granularity=gran, dynamic=dynamic, scale_dtype=sd)

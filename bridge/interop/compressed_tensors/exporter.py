@@ -54,7 +54,7 @@ from ...checkpoint.metadata import Entry
 from ...modules.actquant import PREFIX
 from . import config as ct_config
 from .. import experts as moe
-from ..base import Exporter, Source, Support, copy_extras, judged_spec, write_config
+from ..base import Checkpoint, Exporter, Support, copy_extras, judged_spec, write_config
 from .importer import GLOBAL_SCALES_KEY, HINT_KEY
 from .model import QUANTIZABLE, is_cached_attention, skeleton
 from .tensors import to_ct
@@ -138,7 +138,7 @@ def _experts_schemes(layers: dict, experts: dict, naming) -> list[str]:
     return out
 
 
-def _plan(source: Source, allow_nearest: bool) -> _Plan:
+def _plan(source: Checkpoint, allow_nearest: bool) -> _Plan:
     """Everything the export writes, or the reasons it cannot (``problems``, one line per path)."""
     problems: list[str] = []
     model, why = skeleton(source.config)
@@ -263,7 +263,7 @@ def _groups(plan: _Plan) -> tuple[dict, list[str], str]:
     return groups, ignore, top
 
 
-def _act_tensors(source: Source, site: qt.Site, spec: qt.QuantSpec, sep: str = ".") -> dict[str, torch.Tensor]:
+def _act_tensors(source: Checkpoint, site: qt.Site, spec: qt.QuantSpec, sep: str = ".") -> dict[str, torch.Tensor]:
     """compressed-tensors' tensors of a static activation quantizer (``input_scale``... shape ``(1,)``; a per-head
     key/value cache's ``k_scale``/``v_scale`` ``(num_key_value_heads, 1, 1)``, as llm-compressor writes strategy
     ``attn_head`` and vLLM flattens it), by their tree names (``<module><sep>input_scale``: ``sep`` ``"_"`` for an
@@ -285,7 +285,7 @@ def _act_tensors(source: Source, site: qt.Site, spec: qt.QuantSpec, sep: str = "
     return out
 
 
-def _tensor_groups(source: Source, plan: _Plan) -> Iterator[dict[str, torch.Tensor]]:
+def _tensor_groups(source: Checkpoint, plan: _Plan) -> Iterator[dict[str, torch.Tensor]]:
     """The tensors to write, one group per layer (kept in one shard), made as the shards are written: a layer's
     compressed form (one expert's projection for experts) is built when its shard is."""
     claimed = set()
@@ -317,7 +317,7 @@ def _tensor_groups(source: Source, plan: _Plan) -> Iterator[dict[str, torch.Tens
         yield {moe.export_name(path, plan.naming): leaf}
 
 
-def _hint(source: Source, plan: _Plan) -> str:
+def _hint(source: Checkpoint, plan: _Plan) -> str:
     """Our metadata of the exported tree (``qtransform_config``), for the importer."""
     entries = {f"{n}.weight": Entry(plan.specs[f"{n}.weight"], tuple(layer.weight.shape), layer.weight.dtype)
                for n, layer in plan.layers.items() if layer.weight is not None}
@@ -343,7 +343,7 @@ class CompressedTensorsExporter(Exporter):
     def support(self, spec: qt.QuantSpec, role: str = "weight") -> Support:
         return ct_config.judge(spec, role)
 
-    def _plan(self, source: Source, allow_nearest: bool) -> _Plan:
+    def _plan(self, source: Checkpoint, allow_nearest: bool) -> _Plan:
         """:func:`_plan`, kept for the source it was made for (``export`` asks :meth:`problems`, then writes)."""
         key = (id(source), id(source.tree), allow_nearest)
         cached = getattr(self, "_last", None)
@@ -351,7 +351,7 @@ class CompressedTensorsExporter(Exporter):
             self._last = (key, source, _plan(source, allow_nearest))
         return self._last[2]
 
-    def problems(self, source: Source, *, allow_nearest: bool = False) -> list[str]:
+    def problems(self, source: Checkpoint, *, allow_nearest: bool = False) -> list[str]:
         out = super().problems(source, allow_nearest=allow_nearest)
         plan = self._plan(source, allow_nearest)
         out += plan.problems
@@ -365,7 +365,7 @@ class CompressedTensorsExporter(Exporter):
             self._last = None
         return out
 
-    def write(self, source: Source, out: Path, *, allow_nearest: bool = False) -> None:
+    def write(self, source: Checkpoint, out: Path, *, allow_nearest: bool = False) -> None:
         plan = self._plan(source, allow_nearest)
         self._last = None
         if plan.problems:

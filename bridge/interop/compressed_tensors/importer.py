@@ -39,7 +39,7 @@ from ...checkpoint.metadata import CheckpointError, Entry, Metadata
 from ...checkpoint.tree_io import CONFIG
 from . import config as ct_config
 from .. import experts
-from ..base import Importer, Source, verify_shards
+from ..base import Checkpoint, Importer, verify_shards
 from .model import matches, skeleton
 from .tensors import from_ct, reciprocal
 from .validate import check_config
@@ -103,7 +103,7 @@ class CompressedTensorsImporter(Importer):
             return False
         return isinstance(qc, dict) and qc.get("quant_method") == "compressed-tensors"
 
-    def read(self, directory: Path, *, verify: bool = True) -> Source:
+    def read(self, directory: Path, *, verify: bool = True) -> Checkpoint:
         root = Path(directory)
         if not isinstance(verify, bool):
             raise TypeError(f"compressed-tensors import: verify must be True or False, got {verify!r}")
@@ -174,7 +174,7 @@ class CompressedTensorsImporter(Importer):
                         aliases=aliases, skip_modules=hmeta.skip_modules if hmeta else None,
                         version=metadata.VERSION_ACTIVATIONS if activations else metadata.VERSION,
                         activations=activations)
-        return Source(root, meta, tree, plain)
+        return Checkpoint(root, meta, tree, plain)
 
     # ------------------------------------------------------------------ pieces
     @staticmethod

@@ -6,7 +6,7 @@
   known type, rows of whole blocks, its offset a multiple of the file's alignment, its bytes (from
   type and shape) inside the data section, and no two tensors sharing a byte.
 * **Metadata** (:func:`hyperparameters`): the keys the importer needs, present and of their type
-  (a missing or mistyped key is named); :func:`check_like` compares them with the model they are
+  (a missing or mistyped key is named); :func:`check_hyperparameters` compares them with the model they are
   loaded into (architecture, layer count, hidden size, head counts, vocabulary).
 * **Digests** (:data:`DIGESTS`): our exporter writes, per tensor, its GGUF type and the
   SHA-256 of its data bytes as one JSON string under a ``qtransform.`` key (llama.cpp ignores
@@ -26,7 +26,7 @@ import numpy as np
 from ...checkpoint.metadata import CheckpointError
 from . import arch as gguf_arch
 
-__all__ = ["DIGESTS", "open_reader", "check_extents", "hyperparameters", "check_like", "digest_entry",
+__all__ = ["DIGESTS", "open_reader", "check_extents", "hyperparameters", "check_hyperparameters", "digest_entry",
            "check_digests"]
 
 #: Metadata key of the per-tensor digests: a JSON object ``{GGUF tensor name: {"type", "sha256"}}``.
@@ -154,7 +154,7 @@ def _config_of(like) -> dict | None:
     return config.to_dict() if hasattr(config, "to_dict") else dict(vars(config))
 
 
-def check_like(hyper: dict, like, path) -> None:
+def check_hyperparameters(hyper: dict, like, path) -> None:
     """The file's :func:`hyperparameters` agree with the config of ``like`` (a transformers model; a
     module without ``config`` is not compared): :class:`CheckpointError` naming the key and both values."""
     config = _config_of(like)

@@ -26,7 +26,7 @@ import qtransform as qt
 
 from . import arch as gguf_arch, checks, tensors as gguf_tensors
 from . import moe as gguf_moe
-from ..base import Exporter, Source, Support, judged_spec
+from ..base import Checkpoint, Exporter, Support, judged_spec
 
 __all__ = ["GGUFExporter", "nearest_type", "REPORT"]
 
@@ -84,7 +84,7 @@ class GGUFExporter(Exporter):
             return Support("exact", f"GGUF {qtype}")
         return Support("nearest", _nearest_note(spec, self.k_quants))
 
-    def problems(self, source: Source, *, allow_nearest: bool = False) -> list[str]:
+    def problems(self, source: Checkpoint, *, allow_nearest: bool = False) -> list[str]:
         out = super().problems(source, allow_nearest=allow_nearest)
         config = source.config
         arch_issues = gguf_arch.arch_problems(config)
@@ -106,12 +106,12 @@ class GGUFExporter(Exporter):
         return out
 
     @staticmethod
-    def _paths(source: Source) -> list[str]:
+    def _paths(source: Checkpoint) -> list[str]:
         """Tree paths to write: tied copies (aliases) of tied embeddings are left out."""
         tied = bool(source.config.get("tie_word_embeddings", False))
         return [p for p in source.tree if not (p in source.meta.aliases and tied)]
 
-    def write(self, source: Source, out: Path, *, allow_nearest: bool = False) -> None:
+    def write(self, source: Checkpoint, out: Path, *, allow_nearest: bool = False) -> None:
         import gguf
 
         config = source.config
@@ -139,7 +139,7 @@ class GGUFExporter(Exporter):
         (Path(out) / REPORT).write_text(json.dumps(summary, indent=2) + "\n")
 
 
-def _planned(source: Source, paths: list[str]) -> list[tuple[str, str | None, object, slice | None]]:
+def _planned(source: Checkpoint, paths: list[str]) -> list[tuple[str, str | None, object, slice | None]]:
     """``(tree path, GGUF name or None, leaf, rows of each expert)`` per tensor: a stacked experts weight as its
     GGUF pieces (:func:`.moe.expert_pieces`), the shared-expert gate ``(1, H)`` as llama.cpp's vector ``(H,)``."""
     config = source.config
@@ -181,11 +181,11 @@ def _tensor(path: str, leaf, config: dict, *, allow_nearest: bool, k_quants: boo
     if qtype is not None and (blocks_fit or qtype not in gguf_tensors.EXACT_TYPES):
         if stacked:  # expert by expert, each an ordinary matrix: experts the outermost axis
             leaf = gguf_moe.take_expert_rows(leaf, rows, path)
-            data = np.stack([gguf_tensors.encode(qt.stacked.matrix(leaf, e), qtype, path=f"{path}[{e}]")
+            data = np.stack([gguf_tensors.encode_blocks(qt.stacked.matrix(leaf, e), qtype, path=f"{path}[{e}]")
                              for e in range(leaf.shape[0])])
             return data, qtype, {"kind": "exact", "spec": str(spec)}
         q = gguf_arch.reorder_rows(leaf, index)
-        return gguf_tensors.encode(q, qtype, path=path), qtype, {"kind": "exact", "spec": str(leaf.spec)}
+        return gguf_tensors.encode_blocks(q, qtype, path=path), qtype, {"kind": "exact", "spec": str(leaf.spec)}
     if not allow_nearest:  # problems() refused it already; a direct call gets the same answer
         raise ValueError(f"{path}: {leaf.spec} has no exact GGUF type; pass allow_nearest=True")
     w = gguf_arch.reorder_rows(gguf_moe.take_expert_rows(qt.dequantize(leaf, dtype=torch.float32), rows, path), index)
@@ -198,7 +198,7 @@ def _tensor(path: str, leaf, config: dict, *, allow_nearest: bool, k_quants: boo
         if qtype in ("Q4_K", "Q6_K"):
             data = gguf_tensors.quantize_k(w2, qtype)
         else:
-            data = gguf_tensors.encode(qt.quantize(w2, qt.choose_qparams(w2, gguf_tensors.IMPORT_SPECS[qtype])),
+            data = gguf_tensors.encode_blocks(qt.quantize(w2, qt.choose_qparams(w2, gguf_tensors.IMPORT_SPECS[qtype])),
                                       qtype, path=path)
         data = data.reshape(*w.shape[:-1], -1)
         back = torch.from_numpy(gguf.quants.dequantize(data, gguf.GGMLQuantizationType[qtype]).copy())

@@ -1,7 +1,7 @@
 """GGUF (llama.cpp): import of GGUF files.
 
 **Import** (:class:`GGUFImporter`, registered as ``"gguf"``): a ``.gguf`` file (or a directory
-holding one) read into a :class:`~bridge.interop.Source` without re-quantizing: Q4_1, Q8_0, Q4_0,
+holding one) read into a :class:`~bridge.interop.Checkpoint` without re-quantizing: Q4_1, Q8_0, Q4_0,
 MXFP4, Q4_K and Q6_K blocks become QTensors whose codes are the file's and whose dequantized values
 are the bits the ``gguf`` package's dequantization gives (:data:`~.tensors.IMPORT_SPECS`);
 F32/F16/BF16 tensors stay float. Other types raise ``ValueError`` naming the tensor and type,
@@ -26,13 +26,13 @@ import qtransform as qt
 from ...checkpoint.metadata import Metadata, entries_of
 from ...checkpoint.metadata import CheckpointError
 from . import arch as gguf_arch, checks, moe as gguf_moe, tensors as gguf_tensors
-from ..base import Importer, Source
+from ..base import Checkpoint, Importer
 
 __all__ = ["GGUFImporter"]
 
 
 class GGUFImporter(Importer):
-    """Reads a ``.gguf`` file (or a directory with exactly one) into a :class:`Source` (see the module).
+    """Reads a ``.gguf`` file (or a directory with exactly one) into a :class:`Checkpoint` (see the module).
 
     ``dequantize=True`` reads types without an exact spec of ours as float32 instead of refusing."""
 
@@ -57,8 +57,8 @@ class GGUFImporter(Importer):
     def detect(self, directory: Path) -> bool:
         return self._file(directory) is not None
 
-    def read(self, directory: Path, *, verify: bool = True, like=None) -> Source:
-        """The file as a :class:`Source`, checked first (see the module): ``verify`` checks the tensors
+    def read(self, directory: Path, *, verify: bool = True, like=None) -> Checkpoint:
+        """The file as a :class:`Checkpoint`, checked first (see the module): ``verify`` checks the tensors
         against our exporter's digests when present; ``like`` (a transformers model) must have the
         file's architecture and hyperparameters."""
         from gguf import GGMLQuantizationType, dequantize
@@ -72,7 +72,7 @@ class GGUFImporter(Importer):
         reader = checks.open_reader(path)
         hyper = checks.hyperparameters(reader, path)
         if like is not None:
-            checks.check_like(hyper, like, path)
+            checks.check_hyperparameters(hyper, like, path)
         if verify:
             checks.check_digests(reader, path)
         try:
@@ -96,10 +96,10 @@ class GGUFImporter(Importer):
             kind = GGMLQuantizationType(int(t.tensor_type)).name
             if kind in gguf_tensors.IMPORT_SPECS and len(shape) == 3 and hf == t.name:  # experts: one matrix each
                 raw = np.asarray(t.data).reshape(shape[0], shape[1], -1)
-                leaf = qt.stacked.stack([gguf_tensors.decode(raw[e], kind, shape[1:], path=f"{t.name}[{e}]")
+                leaf = qt.stacked.stack([gguf_tensors.decode_blocks(raw[e], kind, shape[1:], path=f"{t.name}[{e}]")
                                          for e in range(shape[0])])
             elif kind in gguf_tensors.IMPORT_SPECS:
-                leaf = gguf_tensors.decode(np.asarray(t.data), kind, shape, path=t.name)
+                leaf = gguf_tensors.decode_blocks(np.asarray(t.data), kind, shape, path=t.name)
             elif kind in ("F32", "F16", "BF16"):
                 leaf = torch.from_numpy(np.array(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(shape))
                 if kind == "F16":
@@ -130,7 +130,7 @@ class GGUFImporter(Importer):
         meta = Metadata(entries=entries_of(quantized), aliases=aliases)
         if notes:
             config["gguf_dequantized"] = notes
-        return Source(path.parent, meta, tree, config)
+        return Checkpoint(path.parent, meta, tree, config)
 
 
 def _gguf_to_hf(config: dict) -> dict[str, str]:

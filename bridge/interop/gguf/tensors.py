@@ -17,8 +17,8 @@ Q6_K      6-bit codes, int8 scales per 16, fp16 ``d``:      import only: int6 sy
 ========  ================================================  =============================================
 
 Every 4-bit block stores element ``j`` of a 32-element run in the low nibble of byte ``j`` and
-element ``j + 16`` in the high nibble. ``encode`` writes our codes and parameters as they are
-(no re-quantization); ``decode`` reads GGUF blocks into a :class:`~qtransform.QTensor` whose
+element ``j + 16`` in the high nibble. ``encode_blocks`` writes our codes and parameters as they are
+(no re-quantization); ``decode_blocks`` reads GGUF blocks into a :class:`~qtransform.QTensor` whose
 :func:`~qtransform.dequantize` gives the bits the ``gguf`` package's dequantization gives.
 ``quantize_k`` writes Q4_K / Q6_K blocks from float weights (the nearest types for specs GGUF has
 no exact block for; a plain round-to-nearest with no-clip scales, not llama.cpp's search).
@@ -31,12 +31,12 @@ import torch
 
 import qtransform as qt
 
-__all__ = ["BLOCKS", "EXACT_TYPES", "IMPORT_SPECS", "exact_type", "encode", "decode", "quantize_k"]
+__all__ = ["BLOCKS", "EXACT_TYPES", "IMPORT_SPECS", "exact_type", "encode_blocks", "decode_blocks", "quantize_k"]
 
 #: GGUF type name -> (elements per block, bytes per block).
 BLOCKS = {"Q8_0": (32, 34), "Q4_0": (32, 18), "Q4_1": (32, 20), "MXFP4": (32, 17), "Q4_K": (256, 144),
           "Q6_K": (256, 210)}
-#: Block types :func:`encode` writes from our codes as they are (and the casts' F16 / BF16).
+#: Block types :func:`encode_blocks` writes from our codes as they are (and the casts' F16 / BF16).
 EXACT_TYPES = ("Q8_0", "Q4_0", "Q4_1", "MXFP4")
 _CASTS = {"bf16": "BF16", "fp16": "F16"}
 
@@ -45,7 +45,7 @@ def _g(size: int) -> qt.PerGroup:
     return qt.PerGroup(size)
 
 
-#: GGUF type name -> the spec :func:`decode` gives.
+#: GGUF type name -> the spec :func:`decode_blocks` gives.
 IMPORT_SPECS = {
     "Q8_0": qt.QuantSpec(format="int8", granularity=_g(32), symmetric_range="restricted", scale_dtype="float16"),
     "Q4_0": qt.QuantSpec(format="int4", granularity=_g(32), scale_dtype="float16"),
@@ -64,7 +64,7 @@ def _along_rows(spec: qt.QuantSpec, size: int) -> bool:
 
 def exact_type(spec: qt.QuantSpec) -> str | None:
     """The GGUF block type that holds ``spec`` bit for bit (``None``: none does). Shapes aside: the
-    rows must also be a multiple of 32 long (see :func:`encode`).
+    rows must also be a multiple of 32 long (see :func:`encode_blocks`).
 
     >>> import qtransform as qt
     >>> spec = qt.QuantSpec(format="uint4", granularity=qt.PerGroup(32), symmetric=False,
@@ -104,7 +104,7 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8).reshape(*t.shape, t.element_size())
 
 
-def encode(q: qt.QTensor, qtype: str, *, path: str = "tensor") -> np.ndarray:
+def encode_blocks(q: qt.QTensor, qtype: str, *, path: str = "tensor") -> np.ndarray:
     """GGUF blocks of the 2-D ``q`` (a spec :func:`exact_type` maps to ``qtype``): ``(rows, row bytes)``
     uint8, the codes and parameters as stored (no re-quantization)."""
     if exact_type(q.spec) != qtype:
@@ -141,8 +141,8 @@ def _f16(b: torch.Tensor) -> torch.Tensor:
     return b.contiguous().view(torch.float16).squeeze(-1)
 
 
-def decode(raw: np.ndarray, qtype: str, shape: tuple[int, int], dtype: torch.dtype = torch.float32, *,
-           path: str = "tensor") -> qt.QTensor:
+def decode_blocks(raw: np.ndarray, qtype: str, shape: tuple[int, int], dtype: torch.dtype = torch.float32, *,
+                  path: str = "tensor") -> qt.QTensor:
     """The :class:`~qtransform.QTensor` (spec :data:`IMPORT_SPECS` ``[qtype]``) of GGUF blocks ``raw``
     (``(rows, row bytes)`` uint8) of a tensor of logical ``shape``; ``ValueError`` naming ``path`` when
     the bytes do not fit."""

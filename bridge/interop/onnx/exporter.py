@@ -26,7 +26,7 @@ from pathlib import Path
 import qtransform as qt
 
 from ...modules.experts import EXPERT_WEIGHTS
-from ..base import Exporter, Source, Support, copy_extras, write_config
+from ..base import Checkpoint, Exporter, Support, copy_extras, write_config
 from . import tensors as onnx_tensors
 
 __all__ = ["OnnxExporter", "MODEL_FILE", "DATA_FILE", "PROTOBUF_LIMIT"]
@@ -47,7 +47,7 @@ class OnnxExporter(Exporter):
     def support(self, spec: qt.QuantSpec, role: str = "weight") -> Support:
         return onnx_tensors.judge(spec, role)
 
-    def problems(self, source: Source, *, allow_nearest: bool = False) -> list[str]:
+    def problems(self, source: Checkpoint, *, allow_nearest: bool = False) -> list[str]:
         out = super().problems(source, allow_nearest=allow_nearest)
         if not source.config.get("model_type"):
             return out + [f"{source.directory}: no transformers config.json (the ONNX export traces a transformers "
@@ -71,7 +71,7 @@ class OnnxExporter(Exporter):
                            "export quantizes the inputs of linear layers")
         return out
 
-    def write(self, source: Source, out: Path, *, allow_nearest: bool = False) -> None:
+    def write(self, source: Checkpoint, out: Path, *, allow_nearest: bool = False) -> None:
         import onnx
 
         from ..hf_model import float_model

@@ -25,7 +25,7 @@ import torch
 import qtransform as qt
 
 from ...modules.actquant import PREFIX
-from ..base import Source
+from ..base import Checkpoint
 from .tensors import Parts, activation_parts, weight_parts
 
 __all__ = ["OPSET", "export_float", "quantize_graph"]
@@ -139,7 +139,7 @@ def _consumer(nodes: list, weight: str, where: str):
                      "quantizes the inputs of linear layers)")
 
 
-def quantize_graph(model, source: Source) -> None:
+def quantize_graph(model, source: Checkpoint) -> None:
     """Rewrite the float ``model`` (an ``onnx.ModelProto`` from :func:`export_float`) in place: quantized
     weights as ``DequantizeLinear`` of their codes, static input quantizers as Q/DQ pairs. ``ValueError``
     naming the tree path when the graph has no place for one."""
@@ -193,7 +193,7 @@ def quantize_graph(model, source: Source) -> None:
     graph.node.extend(nodes)
 
 
-def hint(source: Source) -> Mapping[str, str]:
+def hint(source: Checkpoint) -> Mapping[str, str]:
     """``metadata_props`` the export carries: the specs per tree path and activation site (JSON)."""
     return {"qtransform.weights": json.dumps({p: str(e.spec) for p, e in source.meta.entries.items()}),
             "qtransform.activations": json.dumps({f"{s.module}:{s.role}": str(spec)

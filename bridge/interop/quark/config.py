@@ -34,20 +34,18 @@ from __future__ import annotations
 
 import qtransform as qt
 
-from ..base import Support
+from ..base import FLOAT_SCALES, Support
 
-__all__ = ["INT_DTYPES", "FLOAT_DTYPES", "MX_DTYPES", "FLOAT_SCALES", "judge", "tensor_config", "spec_of",
+__all__ = ["INT_DTYPES", "FP8_DTYPES", "MX_DTYPES", "judge", "tensor_config", "spec_of",
            "decodes_alike"]
 
 #: Our integer formats Quark packs the way its loader unpacks them (4 bits in int32 words, 8 bits as bytes).
 INT_DTYPES = ("int4", "uint4", "int8", "uint8")
 #: Our fp8 formats and Quark's dtype names for them.
-FLOAT_DTYPES = {"fp8_e4m3": "fp8_e4m3", "fp8_e5m2": "fp8_e5m2"}
+FP8_DTYPES = {"fp8_e4m3": "fp8_e4m3", "fp8_e5m2": "fp8_e5m2"}
 #: Our OCP MX formats and Quark's element dtype (per_group 32, e8m0 scales).
 MX_DTYPES = {"mxfp4": "fp4", "mxfp6_e3m2": "fp6_e3m2", "mxfp6_e2m3": "fp6_e2m3",
              "mxfp8_e4m3": "fp8_e4m3", "mxfp8_e5m2": "fp8_e5m2"}
-#: Scale dtypes Quark reads into its float32 scale buffers without loss.
-FLOAT_SCALES = ("float32", "float16", "bfloat16")
 _ACT_FORMATS = ("fp8_e4m3", "fp8_e5m2", "int8", "uint8")
 _OBSERVERS = {"per_tensor": "PerTensorMinMaxObserver", "per_channel": "PerChannelMinMaxObserver",
               "per_group": "PerGroupMinMaxObserver"}
@@ -77,16 +75,16 @@ def _why_not(spec: qt.QuantSpec, role: str) -> str | None:
         if g.axis not in (-1, 1):
             return f"MX blocks along axis {g.axis}; Quark's run along the input features (axis -1)"
         return None
-    if name in FLOAT_DTYPES or name in INT_DTYPES:
+    if name in FP8_DTYPES or name in INT_DTYPES:
         if spec.scale_dtype not in FLOAT_SCALES:
             return f"scale_dtype {spec.scale_dtype!r}; Quark's {name} scales are floats"
         if isinstance(g, qt.PerChannel) and g.axis != 0:
             return f"per-channel scales along axis {g.axis}; Quark's run along the output channels (axis 0)"
         if isinstance(g, qt.PerBlock):
             return "2-D blocks; Quark's per_block is written for fp8 only by its own flow"
-        if isinstance(g, qt.PerGroup) and (g.axis not in (-1, 1) or name in FLOAT_DTYPES):
+        if isinstance(g, qt.PerGroup) and (g.axis not in (-1, 1) or name in FP8_DTYPES):
             return ("fp8 groups: Quark's loader dequantizes fp8 per tensor, per channel or per 2-D block only"
-                    if name in FLOAT_DTYPES else f"groups along axis {g.axis}; Quark's run along the input features")
+                    if name in FP8_DTYPES else f"groups along axis {g.axis}; Quark's run along the input features")
         if name in INT_DTYPES and not spec.symmetric:
             if spec.zero_point_domain in ("float", "offset") and isinstance(g, qt.PerChannel):
                 return "a float zero point per channel (Quark stores float zero points per tensor or per group)"
@@ -167,7 +165,7 @@ def tensor_config(spec: qt.QuantSpec, role: str = "weight") -> dict:
         d.update(dtype=MX_DTYPES[spec.format], qscheme="per_group", ch_axis=-1, group_size=g.size, symmetric=None,
                  scale_format="e8m0", scale_calculation_mode=rule, observer_cls="PerBlockMXObserver")
         return d
-    d["dtype"] = FLOAT_DTYPES.get(spec.format, spec.format)
+    d["dtype"] = FP8_DTYPES.get(spec.format, spec.format)
     if isinstance(g, qt.PerTensor):
         d["qscheme"] = "per_tensor"
     elif isinstance(g, qt.PerChannel):
@@ -217,8 +215,8 @@ def spec_of(d: dict, *, scale_dtype: str, symmetric: bool, where: str) -> qt.Qua
         raise ValueError(f"{where}: Quark scale_format {d.get('scale_format')!r} is not read")
     if dtype in INT_DTYPES:
         fmt = dtype
-    elif dtype in FLOAT_DTYPES.values():
-        fmt = {v: k for k, v in FLOAT_DTYPES.items()}[dtype]
+    elif dtype in FP8_DTYPES.values():
+        fmt = {v: k for k, v in FP8_DTYPES.items()}[dtype]
     if fmt is None:
         raise ValueError(f"{where}: Quark dtype {dtype!r} has no qtransform format that this importer reads")
     gran = _granularity(d, where)

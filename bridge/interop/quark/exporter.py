@@ -40,7 +40,7 @@ from ...checkpoint import metadata, store
 from ...modules.actquant import PREFIX
 from . import config as qc
 from .. import experts as moe
-from ..base import Exporter, Source, Support, copy_extras, judged_spec, write_config
+from ..base import Checkpoint, Exporter, Support, copy_extras, judged_spec, write_config
 from ..hf_model import transformers_model
 from .tensors import shape_problem, symmetric_zero, to_quark
 
@@ -64,7 +64,7 @@ def _skeleton(config_json: str, paths: tuple[str, ...]) -> tuple[dict, str | Non
     return types, (out_name if tied else None), type(model).__name__, moe.experts_modules(model), moe.routers(model)
 
 
-def skeleton(source: Source) -> tuple[dict, str | None, str]:
+def skeleton(source: Checkpoint) -> tuple[dict, str | None, str]:
     """``({module name: module class}, the tied output embedding's name or None, class name)`` of the
     transformers model whose weights ``source`` holds (its ``architectures``, else the first head class
     that has all its weights), built on the ``meta`` device (no memory); ``ValueError`` when none does."""
@@ -73,7 +73,7 @@ def skeleton(source: Source) -> tuple[dict, str | None, str]:
     return _skeleton(json.dumps(source.config, sort_keys=True, default=str), paths)[:3]
 
 
-def experts_of(source: Source) -> tuple[dict, list[str]]:
+def experts_of(source: Checkpoint) -> tuple[dict, list[str]]:
     """``({experts module name: ExpertsInfo}, router module names)`` of the model :func:`skeleton` builds
     (:mod:`bridge.interop.experts`)."""
     paths = tuple(sorted(p for p in list(source.tree) + list(source.meta.entries)
@@ -100,7 +100,7 @@ class QuarkExporter(Exporter):
         return qc.judge(spec, role)
 
     # ------------------------------------------------------------------ whole-model conditions
-    def problems(self, source: Source, *, allow_nearest: bool = False) -> list[str]:
+    def problems(self, source: Checkpoint, *, allow_nearest: bool = False) -> list[str]:
         out = super().problems(source, allow_nearest=allow_nearest)
         try:
             types, tied_out, _ = skeleton(source)
@@ -147,7 +147,7 @@ class QuarkExporter(Exporter):
         return out
 
     # ------------------------------------------------------------------ writing
-    def write(self, source: Source, out: Path, *, allow_nearest: bool = False) -> None:
+    def write(self, source: Checkpoint, out: Path, *, allow_nearest: bool = False) -> None:
         types, _, arch = skeleton(source)
         (experts, routers), naming = experts_of(source), moe.naming_of(source.config)
         name = functools.partial(moe.export_name, naming=naming)
@@ -207,7 +207,7 @@ class QuarkExporter(Exporter):
         copy_extras(source, out)
 
 
-def _experts_problems(source: Source, experts: dict, naming) -> list[str]:
+def _experts_problems(source: Checkpoint, experts: dict, naming) -> list[str]:
     """Why the quantized experts of ``source`` cannot be written per expert in Quark's layout (one line per path):
     no per-expert names, a transposed layout, gate/up scale blocks that straddle, a piece Quark cannot pack, or
     projections of one experts module with different specs (vLLM takes one layer config per FusedMoE layer)."""

@@ -43,7 +43,7 @@ from ...checkpoint.tree_io import CONFIG
 from . import config as qc
 from ...checkpoint.metadata import CheckpointError
 from .. import experts
-from ..base import Importer, Source, verify_shards
+from ..base import FLOAT_SCALES, Checkpoint, Importer, verify_shards
 from .tensors import from_quark, symmetric_zero
 from .validate import check_config
 
@@ -95,8 +95,8 @@ def _scale_dtype(cfg: dict, scale: torch.Tensor, where: str) -> str:
             raise ValueError(f"{where}: e8m0 scales stored as {scale.dtype}, expected uint8")
         return "e8m0"
     name = dtype_name(scale.dtype)
-    if name not in qc.FLOAT_SCALES:
-        raise ValueError(f"{where}: scales stored as {name}; expected one of {list(qc.FLOAT_SCALES)}")
+    if name not in FLOAT_SCALES:
+        raise ValueError(f"{where}: scales stored as {name}; expected one of {list(FLOAT_SCALES)}")
     return name
 
 
@@ -188,7 +188,7 @@ class QuarkImporter(Importer):
             return False
         return isinstance(qcfg, dict) and qcfg.get("quant_method") == "quark"
 
-    def read(self, directory: Path, *, verify: bool = True) -> Source:
+    def read(self, directory: Path, *, verify: bool = True) -> Checkpoint:
         root = Path(directory)
         if not isinstance(verify, bool):
             raise TypeError(f"quark import: verify must be True or False, got {verify!r}")
@@ -285,7 +285,7 @@ class QuarkImporter(Importer):
         meta = metadata.Metadata(
             entries=entries, recipe=hint.recipe if hint else None, recipe_name=hint.recipe_name if hint else None,
             version=metadata.VERSION_ACTIVATIONS if acts else metadata.VERSION, activations=acts)
-        return Source(root, meta, tree, {k: v for k, v in config.items() if k != "quantization_config"})
+        return Checkpoint(root, meta, tree, {k: v for k, v in config.items() if k != "quantization_config"})
 
 
 def _recorded(spec: qt.QuantSpec, shape) -> tuple:

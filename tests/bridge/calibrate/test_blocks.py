@@ -198,3 +198,13 @@ def test_blocks_are_quantized_with_what_earlier_steps_fitted(recorder):
                 m.weight.copy_(qt.dequantize(r.qtree[f"model.layers.0.{name}.weight"]))
     for got, want in zip(recorder[1][2], hidden_into(ref, "model.layers.1", batches)):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_a_batch_counts_the_rows_of_its_hidden_states():
+    from bridge.calibrate.blocks import batch_tokens  # the one count: the core takes it as Block.tokens
+
+    mask, h = torch.zeros(2, 1, 8, 8), torch.zeros(2, 8, 16)
+    assert batch_tokens((h, mask), {}) == 16  # the first positional tensor
+    assert batch_tokens((), {"attention_mask": mask, "hidden_states": h}) == 16  # else the hidden_states keyword
+    assert batch_tokens((), {"x": torch.zeros(7, 4), "y": h}) == 7  # else the first tensor keyword
+    assert batch_tokens((), {"n": 3}) == 0

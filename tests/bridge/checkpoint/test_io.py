@@ -11,7 +11,7 @@ from torch import nn
 import qtransform as qt
 import bridge
 from bridge import CheckpointError
-from bridge_util import ConvNet, EmbedNet, format_specs, same_bits
+from bridge_util import format_specs, same_bits
 
 
 def assert_same_model(a: nn.Module, b: nn.Module):
@@ -130,6 +130,14 @@ def test_a_float_tensor_stored_in_another_float_dtype_loads_in_the_models_dtype(
     back = bridge.load(d, like=model, verify=False)  # the edit rewrote the file without our checksums
     assert back[1].weight.dtype == torch.float32
     assert torch.equal(back[1].weight, stored["w"].float())
+
+
+def test_a_checkpoint_written_by_an_older_qtransform_loads(saved):
+    model, d = saved
+    assert json.loads((d / "config.json").read_text())["quantization_config"]["qtransform_version"] == qt.__version__
+    now = bridge.load(d, like=model)
+    _edit_config(d, lambda c: c.update(qtransform_version="0.2.0"))  # what 0.2.0 wrote; the layout is the same
+    assert_same_model(bridge.load(d, like=model), now)
 
 
 BAD_FILES = {

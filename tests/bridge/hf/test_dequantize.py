@@ -52,9 +52,9 @@ def _weights_only(model):
     for m in model.modules():
         if isinstance(m, bridge.QModule):
             m.kernel = "dequant"
-            for role in actquant.ROLES:
+            for role in qt.spec.ROLES:
                 m.set_activation(role, None)
-        for role in actquant.KV_ROLES:
+        for role in qt.spec.KV_ROLES:
             if getattr(m, f"{role}_spec", None) is not None:
                 actquant.attach(m, role, None)
     return model

@@ -150,7 +150,7 @@ def test_quantize_and_eval_from_a_quark_export(tiny_llama_dir, tmp_path):
 
 
 def test_read_imported_passes_verify_and_keeps_importers_without_it(tmp_path):
-    from bridge.interop.base import IMPORTERS, Importer, Source, read_imported, register_importer
+    from bridge.interop.base import IMPORTERS, Checkpoint, Importer, read_imported, register_importer
 
     calls = []
 
@@ -162,7 +162,7 @@ def test_read_imported_passes_verify_and_keeps_importers_without_it(tmp_path):
 
         def read(self, directory):
             calls.append(directory)
-            return Source(directory, None, {}, {})
+            return Checkpoint(directory, None, {}, {})
 
     register_importer(Old(), replace=True)
     try:

@@ -158,7 +158,7 @@ def test_no_compiler_fallback(monkeypatch):
     """Without a compiler the path reports why, packs for the torch fallback and stays correct."""
     monkeypatch.setenv("CXX", "/nonexistent/c++")
     D._build.cache_clear()
-    native.build.cache_clear()
+    native.build_extension.cache_clear()
     try:
         assert not D.decode_available()
         assert "compiler" in D.decode_unavailable_reason()
@@ -172,8 +172,8 @@ def test_no_compiler_fallback(monkeypatch):
     finally:
         monkeypatch.undo()
         D._build.cache_clear()
-        native.build.cache_clear()
-    native.build.cache_clear()
+        native.build_extension.cache_clear()
+    native.build_extension.cache_clear()
     assert D.decode_available() is NATIVE
 
 

@@ -1,6 +1,5 @@
 """The pipeline's result (``bridge.Quantized``) as the one input of ``to_module`` and ``save``: its
-tree, plan, activation quantizers and online rotations travel together; the old keywords still work
-for one version, with a DeprecationWarning."""
+tree, plan, activation quantizers and online rotations travel together."""
 
 import warnings
 
@@ -42,16 +41,6 @@ def test_quantize_is_quantize_params_then_to_module_of_the_result():
     torch.testing.assert_close(got(x), bridge.quantize(model, recipe)(x))
 
 
-def test_the_old_keywords_still_work_with_a_deprecation_warning():
-    model = _mlp()
-    r = bridge.quantize_params(model, qt.Recipe(default=W4, input=A8))
-    with pytest.warns(DeprecationWarning, match=r"to_module\(model, tree, plan=..., activations=...\) is deprecated"):
-        old = bridge.to_module(model, r.changed(), plan=r.plan, activations=r.activations)
-    _same_modules(old, bridge.to_module(model, r))
-    with pytest.raises(TypeError, match="to_module: activations come with the Quantized result"):
-        bridge.to_module(model, r, activations=r.activations)
-
-
 def test_online_rotations_travel_with_the_result():
     model = tiny_causal_lm("llama").eval()
     recipe = qt.Recipe(type_rules={"Linear": W4}, exclude=["lm_head*"], steps=[qt.Step("rotate", r3=True)])
@@ -59,10 +48,7 @@ def test_online_rotations_travel_with_the_result():
     assert r.online
     ids = torch.tensor([[1, 5, 9, 2, 17, 3]])
     got = bridge.to_module(model, r)
-    with pytest.warns(DeprecationWarning):
-        old = bridge.to_module(model, r.changed(), plan=r.plan, online=r.online)
     with torch.no_grad():
-        torch.testing.assert_close(got(ids).logits, old(ids).logits)
         torch.testing.assert_close(got(ids).logits, bridge.quantize(model, recipe)(ids).logits)
 
 

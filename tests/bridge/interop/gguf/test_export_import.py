@@ -114,22 +114,22 @@ def _assert_same(ours: np.ndarray, ref: np.ndarray, qtype: str) -> None:
 def test_decode_gives_the_gguf_package_bits(qtype):
     size, _ = gguf_tensors.BLOCKS[qtype]
     raw = _random_blocks(qtype, 6, 2, seed=len(qtype))
-    q = gguf_tensors.decode(raw, qtype, (6, 2 * size))
+    q = gguf_tensors.decode_blocks(raw, qtype, (6, 2 * size))
     assert q.spec == gguf_tensors.IMPORT_SPECS[qtype]
     ref = gguf_dequantize(raw, gguf.GGMLQuantizationType[qtype]).astype(np.float32)
     _assert_same(qt.dequantize(q).numpy(), ref, qtype)
     if qtype in gguf_tensors.EXACT_TYPES:  # and back to the same bytes
-        assert np.array_equal(gguf_tensors.encode(q, qtype), raw)
+        assert np.array_equal(gguf_tensors.encode_blocks(q, qtype), raw)
 
 
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1", "MXFP4"])
 def test_gguf_quantizers_output_decodes_exactly(qtype):
     w = np.random.default_rng(1).standard_normal((8, 128)).astype(np.float32)
     raw = gguf.quants.quantize(w, gguf.GGMLQuantizationType[qtype])
-    q = gguf_tensors.decode(raw, qtype, (8, 128))
+    q = gguf_tensors.decode_blocks(raw, qtype, (8, 128))
     ref = gguf_dequantize(raw, gguf.GGMLQuantizationType[qtype])
     _assert_same(qt.dequantize(q).numpy(), ref, qtype)
-    assert np.array_equal(gguf_tensors.encode(q, qtype), raw)
+    assert np.array_equal(gguf_tensors.encode_blocks(q, qtype), raw)
 
 
 @pytest.mark.parametrize("spec, qtype", [(Q4_1, "Q4_1"), (Q8_0, "Q8_0"), (Q4_0, "Q4_0"),
@@ -137,7 +137,7 @@ def test_gguf_quantizers_output_decodes_exactly(qtype):
 def test_our_quantization_encodes_to_the_same_values(spec, qtype):
     w = torch.randn(16, 96, generator=torch.Generator().manual_seed(2)) * 0.05 + 0.01
     q = qt.quantize(w, qt.choose_qparams(w, spec))
-    raw = gguf_tensors.encode(q, qtype)
+    raw = gguf_tensors.encode_blocks(q, qtype)
     ref = gguf_dequantize(raw, gguf.GGMLQuantizationType[qtype])
     _assert_same(qt.dequantize(q).numpy(), ref, qtype)
 
@@ -150,7 +150,7 @@ def test_k_quants_round_trip_within_their_step(qtype, rel):
     back = gguf_dequantize(raw, gguf.GGMLQuantizationType[qtype])
     err = np.sqrt(((back - w.numpy()) ** 2).mean()) / np.sqrt((w.numpy() ** 2).mean())
     assert err < rel and np.array_equal(back[0, :256], np.zeros(256, np.float32))
-    q = gguf_tensors.decode(raw, qtype, (8, 512))  # and our import of them is exact
+    q = gguf_tensors.decode_blocks(raw, qtype, (8, 512))  # and our import of them is exact
     assert np.array_equal(qt.dequantize(q).numpy(), back)
 
 
@@ -158,9 +158,9 @@ def test_encode_refuses_what_is_not_the_type():
     w = torch.randn(4, 64)
     q = qt.quantize(w, qt.choose_qparams(w, Q4_1.replace(zero_point_domain="float")))
     with pytest.raises(ValueError, match="w.fc: .* is not GGUF Q4_1"):
-        gguf_tensors.encode(q, "Q4_1", path="w.fc")
+        gguf_tensors.encode_blocks(q, "Q4_1", path="w.fc")
     with pytest.raises(ValueError, match="bytes do not hold"):
-        gguf_tensors.decode(np.zeros((2, 19), np.uint8), "Q4_1", (2, 32), path="blk.0")
+        gguf_tensors.decode_blocks(np.zeros((2, 19), np.uint8), "Q4_1", (2, 32), path="blk.0")
 
 
 # --------------------------------------------------------------------------- tiny models, end to end
@@ -378,7 +378,7 @@ def test_smollm2_gguf_imports_losslessly(tmp_path):
         if isinstance(leaf, qt.QTensor) and kind in gguf_tensors.EXACT_TYPES:
             index = gguf_arch.qk_rows(names[t.name], src.config, leaf.shape[0])
             q = gguf_arch.reorder_rows(leaf, index)
-            assert np.array_equal(gguf_tensors.encode(q, kind), np.asarray(t.data)), t.name
+            assert np.array_equal(gguf_tensors.encode_blocks(q, kind), np.asarray(t.data)), t.name
     assert kinds.get("Q4_1", 0) > 100  # the linear weights
     GGUFExporter().write(src, tmp_path)  # and written back: the same tensors, byte for byte
     name = json.loads((tmp_path / "gguf_export.json").read_text())["file"]
