@@ -21,14 +21,14 @@ from typing import NamedTuple
 
 from .inputs import UserError
 
-__all__ = ["Driver", "choose"]
+__all__ = ["Driver", "choose_driver"]
 
 
 class Driver(NamedTuple):
     """The chosen driver: ``streamed`` or not, ``why`` (a line of the report), the estimated ``peak``
     (:class:`~bridge.stream.sizing.Estimate`, ``None`` where the model's config cannot be read ahead), the
     memory ``available``; for a streamed run whether the float model's evaluation fits (``eval_before``) and what
-    :func:`bridge.stream.accept.prepare` found (``prepared``)."""
+    :func:`bridge.stream.accept.accepted_run` found (``prepared``)."""
 
     streamed: bool
     why: str
@@ -59,7 +59,7 @@ def _streams(plan) -> int:
     return max(1, steps + static)
 
 
-def choose(a, recipe, label: str, source) -> Driver:
+def choose_driver(a, recipe, label: str, source) -> Driver:
     """The driver of ``qtransform quantize`` (see the module docstring); ``UserError`` for a run that cannot
     fit this machine's memory or that ``--stream`` cannot stream."""
     from ..checkpoint import CheckpointError
@@ -74,7 +74,7 @@ def choose(a, recipe, label: str, source) -> Driver:
     if cannot is None:
         try:
             loadcheck.check_quantized_without_config(source)  # codes without their config: refused as loading does
-            prep = accept.prepare(source.directory, recipe, calibrated=bool(a.calib))
+            prep = accept.accepted_run(source.directory, recipe, calibrated=bool(a.calib))
         except accept.CannotStream as e:
             cannot = str(e)
         except CheckpointError as e:

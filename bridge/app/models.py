@@ -116,15 +116,13 @@ def skeleton(model: str | os.PathLike | ModelSource | None = None):
     """The model of a transformers directory built from its ``config.json`` on the ``meta`` device
     (no weights read: fast), for checking a recipe against its shapes before loading; ``None`` for
     a GGUF file (its config is only read with the whole file)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from ..stream.skeleton import build  # the one skeleton from config.json, the streamed run's too
 
     source = resolve(model)
     directory = cached_directory(source, convert=False) if source.gguf_file is not None else source.directory
     if directory is None:
         return None
-    config = AutoConfig.from_pretrained(str(directory), local_files_only=True)
-    with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(config)
+    return build(directory)
 
 
 def _needs_gguf(source: ModelSource) -> None:

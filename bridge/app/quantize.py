@@ -5,7 +5,7 @@ The run checks first whatever it can without the weights: the recipe (``--algori
 ``--kv-cache`` applied), its steps and the calibration data they and its static activation specs
 need (:func:`bridge.pipeline.check_calibration`, the library's own rule), where the outputs go,
 and the recipe against the shapes of ``config.json``. Then the driver is chosen
-(:func:`bridge.app.driver.choose`: a checkpoint directory streams, :mod:`bridge.app.streaming`; the rest runs
+(:func:`bridge.app.driver.choose_driver`: a checkpoint directory streams, :mod:`bridge.app.streaming`; the rest runs
 in memory here) and its peak memory checked against the machine's. In memory, the model is resolved (where it
 lives and in which format) and loaded once, planned (:func:`bridge.plan`), quantized by
 :func:`bridge.quantize_params` and rebuilt by :func:`bridge.to_module` of that result: the very
@@ -147,7 +147,7 @@ def cmd_quantize(a) -> int:
                 raise UserError("--plot needs matplotlib: pip install matplotlib")
         source = inputs.model_source(a.model)  # where the model lives and in which format: resolved once
         streaming.check_options(a)
-        driver = drivers.choose(a, recipe, label, source)  # streamed or in memory, and whether it fits
+        driver = drivers.choose_driver(a, recipe, label, source)  # streamed or in memory, and whether it fits
     if driver.streamed:
         return streaming.cmd_streamed(a, recipe, label, out, source, t0, driver)
     phases = {"check": time.perf_counter() - t0}  # seconds of each phase (PHASES), in the report

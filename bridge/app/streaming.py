@@ -8,7 +8,7 @@ refused, naming what changed); ``--device`` runs the block being calibrated ther
 see :mod:`bridge.app.quantize`); ``--max-memory`` bounds the
 calibration activations kept in memory (beyond, they go to disk). The perplexity after is measured on the
 quantized checkpoint written; the original's by loading the float model whole (in float32, as in memory) when
-:func:`bridge.app.driver.choose` found that it fits the memory available, else the report says it was not
+:func:`bridge.app.driver.choose_driver` found that it fits the memory available, else the report says it was not
 measured (``qtransform eval --model DIR`` measures it elsewhere).
 """
 
@@ -57,7 +57,7 @@ def add_options(q) -> None:
 
 def check_options(a) -> None:
     """The device and memory options are well formed (before anything is loaded; which driver takes
-    ``--resume`` and ``--max-memory`` is :func:`bridge.app.driver.choose`'s)."""
+    ``--resume`` and ``--max-memory`` is :func:`bridge.app.driver.choose_driver`'s)."""
     from ..checkpoint.store import parse_size
 
     if a.device:

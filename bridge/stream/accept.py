@@ -2,7 +2,7 @@
 pre-run check of :func:`bridge.stream.quantize_checkpoint`, and what ``qtransform quantize`` asks to choose its
 driver.
 
-:func:`prepare` builds the model's skeleton from ``config.json`` (weights on ``meta``), maps the stored tensors to
+:func:`accepted_run` builds the model's skeleton from ``config.json`` (weights on ``meta``), maps the stored tensors to
 it, checks them against it and plans the recipe (:func:`bridge.pipeline.plan` with the library's calibration
 and step checks). What the streamed driver cannot do but the in-memory one can is a :class:`CannotStream`
 (a ``ValueError``) naming the part and the reason: a quantized input, a step that learns on the whole model's
@@ -22,15 +22,15 @@ from .. import pipeline
 from . import skeleton as skel
 from .source import Source
 
-__all__ = ["CannotStream", "Prepared", "prepare", "local_steps"]
+__all__ = ["CannotStream", "Accepted", "accepted_run", "local_steps"]
 
 
 class CannotStream(ValueError):
     """A run the streamed driver cannot do (the in-memory driver can): the message names the part and why."""
 
 
-class Prepared(NamedTuple):
-    """What :func:`prepare` found: the ``src`` tensors mapped to ``model`` (the skeleton on ``meta``), its
+class Accepted(NamedTuple):
+    """What :func:`accepted_run` found: the ``src`` tensors mapped to ``model`` (the skeleton on ``meta``), its
     ``shapes`` and ``tied`` tensors, the ``plan``, and whether the run goes ``tensor_run`` (shard to shard)
     or block by block."""
 
@@ -51,7 +51,7 @@ def local_steps(p: qt.Plan) -> bool:
     return all(qt.get_algorithm(s.name).local and qt.get_algorithm(s.name).needs is None for s in p.steps)
 
 
-def prepare(source, recipe, *, calibrated: bool, model_class=None) -> Prepared:
+def accepted_run(source, recipe, *, calibrated: bool, model_class=None) -> Accepted:
     """The checks and the plan of a streamed run of ``recipe`` on checkpoint directory ``source`` (a path or a
     :class:`~bridge.stream.Source`), with calibration data or not: :class:`CannotStream` for what only the
     in-memory driver does, ``ValueError``/``CheckpointError`` for what neither does."""
@@ -75,7 +75,7 @@ def prepare(source, recipe, *, calibrated: bool, model_class=None) -> Prepared:
             BlockRun.check(model, p)
         except ValueError as e:
             raise CannotStream(str(e)) from None
-    return Prepared(src, model, shapes, tied, p, tensor_run)
+    return Accepted(src, model, shapes, tied, p, tensor_run)
 
 
 def plan_streamed(model: nn.Module, recipe, *, calibrated: bool) -> qt.Plan:

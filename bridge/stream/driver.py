@@ -29,7 +29,7 @@ from ..io import cast_leaf, config_dtype, write_extras
 from . import skeleton as skel
 from .memory import reuse_freed_memory
 from .ranks import NoFiles, barrier, drop_scratch, on_rank0, scratch, to_rank0
-from .accept import prepare
+from .accept import accepted_run
 from .shards import ShardFiles, ShardPlan
 from .source import Built, Source
 from .workdir import WorkDir, calibration_digest, fingerprint
@@ -114,7 +114,7 @@ def quantize_checkpoint(source, out, recipe, *, calibration: Iterable | None = N
         raise TypeError(f"parallel must be a qtransform.Parallel, got {type(parallel).__name__}")
     par = current(device=dev) if parallel is None else parallel
     budget = None if max_memory is None else parse_size(max_memory)
-    prep = prepare(source, recipe, calibrated=calibration is not None, model_class=model_class)
+    prep = accepted_run(source, recipe, calibrated=calibration is not None, model_class=model_class)
     src, model, tied, p, tensor_run = prep.src, prep.model, prep.tied, prep.plan, prep.tensor_run
     dtypes = stored_dtypes_of(src, model, dtype)
     specs = {s: q for s, q in p.activations.items()}

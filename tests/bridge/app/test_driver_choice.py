@@ -98,12 +98,12 @@ def test_a_run_that_cannot_fit_is_refused_with_its_estimate(bf16_dir, tmp_path, 
 def test_the_original_is_not_evaluated_when_it_does_not_fit(bf16_dir, tmp_path, monkeypatch):
     from bridge.app import driver
 
-    real = driver.choose
+    real = driver.choose_driver
 
     def tight(*args, **kwargs):  # the run fits, loading the float model whole would not
         return real(*args, **kwargs)._replace(eval_before=False, available=123_000_000)
 
-    monkeypatch.setattr(driver, "choose", tight)
+    monkeypatch.setattr(driver, "choose_driver", tight)
     assert _run(bf16_dir, tmp_path / "q", "--recipe", "int4-g32") == 0
     rep = _report(tmp_path / "q")
     assert rep["ppl_before"] is None and rep["ppl_after"] > 0
