@@ -11,8 +11,8 @@ streaming: a run it cannot stream is an error naming why.
 Then the peak memory of the chosen path is estimated from ``config.json`` and the plan
 (:mod:`bridge.stream.sizing`) and compared with what this machine has: a run that cannot fit is refused with
 its estimate and the way out, instead of being killed by the kernel minutes later (``--no-memory-check``
-runs it anyway). The perplexity of the original, which a streamed run measures by loading the float model
-whole, is skipped (said in the report) when that load does not fit.
+runs it anyway). The perplexities of the original and of the checkpoint written, which a streamed run measures
+by loading each model whole, are skipped (said in the report) when that load does not fit.
 """
 
 from __future__ import annotations
@@ -27,14 +27,17 @@ __all__ = ["Driver", "choose_driver"]
 class Driver(NamedTuple):
     """The chosen driver: ``streamed`` or not, ``why`` (a line of the report), the estimated ``peak``
     (:class:`~bridge.stream.sizing.Estimate`, ``None`` where the model's config cannot be read ahead), the
-    memory ``available``; for a streamed run whether the float model's evaluation fits (``eval_before``) and what
-    :func:`bridge.stream.accept.accepted_run` found (``prepared``)."""
+    memory ``available``; for a streamed run whether the evaluations of the float model and of the checkpoint
+    written, each loading a model whole, fit (``eval_before``, ``eval_after``: a run whose evaluation does not fit
+    goes on without it, and the report says so) and what :func:`bridge.stream.accept.accepted_run` found
+    (``prepared``)."""
 
     streamed: bool
     why: str
     peak: object = None
     available: int | None = None
     eval_before: bool = True
+    eval_after: bool = True
     prepared: object = None
 
 
@@ -92,16 +95,16 @@ def choose_driver(a, recipe, label: str, source) -> Driver:
         tokens = a.calib * a.seq_len if a.calib else 0
         run = sizing.streamed(prep.model, prep.plan, block_by_block=not prep.tensor_run, tokens=tokens,
                               streams=_streams(prep.plan), max_memory=parse_size(a.max_memory) if a.max_memory else None)
-        after = sizing.evaluation(prep.model, prep.plan, seq_len=a.seq_len) if evaluating else None
-        peak = run if after is None or after.total <= run.total else after
-        before = sizing.evaluation(prep.model, None, seq_len=a.seq_len).total if evaluating else 0
+        loaded = sizing.evaluation(prep.model, seq_len=a.seq_len).total if evaluating else 0
+        fits = evaluating and (free is None or loaded <= free)  # else the run goes on and the report says why
         why = "--stream" if a.stream else "the default for a checkpoint directory"
-        driver = Driver(True, f"streamed {prep.mode} ({why})", peak, free,
-                        eval_before=free is None or before <= free, prepared=prep)
-        _check(a, driver, name, way_out=_stream_way_out(a, run, after))
+        driver = Driver(True, f"streamed {prep.mode} ({why})", run, free, eval_before=fits, eval_after=fits,
+                        prepared=prep)
+        _check(a, driver, name, way_out=_stream_way_out(a))
         return driver
     skeleton = inputs.skeleton(source)
-    peak = None if skeleton is None else sizing.in_memory(skeleton, calibrated=bool(a.calib))
+    peak = None if skeleton is None else sizing.in_memory(skeleton, calibrated=bool(a.calib),
+                                                          seq_len=a.seq_len if evaluating else None)
     why = "--in-memory" if a.in_memory else (cannot if a.model else "the default model is a GGUF file")
     driver = Driver(False, f"in memory ({why})", peak, free)
     _check(a, driver, name, way_out="quantize it streamed (without --in-memory)" if a.in_memory else
@@ -109,11 +112,8 @@ def choose_driver(a, recipe, label: str, source) -> Driver:
     return driver
 
 
-def _stream_way_out(a, run, after) -> str:
+def _stream_way_out(a) -> str:
     ways = []
-    if after is not None and after.total > run.total:
-        ways.append("--no-eval (the evaluation loads the quantized model whole; `qtransform eval` can measure it "
-                    "elsewhere)")
     if a.calib:
         ways.append("--max-memory SIZE (calibration activations beyond it spill to disk) or a smaller --calib")
     return "; ".join(ways) or "a machine with more memory"

@@ -150,6 +150,7 @@ def cmd_streamed(a, recipe, label: str, out: Path, source, t0: float, driver) ->
     from ..checkpoint import CheckpointError, store
     from ..distributed import current
     from ..stream import quantize_checkpoint
+    from ..stream.sizing import format_size
     from . import evaluate, models, report
 
     name = a.model or models.DEFAULT_MODEL
@@ -175,7 +176,11 @@ def cmd_streamed(a, recipe, label: str, out: Path, source, t0: float, driver) ->
 
     def before_publish(tmp: Path, result) -> None:
         ppl = None
-        if eval_seqs is not None:
+        if eval_seqs is not None and not driver.eval_after:
+            notes.append(f"perplexity of the quantized checkpoint not measured: loading it whole does not fit the "
+                         f"{format_size(driver.available)} available (`qtransform eval --model {out}` measures it "
+                         "elsewhere)")
+        elif eval_seqs is not None:
             say("perplexity of the quantized checkpoint ...")
             ppl = evaluate.perplexity(models.load_causal_lm(tmp), eval_seqs, progress=True).perplexity
         layers = [dataclasses.replace(row, rule=result.plan[row.path].rule) for row in rows]

@@ -124,3 +124,15 @@ def test_a_tokenizer_larger_than_the_vocabulary_is_refused_before_any_work(tmp_p
     found = re.search(r"token id (\d+) in the evaluation text, but the model's embedding has 8 rows", err)
     assert found and 8 <= int(found[1]) <= len(tiny_lm.WORDS) + 1
     assert "IndexError" not in err and not (tmp_path / "q").exists()
+
+
+def test_the_checkpoint_is_not_evaluated_when_loading_it_does_not_fit(bf16_dir, tmp_path, monkeypatch):
+    from bridge.app import driver
+
+    real = driver.choose_driver
+    monkeypatch.setattr(driver, "choose_driver", lambda *a, **k: real(*a, **k)._replace(eval_after=False))
+    assert _run(bf16_dir, tmp_path / "q", "--recipe", "int4-g32") == 0
+    rep = _report(tmp_path / "q")
+    assert rep["ppl_before"] > 0 and rep["ppl_after"] is None
+    assert rep["notes"][0].startswith("perplexity of the quantized checkpoint not measured: loading it whole does not "
+                                      "fit the ")

@@ -69,10 +69,9 @@ def test_spilled_activations_count_up_to_the_budget():
     assert whole.total - capped.total == 2 * act - act // 2
 
 
-def test_evaluation_counts_quantized_weights_at_their_bits():
-    model = _skeleton("smollm2-135m")
-    plan = pipeline.plan(model, qt.get_preset("int4-g128").recipe)
-    float_eval, quant_eval = sizing.evaluation(model, None, seq_len=512), sizing.evaluation(model, plan, seq_len=512)
-    n_quant = sum(p.numel() for path, p in model.named_parameters() if path in plan.specs)
-    bits = qt.bits_per_element(qt.get_preset("int4-g128").spec)
-    assert float_eval.total - quant_eval.total == pytest.approx(1.5 * n_quant * (4 - bits / 8), rel=1e-6)
+def test_evaluation_of_the_float_model_and_of_its_int4_checkpoint():
+    """``qtransform eval`` (8 x 512 tokens) measured 7.3 GB on the float TinyLlama-1.1B shape and 5.9 GB on its
+    int4-g128 checkpoint (transformers builds the float32 model first): one estimate bounds both."""
+    estimate = sizing.evaluation(_skeleton("tinyllama-1.1b"), seq_len=512)
+    _near(estimate, 7.3)
+    assert estimate.total >= 5.9 * GB
