@@ -41,18 +41,6 @@ class Driver(NamedTuple):
     prepared: object = None
 
 
-def _refusal(source) -> str | None:
-    """Why ``source`` cannot be streamed whatever the recipe (``None``: it can)."""
-    if source.gguf_file is not None:
-        return f"{source.gguf_file} is a GGUF file (streaming reads a directory of safetensors shards)"
-    if source.imported is not None:
-        return f"it is a {source.imported} checkpoint (its values are dequantized first)"
-    d = source.directory
-    if not ((d / "model.safetensors").is_file() or (d / "model.safetensors.index.json").is_file()):
-        return "it holds no safetensors shards"
-    return None
-
-
 def _streams(plan) -> int:
     """Calibrated passes over the model: one per step that needs data, one for static activation scales."""
     import qtransform as qt
@@ -68,11 +56,11 @@ def choose_driver(a, recipe, label: str, source) -> Driver:
     from ..checkpoint import CheckpointError
     from ..checkpoint.store import parse_size
     from ..stream import accept, sizing
-    from . import inputs, loadcheck
+    from . import inputs, loadcheck, streaming
 
     name = a.model or "the default model"
     streaming_options = [o for o, v in (("--resume", a.resume), ("--max-memory", a.max_memory)) if v]
-    cannot = "--in-memory" if a.in_memory else _refusal(source)
+    cannot = "--in-memory" if a.in_memory else streaming.source_refusal(source)
     prep = None
     if cannot is None:
         try:

@@ -117,7 +117,8 @@ def _prepare(a, recipe, label, source, out):
     plan = _plan(model, recipe, label)
     export.check_plan(a, plan, out)
     dtypes = streaming.stored_dtypes(a, source, model)  # of the float model: its tied tensors still tied
-    stored = streaming.stored_dtypes(a, source, model, dtype="auto")  # as the input stores them: the "before"
+    # as the input stores them, the report's "before" (the same map unless --dtype changes what is written)
+    stored = dtypes if a.dtype == "auto" else streaming.stored_dtypes(a, source, model, dtype="auto")
     return model, tokenizer, device, eval_seqs, calibration, plan, dtypes, stored
 
 

@@ -24,7 +24,8 @@ from . import export, inputs, outputs
 from .inputs import UserError
 from .outputs import say, warn
 
-__all__ = ["add_options", "check_options", "run_device", "to_host", "dtype_of", "stored_dtypes", "cmd_streamed"]
+__all__ = ["add_options", "check_options", "run_device", "to_host", "dtype_of", "stored_dtypes", "stored_size",
+           "source_refusal", "cmd_streamed"]
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 
@@ -124,7 +125,7 @@ def stored_dtypes(a, source, model, dtype=None):
     ``--dtype`` for all, or as loaded (``auto`` for a GGUF file or another tool's checkpoint); ``dtype``
     instead of ``--dtype`` when given (``"auto"``: as stored, the report's "before")."""
     dtype = dtype_of(a) if dtype is None else dtype
-    if source.gguf_file is not None or source.imported is not None or not _has_safetensors(source.directory):
+    if source_refusal(source) is not None:  # loaded by transformers or an importer: float tensors as loaded
         return None if dtype == "auto" else dtype
     from ..stream.driver import stored_dtypes_of
     from ..stream.source import Source
@@ -142,14 +143,24 @@ def stored_size(source, params, dtypes) -> int:
     return tree_bytes(params, dtypes)
 
 
-def _has_safetensors(directory: Path) -> bool:
-    return (directory / "model.safetensors").is_file() or (directory / "model.safetensors.index.json").is_file()
+def source_refusal(source) -> str | None:
+    """Why ``source`` (a :class:`~bridge.app.models.ModelSource`) is not a float safetensors checkpoint directory,
+    which a streamed run reads whatever the recipe (``None``: it is one)."""
+    if source.gguf_file is not None:
+        return f"{source.gguf_file} is a GGUF file (streaming reads a directory of safetensors shards)"
+    if source.imported is not None:
+        return f"it is a {source.imported} checkpoint (its values are dequantized first)"
+    d = source.directory
+    if not ((d / "model.safetensors").is_file() or (d / "model.safetensors.index.json").is_file()):
+        return "it holds no safetensors shards"
+    return None
 
 
 def cmd_streamed(a, recipe, label: str, out: Path, source, t0: float, driver) -> int:
     from ..checkpoint import CheckpointError, store
     from ..distributed import current
     from ..stream import quantize_checkpoint
+    from ..stream.driver import stored_dtypes_of
     from ..stream.sizing import format_size
     from . import evaluate, models, report
 
@@ -168,7 +179,7 @@ def cmd_streamed(a, recipe, label: str, out: Path, source, t0: float, driver) ->
     inputs.check_vocab(skeleton, eval_seqs, "evaluation text")
     inputs.check_vocab(skeleton, calibration, "calibration text")
     rows, rep, notes = [], {}, []
-    stored = stored_dtypes(a, source, skeleton, dtype="auto")  # the bytes before of each row
+    stored = stored_dtypes_of(driver.prepared.src, skeleton)  # the bytes before of each row: the headers read once
     ppl_before = _original_perplexity(source, eval_seqs, driver, notes, parallel=current())
 
     def on_tensor(path, w, q):
