@@ -163,13 +163,12 @@ def checkpoint_writer(model_or_qtree, *, max_shard_size="2GB", recipe=None, reci
     quantized = {p: q for p, q in tree.items() if isinstance(q, qt.QTensor)}
     cfg = getattr(getattr(model, "config", None), "quantization_config", None)  # duck-typed: no transformers import
     recipe = getattr(cfg, "recipe", None) if recipe is None else qt.as_recipe(recipe)
-    qconfig = metadata.encode(metadata.entries_of(quantized), layout=layout.name, recipe=recipe,
-                              recipe_name=recipe_name or getattr(cfg, "recipe_name", None),
-                              rules=rules if rules is not None else getattr(cfg, "rules", None), aliases=aliases,
-                              skip_modules=getattr(cfg, "skip_modules", None),
-                              activations=activations, online=online, lowrank=lowrank)
     try:  # what is written must read back: checked before anything is written
-        metadata.decode(qconfig, where="bridge.save")
+        qconfig = metadata.quantization_config(
+            quantized, recipe=recipe, recipe_name=recipe_name or getattr(cfg, "recipe_name", None),
+            rules=rules if rules is not None else getattr(cfg, "rules", None), aliases=aliases,
+            skip_modules=getattr(cfg, "skip_modules", None), activations=activations, online=online, lowrank=lowrank,
+            where="bridge.save")
     except metadata.CheckpointError as e:
         raise ValueError(f"{e} (check the recipe_name= and rules= arguments)") from None
 

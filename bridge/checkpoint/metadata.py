@@ -61,7 +61,7 @@ import qtransform as qt
 
 from .layout import LAYOUTS, dtype_from_name, dtype_name
 
-__all__ = ["VERSION", "VERSION_ACTIVATIONS", "VERSION_ONLINE", "VERSION_LOWRANK", "READABLE", "QUANT_METHOD", "Entry", "Metadata", "CheckpointError", "encode", "decode",
+__all__ = ["VERSION", "VERSION_ACTIVATIONS", "VERSION_ONLINE", "VERSION_LOWRANK", "READABLE", "QUANT_METHOD", "Entry", "Metadata", "CheckpointError", "encode", "decode", "quantization_config",
            "entries_of", "upgrade"]
 
 VERSION = 2
@@ -144,6 +144,22 @@ def encode(entries: Mapping[str, Entry], *, layout: str = "native", recipe: qt.R
     for key, value in (("recipe_name", recipe_name), ("rules", dict(rules or {})), ("aliases", dict(aliases or {}))):
         if value:
             d[key] = value
+    return d
+
+
+def quantization_config(quantized: Mapping, *, recipe: qt.Recipe | None = None, recipe_name: str | None = None,
+                        rules: Mapping[str, str] | None = None, aliases: Mapping[str, str] | None = None,
+                        skip_modules=None, activations: Mapping | None = None, online: Mapping | None = None,
+                        lowrank: Mapping[str, int] | None = None, where: str = "quantization_config") -> dict:
+    """The ``quantization_config`` a qtransform checkpoint records for its ``quantized`` tensors (``{path:
+    QTensor}``), whichever driver wrote it: :func:`encode` of their entries, the activation quantizers as their
+    specs (``{Site: QuantSpec | QParams}``), checked to read back (:class:`CheckpointError` naming ``where``)
+    before anything is written."""
+    specs = {s: q if isinstance(q, qt.QuantSpec) else q.spec for s, q in (activations or {}).items()}
+    d = encode(entries_of(quantized), layout="native", recipe=recipe, recipe_name=recipe_name, rules=rules,
+               aliases=aliases, skip_modules=skip_modules, activations=specs or None, online=dict(online or {}) or None,
+               lowrank=lowrank)
+    decode(d, where=where)
     return d
 
 

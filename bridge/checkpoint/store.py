@@ -35,7 +35,7 @@ import socket
 import struct
 import time
 from pathlib import Path
-from typing import Iterable, Mapping
+from typing import Iterable, Mapping, Sequence
 
 import torch
 from safetensors import safe_open
@@ -45,7 +45,7 @@ from .metadata import CheckpointError
 
 __all__ = ["SINGLE", "INDEX", "ST_DTYPES", "FLOAT_DTYPES", "STALE_AFTER_S", "parse_size", "WriteError",
            "write_error", "atomic_directory",
-           "remove_stale", "publish", "write_safetensors", "write_shards", "read_json", "read_index", "open_shards",
+           "remove_stale", "publish", "write_safetensors", "shard_layout", "write_index", "write_shards", "read_json", "read_index", "open_shards",
            "check_headers", "header_bytes"]
 
 SINGLE = "model.safetensors"
@@ -238,34 +238,48 @@ def write_safetensors(path: Path, tensors: Mapping[str, torch.Tensor], metadata:
     return sums
 
 
-def write_shards(directory: Path, groups: Iterable[Mapping[str, torch.Tensor]], *, max_shard_size="2GB",
-                 file_metadata: Mapping[str, str] | None = None, index_metadata: Mapping | None = None) -> list[str]:
-    """Write ``groups`` (dicts of named tensors kept in one shard) as safetensors into ``directory``;
-    returns the file names. More than one shard gets ``model.safetensors.index.json``."""
+def shard_layout(sizes: Sequence[int], max_shard_size="2GB") -> dict[str, list[int]]:
+    """The one rule placing groups of tensors in shards, for every writer (:func:`write_shards`, the streamed
+    :class:`bridge.stream.shards.ShardPlan`): ``{file name: [group indices]}`` for groups of ``sizes`` bytes in
+    order, a group never split, a shard taking groups until the next would pass ``max_shard_size`` (a larger
+    group fills one alone); one shard is ``model.safetensors``, more are ``model-0000i-of-0000n.safetensors``."""
     limit = parse_size(max_shard_size)
     shards, cur, size = [], [], 0
-    for g in groups:
-        n = _nbytes(g)
+    for i, n in enumerate(sizes):
         if cur and size + n > limit:
             shards.append(cur)
             cur, size = [], 0
-        cur.append(g)
+        cur.append(i)
         size += n
     if cur or not shards:
         shards.append(cur)
     names = [SINGLE] if len(shards) == 1 else \
         [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    return dict(zip(names, shards))
+
+
+def write_index(directory: Path, weight_map: Mapping[str, str], total: int, index_metadata: Mapping | None) -> None:
+    """``model.safetensors.index.json`` of a sharded checkpoint: ``total`` bytes of tensors, where each one is."""
+    index = {"metadata": {"total_size": total, **dict(index_metadata or {})}, "weight_map": dict(weight_map)}
+    (Path(directory) / INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+
+
+def write_shards(directory: Path, groups: Iterable[Mapping[str, torch.Tensor]], *, max_shard_size="2GB",
+                 file_metadata: Mapping[str, str] | None = None, index_metadata: Mapping | None = None) -> list[str]:
+    """Write ``groups`` (dicts of named tensors kept in one shard) as safetensors into ``directory``, placed by
+    :func:`shard_layout`; returns the file names. More than one shard gets ``model.safetensors.index.json``."""
+    groups = list(groups)
+    layout = shard_layout([_nbytes(g) for g in groups], max_shard_size)
     weight_map, total = {}, 0
-    for name, shard in zip(names, shards):
-        tensors = {n: t.detach().to("cpu").contiguous() for g in shard for n, t in g.items()}
+    for name, members in layout.items():
+        tensors = {n: t.detach().to("cpu").contiguous() for i in members for n, t in groups[i].items()}
         write_safetensors(directory / name, tensors, dict(file_metadata or {}))
         weight_map.update({n: name for n in tensors})
         total += _nbytes(tensors)
         del tensors
-    if len(shards) > 1:
-        index = {"metadata": {"total_size": total, **dict(index_metadata or {})}, "weight_map": weight_map}
-        (directory / INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
-    return names
+    if len(layout) > 1:
+        write_index(directory, weight_map, total, index_metadata)
+    return list(layout)
 
 
 def read_json(path: Path, what: str):

@@ -16,7 +16,7 @@ from __future__ import annotations
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Callable, Iterable, Mapping, NamedTuple
+from typing import Callable, Iterable, NamedTuple
 
 import torch
 
@@ -157,7 +157,10 @@ def quantize_checkpoint(source, out, recipe, *, calibration: Iterable | None = N
 
         def finish():
             files.finish()
-            qconfig = _qconfig(layout, p, acts, online, recipe_name)
+            qconfig = metadata.quantization_config(
+                {path: q for path, q in layout.tree.items() if isinstance(q, qt.QTensor)}, recipe=p.recipe,
+                recipe_name=recipe_name, rules={path: p[path].rule for path in p.specs}, aliases=layout.aliases,
+                activations=acts, online=online)
             write_extras(model, work.path, qconfig, tokenizer, dtype=config_dtype(dtypes),
                          generation_config=_generation_config(src.root))
             if tokenizer is None:
@@ -201,14 +204,6 @@ def _copy_tokenizer(root: Path, to: Path) -> None:
     for name in TOKENIZER_FILES:
         if (root / name).is_file():
             shutil.copy2(root / name, to / name)
-
-
-def _qconfig(layout, p: qt.Plan, acts: Mapping, online: Mapping, recipe_name) -> dict:
-    quantized = {path: q for path, q in layout.tree.items() if isinstance(q, qt.QTensor)}
-    specs = {s: (q if isinstance(q, qt.QuantSpec) else q.spec) for s, q in acts.items()}
-    return metadata.encode(metadata.entries_of(quantized), layout="native", recipe=p.recipe, recipe_name=recipe_name,
-                           rules={path: p[path].rule for path in p.specs}, aliases=layout.aliases,
-                           activations=specs or None, online=dict(online) or None)
 
 
 #: seconds between two records of the tensors done (shard to shard: each tensor takes a fraction of a second)

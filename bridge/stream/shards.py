@@ -1,7 +1,7 @@
 """Shards laid out before their tensors exist, filled tensor by tensor: the writer of streamed quantization.
 
 :class:`ShardPlan` groups the stored tensors (names, dtypes and shapes: known from the plan before any
-work) into shards exactly as :func:`bridge.checkpoint.store.write_shards` does, and each shard's file exactly
+work) into shards by the one rule of :func:`bridge.checkpoint.store.shard_layout`, and each shard's file exactly
 as :func:`~bridge.checkpoint.store.write_safetensors` lays it out (:mod:`bridge.checkpoint.stfile`).
 :class:`ShardFiles` creates the files at their final size, writes each tensor at its offset as it comes
 (hashing it on the way) and the headers with the checksums at the end: the bytes are those of
@@ -11,7 +11,6 @@ Its ``sums`` (``{name: digest}`` of the tensors written) are the state a resumed
 
 from __future__ import annotations
 
-import json
 import os
 import struct
 from collections import deque
@@ -22,7 +21,7 @@ from typing import Mapping, Sequence
 import torch
 
 from ..checkpoint import checksum, stfile
-from ..checkpoint.store import INDEX, SINGLE, ST_DTYPES, parse_size
+from ..checkpoint.store import ST_DTYPES, shard_layout, write_index
 
 __all__ = ["ShardPlan", "ShardFiles"]
 
@@ -35,21 +34,10 @@ class ShardPlan:
 
     def __init__(self, groups: Sequence[Mapping[str, tuple]], *, max_shard_size="2GB",
                  file_metadata: Mapping[str, str] | None = None, index_metadata: Mapping | None = None):
-        limit = parse_size(max_shard_size)
-        shards, cur, size = [], {}, 0
-        for g in groups:
-            entries = {n: (ST_DTYPES[dt], [int(d) for d in shape]) for n, (dt, shape) in g.items()}
-            n = sum(stfile.nbytes(*e) for e in entries.values())
-            if cur and size + n > limit:
-                shards.append(cur)
-                cur, size = {}, 0
-            cur.update(entries)
-            size += n
-        if cur or not shards:
-            shards.append(cur)
-        self.files = [SINGLE] if len(shards) == 1 else \
-            [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
-        self.entries = dict(zip(self.files, shards))
+        stored = [{n: (ST_DTYPES[dt], [int(d) for d in shape]) for n, (dt, shape) in g.items()} for g in groups]
+        layout = shard_layout([sum(stfile.nbytes(*e) for e in g.values()) for g in stored], max_shard_size)
+        self.files = list(layout)
+        self.entries = {f: {n: e for i in members for n, e in stored[i].items()} for f, members in layout.items()}
         self.metadata = {str(k): str(v) for k, v in (file_metadata or {}).items()}
         self.index_metadata = dict(index_metadata or {})
         self.where = {n: f for f, entries in self.entries.items() for n in entries}
@@ -157,9 +145,7 @@ class ShardFiles:
             _pwrite(self._fds[f], struct.pack("<Q", len(text)) + text, 0)
         self.close()
         if len(self.plan.files) > 1:
-            index = {"metadata": {"total_size": self.plan.total(), **self.plan.index_metadata},
-                     "weight_map": dict(self.plan.where)}
-            (self.directory / INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+            write_index(self.directory, self.plan.where, self.plan.total(), self.plan.index_metadata)
         return list(self.plan.files)
 
     def close(self) -> None:
