@@ -24,7 +24,8 @@ from ..distributed import share
 from .experts import expert_sites
 from .sites import first_tensor, fold_sites, run_batch
 
-__all__ = ["find_blocks", "capture_inputs", "spread", "my_share", "blockwise", "fit_block_on", "batch_tokens"]
+__all__ = ["find_blocks", "capture_inputs", "spread", "my_share", "blockwise", "fit_block_on", "batch_tokens",
+           "hidden_slot", "hidden_of", "with_hidden"]
 
 
 def find_blocks(model: nn.Module, blocks: str | None = None) -> tuple[str, ...]:
@@ -96,31 +97,35 @@ def spread(inputs: list, tokens: int | None) -> list:
     return [inputs[i] for i in picks]
 
 
-def _hidden_key(kwargs: Mapping) -> str | None:
-    """The keyword holding a block's hidden states when none comes positionally: transformers' ``hidden_states``,
-    else the first tensor keyword."""
+def hidden_slot(args, kwargs: Mapping) -> int | str | None:
+    """Where a block's inputs hold its hidden states, the one rule of both drivers: ``0`` (the first positional
+    input, when it is a tensor), else transformers' ``hidden_states`` keyword, else the first tensor keyword;
+    ``None`` when no input is a tensor."""
+    if args and isinstance(args[0], torch.Tensor):
+        return 0
     if isinstance(kwargs.get("hidden_states"), torch.Tensor):
         return "hidden_states"
     return next((k for k, v in kwargs.items() if isinstance(v, torch.Tensor)), None)
 
 
-def batch_tokens(args, kwargs: Mapping) -> int:
-    """Tokens in one batch of a block's inputs: rows (all dimensions but the last) of its hidden states, the
-    first positional tensor, else the ``hidden_states`` keyword, else the first tensor keyword."""
-    h = args[0] if args and isinstance(args[0], torch.Tensor) else kwargs.get(_hidden_key(kwargs))
-    return 0 if not isinstance(h, torch.Tensor) or h.dim() == 0 else h.numel() // max(h.shape[-1], 1)
+def hidden_of(args, kwargs: Mapping, slot: int | str | None = ...) -> torch.Tensor | None:
+    """The hidden states in a block's inputs (at ``slot``, else at :func:`hidden_slot`'s)."""
+    slot = hidden_slot(args, kwargs) if slot is ... else slot
+    return None if slot is None else args[0] if slot == 0 else kwargs[slot]
 
 
-def _with_first(args, kwargs, h, block: str):
-    """The block's next inputs: its output ``h`` in place of the hidden states (the first positional
-    input, else the ``hidden_states`` keyword, else the first tensor keyword)."""
-    if args and h is not None:
-        return (h, *args[1:]), kwargs
-    key = _hidden_key(kwargs)
-    if key is None or h is None:
+def with_hidden(args, kwargs: Mapping, h, slot: int | str | None, block: str):
+    """A block's inputs with ``h`` in the hidden states' ``slot`` (its output passed on to the next block)."""
+    if slot is None or h is None:
         raise ValueError(f"block-by-block calibration: block {block!r} takes no tensor input or gives no tensor "
                          "output to pass on to the next block")
-    return args, {**kwargs, key: h}
+    return ((h, *args[1:]), kwargs) if slot == 0 else (args, {**kwargs, slot: h})
+
+
+def batch_tokens(args, kwargs: Mapping) -> int:
+    """Tokens in one batch of a block's inputs: rows (all dimensions but the last) of its hidden states."""
+    h = hidden_of(args, kwargs)
+    return 0 if not isinstance(h, torch.Tensor) or h.dim() == 0 else h.numel() // max(h.shape[-1], 1)
 
 
 def _local(params: Mapping, prefix: str) -> dict:
@@ -298,11 +303,12 @@ def fit_block_on(model: nn.Module, name: str, current: Mapping, inputs: list, pl
     fit = fit_block(block, state)
     floats = None
     if float_inputs is not None:  # the float chain: this block as the earlier steps left it, before this fit
-        floats = [_with_first(a, k, o, name) for (a, k), o in zip(float_inputs, float_outputs())]
+        floats = [with_hidden(a, k, o, hidden_slot(a, k), name) for (a, k), o in zip(float_inputs, float_outputs())]
         memo.clear()
     state.update(fit.params)
     prior = {p: q for p, q in prior.items() if p not in fit.params}  # what was fitted before described the old tensor
     quantized = _quantized(state, paths, plan, {**prior, **(fitted or {}), **fit.qparams})
     outputs = quiet({p: quantized[p] for p in paths})
-    nxt = [_with_first(args, kwargs, first_tensor(out), name) for (args, kwargs), out in zip(inputs, outputs)]
+    nxt = [with_hidden(args, kwargs, first_tensor(out), hidden_slot(args, kwargs), name)
+           for (args, kwargs), out in zip(inputs, outputs)]
     return fit, nxt, floats

@@ -31,7 +31,8 @@ from safetensors.torch import load_file, save_file
 
 import qtransform as qt
 
-from ..calibrate.blocks import batch_tokens, capture_inputs, find_blocks, fit_block_on, spread
+from ..calibrate.blocks import (batch_tokens, capture_inputs, find_blocks, fit_block_on, hidden_of, hidden_slot,
+                               spread, with_hidden)
 from ..calibrate.sites import first_tensor, fold_sites, to_device
 from ..distributed import share
 from ..io import cast_leaf
@@ -53,24 +54,6 @@ def _rotating(algo) -> bool:
     """A step without data that rotates the residual stream (``requires`` the layout): it runs block by block
     on each block's part of the layout."""
     return algo.needs is None and not algo.local and "layout" in algo.requires
-
-
-def _split(args, kwargs):
-    """``(hidden states, where they go)`` of a block's inputs: the first positional tensor, else the
-    ``hidden_states`` keyword, else the first tensor keyword."""
-    if args and isinstance(args[0], torch.Tensor):
-        return args[0], ("arg", None)
-    key = "hidden_states" if isinstance(kwargs.get("hidden_states"), torch.Tensor) else \
-        next((k for k, v in kwargs.items() if isinstance(v, torch.Tensor)), None)
-    if key is None:
-        raise ValueError("block-by-block calibration: the first block takes no tensor input")
-    return kwargs[key], ("kw", key)
-
-
-def _join(h, slot, args, kwargs):
-    if slot[0] == "arg":
-        return (h, *args[1:]), kwargs
-    return args, {**kwargs, slot[1]: h}
 
 
 class _Calibrator:
@@ -108,7 +91,8 @@ class _Calibrator:
             stats = fold_sites(self.run.model, sites, run_all, where=f"block {self.name}", parallel=self.run.parallel,
                                all_experts=self.run.all_experts)
 
-        self.run.carry(k, [_join(first_tensor(o), _split(a, kw)[1], a, kw) for (a, kw), o in zip(inputs, outs)])
+        self.run.carry(k, [with_hidden(a, kw, first_tensor(o), hidden_slot(a, kw), self.name)
+                          for (a, kw), o in zip(inputs, outs)])
         return stats
 
     def _next(self) -> int:
@@ -195,16 +179,18 @@ class BlockRun:
                 if static and any(q in self.p.specs for q in self.prefix):
                     self._initial_q = self._capture(True)
                 self._prefix = None
-                self.slots = [(_split(a, kw)[1], a, kw) for a, kw in self._initial]
+                self.slots = [(hidden_slot(a, kw), a, kw) for a, kw in self._initial]
+                if any(slot is None for slot, _, _ in self.slots):
+                    raise ValueError(f"block-by-block calibration: the first block ({self.names[0]}) takes no tensor input")
             pairs = self._initial_q if quantized_prefix and self._initial_q is not None else self._initial
             chosen = {id(x) for x in spread(pairs, tokens)}
             self.streams[k] = self._mine([j for j, x in enumerate(pairs) if id(x) in chosen], pairs)
             for j in self.streams[k]:
-                self.cache.put(f"s{k}-b{j}", _split(*pairs[j])[0])
+                self.cache.put(f"s{k}-b{j}", hidden_of(*pairs[j]))
         out = []
         for j in self.streams[k]:
             slot, args, kwargs = self.slots[j]
-            out.append(to_device(_join(self.cache.get(f"s{k}-b{j}"), slot, args, kwargs), self.device))
+            out.append(to_device(with_hidden(args, kwargs, self.cache.get(f"s{k}-b{j}"), slot, self.names[0]), self.device))
         return out
 
     def _mine(self, picked: list, pairs: list) -> list:
@@ -216,7 +202,7 @@ class BlockRun:
 
     def carry(self, k: int, nxt: list) -> None:
         for j, (a, kw) in zip(self.streams[k], nxt):
-            self.cache.put(f"s{k}-b{j}", _split(a, kw)[0])
+            self.cache.put(f"s{k}-b{j}", hidden_of(a, kw))
 
     # -- the run -------------------------------------------------------------------------------------------
     def units(self, done):
