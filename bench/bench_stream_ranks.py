@@ -52,7 +52,7 @@ def main() -> None:
     sums = {p.name: hashlib.sha256(p.read_bytes()).hexdigest()[:16] for p in sorted(Path(a.out).iterdir())
             if p.is_file()} if rank == 0 else None
     print(json.dumps({"rank": rank, "world": dist.get_world_size() if dist.is_initialized() else 1,
-                      "mode": done.mode, "peak_rss_gb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+                      "mode": done.written.mode, "peak_rss_gb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
                                                                  * 1024 / 1e9, 3),
                       "wall_s": round(wall, 1), "sha256": sums}), flush=True)
     if dist.is_initialized():

@@ -125,6 +125,8 @@ def checkpoint_writer(model_or_qtree, *, max_shard_size="2GB", recipe=None, reci
     """
     store.parse_size(max_shard_size)  # bad arguments fail before anything is written
     result = model_or_qtree if isinstance(model_or_qtree, Quantized) else None
+    if result is not None and result.written is not None:
+        raise ValueError(f"save: this result of a streamed run is already written to {result.written.directory}")
     if result is not None:
         static = [str(s) for s, q in result.activations.items() if not (isinstance(q, qt.QuantSpec) and q.dynamic)]
         if static:
@@ -164,7 +166,7 @@ def checkpoint_writer(model_or_qtree, *, max_shard_size="2GB", recipe=None, reci
     cfg = getattr(getattr(model, "config", None), "quantization_config", None)  # duck-typed: no transformers import
     recipe = getattr(cfg, "recipe", None) if recipe is None else qt.as_recipe(recipe)
     try:  # what is written must read back: checked before anything is written
-        qconfig = metadata.quantization_config(
+        qconfig = metadata.checkpoint_config(
             quantized, recipe=recipe, recipe_name=recipe_name or getattr(cfg, "recipe_name", None),
             rules=rules if rules is not None else getattr(cfg, "rules", None), aliases=aliases,
             skip_modules=getattr(cfg, "skip_modules", None), activations=activations, online=online, lowrank=lowrank,

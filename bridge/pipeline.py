@@ -27,7 +27,7 @@ from .arch import model_groups, model_layout, residual_layout, smoothing_groups
 from .calibrate import ModelCalibrator
 from .tree import Quantized, extract, model_plan, to_module, unsupported_experts, weight_paths
 
-__all__ = ["plan", "nothing_selected", "check_calibration", "Quantized", "quantize_params", "quantize"]
+__all__ = ["plan", "prepare", "calibrate_activations", "nothing_selected", "check_calibration", "Quantized", "quantize_params", "quantize"]
 
 
 def plan(model: nn.Module, recipe, *, tree: Mapping | None = None) -> qt.Plan:
@@ -213,6 +213,34 @@ def check_calibration(recipe, *, calibrated: bool) -> None:
                          "bridge.quantize or --calib N to `qtransform quantize`, or use dynamic=True activation specs")
 
 
+def prepare(model: nn.Module, recipe, *, calibrated: bool, tree: Mapping | None = None) -> qt.Plan:
+    """The one pre-run check of both drivers (:func:`quantize_params` in memory,
+    :func:`bridge.stream.quantize_checkpoint` streamed, which hands it the model's skeleton): ``recipe`` planned
+    on ``model`` (:func:`plan`), then ``ValueError`` when it selects no tensor, quantizes activations with static
+    scales without calibration data, has a step that cannot run (unknown, bad options, needs data it lacks), or
+    needs a model fact the architecture tables do not give. Returns the plan."""
+    p = plan(model, recipe, tree=tree)
+    if not p.specs:
+        raise ValueError(nothing_selected(model, p))
+    check_calibration(p, calibrated=calibrated)  # before any step runs
+    qt.check_steps(p.steps, calibrated=calibrated)  # a step needing data is named first
+    check_facts(model, p)
+    return p
+
+
+def calibrate_activations(qtree: Mapping, p: qt.Plan, calibrator, *, act_observer=None, online=None) -> dict:
+    """The plan's activation quantizers, for both drivers (in memory the whole tree, streamed one block):
+    static ones calibrated by ``act_observer`` (a name or ``{"name": ..., **options}``; default ``"minmax"``) over
+    the calibrator's data with ``qtree``'s weights quantized and the ``online`` rotations applied, dynamic ones
+    as specs; ``{}`` when the plan has none."""
+    if not p.activations:
+        return {}
+    observer = dict(act_observer) if isinstance(act_observer, Mapping) else {"name": act_observer}
+    weights = {path: qt.dequantize(v) if isinstance(v, qt.QTensor) else v for path, v in qtree.items()}
+    return qt.activation_quantizers(weights, p, calibrator, observer=observer.pop("name", None), online=online,
+                                    **observer)
+
+
 def quantize_params(model: nn.Module, recipe, *, calibration: Iterable | None = None,
                     qparams: Mapping | None = None, progress: Callable | None = None, generator=None,
                     act_observer=None, all_experts: bool = False) -> Quantized:
@@ -232,26 +260,16 @@ def quantize_params(model: nn.Module, recipe, *, calibration: Iterable | None = 
             the routed one; see :class:`~bridge.calibrate.ModelCalibrator`).
     """
     params = extract(model)
-    p = plan(model, recipe, tree=params)
     meta = next((path for path, t in params.items() if getattr(t, "is_meta", False)), None)
     if meta is not None:
         raise ValueError(f"{meta}: the model's tensors are on the meta device (no values to quantize); load its "
                          "weights first, or quantize while loading (from_pretrained with a QTransformConfig)")
-    if not p.specs:
-        raise ValueError(nothing_selected(model, p))
-    check_calibration(p, calibrated=calibration is not None)  # before any step runs
-    qt.check_steps(p.steps, calibrated=calibration is not None)  # a step needing data is named first
-    check_facts(model, p)
-    observer = dict(act_observer) if isinstance(act_observer, Mapping) else {"name": act_observer}
+    p = prepare(model, recipe, calibrated=calibration is not None, tree=params)
     calibrator = None if calibration is None else ModelCalibrator(model, calibration, progress=progress,
                                                                   all_experts=all_experts)
     qtree, fit = qt.quantize_tree(params, p, qparams=qparams, calibrator=calibrator, progress=progress,
                                   generator=generator, with_info=True)
-    acts = {}
-    if p.activations:
-        weights = {path: qt.dequantize(v) if isinstance(v, qt.QTensor) else v for path, v in qtree.items()}
-        acts = qt.activation_quantizers(weights, p, calibrator, observer=observer.pop("name", None),
-                                        online=fit.online, **observer)
+    acts = calibrate_activations(qtree, p, calibrator, act_observer=act_observer, online=fit.online)
     return Quantized(params, qtree, p, acts, fit.info, fit.online, fit.lowrank)
 
 

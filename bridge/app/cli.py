@@ -3,7 +3,7 @@
     qtransform quantize [--model PATH] [--recipe NAME|FILE] [--algorithm NAME] [--lowrank RANK] [--calib N [--calib-batch B]]
                         [--out DIR [--overwrite]] [--plot] [--json FILE] [--no-eval] [--dtype auto|float32|...]
                         [--device DEV] [--stream | --in-memory] [--resume] [--max-memory SIZE]
-                        [--no-memory-check] [--no-layer-errors]   (bridge.app.driver, bridge.app.streaming)
+                        [--no-memory-check] [--no-layer-errors]   (bridge.app.driver, bridge.app.placement)
                         [--nproc N] [--dist-timeout SECONDS]   (bridge.app.ranks, docs/distributed.md)
     qtransform eval --model DIR [--baseline PATH] [--tasks NAME[,NAME] [--include-path DIR] [--limit N]]
                                                                             (bridge.app.lmeval: lm-eval-harness)
@@ -39,7 +39,7 @@ import sys
 import warnings
 from pathlib import Path
 
-from . import export, inputs, lmeval, outputs, ranks, search, streaming
+from . import export, inputs, lmeval, outputs, placement, ranks, search
 from ..distributed import launch
 from .inputs import UserError
 from .outputs import say as _say
@@ -182,7 +182,7 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--plot", action="store_true", help="write report.png next to the checkpoint")
     q.add_argument("--json", metavar="FILE", help="also write the report as JSON to FILE")
     q.add_argument("--no-eval", action="store_true", help="skip the perplexity before/after")
-    streaming.add_options(q)
+    placement.add_options(q)
     export.add_quantize_options(q)
     ranks.add_options(q, _at_least)
 

@@ -56,11 +56,11 @@ def choose_driver(a, recipe, label: str, source) -> Driver:
     from ..checkpoint import CheckpointError
     from ..checkpoint.store import parse_size
     from ..stream import accept, sizing
-    from . import inputs, loadcheck, streaming
+    from . import inputs, loadcheck, placement
 
     name = a.model or "the default model"
     streaming_options = [o for o, v in (("--resume", a.resume), ("--max-memory", a.max_memory)) if v]
-    cannot = "--in-memory" if a.in_memory else streaming.source_refusal(source)
+    cannot = "--in-memory" if a.in_memory else placement.source_refusal(source)
     prep = None
     if cannot is None:
         try:

@@ -12,7 +12,7 @@ lives and in which format) and loaded once, planned (:func:`bridge.plan`), quant
 functions :func:`bridge.quantize` runs, so the command and the library make the same model.
 
 ``--device cuda`` moves the loaded model there whole for the perplexities and the steps, and the result back
-to the host (:func:`bridge.app.streaming.to_host`) before the quantized model is built and written: the
+to the host (:func:`bridge.app.placement.to_host`) before the quantized model is built and written: the
 checkpoint is written as without ``--device``.
 
 The checkpoint, ``report.json`` and the plot are written inside one
@@ -24,30 +24,27 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
-import json
 import time
 from pathlib import Path
 
 from . import driver as drivers
-from . import export, inputs, outputs, streaming
+from . import export, inputs, outputs, placement, streaming
 from .inputs import UserError
 from .outputs import say, warn
 
 __all__ = ["cmd_quantize", "recipe_of"]
 
 
-def _plan(model, recipe, label: str):
-    """The recipe resolved for ``model`` (a skeleton on the meta device works too): a rule hitting
-    a tensor it cannot quantize, a grid its shape does not fit, or no tensor selected is an error."""
+def _plan(model, recipe, label: str, calibrated: bool):
+    """The recipe resolved for ``model`` (a skeleton on the meta device works too) by the pre-run check of both
+    drivers (:func:`bridge.pipeline.prepare`): a rule hitting a tensor it cannot quantize, a grid its shape does
+    not fit, no tensor selected or a step that cannot run on it is an error."""
     from .. import pipeline
 
     try:
-        plan = pipeline.plan(model, recipe)
+        return pipeline.prepare(model, recipe, calibrated=calibrated)
     except (TypeError, ValueError) as e:
         raise UserError(f"recipe {label}: {e}") from None
-    if not plan.specs:
-        raise UserError(f"recipe {label}: {pipeline.nothing_selected(model, plan)}")
-    return plan
 
 
 def recipe_of(a):
@@ -96,7 +93,7 @@ def _prepare(a, recipe, label, source, out):
     calib_text = inputs.corpus_text(a.corpus, part="calibration") if a.calib else None
     skeleton = inputs.skeleton(source)
     if skeleton is not None:  # shapes and selection from config.json alone
-        _plan(skeleton, recipe, label)
+        _plan(skeleton, recipe, label, bool(a.calib))
         if not a.no_eval or a.calib:
             inputs.check_seq_len(skeleton, a.seq_len)
         del skeleton
@@ -105,7 +102,7 @@ def _prepare(a, recipe, label, source, out):
     say(f"loading {a.model or models.DEFAULT_MODEL}"
         + (f" ({imported} checkpoint, dequantized: the recipe starts from its values)" if imported else "") + " ...")
     model, tokenizer = inputs.model_and_tokenizer(a.model, source=source, dequantize_imported=True)
-    device = streaming.run_device(a)
+    device = placement.run_device(a)
     if device is not None:  # the whole model there for the perplexities and the steps (calibration batches follow)
         model.to(device)
     if not a.no_eval or a.calib:
@@ -114,11 +111,11 @@ def _prepare(a, recipe, label, source, out):
     calibration = inputs.calibration(a, tokenizer, calib_text)
     inputs.check_vocab(model, eval_seqs, "evaluation text")
     inputs.check_vocab(model, calibration, "calibration text")
-    plan = _plan(model, recipe, label)
+    plan = _plan(model, recipe, label, bool(a.calib))
     export.check_plan(a, plan, out)
-    dtypes = streaming.stored_dtypes(a, source, model)  # of the float model: its tied tensors still tied
+    dtypes = placement.stored_dtypes(a, source, model)  # of the float model: its tied tensors still tied
     # as the input stores them, the report's "before" (the same map unless --dtype changes what is written)
-    stored = dtypes if a.dtype == "auto" else streaming.stored_dtypes(a, source, model, dtype="auto")
+    stored = dtypes if a.dtype == "auto" else placement.stored_dtypes(a, source, model, dtype="auto")
     return model, tokenizer, device, eval_seqs, calibration, plan, dtypes, stored
 
 
@@ -130,7 +127,7 @@ def cmd_quantize(a) -> int:
     from ..distributed import current, launch
     from ..tree import extract, to_module
     from ..modules.lowrank import lowrank_bytes, lowrank_ranks
-    from . import evaluate, models, report
+    from . import evaluate, models, record, report
 
     t0 = time.perf_counter()
     main = launch.is_main()  # under torchrun: rank 0 alone writes and speaks (docs/distributed.md)
@@ -147,7 +144,7 @@ def cmd_quantize(a) -> int:
             if a.plot and importlib.util.find_spec("matplotlib") is None:
                 raise UserError("--plot needs matplotlib: pip install matplotlib")
         source = inputs.model_source(a.model)  # where the model lives and in which format: resolved once
-        streaming.check_options(a)
+        placement.check_run_options(a)
         driver = drivers.choose_driver(a, recipe, label, source)  # streamed or in memory, and whether it fits
     if driver.streamed:
         return streaming.cmd_streamed(a, recipe, label, out, source, t0, driver)
@@ -178,16 +175,14 @@ def cmd_quantize(a) -> int:
     seconds_q = phases["quantize"] = time.perf_counter() - tq
     if device is not None:  # back to the host: the quantized model is built and written there, as without --device
         model.to("cpu")
-        result = streaming.to_host(result, host=extract(model))
-    size_before = streaming.stored_size(source, result.params, stored)
+        result = placement.to_host(result, host=extract(model))
+    size_before = placement.stored_size(source, result.params, stored)
     tr = time.perf_counter()
     rows = report.layer_rows(result.params, result.qtree, plan, error=a.layer_errors, dtypes=stored) if main else []
     tm = time.perf_counter()
     qmodel = to_module(model, result, inplace=True)  # as bridge.quantize does
     phases["report"], phases["modules"] = tm - tr, time.perf_counter() - tm
-    act_rows = report.activation_rows(result.activations)
-    online_rows = report.online_rows(result.online)
-    step_info = result.info
+    facts = result._replace(params={}, qtree={})  # what the report needs once the trees are the model's
     del result
 
     ppl_after = None
@@ -203,16 +198,11 @@ def cmd_quantize(a) -> int:
     if not main:  # the last collective is behind: rank 0 writes, the others are done
         return 0
 
-    rep = report.Report(model=a.model or models.DEFAULT_MODEL, recipe=label,
-                        steps=[s.to_dict() for s in recipe.steps], layers=rows,
-                        size_before=size_before, size_after=report.tree_bytes(extract(qmodel)), seconds_quantize=seconds_q,
-                        ppl_before=ppl_before, ppl_after=ppl_after,
-                        eval_tokens=0 if eval_seqs is None else int(eval_seqs.numel()),
-                        calib_tokens=0 if calibration is None else sum(int(b.numel()) for b in calibration),
-                        out=str(out), unmatched=unmatched, activations=act_rows, step_info=step_info,
-                        online=online_rows, peak_memory=report.peak_memory(),
-                        lowrank=lowrank_ranks(qmodel), lowrank_bytes=lowrank_bytes(qmodel), phases=phases,
-                        driver=driver.why)
+    run = record.Run(model=a.model or models.DEFAULT_MODEL, label=label, recipe=recipe, out=out, driver=driver.why,
+                     t0=t0, eval_seqs=eval_seqs, calibration=calibration, ppl_before=ppl_before, phases=phases)
+    rep = run.report(facts, rows, size_before=size_before, size_after=report.tree_bytes(extract(qmodel)),
+                     seconds=seconds_q, ppl_after=ppl_after, lowrank=lowrank_ranks(qmodel),
+                     lowrank_bytes=lowrank_bytes(qmodel))
     write = io.checkpoint_writer(qmodel, recipe=recipe, recipe_name=label, tokenizer=tokenizer,
                                  rules={p: plan[p].rule for p in plan.specs},
                                  dtypes=dtypes)
@@ -221,15 +211,8 @@ def cmd_quantize(a) -> int:
             tw = time.perf_counter()
             write(tmp)
             phases["write"] = time.perf_counter() - tw
-            rep.seconds_total = time.perf_counter() - t0
-            (tmp / "report.json").write_text(json.dumps(rep.to_dict(), indent=2) + "\n")
-            if a.plot:
-                rep.plot(tmp / "report.png")
+            record.write_report(a, run, rep, tmp)
     except OSError as e:  # atomic_directory's WriteError names --out already
         raise UserError(str(store.write_error(e, out))) from None
-    if a.json:
-        outputs.write_text(Path(a.json), json.dumps(rep.to_dict(), indent=2) + "\n", option="--json")
-    exported = export.export_after_quantize(a, out)
-    say()
-    say(rep.render() + (f"\nexported ({a.to}): {exported}" if exported else ""))
+    record.publish_report(a, rep, out)
     return 0

@@ -237,11 +237,13 @@ def blockwise(model: nn.Module, params: Mapping, plan: qt.Plan, batches, fit_blo
     return total
 
 
-def my_share(inputs: list, parallel: qt.Parallel) -> list:
-    """This rank's contiguous share of a block's ``inputs``, balanced by tokens (all of them for one process)."""
+def my_share(inputs: list, parallel: qt.Parallel, *, items: list | None = None) -> list:
+    """This rank's contiguous share of a block's ``inputs`` (or of ``items``, one per input: their indices in a
+    streamed run), balanced by the inputs' tokens; all of them for one process. The one rule of both drivers."""
+    items = inputs if items is None else items
     if parallel.world == 1:
-        return inputs
-    return share(inputs, [batch_tokens(a, k) for a, k in inputs], parallel.world, parallel.rank)
+        return items
+    return share(items, [batch_tokens(a, k) for a, k in inputs], parallel.world, parallel.rank)
 
 
 def fit_block_on(model: nn.Module, name: str, current: Mapping, inputs: list, plan: qt.Plan, fit_block: Callable,

@@ -61,7 +61,7 @@ import qtransform as qt
 
 from .layout import LAYOUTS, dtype_from_name, dtype_name
 
-__all__ = ["VERSION", "VERSION_ACTIVATIONS", "VERSION_ONLINE", "VERSION_LOWRANK", "READABLE", "QUANT_METHOD", "Entry", "Metadata", "CheckpointError", "encode", "decode", "quantization_config",
+__all__ = ["VERSION", "VERSION_ACTIVATIONS", "VERSION_ONLINE", "VERSION_LOWRANK", "READABLE", "QUANT_METHOD", "Entry", "Metadata", "CheckpointError", "encode", "decode", "checkpoint_config",
            "entries_of", "upgrade"]
 
 VERSION = 2
@@ -147,7 +147,7 @@ def encode(entries: Mapping[str, Entry], *, layout: str = "native", recipe: qt.R
     return d
 
 
-def quantization_config(quantized: Mapping, *, recipe: qt.Recipe | None = None, recipe_name: str | None = None,
+def checkpoint_config(quantized: Mapping, *, recipe: qt.Recipe | None = None, recipe_name: str | None = None,
                         rules: Mapping[str, str] | None = None, aliases: Mapping[str, str] | None = None,
                         skip_modules=None, activations: Mapping | None = None, online: Mapping | None = None,
                         lowrank: Mapping[str, int] | None = None, where: str = "quantization_config") -> dict:

@@ -3,8 +3,8 @@ pre-run check of :func:`bridge.stream.quantize_checkpoint`, and what ``qtransfor
 driver.
 
 :func:`accepted_run` builds the model's skeleton from ``config.json`` (weights on ``meta``), maps the stored tensors to
-it, checks them against it and plans the recipe (:func:`bridge.pipeline.plan` with the library's calibration
-and step checks). What the streamed driver cannot do but the in-memory one can is a :class:`CannotStream`
+it, checks them against it and plans the recipe (:func:`bridge.pipeline.prepare`, the pre-run check of both
+drivers). What the streamed driver cannot do but the in-memory one can is a :class:`CannotStream`
 (a ``ValueError``) naming the part and the reason: a quantized input, a step that learns on the whole model's
 loss or changes tensors across the whole model together, low-rank corrections, a rotation or a static
 activation quantizer that does not fit one decoder block. Every other problem (a recipe that selects nothing,
@@ -19,10 +19,11 @@ import qtransform as qt
 from torch import nn
 
 from .. import pipeline
+from ..calibrate.blocks import find_blocks
 from . import skeleton as skel
 from .source import Source
 
-__all__ = ["CannotStream", "Accepted", "accepted_run", "local_steps"]
+__all__ = ["CannotStream", "Accepted", "accepted_run"]
 
 
 class CannotStream(ValueError):
@@ -46,11 +47,6 @@ class Accepted(NamedTuple):
         return "shard to shard" if self.tensor_run else "block by block"
 
 
-def local_steps(p: qt.Plan) -> bool:
-    """Every step of ``p`` fits one tensor at a time without data."""
-    return all(qt.get_algorithm(s.name).local and qt.get_algorithm(s.name).needs is None for s in p.steps)
-
-
 def accepted_run(source, recipe, *, calibrated: bool, model_class=None) -> Accepted:
     """The checks and the plan of a streamed run of ``recipe`` on checkpoint directory ``source`` (a path or a
     :class:`~bridge.stream.Source`), with calibration data or not: :class:`CannotStream` for what only the
@@ -67,30 +63,20 @@ def accepted_run(source, recipe, *, calibrated: bool, model_class=None) -> Accep
     shapes, tied = skel.model_tensors(model)
     src.check_against(shapes, tied)
     p = plan_streamed(model, recipe, calibrated=calibrated)
-    tensor_run = local_steps(p) and not calibrated
+    tensor_run = qt.pipeline.tensor_by_tensor(p) and not calibrated
     if not tensor_run:
-        from .blocks import BlockRun
-
-        try:
-            BlockRun.check(model, p)
-        except ValueError as e:
-            raise CannotStream(str(e)) from None
+        why = qt.pipeline.block_by_block_refusal(p, find_blocks(model))
+        if why is not None:
+            raise CannotStream(f"{why}; a streamed run quantizes one block at a time: quantize in memory "
+                               "(--in-memory) on a machine the model fits")
     return Accepted(src, model, shapes, tied, p, tensor_run)
 
 
 def plan_streamed(model: nn.Module, recipe, *, calibrated: bool) -> qt.Plan:
     """``recipe`` planned on ``model`` with the checks of both drivers, then the steps a streamed run cannot
     take refused as :class:`CannotStream`."""
-    p = pipeline.plan(model, recipe)
-    if not p.specs:
-        raise ValueError(pipeline.nothing_selected(model, p))
-    pipeline.check_calibration(p, calibrated=calibrated)
-    qt.check_steps(p.steps, calibrated=calibrated)
-    pipeline.check_facts(model, p)
+    p = pipeline.prepare(model, recipe, calibrated=calibrated)
     for i, s in enumerate(p.steps):
-        if isinstance(qt.get_algorithm(s.name).needs, qt.ModelLoss):
-            raise CannotStream(f"recipe.steps[{i}] ({s.name}): learns on the whole model's loss, which a streamed "
-                               "run never holds; quantize in memory (--in-memory) on a machine the model fits")
         if s.name == "lowrank":  # its corrections are not written by the streamed run: refused, never dropped
             raise CannotStream(f"recipe.steps[{i}] (lowrank): low-rank corrections are not written by a streamed "
                                "run; quantize in memory (--in-memory)")

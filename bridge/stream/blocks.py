@@ -5,7 +5,8 @@ The in-memory pipeline makes one pass over the model per block-by-block step (GP
 for the static activation quantizers (their statistics on the model with its weights quantized). A streamed
 run makes one pass over the blocks and keeps one *stream* of activations per such pass: for each block, the
 recipe's steps run on the block alone (``qt.quantize_tree`` with the plan restricted to it), calling a
-calibrator that serves the block's inputs from the stream of that pass and carries its outputs to the next
+calibrator told which pass each call serves (the step's index: :func:`qtransform.pipeline.run.serving`), which
+serves the block's inputs from the stream of that pass and carries its outputs to the next
 block, exactly as that pass would have. So every block sees what it would have seen in memory, and the
 checkpoint has the same bytes. The tensors outside the blocks (embeddings, final norm, head) are read,
 quantized (by the recipe's steps that fit one tensor without data, else round to nearest: block-by-block
@@ -31,16 +32,15 @@ from safetensors.torch import load_file, save_file
 
 import qtransform as qt
 
-from ..calibrate.blocks import (batch_tokens, capture_inputs, find_blocks, fit_block_on, hidden_of, hidden_slot,
+from ..calibrate.blocks import (capture_inputs, find_blocks, fit_block_on, hidden_of, hidden_slot, my_share,
                                spread, with_hidden)
 from ..calibrate.sites import first_tensor, fold_sites, to_device
-from ..distributed import share
 from ..io import cast_leaf
+from ..pipeline import calibrate_activations
 from ..modules.actquant import stored_buffers
 from ..modules.online import installed
 from .cache import ActivationCache
 from .ranks import barrier
-from .segments import restrict_layout
 from .skeleton import stored_parts
 
 __all__ = ["BlockRun", "SNAPSHOT_EVERY_S", "SNAPSHOT_BYTES"]
@@ -50,34 +50,27 @@ SNAPSHOT_BYTES = 512 * 2**20
 SNAPSHOT_EVERY_S = 600.0
 
 
-def _rotating(algo) -> bool:
-    """A step without data that rotates the residual stream (``requires`` the layout): it runs block by block
-    on each block's part of the layout."""
-    return algo.needs is None and not algo.local and "layout" in algo.requires
-
-
 class _Calibrator:
-    """The calibrator of one block: its ``k``-th call is served by stream ``k`` (see the module docstring)."""
+    """The calibrator of one block: each call is told the pass it serves (``step``: the recipe step's index, or
+    ``"activations"``, :func:`qtransform.pipeline.run.serving`) and is served by that pass's stream."""
 
     def __init__(self, run: "BlockRun", name: str):
-        self.run, self.name, self.calls = run, name, 0
+        self.run, self.name = run, name
 
-    def blockwise(self, params, plan, fit_block, *, qparams=None, tokens=None, online=None, float_inputs=False):
-        k = self._next()
-        inputs = self.run.inputs(k, tokens)
-        floats = self.run.inputs(f"{k}f", tokens) if float_inputs else None  # the float chain: its own stream
+    def blockwise(self, params, plan, fit_block, *, step, qparams=None, tokens=None, online=None, float_inputs=False):
+        inputs = self.run.inputs(step, tokens)
+        floats = self.run.inputs(f"{step}f", tokens) if float_inputs else None  # the float chain: its own stream
         with installed(self.run.model, online):
             fit, nxt, floats = fit_block_on(self.run.model, self.name, params, inputs, plan, fit_block,
                                             dict(qparams or {}), parallel=self.run.parallel,
                                             all_experts=self.run.all_experts, float_inputs=floats)
-        self.run.carry(k, nxt)
+        self.run.carry(step, nxt)
         if floats is not None:
-            self.run.carry(f"{k}f", floats)
+            self.run.carry(f"{step}f", floats)
         return fit
 
-    def site_stats(self, params, sites, *, online=None):
-        k = self._next()
-        inputs = self.run.inputs(k, None, quantized_prefix=True)
+    def site_stats(self, params, sites, *, step, online=None):
+        inputs = self.run.inputs(step, None, quantized_prefix=True)
         module = self.run.model.get_submodule(self.name)
         local = {p[len(self.name) + 1:]: t for p, t in params.items() if p.startswith(self.name + ".")}
         outs = []
@@ -91,13 +84,9 @@ class _Calibrator:
             stats = fold_sites(self.run.model, sites, run_all, where=f"block {self.name}", parallel=self.run.parallel,
                                all_experts=self.run.all_experts)
 
-        self.run.carry(k, [with_hidden(a, kw, first_tensor(o), hidden_slot(a, kw), self.name)
+        self.run.carry(step, [with_hidden(a, kw, first_tensor(o), hidden_slot(a, kw), self.name)
                           for (a, kw), o in zip(inputs, outs)])
         return stats
-
-    def _next(self) -> int:
-        self.calls += 1
-        return self.calls - 1
 
 
 class BlockRun:
@@ -127,28 +116,6 @@ class BlockRun:
         self._initial = self._initial_q = self._prefix = None
         self._prefix_written = False
         self._snapped = time.monotonic()
-
-    @staticmethod
-    def check(model, p) -> None:
-        """``ValueError`` naming what a block-by-block run of plan ``p`` cannot do on ``model``."""
-        names = find_blocks(model)
-        for i, s in enumerate(p.steps):
-            algo = qt.get_algorithm(s.name)
-            if algo.needs is None and not algo.local and not _rotating(algo):
-                raise ValueError(f"recipe.steps[{i}] ({s.name}): changes tensors across the whole model together; a "
-                                 "streamed run quantizes one block at a time: quantize in memory (--in-memory)")
-        if any(_rotating(qt.get_algorithm(s.name)) for s in p.steps) and p.layout is not None:
-            segment = {q: next((n for n in names if q.startswith(n + ".")), "") for q in p}
-            split = [n.weight for n in p.layout.norms if any(segment.get(r) != segment.get(n.weight) for r in n.readers)]
-            if split:
-                raise ValueError(f"rotations: norm {split[0]!r} feeds linears in another decoder block; a streamed "
-                                 "run rotates one block at a time: quantize in memory (--in-memory)")
-        outside = [f"{s.module} ({s.role})" for s, spec in p.activations.items()
-                   if not spec.dynamic and not any(s.module.startswith(n + ".") for n in names)]
-        if outside:
-            raise ValueError(f"static activation quantizer(s) {outside[:3]} sit outside the decoder blocks "
-                             f"({names[0]}...), which a streamed run calibrates; quantize in memory "
-                             "(--in-memory) or make them dynamic")
 
     # -- streams -------------------------------------------------------------------------------------------
     def _read(self, path: str) -> torch.Tensor:
@@ -196,11 +163,9 @@ class BlockRun:
     def _mine(self, picked: list, pairs: list) -> list:
         """This rank's contiguous share of the batches ``picked`` (indices into ``pairs``), balanced by tokens, as
         :func:`bridge.calibrate.blocks.my_share` of the in-memory run (all of them for one process)."""
-        if self.parallel.world == 1:
-            return picked
-        return share(picked, [batch_tokens(*pairs[j]) for j in picked], self.parallel.world, self.parallel.rank)
+        return my_share([pairs[j] for j in picked], self.parallel, items=picked)
 
-    def carry(self, k: int, nxt: list) -> None:
+    def carry(self, k: int | str, nxt: list) -> None:
         for j, (a, kw) in zip(self.streams[k], nxt):
             self.cache.put(f"s{k}-b{j}", hidden_of(a, kw))
 
@@ -252,7 +217,7 @@ class BlockRun:
         p = self.p.restrict(paths)
         changes = {"attention": [a for a in self.p.attention if any(q.startswith(a + ".") for q in paths)]}
         if self.p.layout is not None:
-            changes["layout"] = restrict_layout(self.p.layout, inside)
+            changes["layout"] = self.p.layout.restrict(inside)
         if steps is not None and tuple(steps) != tuple(p.steps):
             changes["recipe"] = dataclasses.replace(p.recipe, steps=tuple(steps))
         return p.replace(**changes)
@@ -273,12 +238,7 @@ class BlockRun:
         p = self._plan(paths)
         cal = _Calibrator(self, name)
         qtree, fit = qt.quantize_tree(params, p, calibrator=cal, with_info=True)
-        acts = {}
-        if p.activations:
-            observer = dict(self.act_observer) if isinstance(self.act_observer, dict) else {"name": self.act_observer}
-            weights = {q: qt.dequantize(v) if isinstance(v, qt.QTensor) else v for q, v in qtree.items()}
-            acts = qt.activation_quantizers(weights, p, cal, observer=observer.pop("name", None), online=fit.online,
-                                            **observer)
+        acts = calibrate_activations(qtree, p, cal, act_observer=self.act_observer, online=fit.online)
         self._write(paths, params, qtree)
         for site, qp in acts.items():
             if isinstance(qp, qt.QParams):

@@ -16,7 +16,7 @@ from __future__ import annotations
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Callable, Iterable, NamedTuple
+from typing import Callable, Iterable
 
 import torch
 
@@ -26,6 +26,7 @@ from ..checkpoint import metadata
 from ..checkpoint.store import FLOAT_DTYPES, parse_size
 from ..distributed import current
 from ..io import cast_leaf, config_dtype, write_extras
+from ..tree import Quantized, Written
 from . import skeleton as skel
 from .memory import reuse_freed_memory
 from .ranks import NoFiles, barrier, drop_scratch, on_rank0, scratch, to_rank0
@@ -34,23 +35,7 @@ from .shards import ShardFiles, ShardPlan
 from .source import Built, Source
 from .workdir import WorkDir, calibration_digest, fingerprint
 
-__all__ = ["quantize_checkpoint", "Streamed", "stored_dtypes_of"]
-
-
-class Streamed(NamedTuple):
-    """What :func:`quantize_checkpoint` did: the plan, the steps' reports (``info``), the activation
-    quantizers and online rotations, bytes read and written, seconds, the units resumed, and the ``mode``
-    (``"shard to shard"`` or ``"block by block"``)."""
-
-    plan: qt.Plan
-    info: dict
-    activations: dict
-    online: dict
-    bytes_in: int
-    bytes_out: int
-    seconds: float
-    resumed: int
-    mode: str = "shard to shard"
+__all__ = ["quantize_checkpoint", "stored_dtypes_of"]
 
 
 def stored_dtypes_of(source: Source, model, dtype="auto") -> dict[str, torch.dtype]:
@@ -77,8 +62,8 @@ def quantize_checkpoint(source, out, recipe, *, calibration: Iterable | None = N
                         resume: bool = False, dtype="auto", device="cpu", max_memory=None,
                         max_shard_size="2GB", recipe_name: str | None = None, tokenizer=None, model_class=None,
                         progress: Callable | None = None, act_observer=None, on_tensor: Callable | None = None,
-                        before_publish: Callable[[Path, Streamed], None] | None = None,
-                        parallel: qt.Parallel | None = None, all_experts: bool = False) -> Streamed:
+                        before_publish: Callable[[Path, Quantized], None] | None = None,
+                        parallel: qt.Parallel | None = None, all_experts: bool = False) -> Quantized:
     """Quantize the checkpoint in directory ``source`` with ``recipe`` into directory ``out``, streamed (see
     the module docstring); the same checkpoint as :func:`bridge.save` of the model quantized in memory.
 
@@ -104,6 +89,11 @@ def quantize_checkpoint(source, out, recipe, *, calibration: Iterable | None = N
             ``progress`` and ``before_publish`` (see :mod:`bridge.stream.ranks`).
         all_experts: calibrate every expert of a mixture-of-experts layer on every token (the routed output
             still feeds the next block; :class:`~bridge.calibrate.ModelCalibrator`).
+
+    Returns:
+        The :class:`~bridge.tree.Quantized` result the in-memory run returns, its plan, activation quantizers,
+        step reports and rotations, with empty trees and ``written`` (:class:`~bridge.tree.Written`): where
+        the tensors went, bytes in and out, seconds, units resumed and the mode.
     """
     t0 = time.perf_counter()
     _check_dtype(dtype)
@@ -157,7 +147,7 @@ def quantize_checkpoint(source, out, recipe, *, calibration: Iterable | None = N
 
         def finish():
             files.finish()
-            qconfig = metadata.quantization_config(
+            qconfig = metadata.checkpoint_config(
                 {path: q for path, q in layout.tree.items() if isinstance(q, qt.QTensor)}, recipe=p.recipe,
                 recipe_name=recipe_name, rules={path: p[path].rule for path in p.specs}, aliases=layout.aliases,
                 activations=acts, online=online)
@@ -166,7 +156,8 @@ def quantize_checkpoint(source, out, recipe, *, calibration: Iterable | None = N
             if tokenizer is None:
                 _copy_tokenizer(src.root, work.path)
             size = sum((work.path / f).stat().st_size for f in shard_plan.files)
-            result = Streamed(p, info, acts, online, src.bytes, size, time.perf_counter() - t0, resumed, mode)
+            result = _result(p, info, acts, online, Written(str(out), src.bytes, size, time.perf_counter() - t0,
+                                                           resumed, mode))
             if before_publish is not None:
                 before_publish(work.path, result)
             work.publish()
@@ -177,7 +168,12 @@ def quantize_checkpoint(source, out, recipe, *, calibration: Iterable | None = N
         drop_scratch(work.path, par)
     finally:
         files.close()
-    return Streamed(p, info, acts, online, src.bytes, size, time.perf_counter() - t0, resumed, mode)
+    return _result(p, info, acts, online, Written(str(out), src.bytes, size, time.perf_counter() - t0, resumed, mode))
+
+
+def _result(p: qt.Plan, info, acts, online, written: Written) -> Quantized:
+    """The run's :class:`~bridge.tree.Quantized` result: its facts, and where its tensors went."""
+    return Quantized({}, {}, p, dict(acts), dict(info), dict(online), written=written)
 
 
 def _input_fingerprint(src: Source) -> dict:

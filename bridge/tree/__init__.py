@@ -5,9 +5,9 @@ tree, or the pipeline's :class:`Quantized` result -> modules), with the surgery 
 
 from .extract import extract, module_types, tie_groups, unsupported_experts, weight_paths
 from .logical import TYPE_FALLBACK, model_plan, stored_transposed
-from .quantized import Quantized
+from .quantized import Quantized, Written
 from .rebuild import (REBUILD_HOOKS, experts_slot, float_slot, meta_skeleton, qtensor_at, replace_module, site_buffers,
                       submodule, to_module)
 
-__all__ = ["extract", "module_types", "weight_paths", "unsupported_experts", "tie_groups", "Quantized", "to_module", "submodule",
+__all__ = ["extract", "module_types", "weight_paths", "unsupported_experts", "tie_groups", "Quantized", "Written", "to_module", "submodule",
            "replace_module", "meta_skeleton", "float_slot", "qtensor_at", "experts_slot", "site_buffers", "REBUILD_HOOKS", "model_plan", "stored_transposed", "TYPE_FALLBACK"]

@@ -18,7 +18,20 @@ from typing import NamedTuple
 
 import qtransform as qt
 
-__all__ = ["Quantized"]
+__all__ = ["Quantized", "Written"]
+
+
+class Written(NamedTuple):
+    """Where a streamed run's quantized tree went (:func:`bridge.stream.quantize_checkpoint`): the checkpoint
+    ``directory``, bytes read and written, seconds, the units a resumed run found done, and the ``mode``
+    (``"shard to shard"`` or ``"block by block"``)."""
+
+    directory: str
+    bytes_in: int
+    bytes_out: int
+    seconds: float
+    resumed: int
+    mode: str
 
 
 class Quantized(NamedTuple):
@@ -31,6 +44,10 @@ class Quantized(NamedTuple):
 
     :func:`bridge.to_module` ``(model, result)`` builds the quantized model from it (for
     :func:`bridge.quantize` and the ``qtransform`` command alike); :func:`bridge.save` writes it.
+
+    The one result of both drivers: a streamed run (:func:`bridge.stream.quantize_checkpoint`) returns it too,
+    with the same plan, activation quantizers, reports and rotations, its trees left empty (its tensors never
+    were in memory at once) and ``written`` saying where they went (:class:`Written`; ``None`` in memory).
     """
 
     params: dict
@@ -40,9 +57,13 @@ class Quantized(NamedTuple):
     info: dict = {}
     online: dict = {}
     lowrank: dict = {}
+    written: Written | None = None
 
     def changed(self) -> dict:
         """``{path: value}`` of the leaves of ``qtree`` that are not the very tensors of ``params``: the
         quantized weights and the tensors a step rewrote (a smoothed norm, a rotated embedding)."""
+        if self.written is not None:
+            raise ValueError(f"this result of a streamed run holds no tensors: they are in {self.written.directory} "
+                             "(bridge.load it)")
         params = self.params or {}
         return {p: v for p, v in qt.flatten_tree(self.qtree).items() if v is not params.get(p)}

@@ -32,6 +32,7 @@ from ..granularity import PerChannel
 from ..observers import compute_qparams, init_stats, is_empty, merge_stats
 from ..spec import KV_ROLES, ROLES, Plan, QuantSpec, Site
 from ..tensor import QParams
+from .run import serving
 
 __all__ = ["activation_quantizers", "check_activation_spec", "CONV_TYPES"]
 
@@ -90,7 +91,8 @@ def activation_quantizers(params: Mapping[str, Any], plan: Plan, calibrator=None
                            "--calib N`), or use dynamic=True specs")
     empty = {s: init_stats(_stats_spec(spec, conv.get(s, s.role in KV_ROLES)), observer=observer, **options)
              for s, spec in static.items()}
-    stats = calibrator.site_stats(dict(params), empty, **({"online": dict(online)} if online else {}))
+    stats = calibrator.site_stats(dict(params), empty, **({"online": dict(online)} if online else {}),
+                                  **serving(calibrator, "site_stats", "activations"))
     for s, spec in static.items():
         qp = compute_qparams(pooled(stats[s], path=f"{s.module} ({s.role})"), path=f"{s.module} ({s.role})")
         out[s] = QParams(spec=spec, **qp.tensors())

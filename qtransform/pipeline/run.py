@@ -16,7 +16,10 @@ calls ``fit_block(block, params)`` for each block in order and quantizes each bl
 next one's inputs. Online rotations that earlier steps recorded (``Fit.online``) are handed to the
 calibrator as ``online=`` (only when there are some: calibrators without the option still serve
 recipes without online rotations), which applies them while the model runs, and to the steps as
-``context.online``.
+``context.online``. A calibrator whose methods take a ``step`` keyword is told which pass each call
+serves (:func:`serving`): the index of the recipe step, or ``"activations"`` for the statistics of the
+static activation quantizers (a calibrator that keeps one stream of activations per pass, as the
+streamed driver does, keys them by it).
 
 >>> import torch, qtransform as qt
 >>> spec = qt.QuantSpec(format="uint4", granularity=qt.PerGroup(32), symmetric=False, zero_point_domain="float")
@@ -28,6 +31,7 @@ recipes without online rotations), which applies them while the model runs, and 
 
 from __future__ import annotations
 
+import inspect
 from typing import Any, Callable, Mapping, Protocol, Sequence
 
 import torch
@@ -42,7 +46,7 @@ from ..rotation.online import ONLINE_ROLES
 from ..spec import Plan, Site, Step, as_plan
 from ..tensor import QParams, dequantize, quantize
 
-__all__ = ["Calibrator", "run_steps", "check_steps", "check_plan_facts"]
+__all__ = ["Calibrator", "run_steps", "check_steps", "check_plan_facts", "serving"]
 
 
 class Calibrator(Protocol):
@@ -73,6 +77,17 @@ class Calibrator(Protocol):
         ``loss(params, i, online=None)`` on batch ``i`` (``len(loss)`` batches), differentiable with
         respect to ``params``, with ``plan``'s activation quantizers (fake quantization, straight-through)
         and the rotations ``online`` (earlier steps') and the call's ``online`` applied."""
+
+
+def serving(calibrator, method: str, step: int | str) -> dict:
+    """``{"step": step}`` when ``calibrator``'s ``method`` takes a ``step`` keyword, else ``{}`` (calibrators
+    without it serve every recipe): ``step`` is the index of the recipe step the call serves, or
+    ``"activations"`` for the static activation quantizers' statistics."""
+    fn = getattr(calibrator, method, None)
+    try:
+        return {"step": step} if "step" in inspect.signature(fn).parameters else {}
+    except (TypeError, ValueError):  # not introspectable: not told
+        return {}
 
 
 def check_steps(steps: Sequence[Step], *, calibrated: bool | None = None, on_load: bool = False,
@@ -127,7 +142,7 @@ def _sites(algo, step: Step, plan: Plan, at: str) -> dict:
 
 
 def _run_step(algo, step: Step, plan: Plan, current: dict, calibrator: Calibrator | None, progress, at: str,
-              qparams: Mapping[str, QParams], online: Mapping, reference: Mapping) -> Fit:
+              qparams: Mapping[str, QParams], online: Mapping, reference: Mapping, index: int) -> Fit:
     """One step on the current tree (copies of the dict: steps never change the tree they are handed)."""
     rotated = {"online": dict(online)} if online else {}  # calibrators without the option serve the others
     known = {"qparams": dict(qparams), "reference": {**current, **reference}}
@@ -145,22 +160,25 @@ def _run_step(algo, step: Step, plan: Plan, current: dict, calibrator: Calibrato
         more = {} if tokens is None else {"tokens": tokens}  # calibrators without the option still serve others
         if algo.needs.float_inputs is not None and algo.needs.float_inputs(**step.options):
             more["float_inputs"] = True
-        return calibrator.blockwise(dict(current), plan, fit_block, qparams=dict(qparams), **more, **rotated)
+        return calibrator.blockwise(dict(current), plan, fit_block, qparams=dict(qparams), **more, **rotated,
+                                    **serving(calibrator, "blockwise", index))
     if isinstance(algo.needs, ModelLoss):
         loss = calibrator.model_loss(plan, **rotated)
         return algo.fn(dict(current), plan, context=Context(loss=loss, progress=progress, online=dict(online),
                                                             parallel=getattr(calibrator, "parallel", SERIAL), **known),
                        **step.options)
-    stats = _collect(algo, step, plan, current, calibrator, at, rotated)
+    stats = _collect(algo, step, plan, current, calibrator, at, rotated, index)
     return algo.fn(dict(current), plan, context=Context(stats=stats, progress=progress, online=dict(online), **known),
                    **step.options)
 
 
-def _collect(algo, step: Step, plan: Plan, current: Mapping, calibrator: Calibrator | None, at: str, rotated):
+def _collect(algo, step: Step, plan: Plan, current: Mapping, calibrator: Calibrator | None, at: str, rotated,
+             index: int):
     if not needs_data(algo, step.options):
         return None
     if isinstance(algo.needs, SiteStats):
-        return calibrator.site_stats(dict(current), _sites(algo, step, plan, at), **rotated)
+        return calibrator.site_stats(dict(current), _sites(algo, step, plan, at), **rotated,
+                                     **serving(calibrator, "site_stats", index))
     raise TypeError(f"{at}: unknown need {type(algo.needs).__name__}")
 
 
@@ -229,7 +247,7 @@ def run_steps(params: Any, recipe, *, types: Mapping[str, str] | None = None, ca
         try:
             known = {**{p: q for p, q in (qparams or {}).items() if p not in total.params}, **total.qparams}
             fit = _run_step(ALGORITHMS[step.name], step, plan, current, calibrator, progress, at, known, total.online,
-                            reference)
+                            reference, i)
         except (ValueError, TypeError) as e:  # name the step in errors raised while it runs
             if type(e) not in (ValueError, TypeError) or str(e).startswith("recipe.steps["):
                 raise

@@ -94,6 +94,20 @@ class ResidualLayout(NamedTuple):
                 "attention": [{"module": a.module, "head_dim": a.head_dim} for a in self.attention],
                 **({"transposed": list(self.transposed)} if self.transposed else {})}
 
+    def restrict(self, paths) -> "ResidualLayout":
+        """The part of this layout whose tensors are among ``paths`` (one decoder block, or the tensors outside
+        the blocks): the embeddings, the norms (with their readers), the writers, the head pairs, the down
+        projections, the attention modules and the transposed tensors there."""
+        paths = set(paths)
+        return ResidualLayout(
+            embeddings=tuple(e for e in self.embeddings if e in paths),
+            norms=tuple(n for n in self.norms if n.weight in paths),
+            writers=tuple(w for w in self.writers if w in paths),
+            heads=tuple(h for h in self.heads if h.v in paths and h.o in paths),
+            down=tuple(d for d in self.down if d in paths),
+            attention=tuple(a for a in self.attention if any(p.startswith(a.module + ".") for p in paths)),
+            transposed=tuple(t for t in self.transposed if t in paths))
+
     @classmethod
     def from_value(cls, value, *, where: str = "layout") -> "ResidualLayout":
         """A layout from itself or its :meth:`to_dict` form (``ValueError``/``TypeError`` naming the field)."""

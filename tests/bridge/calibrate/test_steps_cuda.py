@@ -36,7 +36,7 @@ import torch
 
 import bridge
 import qtransform as qt
-from bridge.app.streaming import to_host
+from bridge.app.placement import to_host
 
 from bridge_util import tiny_causal_lm
 from near_ties import element_params, equal_fraction, unexplained

@@ -9,7 +9,7 @@ import torch
 
 import bridge
 import qtransform as qt
-from bridge.app.streaming import to_host
+from bridge.app.placement import to_host
 
 from .tiny_moe import build_tiny_moe
 

@@ -51,7 +51,7 @@ def same_outputs(rank: int, world: int, source, root, cases):
         done = _quantize(source, target, preset, calib, **kwargs)
         acts = {f"{s.module}|{s.role}": [t.tolist() for t in q.tensors().values()]
                 for s, q in done.activations.items() if isinstance(q, qt.QParams)}
-        out[preset] = (done.mode, done.bytes_out, acts)
+        out[preset] = (done.written.mode, done.written.bytes_out, acts)
     return out
 
 
@@ -88,7 +88,7 @@ def crash_and_resume(rank: int, world: int, source, out, preset: str, crash_at: 
             _quantize(source, out, preset, calibration(), resume=True, parallel=qt.SERIAL, **kwargs)
         except ValueError as e:
             refused = str(e)
-    resumed = _quantize(source, out, preset, calibration(), resume=True, **kwargs).resumed
+    resumed = _quantize(source, out, preset, calibration(), resume=True, **kwargs).written.resumed
     return done, refused, resumed
 
 

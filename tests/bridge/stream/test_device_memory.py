@@ -66,7 +66,7 @@ def test_device_cuda_in_memory_measures_the_perplexities_there(source, tmp_path)
 def test_to_host_keeps_the_params_leaves_identical():
     import bridge
     import qtransform as qt
-    from bridge.app.streaming import to_host
+    from bridge.app.placement import to_host
 
     from bridge_util import tiny_causal_lm
 
@@ -82,7 +82,7 @@ def test_to_host_keeps_the_params_leaves_identical():
 def test_to_host_takes_the_hosts_tensors_for_the_params():
     import bridge
     import qtransform as qt
-    from bridge.app.streaming import to_host
+    from bridge.app.placement import to_host
     from bridge.tree import extract
 
     from bridge_util import tiny_causal_lm

@@ -51,7 +51,7 @@ def test_a_rotation_without_data_streams_block_by_block_to_the_same_bytes(arch, 
                        exclude=["lm_head*"], steps=[qt.Step("rotate"), qt.Step("rtn")])
     done = quantize_checkpoint(sources[arch], tmp_path / "s", recipe, max_shard_size="30KB")
     in_memory(sources[arch], tmp_path / "m", recipe, max_shard_size="30KB")
-    assert done.mode == "block by block" and done.online  # R4 before every down projection
+    assert done.written.mode == "block by block" and done.online  # R4 before every down projection
     assert digests(tmp_path / "s") == digests(tmp_path / "m")
     assert len([f for f in digests(tmp_path / "s") if f.endswith(".safetensors")]) > 2
 

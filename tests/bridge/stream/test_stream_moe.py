@@ -174,7 +174,7 @@ def test_a_crashed_run_resumes_to_the_same_bytes(runs, tmp_path, monkeypatch):
         quantize_checkpoint(src, tmp_path / "out", recipe, calibration=calibration())
     monkeypatch.setattr(blocks.BlockRun, "_block", real)
     done = quantize_checkpoint(src, tmp_path / "out", recipe, calibration=calibration(), resume=True)
-    assert done.resumed == 1
+    assert done.written.resumed == 1
     assert written(tmp_path / "out") == written(tmp_path / "whole")
 
 

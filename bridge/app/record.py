@@ -1,0 +1,78 @@
+"""The one record of a ``qtransform quantize`` run, whichever driver ran it, and the report built from it.
+
+Both drivers (in memory, :mod:`.quantize`; streamed, :mod:`.streaming`) fill a :class:`Run` with what the command
+knew before quantizing (model, recipe, driver, evaluation and calibration data, the original's perplexity, notes,
+phases) and end with the same :class:`~bridge.tree.Quantized` result (a streamed one says where its tensors went);
+:meth:`Run.report` builds the report from the two, :func:`write_report` puts it beside the checkpoint and
+:func:`publish_report` writes ``--json``, exports (``--to``) and prints it, the same way for both.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import qtransform as qt
+
+from . import export, outputs
+from .outputs import say
+from .report import Report, activation_rows, online_rows, peak_memory
+
+__all__ = ["Run", "write_report", "publish_report"]
+
+
+@dataclasses.dataclass
+class Run:
+    """What one run knew before quantizing: ``model`` (its name), ``label`` and ``recipe``, ``out``, the ``driver``
+    line, the evaluation sequences and calibration batches, the original's perplexity, ``notes`` (what the run
+    left out on purpose) and ``phases`` (seconds of each phase, in order), and ``t0``, when the command started."""
+
+    model: str
+    label: str
+    recipe: qt.Recipe
+    out: Path
+    driver: str
+    t0: float
+    eval_seqs: Any = None
+    calibration: Any = None
+    ppl_before: float | None = None
+    notes: list = dataclasses.field(default_factory=list)
+    phases: dict = dataclasses.field(default_factory=dict)
+
+    def report(self, result, rows: list, *, size_before: int, size_after: int, seconds: float,
+               ppl_after: float | None, **extra) -> Report:
+        """The report of ``result`` (the run's :class:`~bridge.tree.Quantized`, its trees may be empty) and its
+        quantized tensors' ``rows``; ``extra``: the driver's own fields (low-rank corrections)."""
+        written = result.written
+        return Report(model=self.model, recipe=self.label, steps=[s.to_dict() for s in self.recipe.steps],
+                      layers=rows, size_before=size_before, size_after=size_after, seconds_quantize=seconds,
+                      ppl_before=self.ppl_before, ppl_after=ppl_after,
+                      eval_tokens=0 if self.eval_seqs is None else int(self.eval_seqs.numel()),
+                      calib_tokens=0 if self.calibration is None else sum(int(b.numel()) for b in self.calibration),
+                      out=str(self.out), unmatched=self.recipe.unmatched(result.plan),
+                      activations=activation_rows(result.activations), step_info=result.info,
+                      online=online_rows(result.online), streamed=written.mode if written is not None else "",
+                      driver=self.driver, notes=list(self.notes), phases=self.phases, peak_memory=peak_memory(),
+                      **extra)
+
+
+def write_report(a, run: Run, rep: Report, directory: Path) -> None:
+    """``report.json`` (and ``report.png`` with ``--plot``) into the checkpoint's ``directory``, before it
+    appears; the total seconds measured now."""
+    rep.seconds_total = time.perf_counter() - run.t0
+    (directory / "report.json").write_text(json.dumps(rep.to_dict(), indent=2) + "\n")
+    if a.plot:
+        rep.plot(directory / "report.png")
+
+
+def publish_report(a, rep: Report, out: Path, *lines: str) -> None:
+    """After the checkpoint appeared: ``--json``, the ``--to`` export, and the report printed (with ``lines``)."""
+    if a.json:
+        outputs.write_text(Path(a.json), json.dumps(rep.to_dict(), indent=2) + "\n", option="--json")
+    exported = export.export_after_quantize(a, out)
+    say()
+    say("\n".join([rep.render(), *[line for line in lines if line],
+                   *([f"exported ({a.to}): {exported}"] if exported else [])]))
