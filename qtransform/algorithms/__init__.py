@@ -11,8 +11,9 @@ and ``lowrank`` (rank-r corrections of the quantization error, EoRA).
 The convention, one for every algorithm:
 
 * ``<name>.py`` is the registered step ``<name>``: its module docstring explains the method and
-  its options, its entry point is the function ``step`` (``fn(params, plan, *, context, **options)
-  -> Fit``), registered at the bottom of the module with ``register_algorithm("<name>", step, ...)``;
+  its options, its entry point is the function ``step`` (``fn(params, plan, *, context, options)
+  -> Fit``, ``options`` an instance of the module's ``Options`` dataclass, where the defaults live),
+  registered at the bottom of the module with ``register_algorithm("<name>", step, options=Options, ...)``;
 * ``<name>_math.py`` beside it holds the step's tensor-level math (pure functions over tensors and
   specs: ``gptq_math``, ``awq_math``, ``smoothquant_math``, ``hqq_math``); a math module never imports
   a step module (math imports math: ``gptq_math`` and ``awq_math`` use ``hqq_math``);

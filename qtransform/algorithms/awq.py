@@ -58,7 +58,7 @@ from .base import BlockInputs, Fit, register_algorithm
 from .clip_search import input_gram, search_range
 from .gptq import linear_weights
 from .hqq_math import check_spec, optimize as hqq_optimize
-from .options import option, options_checker
+from .options import option, options_checker, received
 from .smoothquant_math import sample_stats
 from .smoothing import (SmoothGroup, as_groups, block_groups, fold, group_shape, input_module, quantized_linears,
                         to_input, weight_path)
@@ -100,12 +100,12 @@ class Options:
 check_options = options_checker("awq", Options)
 
 
-def _tokens(**options):
-    return options.get("tokens", DEFAULT_TOKENS)
+def _tokens(*, options: Options) -> int:
+    return options.tokens
 
 
-def _float_inputs(**options):
-    return bool(options.get("float_inputs", False))
+def _float_inputs(*, options: Options) -> bool:
+    return options.float_inputs
 
 
 def _specs(plan, group: SmoothGroup) -> dict:
@@ -149,13 +149,11 @@ def _sampled(inputs: list, n: int, parallel: Parallel = SERIAL) -> tuple[list, b
     return [(args, {**kwargs, where_: x})], True
 
 
-def step(params, plan, *, context, groups=None, grid: int = 20, duo_scaling: bool = False, clip: bool = True,
-        quantizer: str = "rtn", tokens: int = DEFAULT_TOKENS, rows: int = DEFAULT_ROWS, float_inputs: bool = False,
-        clip_range: str = "both") -> Fit:
+def step(params, plan, *, context, options: Options) -> Fit:
     """The ``awq`` step on one block (``context.block``); see the module docstring."""
-    check_options(groups=groups, grid=grid, duo_scaling=duo_scaling, clip=clip, quantizer=quantizer, tokens=tokens,
-                  rows=rows, float_inputs=float_inputs, clip_range=clip_range)
-    groups = plan.groups if groups is None else groups
+    o = received(Options, options, step="awq")
+    quantizer, float_inputs = o.quantizer, o.float_inputs
+    groups = plan.groups if o.groups is None else o.groups
     if groups is None:
         raise ValueError("awq: no smoothing groups: the plan has none (Plan.groups; bridge.plan fills them from the "
                          "model's architecture table, bridge.arch) and no groups option was given")
@@ -189,7 +187,7 @@ def step(params, plan, *, context, groups=None, grid: int = 20, duo_scaling: boo
     local = {m for g in mine for m in targets[g.prev] if g.local or not g.inspect}  # token-local: sampled rows
     local -= {m for g in mine for m in targets[g.prev] if g.inspect and not g.local}
     par = block.parallel
-    captured = {m: _sampled(v, rows, par) if m in local else (v, False) for m, v in captured.items()}
+    captured = {m: _sampled(v, o.rows, par) if m in local else (v, False) for m, v in captured.items()}
     shared = {m: same for m, (_, same) in captured.items()}  # the same inputs on every rank
     captured = {m: v for m, (v, _) in captured.items()}
 
@@ -204,7 +202,7 @@ def step(params, plan, *, context, groups=None, grid: int = 20, duo_scaling: boo
     chosen, info = [], {}
     for g in context.track(mine, desc=f"awq {block.name}"):
         choice = search_scales(runner(targets[g.prev]), original, g, seen[input_module(g)].abs().mean(0),
-                               specs=_specs(plan, g), grid=grid, duo_scaling=duo_scaling, quantizer=quantizer,
+                               specs=_specs(plan, g), grid=o.grid, duo_scaling=o.duo_scaling, quantizer=quantizer,
                                reduce=reduce, part=part(targets[g.prev]))
         for lin in quantized_linears(g):
             info[weight_path(g, lin)] = {"awq_alpha": "none" if choice.index == 0 else f"{choice.alpha:g}"}
@@ -217,12 +215,12 @@ def step(params, plan, *, context, groups=None, grid: int = 20, duo_scaling: boo
         changed.update(new)
         s_in = to_input(s, g, group_shape(original, g))
         in_scale.update({lin: s_in for lin in g.linears if lin not in g.stacked})
-    qparams = _fit_weights(current, plan, clipped, seen, source, in_scale, clip, quantizer, par, clip_range)
+    qparams = _fit_weights(current, plan, clipped, seen, source, in_scale, o.clip, quantizer, par, o.clip_range)
     return Fit(params=changed, qparams=qparams, info=info)
 
 
 def _fit_weights(current: Mapping, plan, weights, rows, source, in_scale, clip: bool, quantizer: str,
-                 parallel: Parallel = SERIAL, clip_range: str = "both") -> dict:
+                 parallel: Parallel, clip_range: str) -> dict:
     """Each quantized linear's parameters: HQQ's, or the clipping search's on its (scaled) inputs (one Gram
     matrix per shared input and spec: q/k/v, gate/up). On several ranks (every rank holding every linear's
     inputs) each linear is searched by one owner (:meth:`~qtransform.Parallel.owners` by its size) and the

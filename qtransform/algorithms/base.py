@@ -2,7 +2,7 @@
 
 An algorithm is a pure function
 
-    ``fn(params, plan, *, context, **options) -> Fit``
+    ``fn(params, plan, *, context, options) -> Fit``
 
 * ``params``: the flat parameter tree ``{path: tensor}`` as the steps before it left it (a
   copy of the dict; the tensors must not be modified in place);
@@ -10,6 +10,9 @@ An algorithm is a pure function
   the paths to quantize with their specs;
 * ``context``: what the pipeline hands over (:class:`Context`): the statistics it asked for,
   and a progress wrapper;
+* ``options``: its options, an instance of its options dataclass (``options=`` below), built and checked
+  once by the caller; the defaults live there alone, ``fn`` reads ``options.x`` (a step registered
+  without one receives its options as keywords instead: ``fn(params, plan, *, context, **options)``);
 * the result, :class:`Fit`, holds updated tensors for any paths it changes (a weight, or a
   weight *and* the norm before it), quantization parameters for any paths it fits, and the
   online rotations the changed weights now expect at run time (``Fit.online``: QuaRot's ``R3``,
@@ -28,11 +31,14 @@ cannot run without (``Plan.groups``, ``Plan.layout``). Its options are a frozen 
 dataclass (``options=``), which one checker (:mod:`.options`) validates for every algorithm alike:
 names, types and ranges, the message naming the path and the step.
 
->>> import torch, qtransform as qt
->>> def shrink(params, plan, *, context, factor=0.5):
-...     new = {p: params[p] - factor * (params[p] - params[p].mean(-1, keepdim=True)) for p in plan.specs}
+>>> import dataclasses, torch, qtransform as qt
+>>> @dataclasses.dataclass(frozen=True, kw_only=True)
+... class Shrink:
+...     factor: float = 0.5
+>>> def shrink(params, plan, *, context, options):
+...     new = {p: params[p] - options.factor * (params[p] - params[p].mean(-1, keepdim=True)) for p in plan.specs}
 ...     return qt.Fit(params=new)
->>> algo = qt.register_algorithm("shrink_demo", shrink, local=True)
+>>> algo = qt.register_algorithm("shrink_demo", shrink, local=True, options=Shrink)
 >>> params = {"fc.weight": torch.tensor([[1.0, 3.0]])}
 >>> fit = algo(params, qt.QuantSpec(format="int8"), factor=0.5)
 >>> fit.params["fc.weight"].tolist(), qt.apply_fit(params, fit)["fc.weight"].tolist()
@@ -151,12 +157,13 @@ def apply_fit(params: Any, fit: Fit) -> Any:
 
 
 class SiteStats(NamedTuple):
-    """The step needs statistics of activation sites: ``sites(plan, **options)`` returns
+    """The step needs statistics of activation sites: ``sites(plan, options=...)`` returns
     ``{Site: observer}`` (an observer name, dict or instance, for observers that need no spec) or
     ``{Site: empty statistics}`` (``qt.init_stats(spec, observer=...)``, e.g. activation ranges);
     the step receives ``context.stats`` = ``{Site: statistics}`` folded over the calibration data.
-    ``wanted(**options) -> bool``, when given, says whether these options need them at all (``lowrank``
-    without ``weighted`` runs without data; ``None``: always)."""
+    ``wanted(options=...) -> bool``, when given, says whether these options need them at all (``lowrank``
+    without ``weighted`` runs without data; ``None``: always). These helpers, like :class:`BlockInputs`'s, receive
+    the options as the step does (:meth:`Algorithm.arguments`: its options dataclass as ``options=``, else keywords)."""
 
     sites: Callable[..., Mapping]
     wanted: Callable[..., bool] | None = None
@@ -167,8 +174,8 @@ class BlockInputs(NamedTuple):
 
     Its :class:`Fit` for a block may only touch that block's tensors; the calibrator quantizes the block with
     the parameters fitted so far (round to nearest where none were) before computing the next block's inputs.
-    ``tokens(**options) -> int | None``: how many calibration tokens the step uses (whole batches spread over
-    the data; ``None``: all). ``float_inputs(**options) -> bool``: when true, the float model's inputs of each
+    ``tokens(options=...) -> int | None``: how many calibration tokens the step uses (whole batches spread over
+    the data; ``None``: all). ``float_inputs(options=...) -> bool``: when true, the float model's inputs of each
     block as well (:attr:`Block.float_inputs`: AutoRound's and GPTAQ's targets)."""
 
     tokens: Callable[..., int | None] | None = None
@@ -278,7 +285,7 @@ class Algorithm:
                  progress: Callable | None = None, **options) -> Fit:
         """Run this algorithm alone on ``params`` for ``recipe`` (a Recipe, QuantSpec or Plan); a
         :class:`SiteStats` algorithm takes its statistics as ``stats``."""
-        self.check(options)
+        arguments = self.arguments(options)
         if isinstance(self.needs, (BlockInputs, ModelLoss)):
             how = "block by block on" if isinstance(self.needs, BlockInputs) else "on the model's loss over"
             raise ValueError(f"algorithm {self.name!r} runs {how} calibration data: run it in a "
@@ -287,7 +294,7 @@ class Algorithm:
             raise ValueError(f"algorithm {self.name!r} needs statistics of activation sites: pass stats=")
         plan = as_plan(recipe, params, types=types)
         flat = dict(_pytree.flatten_with_paths(params)[0])
-        fit = self.fn(flat, plan, context=Context(stats=stats, progress=progress), **options)
+        fit = self.fn(flat, plan, context=Context(stats=stats, progress=progress), **arguments)
         if not isinstance(fit, Fit):
             raise TypeError(f"algorithm {self.name!r} returned {type(fit).__name__}, not a qtransform.Fit")
         return fit
@@ -305,6 +312,13 @@ class Algorithm:
             self.check_options(path=path, **options)
         return None
 
+    def arguments(self, options: Mapping[str, Any], *, path: str | None = None) -> dict:
+        """The keywords ``fn`` and the helpers of ``needs`` receive for ``options`` (a recipe step's), checked
+        by :meth:`check`: ``{"options": <its options dataclass built>}``, or the options themselves for an
+        algorithm without one."""
+        built = self.check(options, path=path)
+        return {"options": built} if self.options is not None else dict(options)
+
     def option_fields(self) -> list[tuple[str, str, Any]]:
         """``[(name, type, default)]`` of its options (empty without an ``options`` dataclass)."""
         return option_fields(self.options) if self.options is not None else []
@@ -313,7 +327,7 @@ class Algorithm:
 def needs_data(algo: Algorithm, options: Mapping[str, Any]) -> bool:
     """Whether ``algo`` with ``options`` needs calibration data (see :attr:`SiteStats.wanted`)."""
     wanted = getattr(algo.needs, "wanted", None)
-    return algo.needs is not None and (wanted is None or bool(wanted(**options)))
+    return algo.needs is not None and (wanted is None or bool(wanted(**algo.arguments(options))))
 
 
 def _check_algorithm(name: str, algo) -> None:
@@ -338,8 +352,9 @@ def register_algorithm(name: str, fn: Callable, *, needs: SiteStats | BlockInput
 
     ``options``: the frozen keyword-only dataclass of ``fn``'s options (fields typed, ranges in
     :func:`~qtransform.algorithms.options.option` metadata); recipes are checked with it before any
-    work starts, the same way for every algorithm. ``check_options(*, path=None, **options)``, for
-    algorithms without one, raises ``ValueError``/``TypeError`` for options ``fn`` does not take. ``requires``
+    work starts, the same way for every algorithm, and ``fn`` receives it built (``options=``).
+    ``check_options(*, path=None, **options)``, for algorithms without one (``fn`` receives their options as
+    keywords), raises ``ValueError``/``TypeError`` for options ``fn`` does not take. ``requires``
     names the model facts of the :class:`~qtransform.Plan` the step cannot run without (``"groups"``,
     ``"layout"``; an option of the same name, given explicitly, stands in): a plan without them is
     refused before any work.

@@ -52,7 +52,7 @@ from .base import BlockInputs, Fit, register_algorithm
 from .experts import FALLBACKS, experts_cost, fit_experts
 from .gptaq_math import cross
 from .gptq_math import QPARAMS_INITS, gptq_many
-from .options import option, options_checker
+from .options import option, options_checker, received
 from .rtn import check_range_observer
 
 __all__ = ["step", "Options", "check_options", "linear_weights"]
@@ -286,25 +286,19 @@ def _first(args, kwargs, module: str) -> torch.Tensor:
     raise ValueError(f"{module}: gptaq: the module's input holds no tensor")
 
 
-def step(params, plan, *, context, damp: float = 0.01, block_size: int = 128, act_order: bool = True,
-         static_groups: bool = True, init: str = "clip", observer: Any = None, true_sequential: bool = False,
-         groups=None, expert_min_tokens: int = 8, expert_fallback: str = "rtn", gptaq: bool = False,
-         gptaq_alpha: float = 0.25) -> Fit:
+def step(params, plan, *, context, options: Options) -> Fit:
     """The ``gptq`` step on one block (``context.block``); see the module docstring."""
-    changed, qparams, info, _ = solve_block(
-        params, plan, context=context, damp=damp, block_size=block_size, act_order=act_order,
-        static_groups=static_groups, init=init, observer=observer, true_sequential=true_sequential, groups=groups,
-        expert_min_tokens=expert_min_tokens, expert_fallback=expert_fallback, gptaq=gptaq, gptaq_alpha=gptaq_alpha)
+    changed, qparams, info, _ = solve_block(params, plan, context=context, options=options)
     return Fit(params=changed, qparams=qparams, info=info)
 
 
-def solve_block(params, plan, *, context, unrounded: bool = False, **options) -> tuple[dict, dict, dict, dict]:
-    """GPTQ of one block's planned linear weights (``options`` as the step's, checked here):
+def solve_block(params, plan, *, context, options: Options, unrounded: bool = False) -> tuple[dict, dict, dict, dict]:
+    """GPTQ of one block's planned linear weights (``options``: the step's :class:`Options`, checked here):
     ``(weights, qparams, info, unrounded)`` by path; with ``unrounded``, the last holds for each 2-D linear weight
     the weight as its columns stood when rounded (:attr:`.gptq_math.GPTQResult.unrounded`; none for stacked experts,
     solved expert by expert). The ``gptq`` step's result, and a learned step's start (``signround``'s
     ``init="gptq"``)."""
-    o = check_options(**options)
+    o = received(Options, options, step="gptq")
     block = context.block
     if block is None:
         raise ValueError("gptq runs block by block on calibration data (a calibrator's blockwise)")
@@ -327,5 +321,5 @@ def solve_block(params, plan, *, context, unrounded: bool = False, **options) ->
     return changed, qparams, info, kept
 
 
-register_algorithm("gptq", step, needs=BlockInputs(float_inputs=lambda **o: bool(o.get("gptaq"))), options=Options,
+register_algorithm("gptq", step, needs=BlockInputs(float_inputs=lambda *, options: options.gptaq), options=Options,
                    description="GPTQ: columns quantized in order, errors compensated through the inverse Hessian")

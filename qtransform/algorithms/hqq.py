@@ -74,7 +74,7 @@ from .._checks import check_finite
 from ..spec import as_plan
 from ..tensor import QParams
 from ._select import select
-from .options import options_checker
+from .options import options_checker, received
 from .base import Fit, register_algorithm
 from .hqq_math import Options, _optimize, _options, check_spec, optimize, optimize_stack, supports
 
@@ -125,10 +125,10 @@ def _fit(flat: Mapping[str, torch.Tensor], plan, o, *, paths=None, progress=None
     return out
 
 
-def step(params, plan, *, context, **options) -> Fit:
+def step(params, plan, *, context, options: Options) -> Fit:
     """The ``hqq`` step: :func:`fit_tree` over the plan (other specs are left to the next steps or
     to round to nearest)."""
-    return Fit(qparams=_fit(params, plan, _options(None, **options), progress=context.progress))
+    return Fit(qparams=_fit(params, plan, received(Options, options, step="hqq"), progress=context.progress))
 
 
 register_algorithm("hqq", step, local=True, options=Options,

@@ -44,7 +44,7 @@ from ..tensor import dequantize, quantize
 from .base import Fit, SiteStats, register_algorithm
 from .lowrank_math import hessian_basis, lowrank_error
 from .gptq import LINEAR_TYPES
-from .options import option, options_checker
+from .options import option, options_checker, received
 
 __all__ = ["step", "Options", "check_options", "lowrank_weights"]
 
@@ -85,21 +85,21 @@ def lowrank_weights(params: Mapping[str, torch.Tensor], plan) -> list[str]:
     return out
 
 
-def _sites(plan, *, rank: int = 32, weighted: bool = True, damp: float = 0.01) -> dict:
-    if not weighted:
+def _sites(plan, *, options: Options) -> dict:
+    if not options.weighted:
         return {}
     # the plan's tensors stand in for params: the paths and types are what matter here
     paths = [p for p in plan.specs if p.endswith(".weight") and plan[p].module_type in (None, *LINEAR_TYPES)]
     return {Site(plan.site_module(p), "input"): init_stats(observer="hessian") for p in paths}
 
 
-def _wanted(*, rank: int = 32, weighted: bool = True, damp: float = 0.01) -> bool:
-    return bool(weighted)
+def _wanted(*, options: Options) -> bool:
+    return bool(options.weighted)
 
 
-def step(params, plan, *, context, rank: int = 32, weighted: bool = True, damp: float = 0.01) -> Fit:
+def step(params, plan, *, context, options: Options) -> Fit:
     """The ``lowrank`` step (see the module docstring)."""
-    check_options(rank=rank, weighted=weighted, damp=damp)
+    o = received(Options, options, step="lowrank")
     known, reference = context.qparams or {}, context.reference or {}
     stats = context.stats or {}
     corrections, fitted, info, bases = {}, {}, {}, {}
@@ -112,16 +112,16 @@ def step(params, plan, *, context, rank: int = 32, weighted: bool = True, damp: 
         e = (w - dequantize(quantize(params[p], qp, path=p), dtype=w.dtype)).to(w.dtype)
         e = e.T if flip else e
         H = basis = None
-        if weighted:
+        if o.weighted:
             site = Site(plan.site_module(p), "input")
             if site not in stats:
                 raise ValueError(f"{p}: no input Hessian at {site.module} (weighted=True needs calibration data)")
             H = finalize_stats(stats[site], path=p)
             if site not in bases:  # one eigendecomposition per input (q/k/v, gate/up share theirs)
                 bases[site] = hessian_basis(H.to(e.device, torch.float64 if e.dtype == torch.float64 else torch.float32),
-                                            damp=damp)
+                                            damp=o.damp)
             basis = bases[site]
-        c = lowrank_error(e, rank=rank, basis=basis)
+        c = lowrank_error(e, rank=o.rank, basis=basis)
         corrections[p] = c
         info[p] = {"lowrank_rank": c.rank, "lowrank_residual": float(f"{_residual(e, c.delta(), H):.4g}")}
     return Fit(qparams=fitted, lowrank=corrections, info=info)

@@ -5,7 +5,8 @@ Each field is an option: its annotation says the type (``bool``, ``int``, ``floa
 metadata the range (``ge``, ``gt``, ``le``, ``lt``) or the ``choices``. :func:`check_options` validates
 names, types and ranges the same way for every algorithm, then builds the dataclass, whose
 ``__post_init__`` checks what spans several options (raising ``ValueError``/``TypeError`` with the option's
-name first); every message is prefixed by the tree path, when given, and the step's name.
+name first); every message is prefixed by the tree path, when given, and the step's name. The step receives
+the built instance (``fn(..., options=...)``) and reads its fields; :func:`received` checks one handed to it.
 
 Types: a ``bool`` is not an ``int`` (``True`` is no block size), an ``int`` is a ``float``; a ``list``
 field takes a list or a tuple, a ``dict`` field any mapping. Floats must be finite unless the field
@@ -36,7 +37,7 @@ from typing import Any, Mapping
 
 from .._checks import where
 
-__all__ = ["option", "check_options", "option_fields", "options_checker"]
+__all__ = ["option", "check_options", "received", "option_fields", "options_checker"]
 
 _RANGE = ("ge", "gt", "le", "lt")
 
@@ -158,6 +159,37 @@ def check_options(cls, options: Mapping[str, Any], *, step: str, path: str | Non
         return cls(**options)
     except (TypeError, ValueError) as e:
         raise type(e)(f"{prefix}{e}") from None
+
+
+def _type_name(t: type) -> str:
+    return t.__qualname__ if t.__module__ == "builtins" else f"{t.__module__}.{t.__qualname__}"
+
+
+def received(cls, options, *, step: str):
+    """``options`` as a step receives it (``fn(params, plan, *, context, options)``): an instance of ``cls``,
+    else ``TypeError`` naming ``options``; its fields are checked as :func:`check_options` checks a mapping
+    (an instance built directly has not had its types and ranges checked). Returns ``options``.
+
+    >>> import dataclasses
+    >>> @dataclasses.dataclass(frozen=True, kw_only=True)
+    ... class Demo:
+    ...     iters: int = option(20, ge=0)
+    >>> received(Demo, Demo(iters=3), step="demo")
+    Demo(iters=3)
+    >>> received(Demo, Demo(iters=-1), step="demo")
+    Traceback (most recent call last):
+    ...
+    ValueError: demo: iters must be an int >= 0, got -1
+    >>> received(Demo, {"iters": 3}, step="demo")  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    TypeError: demo: options must be an instance of ...Demo (the step's options dataclass), got dict
+    """
+    if not isinstance(options, cls):
+        raise TypeError(f"{step}: options must be an instance of {_type_name(cls)} (the step's options dataclass), "
+                        f"got {_type_name(type(options))}")
+    check_options(cls, {f.name: getattr(options, f.name) for f in dataclasses.fields(cls)}, step=step)
+    return options
 
 
 def options_checker(step: str, cls):

@@ -25,7 +25,7 @@ from ..rotation import rotate as rotate_tree
 from ..formats import get_format
 from ..spec import Site
 from .base import Fit, register_algorithm
-from .options import option, options_checker
+from .options import option, options_checker, received
 
 __all__ = ["ROTATIONS", "rotation_matrix", "step", "Options", "check_options", "online_r3_r4", "fuse_online",
            "residual_width", "residual_tensor"]
@@ -122,11 +122,11 @@ def fuse_online(tree, online, *, dtype=torch.float64) -> dict:
     return {p: apply_online(tree[p].to(dtype), rot).to(tree[p].dtype) for p, rot in paths.items()}
 
 
-def step(params, plan, *, context, layout=None, rotation: str = "hadamard", seed: int = 0,
-                heads: bool = True, r3=None, r4: bool = True) -> Fit:
+def step(params, plan, *, context, options: Options) -> Fit:
     """The ``rotate`` step (see the module docstring)."""
-    check_options(layout=layout, rotation=rotation, seed=seed, heads=heads, r3=r3, r4=r4)
-    layout = plan.layout if layout is None else layout
+    o = received(Options, options, step="rotate")
+    rotation, seed, heads = o.rotation, o.seed, o.heads
+    layout = plan.layout if o.layout is None else o.layout
     if layout is None:
         raise ValueError("rotate: no residual layout: the plan has none (Plan.layout; bridge.plan fills it from the "
                          "model's architecture table, bridge.arch.residual_layout) and no layout option was given")
@@ -136,7 +136,7 @@ def step(params, plan, *, context, layout=None, rotation: str = "hadamard", seed
     R1 = rotation_matrix(d, rotation, seed, device=dev)
     R2 = rotation_matrix(lay.heads[0].head_dim, rotation, seed + 1, device=dev) if heads and lay.heads else None
     out = rotate_tree(params, lay if heads else lay._replace(heads=()), R1, R2)
-    online = online_r3_r4(out, plan, lay, r3=r3, r4=r4)
+    online = online_r3_r4(out, plan, lay, r3=o.r3, r4=o.r4)
     out.update(fuse_online(out, online))
     changed = {p: t for p, t in out.items() if t is not params.get(p)}
     info = {p: {"rotation": ("Hadamard" if rotation == "hadamard" and has_hadamard(d) else rotation)

@@ -19,7 +19,7 @@ from typing import Any
 
 from ..observers import choose_qparams, make_observer
 from .base import Fit, register_algorithm
-from .options import option, options_checker
+from .options import option, options_checker, received
 
 __all__ = ["step", "Options", "check_options", "check_range_observer"]
 
@@ -51,9 +51,9 @@ class Options:
 check_options = options_checker("rtn", Options)
 
 
-def step(params, plan, *, context, observer=None) -> Fit:
+def step(params, plan, *, context, options: Options) -> Fit:
     """Round-to-nearest parameters for every path the plan quantizes."""
-    obs = make_observer(observer)
+    obs = make_observer(received(Options, options, step="rtn").observer)
     return Fit(qparams={path: choose_qparams(params[path], spec, observer=obs, path=path)
                         for path, spec in context.track(plan.specs.items(), desc="rtn")})
 

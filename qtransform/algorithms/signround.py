@@ -70,9 +70,10 @@ from typing import Any, Mapping
 import torch
 
 from .base import BlockInputs, Fit, register_algorithm
+from .gptq import Options as GPTQOptions
 from .gptq import linear_weights
 from .gptq import solve_block as gptq_solve
-from .options import option, options_checker
+from .options import option, options_checker, received
 from .signround_math import (ZERO_POINTS, Learned, clip_init, finalize, learned_fake_quantize, minmax_init, prepare,
                               sign_step)
 
@@ -173,14 +174,10 @@ def _targets(block) -> list[torch.Tensor]:
         return [o.detach().to(torch.float32) for o in outs]
 
 
-def step(params, plan, *, context, iters: int = 200, lr: float | None = None, minmax_lr: float | None = None,
-         batch_size: int = 8, minmax: bool = True, offsets: bool = True, init: str = "minmax",
-         zero_point: str = "ste", best: bool = True, quantized_inputs: bool = True, amp: bool = False, seed: int = 0,
-         holdout: int = 5, tokens: int | None = None) -> Fit:
+def step(params, plan, *, context, options: Options) -> Fit:
     """The ``signround`` step on one block (``context.block``); see the module docstring."""
-    check_options(iters=iters, lr=lr, minmax_lr=minmax_lr, batch_size=batch_size, minmax=minmax, offsets=offsets,
-                  init=init, zero_point=zero_point, best=best, quantized_inputs=quantized_inputs, amp=amp, seed=seed,
-                  holdout=holdout, tokens=tokens)
+    o = received(Options, options, step="signround")
+    iters, zero_point = o.iters, o.zero_point
     block = context.block
     if block is None:
         raise ValueError("signround runs block by block on calibration data (a calibrator's blockwise)")
@@ -189,15 +186,15 @@ def step(params, plan, *, context, iters: int = 200, lr: float | None = None, mi
     weights = linear_weights(params, plan, block.paths)
     if not weights:
         return Fit()
-    lr = default_lr(iters, init) if lr is None else float(lr)
-    minmax_lr = lr if minmax_lr is None else float(minmax_lr)
-    solved = _gptq_start(params, plan, context, weights, gptaq=init == "gptaq") if init in GPTQ_INITS else {}
+    lr = default_lr(iters, o.init) if o.lr is None else float(o.lr)
+    minmax_lr = lr if o.minmax_lr is None else float(o.minmax_lr)
+    solved = _gptq_start(params, plan, context, weights, gptaq=o.init == "gptaq") if o.init in GPTQ_INITS else {}
     prep = {p: prepare(solved[p][0], plan.specs[p], path=p, start=solved[p][1])._replace(dtype=params[p].dtype)
             if p in solved else prepare(params[p], plan.specs[p], path=p) for p in weights}
-    state = {p: clip_init(q, zero_point=zero_point) if init == "mse" else minmax_init(q) for p, q in prep.items()}
-    learn_range = {p: minmax and q.ranged for p, q in prep.items()}
+    state = {p: clip_init(q, zero_point=zero_point) if o.init == "mse" else minmax_init(q) for p, q in prep.items()}
+    learn_range = {p: o.minmax and q.ranged for p, q in prep.items()}
     targets = _targets(block)
-    inputs = block.inputs if quantized_inputs else block.float_inputs
+    inputs = block.inputs if o.quantized_inputs else block.float_inputs
     if len(inputs) != len(targets):
         raise ValueError(f"block {block.name}: {len(inputs)} quantized-chain batches but {len(targets)} float ones")
     par = block.parallel
@@ -206,10 +203,10 @@ def step(params, plan, *, context, iters: int = 200, lr: float | None = None, mi
     counts = [len(inputs)] if par.world == 1 else [int(n) for n in par.gather(len(inputs))]
     start = sum(counts[:par.rank])
     rows = [_rows(*inputs[0])] if par.world == 1 else par.gather(_rows(*inputs[0]) if inputs else 1)
-    per = max(1, math.ceil(batch_size / max(max(rows), 1)))
+    per = max(1, math.ceil(o.batch_size / max(max(rows), 1)))
     total = sum(counts)
-    held = [i for i in range(total) if holdout and i % holdout == holdout - 1]
-    sampler = _Sampler(sorted(set(range(total)) - set(held)), per, seed)
+    held = [i for i in range(total) if o.holdout and i % o.holdout == o.holdout - 1]
+    sampler = _Sampler(sorted(set(range(total)) - set(held)), per, o.seed)
     judge = [i - start for i in held if start <= i < start + len(inputs)] if held else range(len(inputs))
 
     device = targets[0].device.type if targets else "cpu"
@@ -244,20 +241,20 @@ def step(params, plan, *, context, iters: int = 200, lr: float | None = None, mi
     best_loss, best_state, first_loss = math.inf, state, math.nan
     for t in context.track(range(iters), desc=f"signround {block.name}", total=iters):
         picks = [i - start for i in sampler.next() if start <= i < start + len(inputs)]
-        grads, sse = grad_and_value(*split(state), picks, amp)
+        grads, sse = grad_and_value(*split(state), picks, o.amp)
         count = float(sum(targets[i].numel() for i in picks))
         grads, sse, count = _reduce(grads, sse, count, par)
         value = float(sse) / max(count, 1.0)
-        if value < best_loss or not best:
+        if value < best_loss or not o.best:
             best_loss, best_state = value, state
         decay = 1.0 - t / iters
-        state = {p: sign_step(s, Learned(grads[p][0] if offsets else None,
+        state = {p: sign_step(s, Learned(grads[p][0] if o.offsets else None,
                                          *(grads[p][1:] if learn_range[p] else (None, None))),
                               lr=lr * decay, minmax_lr=minmax_lr * decay) for p, s in state.items()}
     if iters:  # the start, the best iterate and the last one on the judging batches (ties: the earlier)
         first_loss = data_loss(initial)
-        kept = [(first_loss, 0, initial)] if best else []
-        if best and best_state is not initial:
+        kept = [(first_loss, 0, initial)] if o.best else []
+        if o.best and best_state is not initial:
             kept.append((data_loss(best_state), 1, best_state))
         kept.append((data_loss(state), 2, state))
         best_loss, _, best_state = min(kept, key=lambda k: k[:2])
@@ -283,7 +280,8 @@ def _gptq_start(params, plan, context, weights, gptaq: bool = False) -> dict:
     GPTAQ's, from the block's float inputs as well), each 2-D linear weight as its columns stood when rounded
     (float32) with GPTQ's parameters; stacked experts (solved expert by expert, no unrounded weight kept) are left
     out and start from min-max ranges."""
-    _, qparams, _, unrounded = gptq_solve(params, plan, context=context, unrounded=True, gptaq=gptaq)
+    _, qparams, _, unrounded = gptq_solve(params, plan, context=context, options=GPTQOptions(gptaq=gptaq),
+                                          unrounded=True)
     return {p: (unrounded[p], qparams[p]) for p in weights if p in unrounded}
 
 
@@ -303,11 +301,11 @@ def _reduce(grads: Mapping, sse, count: float, par):
     return {p: tuple(v) for p, v in out.items()}, flat[at], float(flat[at + 1])
 
 
-def _tokens(**options):
-    return options.get("tokens")
+def _tokens(*, options: Options) -> int | None:
+    return options.tokens
 
 
-register_algorithm("signround", step, needs=BlockInputs(tokens=_tokens, float_inputs=lambda **o: True),
+register_algorithm("signround", step, needs=BlockInputs(tokens=_tokens, float_inputs=lambda *, options: True),
                    options=Options,
                    description="SignRound (AutoRound): rounding offsets and clipping learned by signed gradient "
                                "descent against each block's float output")

@@ -54,7 +54,7 @@ from typing import Any
 from ..observers import finalize_stats, init_stats
 from ..spec import Site
 from .base import BlockInputs, Fit, register_algorithm
-from .options import option, options_checker
+from .options import option, options_checker, received
 from .smoothing import as_groups, block_groups, fold, input_module, quantized_linears, weight_path
 from .smoothquant_math import (EPS, SCORES, Choice, _group_scales, check_activation, sample_stats, scales,
                                search_alpha, smooth)
@@ -97,12 +97,11 @@ class Options:
 check_options = options_checker("smoothquant", Options)
 
 
-def step(params, plan, *, context, alpha: Any = 0.5, groups=None, activation=None, grid: int | None = None,
-                tokens: int | None = None, score: str | None = None) -> Fit:
+def step(params, plan, *, context, options: Options) -> Fit:
     """The ``smoothquant`` step on one block (``context.block``); see the module docstring."""
-    given = {k: v for k, v in dict(activation=activation, grid=grid, tokens=tokens, score=score).items() if v is not None}
-    check_options(alpha=alpha, groups=groups, **given)
-    groups = plan.groups if groups is None else groups
+    o = received(Options, options, step="smoothquant")
+    alpha, activation = o.alpha, o.activation
+    groups = plan.groups if o.groups is None else o.groups
     if groups is None:
         raise ValueError("smoothquant: no smoothing groups: the plan has none (Plan.groups; bridge.plan fills them "
                          "from the model's architecture table, bridge.arch) and no groups option was given")
@@ -114,7 +113,7 @@ def step(params, plan, *, context, alpha: Any = 0.5, groups=None, activation=Non
         return Fit()
     auto = alpha == "auto"
     if auto:
-        stride = max(1, math.ceil((block.tokens or 0) / (tokens or 1024)))  # every row when uncounted
+        stride = max(1, math.ceil((block.tokens or 0) / (o.tokens or 1024)))  # every row when uncounted
         want = {Site(input_module(g), "input"): sample_stats(stride) for g in mine}
     else:
         want = {Site(input_module(g), "input"): init_stats(observer="channel") for g in mine}
@@ -128,8 +127,8 @@ def step(params, plan, *, context, alpha: Any = 0.5, groups=None, activation=Non
             specs = {lin: plan.specs.get(weight_path(g, lin)) for lin in quantized_linears(g)}
             act = activation if activation is not None else recipe_acts.get(
                 Site(plan.site_module(weight_path(g, quantized_linears(g)[0])), "input"))
-            choice = search_alpha(summary, current, g, activation=act, weight_specs=specs, grid=grid or 11,
-                                  score=score or "calibration")
+            choice = search_alpha(summary, current, g, activation=act, weight_specs=specs, grid=o.grid or 11,
+                                  score=o.score or "calibration")
             s, chosen = choice.scales, choice.alpha
         else:
             s, chosen = _group_scales(current, g, summary.absmax, float(alpha)), float(alpha)

@@ -46,7 +46,7 @@ from ..rotation.stiefel import cayley_sgd_step
 from ..observers import choose_qparams
 from ..tensor import fake_quantize
 from .base import Fit, ModelLoss, register_algorithm
-from .options import option, options_checker
+from .options import option, options_checker, received
 from .rotate import fuse_online, online_r3_r4, rotation_matrix
 
 __all__ = ["step", "Options", "check_options", "LEARNABLE"]
@@ -113,13 +113,11 @@ def _spread(n: int, k: int | None) -> list[int]:
     return sorted({round(j * (n - 1) / max(k - 1, 1)) for j in range(k)})
 
 
-def step(params, plan, *, context, layout=None, iters: int = 100, lr: float = 0.1, momentum: float = 0.0,
-              learn=LEARNABLE, seed: int = 0, r3=None, r4: bool = True, batches=None, weights=None,
-              accumulate: int = 1) -> Fit:
+def step(params, plan, *, context, options: Options) -> Fit:
     """The ``spinquant`` step (see the module docstring)."""
-    check_options(layout=layout, iters=iters, lr=lr, momentum=momentum, learn=learn, seed=seed, r3=r3, r4=r4,
-                  batches=batches, weights=weights, accumulate=accumulate)
-    layout = plan.layout if layout is None else layout
+    o = received(Options, options, step="spinquant")
+    iters, accumulate, learn = o.iters, o.accumulate, o.learn
+    layout = plan.layout if o.layout is None else o.layout
     if layout is None:
         raise ValueError("spinquant: no residual layout: the plan has none (Plan.layout; bridge.plan fills it from the "
                          "model's architecture table, bridge.arch.residual_layout) and no layout option was given")
@@ -131,11 +129,11 @@ def step(params, plan, *, context, layout=None, iters: int = 100, lr: float = 0.
     if not isinstance(emb, torch.Tensor) or not lay.heads:
         raise ValueError("spinquant: the layout names no embedding tensor of the tree or no value/output heads")
     d, hd = emb.shape[-1], lay.heads[0].head_dim
-    R = {"r1": rotation_matrix(d, "hadamard", seed, device=emb.device),
-         "r2": rotation_matrix(hd, "hadamard", seed + 1, device=emb.device).expand(len(lay.heads), hd, hd).clone()}
-    online = online_r3_r4(params, plan, lay, r3=r3, r4=r4)
+    R = {"r1": rotation_matrix(d, "hadamard", o.seed, device=emb.device),
+         "r2": rotation_matrix(hd, "hadamard", o.seed + 1, device=emb.device).expand(len(lay.heads), hd, hd).clone()}
+    online = online_r3_r4(params, plan, lay, r3=o.r3, r4=o.r4)
     base = fuse_norms(params, lay)
-    mode = _weights_mode(weights, plan)
+    mode = _weights_mode(o.weights, plan)
 
     def rotated(learned: dict) -> dict:
         """The tree rotated in float32 (the float64 of ``rotate`` costs twice the time and memory)."""
@@ -149,7 +147,7 @@ def step(params, plan, *, context, layout=None, iters: int = 100, lr: float = 0.
         tree = rotated(learned)
         return _fake_quantized(tree, plan.specs) if mode == "rtn" else tree
 
-    order = _spread(len(context.loss), batches)
+    order = _spread(len(context.loss), o.batches)
     select = [order[j] for j in _spread(len(order), SELECT)]
 
     par = context.parallel
@@ -191,10 +189,10 @@ def step(params, plan, *, context, layout=None, iters: int = 100, lr: float = 0.
         _postfix(bar, loss)
         if k % every == 0:
             seen.append((calibration_loss(learned), k, dict(learned)))
-        step = lr * (1 - k / iters)
+        step = o.lr * (1 - k / iters)
         for name in learned:
             learned[name], moment[name] = cayley_sgd_step(learned[name], g[name], moment[name], lr=step,
-                                                          momentum=momentum)
+                                                          momentum=o.momentum)
     if iters:
         seen.append((calibration_loss(learned), iters, dict(learned)))
     best, at, learned = min(seen, key=lambda s: s[0]) if seen else (None, 0, learned)

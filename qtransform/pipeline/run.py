@@ -132,9 +132,9 @@ def check_plan_facts(plan: Plan, *, where: str = "recipe.steps") -> None:
                                  f"table (bridge.arch); for a tree alone, pass Recipe.plan(tree, {fact}=...)")
 
 
-def _sites(algo, step: Step, plan: Plan, at: str) -> dict:
+def _sites(algo, arguments: Mapping, plan: Plan, at: str) -> dict:
     sites = {}
-    for site, want in algo.needs.sites(plan, **step.options).items():
+    for site, want in algo.needs.sites(plan, **arguments).items():
         if not isinstance(site, Site):
             raise TypeError(f"{at}: SiteStats.sites must return {{Site: observer or statistics}}, got key {site!r}")
         sites[site] = want if isinstance(getattr(want, "observer", None), Observer) else init_stats(observer=want)
@@ -146,19 +146,20 @@ def _run_step(algo, step: Step, plan: Plan, current: dict, calibrator: Calibrato
     """One step on the current tree (copies of the dict: steps never change the tree they are handed)."""
     rotated = {"online": dict(online)} if online else {}  # calibrators without the option serve the others
     known = {"qparams": dict(qparams), "reference": {**current, **reference}}
+    arguments = algo.arguments(step.options, path=at)  # its options dataclass built once (else the keywords)
     if isinstance(algo.needs, BlockInputs):
         def fit_block(block: Block, params: Mapping) -> Fit:
             fit = algo.fn(dict(params), plan, context=Context(block=block, progress=progress, online=dict(online),
-                                                              **known), **step.options)
+                                                              **known), **arguments)
             _check_fit(fit, f"{at} block {block.name}", plan, current)
             outside = sorted(set(fit.params) - set(block.paths))
             if outside:
                 raise ValueError(f"{at} block {block.name}: returned tensors outside the block: {outside[:5]}")
             return fit
 
-        tokens = algo.needs.tokens(**step.options) if algo.needs.tokens is not None else None
+        tokens = algo.needs.tokens(**arguments) if algo.needs.tokens is not None else None
         more = {} if tokens is None else {"tokens": tokens}  # calibrators without the option still serve others
-        if algo.needs.float_inputs is not None and algo.needs.float_inputs(**step.options):
+        if algo.needs.float_inputs is not None and algo.needs.float_inputs(**arguments):
             more["float_inputs"] = True
         return calibrator.blockwise(dict(current), plan, fit_block, qparams=dict(qparams), **more, **rotated,
                                     **serving(calibrator, "blockwise", index))
@@ -166,18 +167,18 @@ def _run_step(algo, step: Step, plan: Plan, current: dict, calibrator: Calibrato
         loss = calibrator.model_loss(plan, **rotated)
         return algo.fn(dict(current), plan, context=Context(loss=loss, progress=progress, online=dict(online),
                                                             parallel=getattr(calibrator, "parallel", SERIAL), **known),
-                       **step.options)
-    stats = _collect(algo, step, plan, current, calibrator, at, rotated, index)
+                       **arguments)
+    stats = _collect(algo, step, arguments, plan, current, calibrator, at, rotated, index)
     return algo.fn(dict(current), plan, context=Context(stats=stats, progress=progress, online=dict(online), **known),
-                   **step.options)
+                   **arguments)
 
 
-def _collect(algo, step: Step, plan: Plan, current: Mapping, calibrator: Calibrator | None, at: str, rotated,
-             index: int):
+def _collect(algo, step: Step, arguments: Mapping, plan: Plan, current: Mapping, calibrator: Calibrator | None,
+             at: str, rotated, index: int):
     if not needs_data(algo, step.options):
         return None
     if isinstance(algo.needs, SiteStats):
-        return calibrator.site_stats(dict(current), _sites(algo, step, plan, at), **rotated,
+        return calibrator.site_stats(dict(current), _sites(algo, arguments, plan, at), **rotated,
                                      **serving(calibrator, "site_stats", index))
     raise TypeError(f"{at}: unknown need {type(algo.needs).__name__}")
 

@@ -187,10 +187,11 @@ def test_the_step_sees_only_the_tokens_it_asked_for():
     seen = []
     original = qt.get_algorithm("awq")
 
-    def counting(params, plan_, *, context, groups=None, **options):
+    def counting(params, plan_, *, context, options):
+        assert isinstance(options, original.options) and options.tokens == 64  # the dataclass, built once
         seen.append(sum(a[0].shape[0] * a[0].shape[1] if a else 0 for a, _ in context.block.inputs))
         assert context.block.tokens == seen[-1]  # counted by the bridge, which knows the hidden states
-        return original.fn(params, plan_, context=context, groups=groups, **options)
+        return original.fn(params, plan_, context=context, options=options)
 
     qt.register_algorithm("awq_counting", counting, needs=original.needs, options=original.options)
     try:
