@@ -74,8 +74,8 @@ from .gptq import Options as GPTQOptions
 from .gptq import linear_weights
 from .gptq import solve_block as gptq_solve
 from .options import option, options_checker, received
-from .signround_math import (ZERO_POINTS, Learned, clip_init, finalize, learned_fake_quantize, minmax_init, prepare,
-                              sign_step)
+from .signround_math import (ZERO_POINTS, Learned, clip_init, finalize, learned_fake_quantize, minmax_init,
+                              prepare_weight, sign_step)
 
 __all__ = ["step", "Options", "check_options", "SIGNROUND_INITS", "GPTQ_INITS", "default_lr"]
 
@@ -189,8 +189,8 @@ def step(params, plan, *, context, options: Options) -> Fit:
     lr = default_lr(iters, o.init) if o.lr is None else float(o.lr)
     minmax_lr = lr if o.minmax_lr is None else float(o.minmax_lr)
     solved = _gptq_start(params, plan, context, weights, gptaq=o.init == "gptaq") if o.init in GPTQ_INITS else {}
-    prep = {p: prepare(solved[p][0], plan.specs[p], path=p, start=solved[p][1])._replace(dtype=params[p].dtype)
-            if p in solved else prepare(params[p], plan.specs[p], path=p) for p in weights}
+    prep = {p: prepare_weight(solved[p][0], plan.specs[p], path=p, start=solved[p][1])._replace(dtype=params[p].dtype)
+            if p in solved else prepare_weight(params[p], plan.specs[p], path=p) for p in weights}
     state = {p: clip_init(q, zero_point=zero_point) if o.init == "mse" else minmax_init(q) for p, q in prep.items()}
     learn_range = {p: o.minmax and q.ranged for p, q in prep.items()}
     targets = _targets(block)

@@ -38,7 +38,7 @@ the casts (bf16, fp16: scale 1) learn only ``V``.
 >>> import torch, qtransform as qt
 >>> w = torch.tensor([[-1.0, -0.2, 0.3, 0.9]])
 >>> spec = qt.QuantSpec(format="uint2", granularity=qt.PerGroup(4), symmetric=False)
->>> lq = prepare(w, spec)
+>>> lq = prepare_weight(w, spec)
 >>> t = minmax_init(lq)
 >>> (learned_fake_quantize(lq, t) * 3 / 1.9).round().tolist()  # round to nearest: scale 1.9/3, zero point 2
 [[-2.0, 0.0, 0.0, 1.0]]
@@ -59,7 +59,7 @@ from ..spec import QuantSpec
 from ..tensor import QParams, blocks, dequantize, quantize
 from ..tensor.quantize import element_range
 
-__all__ = ["Learned", "Prepared", "ZERO_POINTS", "OFFSET_RANGE", "FACTOR_RANGE", "prepare", "minmax_init", "clip_init",
+__all__ = ["Learned", "Prepared", "ZERO_POINTS", "OFFSET_RANGE", "FACTOR_RANGE", "prepare_weight", "minmax_init", "clip_init",
            "learned_fake_quantize", "sign_step", "finalize"]
 
 ZERO_POINTS = ("ste", "round")
@@ -77,7 +77,7 @@ class Learned(NamedTuple):
 
 
 class Prepared(NamedTuple):
-    """What :func:`prepare` computes once per weight (the float weight blocked, its ranges, the tilings)."""
+    """What :func:`prepare_weight` computes once per weight (the float weight blocked, its ranges, the tilings)."""
 
     weight: torch.Tensor        # float32 blocked view (the element tiling)
     wmin: torch.Tensor          # per element block (sub-blocks for MX4/6/9), float32
@@ -93,7 +93,7 @@ class Prepared(NamedTuple):
     start: QParams | None = None  # given parameters (GPTQ's): used as they are where alpha = beta = 1
 
 
-def prepare(w: torch.Tensor, spec: QuantSpec, *, path: str | None = None, start: QParams | None = None) -> Prepared:
+def prepare_weight(w: torch.Tensor, spec: QuantSpec, *, path: str | None = None, start: QParams | None = None) -> Prepared:
     """The float weight ``w`` (any rank the spec tiles: a 2-D linear, 3-D stacked experts with a stacked spec)
     prepared for :func:`learned_fake_quantize`. ``start``: parameters to start from instead of min-max ranges
     (GPTQ's, with ``w`` its unrounded weight): the ranges are those they stand for (their lowest and highest
@@ -155,7 +155,7 @@ def clip_init(lq: Prepared, *, candidates: int = 11, zero_point: str = "ste") ->
 
     >>> import torch, qtransform as qt
     >>> w = torch.tensor([[-0.1, 0.0, 0.1, 0.2, 0.3, -0.2, 0.15, 4.0]])
-    >>> lq = prepare(w, qt.QuantSpec(format="uint2", granularity=qt.PerGroup(8), symmetric=False))
+    >>> lq = prepare_weight(w, qt.QuantSpec(format="uint2", granularity=qt.PerGroup(8), symmetric=False))
     >>> t = clip_init(lq)
     >>> float(t.beta) < 1.0, bool((learned_fake_quantize(lq, t) - w).square().sum()
     ...                            <= (learned_fake_quantize(lq, minmax_init(lq)) - w).square().sum())

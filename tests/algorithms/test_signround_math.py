@@ -29,7 +29,7 @@ SPECS = _specs()
 @pytest.mark.parametrize("spec", SPECS, ids=str)
 def test_start_is_round_to_nearest_and_end_is_on_the_codec_grid(spec):
     w = torch.randn(6, 64, generator=torch.Generator().manual_seed(1))
-    lq = sm.prepare(w, spec)
+    lq = sm.prepare_weight(w, spec)
     t = sm.minmax_init(lq)
     rtn = qt.dequantize(qt.quantize(w, qt.choose_qparams(w, spec)))
     assert torch.equal(sm.learned_fake_quantize(lq, t), rtn)
@@ -48,7 +48,7 @@ def test_start_is_round_to_nearest_and_end_is_on_the_codec_grid(spec):
 def test_nvfp4_keeps_the_float_weight_global_scale():
     w = torch.randn(4, 64, generator=torch.Generator().manual_seed(3))
     spec = qt.QuantSpec(format="nvfp4")
-    lq = sm.prepare(w, spec)
+    lq = sm.prepare_weight(w, spec)
     t = sm.minmax_init(lq)
     _, qp = sm.finalize(lq, t._replace(alpha=t.alpha * 0.6, beta=t.beta * 0.6))
     assert torch.equal(qp.global_scale, qt.choose_qparams(w, spec).global_scale)
@@ -86,7 +86,7 @@ def test_straight_through_gradient_equals_the_hand_derived_one(ste):
     V = torch.tensor([[0.1, -0.3, 0.2, 0.4]])
     alpha, beta = 0.8, 0.9               # the -1.0 and 0.9 fall outside: the zero point's gradient shows
     target = torch.tensor([[-0.7, -0.1, 0.5, 0.6]])
-    lq = sm.prepare(w, spec)
+    lq = sm.prepare_weight(w, spec)
     t = sm.Learned(V.clone().requires_grad_(), torch.full((1, 1), alpha).requires_grad_(),
                    torch.full((1, 1), beta).requires_grad_())
     loss = ((sm.learned_fake_quantize(lq, t, zero_point="ste" if ste else "round") - target) ** 2).sum()
@@ -102,7 +102,7 @@ def test_straight_through_gradient_equals_the_hand_derived_one(ste):
 def test_offsets_and_factors_stay_in_range_under_many_steps():
     w = torch.randn(8, 64, generator=torch.Generator().manual_seed(4))
     spec = qt.QuantSpec(format="uint4", granularity=qt.PerGroup(32), symmetric=False)
-    lq = sm.prepare(w, spec)
+    lq = sm.prepare_weight(w, spec)
     t = sm.minmax_init(lq)
     target = torch.randn(8, 64, generator=torch.Generator().manual_seed(5)) * 3
     for _ in range(40):  # a far target: every step pushes against the bounds
@@ -127,35 +127,35 @@ def test_a_step_moves_each_value_by_lr_against_its_gradient_sign():
 def test_stacked_experts_and_transposed_layouts_tile_like_the_codec():
     w3 = torch.randn(3, 8, 64, generator=torch.Generator().manual_seed(6))
     spec = qt.stacked_spec(qt.QuantSpec(format="uint4", granularity=qt.PerGroup(32), symmetric=False), w3.shape)
-    lq = sm.prepare(w3, spec)
+    lq = sm.prepare_weight(w3, spec)
     assert lq.groups.grid == (3, 8, 2)
     rtn = qt.dequantize(qt.quantize(w3, qt.choose_qparams(w3, spec)))
     assert torch.equal(sm.learned_fake_quantize(lq, sm.minmax_init(lq)), rtn)
     wt = torch.randn(64, 8, generator=torch.Generator().manual_seed(7))   # Conv1D: groups along axis 0
     spec_t = qt.QuantSpec(format="int4", granularity=qt.PerGroup(32, axis=0))
-    lq = sm.prepare(wt, spec_t)
+    lq = sm.prepare_weight(wt, spec_t)
     assert lq.groups.grid == (2, 8)
 
 
 def test_bad_input_is_named():
     w = torch.randn(4, 30)
     with pytest.raises(ValueError, match="layers.0.w: group size 32 does not divide"):
-        sm.prepare(w, qt.QuantSpec(format="int4", granularity=qt.PerGroup(32)), path="layers.0.w")
-    lq = sm.prepare(torch.randn(4, 32), qt.QuantSpec(format="int4", granularity=qt.PerGroup(32)))
+        sm.prepare_weight(w, qt.QuantSpec(format="int4", granularity=qt.PerGroup(32)), path="layers.0.w")
+    lq = sm.prepare_weight(torch.randn(4, 32), qt.QuantSpec(format="int4", granularity=qt.PerGroup(32)))
     with pytest.raises(ValueError, match="zero_point must be one of"):
         sm.learned_fake_quantize(lq, sm.minmax_init(lq), zero_point="floor")
     with pytest.raises(ValueError, match="dynamic"):
-        sm.prepare(torch.randn(4, 32), qt.QuantSpec(format="int8", granularity=qt.PerGroup(32), dynamic=True))
+        sm.prepare_weight(torch.randn(4, 32), qt.QuantSpec(format="int8", granularity=qt.PerGroup(32), dynamic=True))
 
 
 def test_a_given_start_is_used_exactly_where_the_factors_stand_at_one_and_its_range_elsewhere():
-    """``prepare(start=qp)``: with ``alpha = beta = 1`` the quantizer uses ``qp`` as given (its round to nearest of
+    """``prepare_weight(start=qp)``: with ``alpha = beta = 1`` the quantizer uses ``qp`` as given (its round to nearest of
     the weight, whatever float rounding inverting its range would cost); moving a factor recomputes that group's
     parameters from the range ``qp`` stands for, scaled (the range: its lowest and highest codes dequantized)."""
     spec = qt.QuantSpec(format="uint3", granularity=qt.PerGroup(16), symmetric=False)
     w = torch.randn(4, 32, generator=torch.Generator().manual_seed(7))
     qp = qt.choose_qparams(w * 0.8, spec)  # parameters of a narrower range than w's own
-    lq = sm.prepare(w, spec, start=qp)
+    lq = sm.prepare_weight(w, spec, start=qp)
     t = sm.minmax_init(lq)
     assert torch.equal(sm.learned_fake_quantize(lq, t), qt.dequantize(qt.quantize(w, qp)))
     s, z = qp.effective()
@@ -174,10 +174,10 @@ def test_a_start_of_another_spec_or_grid_is_refused_by_path():
     w = torch.randn(4, 32)
     other = qt.choose_qparams(w, qt.QuantSpec(format="uint4", granularity=qt.PerGroup(16), symmetric=False))
     with pytest.raises(ValueError, match="layers.1.w: signround: the start's parameters must be QParams of spec"):
-        sm.prepare(w, spec, path="layers.1.w", start=other)
+        sm.prepare_weight(w, spec, path="layers.1.w", start=other)
     wider = qt.choose_qparams(torch.randn(4, 48), spec)
     with pytest.raises(ValueError, match=r"layers.1.w: signround: .*one scale per group \(grid \(4, 2\)\)"):
-        sm.prepare(w, spec, path="layers.1.w", start=wider)
+        sm.prepare_weight(w, spec, path="layers.1.w", start=wider)
 
 
 def _group_errors(w, y, group):
@@ -188,7 +188,7 @@ def _group_errors(w, y, group):
 def test_clip_init_never_starts_worse_than_min_max(spec):
     w = torch.randn(6, 64, generator=torch.Generator().manual_seed(3)) * torch.linspace(0.1, 3, 64)
     w[0, 5] = 9.0  # an outlier a clipped range gives up
-    lq = sm.prepare(w, spec)
+    lq = sm.prepare_weight(w, spec)
     a = sm.learned_fake_quantize(lq, sm.minmax_init(lq))
     t = sm.clip_init(lq)
     b = sm.learned_fake_quantize(lq, t)
@@ -203,7 +203,7 @@ def test_clip_init_picks_the_least_error_of_the_grid_found_through_the_codec(fmt
     """Brute force: each candidate factor as a clipped range through QParams.from_range and the codec."""
     w = torch.randn(4, 128, generator=torch.Generator().manual_seed(4)) ** 3
     spec = qt.QuantSpec(format=fmt, granularity=qt.PerGroup(32), symmetric=symmetric)
-    t = sm.clip_init(sm.prepare(w, spec))
+    t = sm.clip_init(sm.prepare_weight(w, spec))
     lo, hi = w.reshape(4, 4, 32).amin(-1), w.reshape(4, 4, 32).amax(-1)
     errs = []
     for c in torch.linspace(1.0, 0.5, 11).tolist():

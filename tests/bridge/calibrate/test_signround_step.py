@@ -290,7 +290,7 @@ def test_init_mse_starts_from_each_groups_least_error_clip():
     float_tree = bridge.tree.extract(model)
     for path in [p for p in mse.plan.specs if p.startswith("model.layers.0.")]:
         w = float_tree[path].detach()
-        want, _ = sr_math.finalize(sr_math.prepare(w, spec, path=path), sr_math.clip_init(sr_math.prepare(w, spec)))
+        want, _ = sr_math.finalize(sr_math.prepare_weight(w, spec, path=path), sr_math.clip_init(sr_math.prepare_weight(w, spec)))
         got = qt.dequantize(mse.qtree[path], dtype=w.dtype)
         torch.testing.assert_close(got, want, rtol=0, atol=0)
         assert float((got - w).square().sum()) < float((qt.dequantize(rtn.qtree[path], dtype=w.dtype) - w).square().sum())
