@@ -7,7 +7,7 @@ of a streamed run, on plain data (a plan and the blocks' tree paths), so that an
   learns on the whole model's loss, or changes tensors across the model without being a rotation of the
   residual stream; a rotation whose norm feeds linears of another block; a static activation quantizer
   outside the blocks (its statistics come from the blocks' pass);
-* :meth:`qtransform.ResidualLayout.restrict` gives a rotating step its block's part of the layout.
+* :meth:`qtransform.rotation.ResidualLayout.restrict` gives a rotating step its block's part of the layout.
 
 >>> import torch, qtransform as qt
 >>> spec = qt.QuantSpec(format="int4", granularity=qt.PerGroup(32))
