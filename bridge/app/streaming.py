@@ -14,6 +14,7 @@ measured (``qtransform eval --model DIR`` measures it elsewhere).
 from __future__ import annotations
 
 import dataclasses
+import time
 from pathlib import Path
 
 from . import export, inputs, outputs
@@ -48,15 +49,19 @@ def cmd_streamed(a, recipe, label: str, out: Path, source, t0: float, driver) ->
     inputs.check_vocab(skeleton, calibration, "calibration text")
     rows, rep = [], {}
     run = record.Run(model=name, label=label, recipe=recipe, out=out, driver=driver.why, t0=t0, eval_seqs=eval_seqs,
-                     calibration=calibration)
+                     calibration=calibration, phases={"check": time.perf_counter() - t0})
     stored = stored_dtypes_of(driver.prepared.src, skeleton)  # the bytes before of each row: the headers read once
+    te = time.perf_counter()
     run.ppl_before = _original_perplexity(source, eval_seqs, driver, run.notes, parallel=current())
+    if run.ppl_before is not None:
+        run.phases["eval before"] = time.perf_counter() - te
 
     def on_tensor(path, w, q):
         rows.append(report.layer_row(path, w, q, "", error=a.layer_errors, stored=stored.get(path)))
 
     def before_publish(tmp: Path, result) -> None:
-        ppl = None
+        ppl, te = None, time.perf_counter()
+        run.phases["quantize"] = result.written.seconds
         if eval_seqs is not None and not driver.eval_after:
             run.notes.append(f"perplexity of the quantized checkpoint not measured: loading it whole does not fit "
                              f"the {format_size(driver.available)} available (`qtransform eval --model {out}` "
@@ -64,6 +69,7 @@ def cmd_streamed(a, recipe, label: str, out: Path, source, t0: float, driver) ->
         elif eval_seqs is not None:
             say("perplexity of the quantized checkpoint ...")
             ppl = evaluate.perplexity(models.load_causal_lm(tmp), eval_seqs, progress=True).perplexity
+            run.phases["eval after"] = time.perf_counter() - te
         layers = [dataclasses.replace(row, rule=result.plan[row.path].rule) for row in rows]
         w = result.written
         r = run.report(result, layers, size_before=w.bytes_in, size_after=w.bytes_out, seconds=w.seconds, ppl_after=ppl)
@@ -89,7 +95,7 @@ def cmd_streamed(a, recipe, label: str, out: Path, source, t0: float, driver) ->
     if "report" not in rep:  # a rank other than 0 of a torchrun group: rank 0 writes and reports
         return 0
     record.publish_report(a, rep["report"], out,
-                   f"resumed after {done.written.resumed} finished units" if done.written.resumed else "")
+                          f"resumed after {done.written.resumed} finished units" if done.written.resumed else "")
     return 0
 
 
