@@ -102,7 +102,8 @@ def write_arch(writer, config: dict, name: str) -> None:
     writer.add_rope_freq_base(theta)
     head_dim = _head_dim(config)
     writer.add_rope_dimension_count(head_dim)
-    if head_dim * heads != int(config["hidden_size"]) or family(config).gguf.key_length:
+    arch = family(config)
+    if head_dim * heads != int(config["hidden_size"]) or (arch is not None and arch.gguf.key_length):
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
     writer.add_vocab_size(int(config["vocab_size"]))
