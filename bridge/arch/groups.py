@@ -1,4 +1,4 @@
-"""A model's smoothing groups from the architecture tables: one of the model facts ``bridge.plan`` puts on the plan.
+"""A model's smoothing groups from its family's row (:mod:`.families`): a model fact ``bridge.plan`` puts on the plan.
 
 :func:`find_arch` recognises the family by ``config.model_type``, else by structure (the blocks and
 every module a table names, with norm classes that fold); :func:`smoothing_groups` resolves the
@@ -23,7 +23,8 @@ from torch import nn
 
 from ..modules.experts import expert_weights
 from ..tree import stored_transposed
-from .tables import ARCHS, FOLDABLE_NORMS, Arch, GroupTemplate
+from . import families
+from .tables import Arch, GroupTemplate
 
 __all__ = ["find_arch", "smoothing_groups", "model_groups"]
 
@@ -86,29 +87,32 @@ def _missing(model: nn.Module, arch: Arch) -> str | None:
             if rel in t.linears and rel not in t.routers and not _is_linear(m):
                 return f"{first}.{rel} is a {type(m).__name__}, not a linear layer"
         prev = _module(model, f"{first}.{t.prev}")
-        if not _is_linear(prev) and type(prev).__name__ not in FOLDABLE_NORMS:
+        foldable = families.foldable_norms()
+        if not _is_linear(prev) and type(prev).__name__ not in foldable:
             return (f"{first}.{t.prev} is a {type(prev).__name__}, not a norm known to fold a scale "
-                    f"({sorted(FOLDABLE_NORMS)})")
+                    f"({sorted(foldable)})")
         if not _is_linear(prev) and getattr(prev, "weight", None) is None:
             return f"{first}.{t.prev} has no weight (elementwise_affine=False) to fold a scale into"
     return None
 
 
 def find_arch(model: nn.Module) -> Arch:
-    """The table of ``model``'s family: by ``config.model_type``, else the first table whose structure fits.
+    """The row of ``model``'s family (:data:`~.families.ARCHS`, the rows with smoothing groups): by
+    ``config.model_type``, else the first row whose structure fits.
 
-    ``ValueError`` naming the model type and, per table, what is missing, for an unsupported model.
+    ``ValueError`` naming the model type and, per row, what is missing, for an unsupported model.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     model_type = getattr(getattr(model, "config", None), "model_type", None)
-    named = [a for a in ARCHS if model_type in a.model_types]
-    for arch in named or ARCHS:
+    tables = [a for a in families.ARCHS if a.groups]
+    named = [a for a in tables if model_type in a.model_types]
+    for arch in named or tables:
         if _missing(model, arch) is None:
             return arch
-    why = "; ".join(f"{a.name}: {_missing(model, a)}" for a in (named or ARCHS))
+    why = "; ".join(f"{a.name}: {_missing(model, a)}" for a in (named or tables))
     raise ValueError(f"smoothing groups: no architecture table fits {type(model).__name__} (model_type "
-                     f"{model_type!r}); supported: {sorted({t for a in ARCHS for t in a.model_types})}. "
+                     f"{model_type!r}); supported: {sorted({t for a in tables for t in a.model_types})}. "
                      f"What is missing: {why}")
 
 

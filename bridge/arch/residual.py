@@ -1,12 +1,13 @@
 """A model's residual-stream layout for rotations (:class:`qtransform.rotation.ResidualLayout`), from
-the architecture tables.
+its family's row (:mod:`.families`: ``rotatable``, ``writers`` and the smoothing groups).
 
 The smoothing groups already say which norm feeds which linears and which value projection feeds
 which output projection; the layout adds the stream's other ends: the input embeddings, the writers
 (the output projection and the MLP's down projection of every block) and the final norm with the
 output head; and where online rotations may go: the down projections (their input, ``R4``) and the
-attention modules with their head width (queries and keys, ``R3``). Only pre-norm RMSNorm families qualify (Llama, Mistral, Qwen2, Phi-3): a LayerNorm
-subtracts the mean, which no rotation of the stream commutes with. Mixture-of-experts families (Mixtral,
+attention modules with their head width (queries and keys, ``R3``). Only pre-norm RMSNorm families qualify
+(rows with ``rotatable``: Llama, Mistral, Qwen2, Phi-3): a LayerNorm subtracts the mean, which no rotation of
+the stream commutes with. Mixture-of-experts families (Mixtral,
 Qwen2-MoE, Qwen3-MoE, OLMoE) rotate too: the norm before the MLP feeds the router, the experts' stacked
 ``gate_up_proj`` and the shared experts; the experts' stacked ``down_proj`` and the shared expert's down
 projection write the stream. DeepSeek-V3's latent attention has no value -> output head pair (no ``R2``, so
@@ -31,23 +32,20 @@ from qtransform.rotation import HeadPair, NormReaders, QueryKey, ResidualLayout
 from ..modules import kvcache
 from ..modules.experts import expert_weights
 
+from .families import rotatable
 from .groups import find_arch, smoothing_groups
 
-__all__ = ["ROTATABLE", "residual_layout", "model_layout"]
-
-#: Families whose blocks are pre-norm with RMSNorm (weight only): their stream can be rotated.
-ROTATABLE = ("llama", "mistral", "qwen2", "phi3", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3",
-             "gpt_oss")
+__all__ = ["residual_layout", "model_layout"]
 
 
 def residual_layout(model: nn.Module) -> ResidualLayout:
     """The :class:`~qtransform.rotation.ResidualLayout` of ``model`` (``ValueError`` naming the family
     for models whose stream cannot be rotated)."""
     arch = find_arch(model)
-    if arch.name not in ROTATABLE:
+    if not arch.rotatable:
         raise ValueError(f"rotations: {type(model).__name__} ({arch.name}) normalises with LayerNorm, which "
                          f"subtracts the mean and does not commute with a rotation of the residual stream; "
-                         f"rotatable families: {', '.join(ROTATABLE)}")
+                         f"rotatable families: {', '.join(rotatable())}")
     groups = smoothing_groups(model)
     norms, heads, writers, down = [], [], [], []
     modules = dict(model.named_modules())

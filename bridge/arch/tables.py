@@ -1,9 +1,15 @@
-"""Model-family tables: a decoder's repeated blocks and, inside each, which norm or linear feeds which linears.
+"""The types of the model-family table: one :class:`Arch` row per family (the rows are in :mod:`.families`).
 
-Plain data (named tuples of strings), read by :mod:`.groups` to give SmoothQuant's (and AWQ's)
-smoothing groups for a model. Paths are relative to a block (``model.layers.3``). A group's
-``prev`` is a norm or a linear whose output the ``linears`` read, through nothing or through an
-operation that commutes with a positive per-channel scale:
+A row holds every fact the bridge keys by ``config.model_type``, as plain data (named tuples of strings and
+bools): the decoder's repeated blocks and, inside each, which norm or linear feeds which linears (read by
+:mod:`.groups` to give SmoothQuant's and AWQ's smoothing groups), the norm classes that fold a scale, whether
+the residual stream rotates (:mod:`.residual`), how the family's original checkpoints name experts
+(:class:`ExpertNames`, read by ``bridge.interop.experts``) and its GGUF facts (:class:`Gguf`, read by
+``bridge.interop.gguf``).
+
+Smoothing groups: paths are relative to a block (``model.layers.3``). A group's ``prev`` is a norm or a linear
+whose output the ``linears`` read, through nothing or through an operation that commutes with a positive
+per-channel scale:
 
 * norm -> the linears it feeds (the norm's weight, and bias, absorb ``1/s``). Only pre-norm
   blocks qualify: a post-norm block's LayerNorm also feeds the residual stream;
@@ -27,15 +33,15 @@ themselves, ``mlp.experts.gate_up_proj``), ``routers`` the float linears reading
 ``(experts, hidden)``, Qwen2-MoE's ``shared_expert_gate``): scaled exactly, never quantized. The experts' down
 projections are in no group (each expert's hidden activation is its own; they are not smoothed).
 
-Norm classes the groups may fold into compute ``weight * normalized(x) (+ bias)``
-(:data:`FOLDABLE_NORMS`); Gemma's ``(1 + weight)`` RMSNorm, for one, does not.
+Norm classes the groups may fold into compute ``weight * normalized(x) (+ bias)`` (each row's ``norms``;
+:func:`~.families.foldable_norms`); Gemma's ``(1 + weight)`` RMSNorm, for one, does not.
 """
 
 from __future__ import annotations
 
 from typing import Any, NamedTuple
 
-__all__ = ["GroupTemplate", "Arch", "ARCHS", "FOLDABLE_NORMS"]
+__all__ = ["GroupTemplate", "ExpertNames", "Gguf", "Arch"]
 
 
 class GroupTemplate(NamedTuple):
@@ -53,10 +59,51 @@ class GroupTemplate(NamedTuple):
     routers: tuple[str, ...] = ()
 
 
+class ExpertNames(NamedTuple):
+    """How a family's original checkpoints (and vLLM) name a layer's experts, one 2-D tensor per expert:
+    ``<moe>.experts.{e}.<gate|up|down>`` (``bridge.interop.experts``)."""
+
+    gate: str
+    up: str
+    down: str
+    moe: str = "mlp"  # the name of the layer's mixture-of-experts module in checkpoints ("block_sparse_moe")
+
+
+class Gguf(NamedTuple):
+    """A family's GGUF facts (``bridge.interop.gguf``): llama.cpp's architecture and what its converter and
+    graph fix for it.
+
+    ``arch``: ``general.architecture``; ``permute_qk``: the converter reorders ``q_proj``/``k_proj`` rows per head
+    (llama's interleaved rotary pairs); ``key_length``: ``<arch>.attention.key_length`` is always written (not only
+    when ``head_dim * heads != hidden``); ``tensors``: per-layer transformers tensors beyond the dense Llama ones
+    (a router, a shared expert, q/k norms). Mixture-of-experts families: ``expert_width``, the config key of one
+    expert's intermediate size (``intermediate_size``: the experts run in llama's dense graph, Mixtral; any other
+    key: an MoE graph of its own, with experts in every layer); ``norm_topk``: the ``norm_topk_prob`` that graph
+    hard-codes (``None``: none); ``shared_expert``: ``expert_shared_feed_forward_length`` is written and read.
+    """
+
+    arch: str
+    permute_qk: bool = False
+    key_length: bool = False
+    tensors: tuple[str, ...] = ()
+    expert_width: str = "intermediate_size"
+    norm_topk: bool | None = None
+    shared_expert: bool = False
+
+
 class Arch(NamedTuple):
-    """A model family: ``model_types`` (``config.model_type``), the ``blocks`` ``nn.ModuleList`` path,
-    its smoothing ``groups`` and ``requires``, config attributes that must hold (``(name, value)``);
-    ``writers``: linears writing the residual stream that no group names as a value -> output pair (rotations)."""
+    """A model family: every fact the bridge keys by ``config.model_type``.
+
+    ``model_types`` (``config.model_type``), the ``blocks`` ``nn.ModuleList`` path, its smoothing ``groups``
+    (``()``: a family known for its other facts only, which :func:`~.groups.find_arch` skips) and ``requires``,
+    config attributes that must hold (``(name, value)``); ``writers``: linears writing the residual stream that no
+    group names as a value -> output pair (rotations); ``norms``: its norm classes computing ``weight *
+    normalized(x) (+ bias)``, into which a smoothing scale folds; ``rotatable``: pre-norm with RMSNorm, so its
+    residual stream can be rotated; ``sliding_window``: its attention honours ``config.sliding_window``;
+    ``expert_count``: the config key of the routed-expert count (``None``: a dense family);
+    ``checkpoint_experts``: how its original checkpoints name experts (``None``: no per-expert form);
+    ``gguf``: its GGUF facts (``None``: no GGUF export).
+    """
 
     name: str
     model_types: tuple[str, ...]
@@ -64,82 +111,9 @@ class Arch(NamedTuple):
     groups: tuple[GroupTemplate, ...]
     requires: tuple[tuple[str, Any], ...] = ()
     writers: tuple[str, ...] = ()
-
-
-#: Norm classes computing ``weight * normalized(x) (+ bias)``: a scale folds into their weight and bias.
-FOLDABLE_NORMS = frozenset({"LayerNorm", "LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Phi3RMSNorm",
-                            "MixtralRMSNorm", "Qwen2MoeRMSNorm", "Qwen3MoeRMSNorm", "OlmoeRMSNorm",
-                            "DeepseekV3RMSNorm", "GptOssRMSNorm"})
-
-_QKV = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
-
-_LLAMA_GROUPS = (
-    GroupTemplate("input_layernorm", _QKV, inspect="self_attn"),
-    GroupTemplate("self_attn.v_proj", ("self_attn.o_proj",), heads=True),
-    GroupTemplate("post_attention_layernorm", ("mlp.gate_proj", "mlp.up_proj"), inspect="mlp", local=True),
-    GroupTemplate("mlp.up_proj", ("mlp.down_proj",)),
-)
-
-_ATTENTION = _LLAMA_GROUPS[:2]
-_DENSE_MLP = tuple(t._replace(present="mlp.gate_proj") for t in _LLAMA_GROUPS[2:])
-_EXPERTS = "mlp.experts.gate_up_proj"
-
-
-def _moe(shared: str | None = None, gate: str | None = None, attention=_ATTENTION,
-         router: str = "mlp.gate") -> tuple[GroupTemplate, ...]:
-    """The groups of a mixture-of-experts block: ``attention``'s, ``router``, experts and (``shared``) a shared
-    expert with (``gate``) its float gate; the dense MLP's in blocks without experts."""
-    extra = (f"{shared}.gate_proj", f"{shared}.up_proj") if shared else ()
-    routers = (router,) + ((gate,) if gate else ())
-    groups = (GroupTemplate("post_attention_layernorm", (router, _EXPERTS, *extra, *routers[1:]), inspect="mlp",
-                            local=True, present="mlp.experts", stacked=(_EXPERTS,), routers=routers),)
-    if shared:
-        groups += (GroupTemplate(f"{shared}.up_proj", (f"{shared}.down_proj",), present=shared),)
-    return attention + groups + _DENSE_MLP
-
-
-#: Multi-head latent attention (DeepSeek-V3): the norm feeds the query (low-rank or not) and the compressed
-#: key/value projections; each low-rank latent has its own norm. No value -> output group: the values come out
-#: of ``kv_b_proj`` mixed with the keys' no-rope part.
-_MLA = (
-    GroupTemplate("input_layernorm", ("self_attn.q_a_proj", "self_attn.kv_a_proj_with_mqa"), inspect="self_attn",
-                  present="self_attn.q_a_proj"),
-    GroupTemplate("input_layernorm", ("self_attn.q_proj", "self_attn.kv_a_proj_with_mqa"), inspect="self_attn",
-                  present="self_attn.q_proj"),
-    GroupTemplate("self_attn.q_a_layernorm", ("self_attn.q_b_proj",), inspect="self_attn",
-                  present="self_attn.q_a_layernorm"),
-    GroupTemplate("self_attn.kv_a_layernorm", ("self_attn.kv_b_proj",), inspect="self_attn"),
-)
-
-
-ARCHS: tuple[Arch, ...] = (
-    Arch("llama", ("llama",), "model.layers", _LLAMA_GROUPS),
-    Arch("mistral", ("mistral",), "model.layers", _LLAMA_GROUPS),
-    Arch("qwen2", ("qwen2",), "model.layers", _LLAMA_GROUPS),  # q/k/v biases: untouched by input scaling
-    Arch("opt", ("opt",), "model.decoder.layers", (
-        GroupTemplate("self_attn_layer_norm", _QKV, inspect="self_attn"),
-        GroupTemplate("self_attn.v_proj", ("self_attn.out_proj",), heads=True),
-        GroupTemplate("final_layer_norm", ("fc1",), inspect="fc1", local=True),
-        GroupTemplate("fc1", ("fc2",), when=("activation_function", ("relu",))),
-    ), requires=(("do_layer_norm_before", True),)),
-    Arch("gpt2", ("gpt2",), "transformer.h", (  # Conv1D: weights stored (in, out)
-        GroupTemplate("ln_1", ("attn.c_attn",), inspect="attn"),
-        GroupTemplate("attn.c_attn", ("attn.c_proj",), rows="v", heads=True),
-        GroupTemplate("ln_2", ("mlp.c_fc",), inspect="mlp.c_fc", local=True),
-    )),
-    Arch("mixtral", ("mixtral",), "model.layers", _moe()),
-    Arch("qwen2_moe", ("qwen2_moe",), "model.layers", _moe("mlp.shared_expert", "mlp.shared_expert_gate")),
-    Arch("qwen3_moe", ("qwen3_moe",), "model.layers", _moe()),
-    Arch("olmoe", ("olmoe",), "model.layers", _moe()),  # q/k norms over whole projections: after the linears
-    # GPT-OSS: experts stored (experts, in, out) with biases, a router with a bias, attention sinks (the
-    # attention output stays a combination of value rows: v -> o holds)
-    Arch("gpt_oss", ("gpt_oss",), "model.layers", _moe(router="mlp.router")),
-    Arch("deepseek_v3", ("deepseek_v3",), "model.layers", _moe("mlp.shared_experts", attention=_MLA),
-         writers=("self_attn.o_proj",)),
-    Arch("phi3", ("phi3",), "model.layers", (
-        GroupTemplate("input_layernorm", ("self_attn.qkv_proj",), inspect="self_attn"),
-        GroupTemplate("self_attn.qkv_proj", ("self_attn.o_proj",), rows="v", heads=True),
-        GroupTemplate("post_attention_layernorm", ("mlp.gate_up_proj",), inspect="mlp", local=True),
-        GroupTemplate("mlp.gate_up_proj", ("mlp.down_proj",), rows="up"),
-    )),
-)
+    norms: tuple[str, ...] = ()
+    rotatable: bool = False
+    sliding_window: bool = False
+    expert_count: str | None = None
+    checkpoint_experts: ExpertNames | None = None
+    gguf: Gguf | None = None

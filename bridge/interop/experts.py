@@ -8,7 +8,7 @@ per-expert layout back through its conversion mapping (``transformers/conversion
 (``FusedMoE.make_expert_params_mapping``), so compressed-tensors and Quark exports write, per expert ``e``:
 
 ==========================================  =========================================================
-model types (:data:`NAMINGS`)               per-expert tensors of ``model.layers.N.mlp.experts``
+model types (:func:`namings`)              per-expert tensors of ``model.layers.N.mlp.experts``
 ==========================================  =========================================================
 ``mixtral``                                 ``model.layers.N.block_sparse_moe.experts.{e}.w1`` (gate),
                                             ``.w3`` (up), ``.w2`` (down); the router
@@ -22,8 +22,9 @@ each followed by the format's own tensor names (``.weight``, ``.weight_packed``,
 (views of one expert, rows of the fused gate/up); a quantized split needs the spec's row blocks not to
 straddle the gate/up boundary (:func:`row_block`). :func:`fuse` is the way back for importers: the
 per-expert leaves of a checkpoint (ours or another tool's) stacked into our tree's paths, gate and up rows
-concatenated. Experts stored transposed (``(experts, in, out)``, GPT-OSS) and model types not in
-:data:`NAMINGS` have no per-expert form here and are refused by path (:func:`refusal`).
+concatenated. Experts stored transposed (``(experts, in, out)``, GPT-OSS) and model types whose family row
+(``bridge.arch.ARCHS``) has no ``checkpoint_experts`` have no per-expert form here and are refused by path
+(:func:`refusal`).
 """
 
 from __future__ import annotations
@@ -36,30 +37,27 @@ from torch import nn
 
 import qtransform as qt
 
+from ..arch import ExpertNames, arch_for
+from ..arch import families
 from ..checkpoint.metadata import CheckpointError, Entry
 from ..modules.experts import expert_weights, is_experts
 
-__all__ = ["Naming", "NAMINGS", "ExpertsInfo", "experts_modules", "routers", "naming_of", "export_name", "import_name",
+__all__ = ["Naming", "namings", "ExpertsInfo", "experts_modules", "routers", "naming_of", "export_name", "import_name",
            "refusal", "pieces", "row_block", "take_rows", "cat_rows", "fuse", "ignore_pattern", "site_weight",
            "input_pieces", "fuse_inputs"]
 
 
-class Naming(NamedTuple):
-    """How one model type's original checkpoints name a layer's experts (see the module docstring)."""
-
-    gate: str
-    up: str
-    down: str
-    moe: str = "mlp"  # the name of the layer's mixture-of-experts module in checkpoints ("block_sparse_moe")
+#: How one model type's original checkpoints name a layer's experts: its family row's ``checkpoint_experts``.
+Naming = ExpertNames
 
 
-#: transformers model type -> per-expert names its original checkpoints (and vLLM) use; from transformers 5.24's
-#: conversion mapping (``mixtral``; ``qwen2_moe``, whose layout the other types share).
-NAMINGS = {
-    "mixtral": Naming("w1", "w3", "w2", moe="block_sparse_moe"),
-    **{t: Naming("gate_proj", "up_proj", "down_proj") for t in ("qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2",
-                                                                 "deepseek_v3")},
-}
+def namings() -> dict[str, Naming]:
+    """``{model type: Naming}`` of the families whose row names their checkpoints' experts (``bridge.arch.ARCHS``).
+
+    >>> namings()["mixtral"]
+    ExpertNames(gate='w1', up='w3', down='w2', moe='block_sparse_moe')
+    """
+    return {t: a.checkpoint_experts for a in families.ARCHS if a.checkpoint_experts for t in a.model_types}
 #: vLLM's names of a FusedMoE layer's unfused projections (what its compressed-tensors loader matches targets with).
 _VLLM = ("gate_proj", "up_proj", "down_proj")
 
@@ -96,8 +94,11 @@ def routers(model: nn.Module) -> list[str]:
 
 
 def naming_of(config: dict) -> Naming | None:
-    """The :class:`Naming` of a ``config.json``'s model type, ``None`` when none is known."""
-    return NAMINGS.get(config.get("model_type"))
+    """The :class:`Naming` of a ``config.json``'s model type (its row's ``checkpoint_experts``), ``None`` when none
+    is known."""
+    kind = config.get("model_type")
+    arch = arch_for(kind) if isinstance(kind, str) else None
+    return None if arch is None else arch.checkpoint_experts
 
 
 _LAYER_MLP = re.compile(r"^(.*\.layers\.\d+)\.mlp\.")
@@ -107,7 +108,7 @@ def export_name(path: str, naming: Naming | None) -> str:
     """Our tree path (or module name) as the checkpoint names it (Mixtral: ``layers.N.mlp.`` -> ``layers.N.
     block_sparse_moe.``).
 
-    >>> export_name("model.layers.3.mlp.gate.weight", NAMINGS["mixtral"])
+    >>> export_name("model.layers.3.mlp.gate.weight", namings()["mixtral"])
     'model.layers.3.block_sparse_moe.gate.weight'
     """
     if naming is None or naming.moe == "mlp":
@@ -155,7 +156,7 @@ def refusal(path: str, info: ExpertsInfo, naming: Naming | None, spec: qt.QuantS
         return f"{path}: experts with biases: {target} export writes per-expert weights without biases only"
     if naming is None:
         return (f"{path}: mixture-of-experts weights of this model type: {target} export knows per-expert names "
-                f"for the model types {sorted(NAMINGS)} only")
+                f"for the model types {sorted(namings())} only")
     if spec is not None and path.endswith(".gate_up_proj"):
         m = qt.matrix_spec(spec, tuple(shape))
         block, half = row_block(m), shape[1] // 2
@@ -225,7 +226,7 @@ def ignore_pattern(module: str, naming: Naming | None) -> str:
     """A compressed-tensors ``re:`` target of every per-expert projection of the experts ``module`` (checkpoint
     name), in the checkpoint's names and in vLLM's (``<experts>.0.gate_proj``, which its fused-MoE loader matches).
 
-    >>> ignore_pattern("model.layers.0.block_sparse_moe.experts", NAMINGS["mixtral"])
+    >>> ignore_pattern("model.layers.0.block_sparse_moe.experts", namings()["mixtral"])
     're:^model\\\\.layers\\\\.0\\\\.block_sparse_moe\\\\.experts\\\\.\\\\d+\\\\.(down_proj|gate_proj|up_proj|w1|w2|w3)$'
     """
     own = () if naming is None else (naming.gate, naming.up, naming.down)

@@ -1,9 +1,10 @@
 """GGUF's side of a transformers model: architecture metadata, tensor names, the llama Q/K row
 order, and the tokenizer.
 
-* **Architectures**: transformers ``model_type`` -> GGUF ``general.architecture``: ``llama``,
-  ``mistral`` (llama.cpp runs Mistral as ``llama``; transformers then reads it back as Llama,
-  the same computation without a sliding window) and ``qwen2``. The hyper-parameters are the keys
+* **Architectures**: transformers ``model_type`` -> GGUF ``general.architecture``, each family's row's
+  ``gguf`` (``bridge.arch.ARCHS``, viewed by :mod:`.families`): ``llama``, ``mistral`` (llama.cpp runs
+  Mistral as ``llama``; transformers then reads it back as Llama, the same computation without a sliding
+  window) and ``qwen2``. The hyper-parameters are the keys
   transformers' GGUF loader and llama.cpp read: ``<arch>.context_length``, ``embedding_length``,
   ``block_count``, ``feed_forward_length``, ``attention.head_count(_kv)``,
   ``attention.layer_norm_rms_epsilon``, ``rope.freq_base``, ``rope.dimension_count``, ``vocab_size``.
@@ -15,7 +16,8 @@ order, and the tokenizer.
 * **Q/K rows**: llama.cpp's ``llama`` architecture applies rotary embeddings to interleaved pairs,
   so its converter reorders the rows of ``q_proj``/``k_proj`` per head (``(heads, 2, d/2)`` ->
   ``(heads, d/2, 2)``); transformers undoes it on load. Whole rows move, so quantized rows (codes,
-  scales and zero points of groups along the row) move losslessly. Qwen2 (NeoX rotary) keeps them.
+  scales and zero points of groups along the row) move losslessly. Qwen2 (NeoX rotary) keeps them
+  (the row's ``gguf.permute_qk``).
 * **Tokenizer**: a byte-level BPE ``tokenizer.json`` (GPT-2 style, what SmolLM2, Llama 3 and Qwen2
   ship) -> ``tokenizer.ggml.model = "gpt2"``, the pre-tokenizer's llama.cpp name (``smollm``,
   ``gpt-2``, ``llama-bpe``, ``qwen2``), tokens, types (special added tokens CONTROL), merges, special
@@ -34,20 +36,16 @@ import torch
 import qtransform as qt
 
 from . import moe as gguf_moe
+from .families import arches, expert_counts, family, moe_arches
 
-__all__ = ["ARCHES", "arch_of", "arch_problems", "write_arch", "tensor_name_map", "qk_rows", "reorder_rows",
+__all__ = ["arches", "arch_of", "arch_problems", "write_arch", "tensor_name_map", "qk_rows", "reorder_rows",
            "write_tokenizer", "hf_names", "HF_PRE_TOKENIZERS", "pre_tokenizer_name"]
-
-#: transformers ``model_type`` -> GGUF architecture.
-ARCHES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", **gguf_moe.MOE_ARCHES}
-#: ``config.json`` keys of a mixture-of-experts model's expert count (Mixtral, Qwen-MoE/OLMoE, DeepSeek).
-_EXPERT_COUNTS = ("num_local_experts", "num_experts", "n_routed_experts")
-#: Architectures whose Q/K rows llama.cpp's converter permutes.
-_PERMUTED = ("llama",)
 
 
 def arch_of(config: dict) -> str | None:
-    return ARCHES.get(config.get("model_type"))
+    """The GGUF architecture of ``config``'s family (``None``: no GGUF export)."""
+    arch = family(config)
+    return None if arch is None else arch.gguf.arch
 
 
 def _rope(config: dict) -> tuple[float, str]:
@@ -65,13 +63,14 @@ def _head_dim(config: dict) -> int:
 def arch_problems(config: dict) -> list[str]:
     """Why a model of transformers ``config`` cannot become a GGUF file here (empty: it can)."""
     kind = config.get("model_type")
-    experts = next((config[k] for k in _EXPERT_COUNTS if config.get(k)), None)
+    experts = next((config[k] for k in expert_counts() if config.get(k)), None)
     if experts is not None and not gguf_moe.is_moe(config):
         return [f"architecture {kind!r} is a mixture-of-experts model ({experts} experts): this GGUF exporter writes "
-                f"expert tensors for the model types {sorted(gguf_moe.MOE_ARCHES)} only (llama.cpp's "
+                f"expert tensors for the model types {sorted(moe_arches())} only (llama.cpp's "
                 "blk.N.ffn_gate_exps / ffn_up_exps / ffn_down_exps); export it to compressed-tensors or quark"]
-    if kind not in ARCHES:
-        return [f"architecture {kind!r}: GGUF export supports {sorted(ARCHES)}"]
+    arch = family(config)
+    if arch is None:
+        return [f"architecture {kind!r}: GGUF export supports {sorted(arches())}"]
     out = []
     missing = [k for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
                            "vocab_size") if k not in config]
@@ -83,7 +82,7 @@ def arch_problems(config: dict) -> list[str]:
     if gguf_moe.is_moe(config):
         out += gguf_moe.moe_problems(config)
     window = config.get("sliding_window")
-    if kind in ("mistral", "mixtral") and window is not None and window < config.get("max_position_embeddings", 0):
+    if arch.sliding_window and window is not None and window < config.get("max_position_embeddings", 0):
         out.append(f"sliding_window {window} below the context length: llama.cpp's llama architecture has none")
     return out
 
@@ -103,7 +102,8 @@ def write_arch(writer, config: dict, name: str) -> None:
     writer.add_rope_freq_base(theta)
     head_dim = _head_dim(config)
     writer.add_rope_dimension_count(head_dim)
-    if head_dim * heads != int(config["hidden_size"]) or config.get("model_type") == "qwen3_moe":
+    arch = family(config)
+    if head_dim * heads != int(config["hidden_size"]) or (arch is not None and arch.gguf.key_length):
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
     writer.add_vocab_size(int(config["vocab_size"]))
@@ -133,7 +133,8 @@ def hf_names(names, arch: str, blocks: int) -> dict[str, str | None]:
 def qk_rows(path: str, config: dict, rows: int, *, inverse: bool = False) -> torch.Tensor | None:
     """Row order llama.cpp's converter gives ``q_proj``/``k_proj`` of ``config``'s llama-family model
     (``new = old[index]``; ``inverse``: back to transformers' order), ``None`` for other tensors."""
-    if ARCHES.get(config.get("model_type")) not in _PERMUTED or not path.endswith(".weight"):
+    arch = family(config)
+    if arch is None or not arch.gguf.permute_qk or not path.endswith(".weight"):
         return None
     if ".self_attn.q_proj." in path:
         heads = int(config["num_attention_heads"])

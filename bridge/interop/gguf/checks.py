@@ -132,9 +132,9 @@ def hyperparameters(reader, path) -> dict:
     """``{GGUF key: value}`` of ``general.architecture`` and the architecture's hyperparameters
     (:data:`_HYPER`); :class:`CheckpointError` naming a missing or mistyped key."""
     arch = _value(reader, "general.architecture", "str", path)
-    if arch not in set(gguf_arch.ARCHES.values()):
-        raise CheckpointError(f"{path}: general.architecture {arch!r}: GGUF import supports "
-                              f"{sorted(set(gguf_arch.ARCHES.values()))}")
+    known = set(gguf_arch.arches().values())
+    if arch not in known:
+        raise CheckpointError(f"{path}: general.architecture {arch!r}: GGUF import supports {sorted(known)}")
     out = {"general.architecture": arch}
     for key, _ in _HYPER:
         out[f"{arch}.{key}"] = _value(reader, f"{arch}.{key}", "int", path, required=key in _REQUIRED)

@@ -82,7 +82,7 @@ class GGUFImporter(Importer):
         config = gguf_moe.moe_config(reader, config, path)
         if gguf_arch.arch_of(config) is None:
             raise ValueError(f"{path}: architecture {config.get('model_type')!r}: GGUF import supports "
-                             f"{sorted(gguf_arch.ARCHES)}")
+                             f"{sorted(gguf_arch.arches())}")
         names = _gguf_to_hf(config)
         tree, notes, expert_parts = {}, {}, {}
         for t in reader.tensors:

@@ -25,7 +25,8 @@ What llama.cpp computes is fixed per architecture, so configs that differ are re
 (:func:`moe_problems`): ``qwen3moe`` always renormalizes the top-k routing weights (``norm_topk_prob`` must be
 true), ``qwen2moe`` never does (false); both have a mixture-of-experts block in every layer
 (``decoder_sparse_step`` 1, no ``mlp_only_layers``). Other mixture-of-experts model types (GPT-OSS, whose experts
-are stored transposed, OLMoE, DeepSeek...) are refused in :func:`~.arch.arch_problems`.
+are stored transposed, OLMoE, DeepSeek...) are refused in :func:`~.arch.arch_problems`. These facts are the
+family's (its row's ``gguf``: ``expert_width``, ``norm_topk``, ``shared_expert``, ``tensors``; :mod:`.families`).
 """
 
 from __future__ import annotations
@@ -38,20 +39,19 @@ import qtransform as qt
 
 from ...checkpoint.metadata import CheckpointError
 from .. import experts as moe
+from .families import family, moe_arches, moe_family
 
-__all__ = ["MOE_ARCHES", "is_moe", "moe_problems", "write_moe_arch", "expert_pieces", "take_expert_rows", "moe_config", "fuse",
+__all__ = ["is_moe", "moe_problems", "write_moe_arch", "expert_pieces", "take_expert_rows", "moe_config", "fuse",
            "hf_moe_names"]
 
-#: transformers model type -> GGUF architecture, for the mixture-of-experts models written here.
-MOE_ARCHES = {"qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe", "mixtral": "llama"}
-#: ``norm_topk_prob`` llama.cpp's graph hard-codes per model type (Mixtral's softmax over the top k is the same).
-_NORM_TOPK = {"qwen2_moe": False, "qwen3_moe": True}
 _EXPERTS_PATH = re.compile(r"^model\.layers\.(?P<bid>\d+)\.mlp\.experts\.(?P<w>gate_up_proj|up_proj|down_proj)$")
 _EXPS = re.compile(r"^blk\.(?P<bid>\d+)\.ffn_(?P<w>gate|up|down)_exps\.weight$")
 
 
 def is_moe(config: dict) -> bool:
-    return config.get("model_type") in MOE_ARCHES
+    """Whether ``config``'s family is a mixture-of-experts one with GGUF facts (:func:`~.families.moe_arches`)."""
+    arch = family(config)
+    return arch is not None and arch.expert_count is not None
 
 
 def expert_count(config: dict) -> int:
@@ -60,28 +60,27 @@ def expert_count(config: dict) -> int:
 
 def moe_problems(config: dict) -> list[str]:
     """Why the mixture-of-experts ``config`` does not compute what llama.cpp's graph of its architecture does."""
-    kind = config["model_type"]
+    g = family(config).gguf
+    own = g.expert_width != "intermediate_size"  # an MoE graph of its own (not llama's dense one, as Mixtral)
     out = []
-    missing = [k for k in ("num_experts_per_tok",) + (("moe_intermediate_size",) if kind != "mixtral" else ())
-               if not config.get(k)]
+    missing = [k for k in ("num_experts_per_tok",) + ((g.expert_width,) if own else ()) if not config.get(k)]
     if missing:
         out.append(f"config.json lacks {missing}")
-    if kind in _NORM_TOPK and bool(config.get("norm_topk_prob", False)) != _NORM_TOPK[kind]:
-        out.append(f"norm_topk_prob {config.get('norm_topk_prob')!r}: llama.cpp's {MOE_ARCHES[kind]} graph "
-                   f"{'always' if _NORM_TOPK[kind] else 'never'} renormalizes the top-k routing weights")
-    if kind != "mixtral" and (config.get("mlp_only_layers") or int(config.get("decoder_sparse_step", 1)) != 1):
+    if g.norm_topk is not None and bool(config.get("norm_topk_prob", False)) != g.norm_topk:
+        out.append(f"norm_topk_prob {config.get('norm_topk_prob')!r}: llama.cpp's {g.arch} graph "
+                   f"{'always' if g.norm_topk else 'never'} renormalizes the top-k routing weights")
+    if own and (config.get("mlp_only_layers") or int(config.get("decoder_sparse_step", 1)) != 1):
         out.append(f"mlp_only_layers {config.get('mlp_only_layers')!r} / decoder_sparse_step "
-                   f"{config.get('decoder_sparse_step')!r}: llama.cpp's {MOE_ARCHES[kind]} has experts in every layer")
+                   f"{config.get('decoder_sparse_step')!r}: llama.cpp's {g.arch} has experts in every layer")
     return out
 
 
 def write_moe_arch(writer, config: dict) -> None:
     """The expert keys of ``config`` (checked by :func:`moe_problems`)."""
-    kind = config["model_type"]
     writer.add_expert_count(expert_count(config))
     writer.add_expert_used_count(int(config["num_experts_per_tok"]))
     writer.add_expert_feed_forward_length(int(config.get("moe_intermediate_size") or config["intermediate_size"]))
-    if kind == "qwen2_moe" and config.get("shared_expert_intermediate_size"):
+    if family(config).gguf.shared_expert and config.get("shared_expert_intermediate_size"):
         writer.add_expert_shared_feed_forward_length(int(config["shared_expert_intermediate_size"]))
 
 
@@ -113,13 +112,9 @@ def expert_pieces(path: str, leaf) -> list[tuple[str, slice | None]] | None:
 
 
 def hf_moe_names(config: dict) -> list[str]:
-    """The per-layer transformers paths (other than the experts) of a mixture-of-experts model of ``config``."""
-    per_layer = ["mlp.gate.weight"]
-    if config["model_type"] == "qwen2_moe":
-        per_layer += ["mlp.shared_expert.gate_proj.weight", "mlp.shared_expert.up_proj.weight",
-                      "mlp.shared_expert.down_proj.weight", "mlp.shared_expert_gate.weight"]
-    if config["model_type"] == "qwen3_moe":
-        per_layer += ["self_attn.q_norm.weight", "self_attn.k_norm.weight"]
+    """The per-layer transformers paths (other than the experts) of a mixture-of-experts model of ``config``: its
+    row's ``gguf.tensors`` (the router, a shared expert, q/k norms) in every layer."""
+    per_layer = family(config).gguf.tensors
     return [f"model.layers.{i}.{n}" for i in range(int(config["num_hidden_layers"])) for n in per_layer]
 
 
@@ -137,27 +132,29 @@ def moe_config(reader, config: dict, path) -> dict:
     if not count:
         return config
     out = dict(config)
-    kind = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "llama": "mixtral"}.get(arch)
-    if kind is None:
+    row = moe_family(arch)
+    if row is None:
         raise CheckpointError(f"{path}: architecture {arch!r} with {count} experts: GGUF import reads "
-                              f"mixture-of-experts files of {sorted(set(MOE_ARCHES.values()))} only")
+                              f"mixture-of-experts files of {sorted(set(moe_arches().values()))} only")
+    kind, g = row.model_types[0], row.gguf
     used = _int(reader, f"{arch}.expert_used_count")
     if not used:
         raise CheckpointError(f"{path}: metadata key '{arch}.expert_used_count' is missing")
     out["model_type"] = kind
     out["num_experts_per_tok"] = used
-    if kind == "mixtral":
-        out["num_local_experts"] = count
+    if row.expert_count != "num_experts":  # transformers' GGUF mapping's name: the family's own key instead
         out.pop("num_experts", None)
+    out[row.expert_count] = count
+    if g.expert_width == "intermediate_size":  # llama's dense graph (Mixtral): feed_forward_length is the width
         return out
-    out["num_experts"] = count
     ff = _int(reader, f"{arch}.expert_feed_forward_length")
     if not ff:
         raise CheckpointError(f"{path}: metadata key '{arch}.expert_feed_forward_length' is missing")
-    out["moe_intermediate_size"] = ff
-    out["norm_topk_prob"] = _NORM_TOPK[kind]
+    out[g.expert_width] = ff
+    if g.norm_topk is not None:
+        out["norm_topk_prob"] = g.norm_topk
     shared = _int(reader, f"{arch}.expert_shared_feed_forward_length")
-    if kind == "qwen2_moe":
+    if g.shared_expert:
         out["shared_expert_intermediate_size"] = shared or 0
     key_length = _int(reader, f"{arch}.attention.key_length")
     if key_length:
