@@ -54,7 +54,7 @@ from ..registry import Registry
 from ..rotation import OnlineRotation
 from ..spec import Site, as_plan
 from ..tensor import QParams
-from .lowrank_math import LowRank
+from .outputs import OUTPUT_KINDS, check_outputs, combine_outputs
 from .options import check_options as _check_options
 from .options import option_fields
 
@@ -68,16 +68,40 @@ class Fit:
     ``{path: QParams}`` it fitted (a pytree: tensors are leaves), ``info`` ``{path: {name:
     number or str}}``, what it reports about them (GPTQ's loss, SmoothQuant's α; static, not leaves),
     ``online`` ``{Site: OnlineRotation}``, the rotations its weights expect at run time (static), and
-    ``lowrank`` ``{weight path: LowRank}``, rank-r corrections run beside quantized linears (``lowrank``)."""
+    ``outputs`` ``{kind: {path: value}}``, values of the registered kinds of step output that run beside the
+    tensors (:mod:`.outputs`: ``lowrank``'s ``{weight path: LowRank}`` corrections). A kind's name is also a
+    keyword and an attribute: ``Fit(lowrank={...})`` is ``Fit(outputs={"lowrank": {...}})``, and
+    ``fit.lowrank`` is ``fit.outputs.get("lowrank", {})``."""
 
     params: Mapping[str, torch.Tensor] = dataclasses.field(default_factory=dict)
     qparams: Mapping[str, QParams] = dataclasses.field(default_factory=dict)
     info: Mapping[str, Mapping[str, Any]] = dataclasses.field(default_factory=dict)
     online: Mapping[Site, OnlineRotation] = dataclasses.field(default_factory=dict)
-    lowrank: Mapping[str, LowRank] = dataclasses.field(default_factory=dict)
+    outputs: Mapping[str, Mapping[str, Any]] = dataclasses.field(default_factory=dict)
+
+    def __init__(self, *, params=None, qparams=None, info=None, online=None, outputs=None, **kinds):
+        outputs = {} if outputs is None else outputs
+        if kinds:  # a registered kind's name as a keyword
+            unknown = [k for k in kinds if k not in OUTPUT_KINDS]
+            if unknown:
+                raise TypeError(f"Fit: unexpected keyword {unknown[0]!r} (fields: params, qparams, info, online, "
+                                f"outputs; registered kinds of step output: {list(OUTPUT_KINDS)})")
+            both = [k for k in kinds if isinstance(outputs, Mapping) and k in outputs]
+            if both:
+                raise TypeError(f"Fit: {both[0]!r} given both as a keyword and in outputs")
+            outputs = {**outputs, **kinds} if isinstance(outputs, Mapping) else outputs
+        for name, value in (("params", params), ("qparams", qparams), ("info", info), ("online", online),
+                            ("outputs", outputs)):
+            object.__setattr__(self, name, {} if value is None else value)
+        self.__post_init__()
+
+    def __getattr__(self, name: str):
+        if name in OUTPUT_KINDS:  # only reached when no field has the name
+            return self.__dict__.get("outputs", {}).get(name, {})
+        raise AttributeError(f"'Fit' object has no attribute {name!r}")
 
     def __post_init__(self):
-        for name, kind in (("params", torch.Tensor), ("qparams", QParams), ("lowrank", LowRank)):
+        for name, kind in (("params", torch.Tensor), ("qparams", QParams)):
             value = getattr(self, name)
             if not isinstance(value, Mapping):
                 raise TypeError(f"Fit.{name} must be a mapping of path -> {kind.__name__}, got {type(value).__name__}")
@@ -88,6 +112,7 @@ class Fit:
             if bad:
                 raise TypeError(f"Fit.{name}[{bad[0]!r}] must be a {kind.__name__}, got {type(value[bad[0]]).__name__}")
             object.__setattr__(self, name, dict(value))
+        object.__setattr__(self, "outputs", check_outputs(self.outputs))
         if not isinstance(self.info, Mapping) or not all(
                 isinstance(k, str) and isinstance(v, Mapping) for k, v in self.info.items()):
             raise TypeError(f"Fit.info must map tree paths (str) to dicts of reported values, got {self.info!r:.80}")
@@ -99,8 +124,10 @@ class Fit:
 
     def then(self, later: "Fit") -> "Fit":
         """This fit followed by ``later``: ``later``'s tensors replace this one's, and a tensor ``later``
-        changes drops the quantization parameters fitted before for it (they described the old tensor), one it
-        changes or fits anew its low-rank correction; online rotations add up (two at one site: ``ValueError``).
+        changes drops the quantization parameters fitted before for it (they described the old tensor); an
+        output of a registered kind is dropped where its kind says the later step made it stale (a low-rank
+        correction: the tensor changed or fitted anew), else replaced or kept; online rotations add up (two at
+        one site: ``ValueError``).
 
         >>> import torch, qtransform as qt
         >>> a = qt.Fit(params={"w": torch.zeros(1)}, qparams={"w": qt.choose_qparams(torch.ones(1), qt.QuantSpec(format="int8"))})
@@ -111,7 +138,7 @@ class Fit:
         if not isinstance(later, Fit):
             raise TypeError(f"Fit.then: expected a Fit, got {type(later).__name__}")
         kept = {p: q for p, q in self.qparams.items() if p not in later.params}
-        lowrank = {p: c for p, c in self.lowrank.items() if p not in later.params and p not in later.qparams}
+        outputs = combine_outputs(self.outputs, later.outputs, {"params": later.params, "qparams": later.qparams})
         info = {p: dict(v) for p, v in self.info.items()}
         for p, v in later.info.items():
             info[p] = {**info.get(p, {}), **v}
@@ -119,7 +146,7 @@ class Fit:
         if twice:
             raise ValueError(f"Fit.then: two online rotations at {twice[:3]}: rotate once")
         return Fit(params={**self.params, **later.params}, qparams={**kept, **later.qparams}, info=info,
-                   online={**self.online, **later.online}, lowrank={**lowrank, **later.lowrank})
+                   online={**self.online, **later.online}, outputs=outputs)
 
 
 def apply_fit(params: Any, fit: Fit) -> Any:
@@ -273,6 +300,7 @@ class Algorithm:
     description: str = ""
     requires: tuple[str, ...] = ()
     options: type | None = None
+    outputs: tuple[str, ...] = ()
 
     def __call__(self, params: Any, recipe, *, types: Mapping[str, str] | None = None, stats: Mapping | None = None,
                  progress: Callable | None = None, **options) -> Fit:
@@ -333,7 +361,7 @@ ALGORITHMS = Registry("algorithm", check=_check_algorithm)
 
 def register_algorithm(name: str, fn: Callable, *, needs: SiteStats | BlockInputs | None = None, local: bool = False,
                        check_options: Callable | None = None, description: str = "", requires: Iterable[str] = (),
-                       options: type | None = None, replace: bool = False) -> Algorithm:
+                       options: type | None = None, outputs: Iterable[str] = (), replace: bool = False) -> Algorithm:
     """Register ``fn`` (see the module docstring) as the step ``name``; returns the :class:`Algorithm`.
 
     ``options``: the frozen keyword-only dataclass of ``fn``'s options (fields typed, ranges in
@@ -342,7 +370,8 @@ def register_algorithm(name: str, fn: Callable, *, needs: SiteStats | BlockInput
     algorithms without one, raises ``ValueError``/``TypeError`` for options ``fn`` does not take. ``requires``
     names the model facts of the :class:`~qtransform.Plan` the step cannot run without (``"groups"``,
     ``"layout"``; an option of the same name, given explicitly, stands in): a plan without them is
-    refused before any work.
+    refused before any work. ``outputs`` names the registered kinds of step output (:mod:`.outputs`) it may
+    return in :attr:`Fit.outputs`; :func:`~qtransform.run_steps` refuses any other.
     """
     if not callable(fn):
         raise TypeError(f"register_algorithm: fn must be callable, got {type(fn).__name__}")
@@ -358,8 +387,11 @@ def register_algorithm(name: str, fn: Callable, *, needs: SiteStats | BlockInput
     bad = [r for r in requires if r not in FACTS]
     if bad:
         raise ValueError(f"register_algorithm {name}: requires must name plan facts among {list(FACTS)}, got {bad}")
+    outputs = (outputs,) if isinstance(outputs, str) else tuple(outputs)
+    for kind in outputs:
+        OUTPUT_KINDS[kind]  # a ValueError listing the registered kinds
     algo = Algorithm(name=name, fn=fn, needs=needs, local=local, check_options=check_options,
-                     description=description, requires=requires, options=options)
+                     description=description, requires=requires, options=options, outputs=outputs)
     return ALGORITHMS.register(name, algo, replace=replace)
 
 
