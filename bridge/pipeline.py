@@ -252,7 +252,7 @@ def quantize_params(model: nn.Module, recipe, *, calibration: Iterable | None = 
         weights = {path: qt.dequantize(v) if isinstance(v, qt.QTensor) else v for path, v in qtree.items()}
         acts = qt.activation_quantizers(weights, p, calibrator, observer=observer.pop("name", None),
                                         online=fit.online, **observer)
-    return Quantized(params, qtree, p, acts, fit.info, fit.online, fit.lowrank)
+    return Quantized(params, qtree, p, acts, fit.info, fit.online, fit.outputs)
 
 
 def quantize(model: nn.Module, recipe, *, inplace: bool = False, kernel: str = "auto",

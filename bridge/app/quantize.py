@@ -129,7 +129,7 @@ def cmd_quantize(a) -> int:
     from ..checkpoint import store
     from ..distributed import current, launch
     from ..tree import extract, to_module
-    from ..modules.lowrank import lowrank_bytes, lowrank_ranks
+    from ..step_outputs import output_bytes, read_outputs, records
     from . import evaluate, models, report
 
     t0 = time.perf_counter()
@@ -211,7 +211,7 @@ def cmd_quantize(a) -> int:
                         calib_tokens=0 if calibration is None else sum(int(b.numel()) for b in calibration),
                         out=str(out), unmatched=unmatched, activations=act_rows, step_info=step_info,
                         online=online_rows, peak_memory=report.peak_memory(),
-                        lowrank=lowrank_ranks(qmodel), lowrank_bytes=lowrank_bytes(qmodel), phases=phases,
+                        outputs=records(read_outputs(qmodel)), output_bytes=output_bytes(qmodel), phases=phases,
                         driver=driver.why)
     write = io.checkpoint_writer(qmodel, recipe=recipe, recipe_name=label, tokenizer=tokenizer,
                                  rules={p: plan[p].rule for p in plan.specs},

@@ -19,6 +19,7 @@ import qtransform as qt
 from torch import nn
 
 from .. import pipeline
+from ..step_outputs import SLOTS
 from . import skeleton as skel
 from .source import Source
 
@@ -91,7 +92,9 @@ def plan_streamed(model: nn.Module, recipe, *, calibrated: bool) -> qt.Plan:
         if isinstance(qt.get_algorithm(s.name).needs, qt.ModelLoss):
             raise CannotStream(f"recipe.steps[{i}] ({s.name}): learns on the whole model's loss, which a streamed "
                                "run never holds; quantize in memory (--in-memory) on a machine the model fits")
-        if s.name == "lowrank":  # its corrections are not written by the streamed run: refused, never dropped
-            raise CannotStream(f"recipe.steps[{i}] (lowrank): low-rank corrections are not written by a streamed "
-                               "run; quantize in memory (--in-memory)")
+        for kind in qt.get_algorithm(s.name).outputs:  # outputs a streamed run does not write: refused, never dropped
+            slot = SLOTS.get(kind)
+            if slot is None or not slot.streams:
+                raise CannotStream(f"recipe.steps[{i}] ({s.name}): {slot.label if slot else repr(kind) + ' outputs'} "
+                                   "are not written by a streamed run; quantize in memory (--in-memory)")
     return p

@@ -15,7 +15,7 @@ training state tomorrow. Each such kind is declared once, here, with :func:`regi
 
 A step returning a kind names it when it registers (``register_algorithm(..., outputs=("lowrank",))``),
 so a driver that cannot carry a kind refuses the step up front. What the torch side does with a kind
-(modules, checkpoint tensors, config, exporters) is its registration in :mod:`bridge.outputs`.
+(modules, checkpoint tensors, config, exporters) is its registration in :mod:`bridge.step_outputs`.
 
 >>> import torch, qtransform as qt
 >>> def fits(value, tensor, *, path, plan):
