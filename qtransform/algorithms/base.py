@@ -54,7 +54,7 @@ from ..registry import Registry
 from ..rotation import OnlineRotation
 from ..spec import Site, as_plan
 from ..tensor import QParams
-from .outputs import OUTPUT_KINDS, check_outputs, combine_outputs
+from .outputs import OUTPUT_KINDS, check_outputs, combine_outputs, with_keywords
 from .options import check_options as _check_options
 from .options import option_fields
 
@@ -68,10 +68,9 @@ class Fit:
     ``{path: QParams}`` it fitted (a pytree: tensors are leaves), ``info`` ``{path: {name:
     number or str}}``, what it reports about them (GPTQ's loss, SmoothQuant's α; static, not leaves),
     ``online`` ``{Site: OnlineRotation}``, the rotations its weights expect at run time (static), and
-    ``outputs`` ``{kind: {path: value}}``, values of the registered kinds of step output that run beside the
-    tensors (:mod:`.outputs`: ``lowrank``'s ``{weight path: LowRank}`` corrections). A kind's name is also a
-    keyword and an attribute: ``Fit(lowrank={...})`` is ``Fit(outputs={"lowrank": {...}})``, and
-    ``fit.lowrank`` is ``fit.outputs.get("lowrank", {})``."""
+    ``outputs`` ``{kind: {path: value}}`` of registered kinds of step output (:mod:`.outputs`), each also a
+    keyword and an attribute: ``Fit(lowrank={...})`` is ``Fit(outputs={"lowrank": {...}})``, ``fit.lowrank``
+    is ``fit.outputs.get("lowrank", {})`` (``{weight path: LowRank}`` corrections run beside quantized linears)."""
 
     params: Mapping[str, torch.Tensor] = dataclasses.field(default_factory=dict)
     qparams: Mapping[str, QParams] = dataclasses.field(default_factory=dict)
@@ -80,16 +79,7 @@ class Fit:
     outputs: Mapping[str, Mapping[str, Any]] = dataclasses.field(default_factory=dict)
 
     def __init__(self, *, params=None, qparams=None, info=None, online=None, outputs=None, **kinds):
-        outputs = {} if outputs is None else outputs
-        if kinds:  # a registered kind's name as a keyword
-            unknown = [k for k in kinds if k not in OUTPUT_KINDS]
-            if unknown:
-                raise TypeError(f"Fit: unexpected keyword {unknown[0]!r} (fields: params, qparams, info, online, "
-                                f"outputs; registered kinds of step output: {list(OUTPUT_KINDS)})")
-            both = [k for k in kinds if isinstance(outputs, Mapping) and k in outputs]
-            if both:
-                raise TypeError(f"Fit: {both[0]!r} given both as a keyword and in outputs")
-            outputs = {**outputs, **kinds} if isinstance(outputs, Mapping) else outputs
+        outputs = with_keywords({} if outputs is None else outputs, kinds)  # Fit(lowrank=...)
         for name, value in (("params", params), ("qparams", qparams), ("info", info), ("online", online),
                             ("outputs", outputs)):
             object.__setattr__(self, name, {} if value is None else value)
@@ -123,11 +113,9 @@ class Fit:
         object.__setattr__(self, "online", dict(self.online))
 
     def then(self, later: "Fit") -> "Fit":
-        """This fit followed by ``later``: ``later``'s tensors replace this one's, and a tensor ``later``
-        changes drops the quantization parameters fitted before for it (they described the old tensor); an
-        output of a registered kind is dropped where its kind says the later step made it stale (a low-rank
-        correction: the tensor changed or fitted anew), else replaced or kept; online rotations add up (two at
-        one site: ``ValueError``).
+        """This fit followed by ``later``: ``later``'s tensors replace this one's, and a tensor ``later`` changes
+        drops the quantization parameters fitted before for it; an output is dropped where its kind says ``later``
+        made it stale (a correction: its tensor changed or refitted); online rotations add up (twice: ``ValueError``).
 
         >>> import torch, qtransform as qt
         >>> a = qt.Fit(params={"w": torch.zeros(1)}, qparams={"w": qt.choose_qparams(torch.ones(1), qt.QuantSpec(format="int8"))})

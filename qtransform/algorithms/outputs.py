@@ -39,7 +39,7 @@ from typing import Any, Callable, Mapping
 from ..registry import Registry
 
 __all__ = ["OutputKind", "OUTPUT_KINDS", "register_output_kind", "check_outputs", "combine_outputs",
-           "check_against"]
+           "check_against", "with_keywords"]
 
 #: The ``Fit`` fields a kind's name may not take (it is also a keyword of ``Fit``).
 RESERVED = ("params", "qparams", "info", "online", "outputs")
@@ -104,6 +104,21 @@ def check_outputs(outputs: Any) -> dict:
         if values:
             out[name] = dict(values)
     return out
+
+
+def with_keywords(outputs: Any, kinds: Mapping[str, Any]) -> Any:
+    """``outputs`` with the kinds given as ``Fit`` keywords (``Fit(lowrank=...)``) added; ``TypeError`` for a
+    keyword that names no registered kind, or a kind given both ways."""
+    unknown = [k for k in kinds if k not in OUTPUT_KINDS]
+    if unknown:
+        raise TypeError(f"Fit: unexpected keyword {unknown[0]!r} (fields: {', '.join(RESERVED)}; registered kinds "
+                        f"of step output: {list(OUTPUT_KINDS)})")
+    if not kinds or not isinstance(outputs, Mapping):
+        return outputs  # a wrong outputs is named by check_outputs
+    both = [k for k in kinds if k in outputs]
+    if both:
+        raise TypeError(f"Fit: {both[0]!r} given both as a keyword and in outputs")
+    return {**outputs, **kinds}
 
 
 def combine_outputs(earlier: Mapping, later: Mapping, touched: Mapping[str, Any]) -> dict:
