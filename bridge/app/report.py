@@ -161,7 +161,7 @@ class Report:
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
         outputs, nbytes = d.pop("outputs"), d.pop("output_bytes")
-        for kind in {**dict.fromkeys(SLOTS), **outputs}:  # each kind's record and bytes: "lowrank", "lowrank_bytes"
+        for kind in {**dict.fromkeys(SLOTS), **outputs}:  # each kind: "<kind>" (its record), "<kind>_bytes"
             d[kind], d[f"{kind}_bytes"] = outputs.get(kind, {}), nbytes.get(kind, 0)
         d["layers"] = [dataclasses.asdict(r) | {"shape": list(r.shape)} for r in self.layers]
         d["quantized_numel"] = self.quantized_numel

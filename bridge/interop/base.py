@@ -80,7 +80,7 @@ class Exporter(abc.ABC):
     name: str = ""
     #: One line for ``qtransform export --help`` and the README table.
     description: str = ""
-    #: The kinds of step output (:data:`bridge.step_outputs.SLOTS`: ``"lowrank"``...) the target can hold; a checkpoint
+    #: The kinds of step output (names in :data:`bridge.step_outputs.SLOTS`) the target can hold; a checkpoint
     #: carrying any other is refused by :meth:`problems`, entry by entry.
     holds: frozenset[str] = frozenset()
 

@@ -79,7 +79,7 @@ class Fit:
     outputs: Mapping[str, Mapping[str, Any]] = dataclasses.field(default_factory=dict)
 
     def __init__(self, *, params=None, qparams=None, info=None, online=None, outputs=None, **kinds):
-        outputs = with_keywords({} if outputs is None else outputs, kinds)  # Fit(lowrank=...)
+        outputs = with_keywords({} if outputs is None else outputs, kinds)  # a kind by its name
         for name, value in (("params", params), ("qparams", qparams), ("info", info), ("online", online),
                             ("outputs", outputs)):
             object.__setattr__(self, name, {} if value is None else value)
