@@ -42,9 +42,9 @@ from .checkpoint.layout import LAYOUTS, dtype_name
 from .checkpoint.metadata import CheckpointError
 from .checkpoint.tree_io import (CONFIG, TOKENIZER_FILES, check_aliases, quantized_parts, read_metadata, read_tree,
                                  tensor_groups, verify_checksums)
-from .io_parts import activation_parts, lowrank_parts, lowrank_tensors, take_lowrank
+from .io_parts import activation_parts
 from .modules.actquant import PREFIX, activation_specs
-from .modules.lowrank import lowrank_ranks
+from .step_outputs import output_parts, output_tensors, read_outputs, records, take_outputs
 from .modules.online import check as check_online, online_rotations
 from .tree import Quantized, extract, tie_groups, to_module
 
@@ -148,10 +148,9 @@ def checkpoint_writer(model_or_qtree, *, max_shard_size="2GB", recipe=None, reci
     if model is None and not isinstance(model_or_qtree, (Mapping, list, tuple)):
         raise TypeError(f"save: model_or_qtree must be a module or a tree of tensors and QTensors, got "
                         f"{type(model_or_qtree).__name__}")
-    tree = extract(model) if model is not None else {**qt.flatten_tree(model_or_qtree), **lowrank_tensors(
-        result.lowrank if result else {})}  # a model's corrections are its QLinears' buffers
-    lowrank = lowrank_ranks(model) if model is not None else {
-        p.rpartition(".")[0]: c.rank for p, c in (result.lowrank if result else {}).items()}
+    outputs = read_outputs(model) if model is not None else dict(result.outputs) if result else {}
+    tree = extract(model) if model is not None else {**qt.flatten_tree(model_or_qtree), **output_tensors(
+        outputs)}  # a model's step outputs are its modules' buffers
     if model is not None:
         activations, online = activation_specs(model), online_rotations(model)
     else:  # a tree: what a Quantized result carries with it
@@ -169,8 +168,8 @@ def checkpoint_writer(model_or_qtree, *, max_shard_size="2GB", recipe=None, reci
         qconfig = metadata.checkpoint_config(
             quantized, recipe=recipe, recipe_name=recipe_name or getattr(cfg, "recipe_name", None),
             rules=rules if rules is not None else getattr(cfg, "rules", None), aliases=aliases,
-            skip_modules=getattr(cfg, "skip_modules", None), activations=activations, online=online, lowrank=lowrank,
-            where="bridge.save")
+            skip_modules=getattr(cfg, "skip_modules", None), activations=activations, online=online,
+            outputs=records(outputs), where="bridge.save")
     except metadata.CheckpointError as e:
         raise ValueError(f"{e} (check the recipe_name= and rules= arguments)") from None
 
@@ -295,7 +294,10 @@ def load(directory, *, like: nn.Module, kernel: str = "auto", verify: bool = Tru
     except ValueError as e:
         raise CheckpointError(f"{CONFIG}: {e}") from None
     expected.update({n: v for parts in act_parts.values() for n, v in parts.items()})
-    expected.update(lr_parts := lowrank_parts(like, meta))
+    try:
+        expected.update(out_parts := output_parts(like, meta.outputs, meta.entries))
+    except ValueError as e:
+        raise CheckpointError(f"{CONFIG}: {e}") from None
     for name, (shape, dtype) in list(expected.items()):  # a float tensor may be stored in another float dtype
         stored = _stored_float(handles, located, name) if dtype in store.FLOAT_DTYPES and name in ref else None
         if stored is not None:
@@ -303,7 +305,7 @@ def load(directory, *, like: nn.Module, kernel: str = "auto", verify: bool = Tru
     store.check_headers(root, located, handles, expected)
     verify_checksums(root, located, verify=verify)
     act_names = [n for parts in act_parts.values() for n in parts]
-    tree = read_tree(root, meta, located, handles, expected, list(ref) + act_names + list(lr_parts))  # every tensor read once
+    tree = read_tree(root, meta, located, handles, expected, list(ref) + act_names + list(out_parts))  # every tensor read once
     for path, leaf in ref.items():  # in the model's dtypes (a bf16 checkpoint loads into a float32 model)
         if path in tree and leaf.dtype in store.FLOAT_DTYPES:
             tree[path] = cast_leaf(tree[path], leaf.dtype)
@@ -316,7 +318,8 @@ def _build(like: nn.Module, meta, tree: dict, act_parts: dict, kernel: str, root
     for site, spec in meta.activations.items():
         acts[site] = spec if spec.dynamic else qt.QParams(spec=spec, **{
             n.rpartition(PREFIX[site.role])[2]: tree.pop(n) for n in act_parts.get(site, {})})
-    model = to_module(like, Quantized({}, tree, activations=acts, online=meta.online, lowrank=take_lowrank(tree, meta)),
+    model = to_module(like, Quantized({}, tree, activations=acts, online=meta.online,
+                                        outputs=take_outputs(tree, meta.outputs)),
                       kernel=kernel)
     left = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
     if left:

@@ -270,7 +270,7 @@ def quantize_params(model: nn.Module, recipe, *, calibration: Iterable | None = 
     qtree, fit = qt.quantize_tree(params, p, qparams=qparams, calibrator=calibrator, progress=progress,
                                   generator=generator, with_info=True)
     acts = calibrate_activations(qtree, p, calibrator, act_observer=act_observer, online=fit.online)
-    return Quantized(params, qtree, p, acts, fit.info, fit.online, fit.lowrank)
+    return Quantized(params, qtree, p, acts, fit.info, fit.online, fit.outputs)
 
 
 def quantize(model: nn.Module, recipe, *, inplace: bool = False, kernel: str = "auto",

@@ -26,7 +26,8 @@ from .tensor import (QParams, QTensor, bits_per_element, dequantize, error_bound
 from .observers import (OBSERVERS, HistogramStats, MinMaxStats, Observer, choose_qparams, compute_qparams,
                         finalize_stats, init_stats, make_observer, merge_stats, observe, register_observer)
 from .algorithms import (ALGORITHMS, Algorithm, Block, BlockInputs, Context, Fit, LowRank, ModelLoss, SiteStats, apply_fit,
-                         check_algorithm_options, get_algorithm, register_algorithm)
+                         check_algorithm_options, get_algorithm, register_algorithm, OUTPUT_KINDS, OutputKind,
+                         register_output_kind)
 from .pipeline import (PRESETS, Calibrator, Preset, activation_quantizers, check_activation_spec, check_steps,
                        from_hqq_config, get_preset, presets, recipe_from_dict, register_preset,
                        run_steps)
@@ -48,7 +49,7 @@ __all__ = [
     "OBSERVERS", "Observer", "register_observer", "make_observer", "init_stats", "observe", "merge_stats",
     "finalize_stats", "compute_qparams", "choose_qparams", "MinMaxStats", "HistogramStats",
     "activation_quantizers", "check_activation_spec", "ALGORITHMS", "Algorithm", "Block", "BlockInputs", "Context", "Fit", "LowRank", "ModelLoss", "SiteStats", "apply_fit", "check_algorithm_options",
-    "get_algorithm", "register_algorithm", "Parallel", "SERIAL",
+    "get_algorithm", "register_algorithm", "OUTPUT_KINDS", "OutputKind", "register_output_kind", "Parallel", "SERIAL",
     "PRESETS", "Preset", "Calibrator", "check_steps", "run_steps", "from_hqq_config", "get_preset", "presets",
     "recipe_from_dict", "register_preset",
     "hadamard", "hadamard_transform", "orthogonal", "rotate", "OnlineRotation",

@@ -126,7 +126,7 @@ def cmd_quantize(a) -> int:
     from ..checkpoint import store
     from ..distributed import current, launch
     from ..tree import extract, to_module
-    from ..modules.lowrank import lowrank_bytes, lowrank_ranks
+    from ..step_outputs import output_bytes, read_outputs, records
     from . import evaluate, models, record, report
 
     t0 = time.perf_counter()
@@ -201,8 +201,8 @@ def cmd_quantize(a) -> int:
     run = record.Run(model=a.model or models.DEFAULT_MODEL, label=label, recipe=recipe, out=out, driver=driver.why,
                      t0=t0, eval_seqs=eval_seqs, calibration=calibration, ppl_before=ppl_before, phases=phases)
     rep = run.report(facts, rows, size_before=size_before, size_after=report.tree_bytes(extract(qmodel)),
-                     seconds=seconds_q, ppl_after=ppl_after, lowrank=lowrank_ranks(qmodel),
-                     lowrank_bytes=lowrank_bytes(qmodel))
+                     seconds=seconds_q, ppl_after=ppl_after, outputs=records(read_outputs(qmodel)),
+                     output_bytes=output_bytes(qmodel))
     write = io.checkpoint_writer(qmodel, recipe=recipe, recipe_name=label, tokenizer=tokenizer,
                                  rules={p: plan[p].rule for p in plan.specs},
                                  dtypes=dtypes)

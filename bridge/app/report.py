@@ -16,6 +16,8 @@ import torch
 
 import qtransform as qt
 
+from ..step_outputs import SLOTS
+
 __all__ = ["LayerRow", "Report", "layer_rows", "layer_row", "peak_memory", "tree_bytes", "format_bytes", "steps_label", "table"]
 
 
@@ -130,8 +132,8 @@ class Report:
     streamed: str = ""  # how a streamed run went: "shard to shard" or "block by block"; "" in memory
     driver: str = ""  # the driver and why it was chosen: "streamed block by block (the default for ...)"
     notes: list[str] = dataclasses.field(default_factory=list)  # what the run left out on purpose, and why
-    lowrank: dict = dataclasses.field(default_factory=dict)  # {module: rank} of the low-rank corrections
-    lowrank_bytes: int = 0  # their buffers' bytes (included in size_after)
+    outputs: dict = dataclasses.field(default_factory=dict)  # {kind: record} of the step outputs (bridge.step_outputs)
+    output_bytes: dict = dataclasses.field(default_factory=dict)  # {kind: bytes} of their tensors (in size_after)
     phases: dict = dataclasses.field(default_factory=dict)  # {phase: seconds} of the command, in order
 
     @property
@@ -158,6 +160,9 @@ class Report:
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
+        outputs, nbytes = d.pop("outputs"), d.pop("output_bytes")
+        for kind in {**dict.fromkeys(SLOTS), **outputs}:  # each kind: "<kind>" (its record), "<kind>_bytes"
+            d[kind], d[f"{kind}_bytes"] = outputs.get(kind, {}), nbytes.get(kind, 0)
         d["layers"] = [dataclasses.asdict(r) | {"shape": list(r.shape)} for r in self.layers]
         d["quantized_numel"] = self.quantized_numel
         d["bits_per_weight"] = self.bits_per_weight
@@ -198,11 +203,10 @@ class Report:
                                                           for a in widest]) if widest else []
         if self.online:
             lines += ["", "online rotations: " + "; ".join(online_summary(self.online))]
-        if self.lowrank:
-            ranks = sorted(set(self.lowrank.values()))
-            extra = 8 * self.lowrank_bytes / self.quantized_numel if self.quantized_numel else float("nan")
-            lines += ["", f"low-rank corrections: {len(self.lowrank)} linears, rank {', '.join(map(str, ranks))}, "
-                      f"{format_bytes(self.lowrank_bytes)} (+{extra:.3f} bits per quantized weight)"]
+        for kind, record in self.outputs.items():
+            n = self.output_bytes.get(kind, 0)
+            extra = 8 * n / self.quantized_numel if self.quantized_numel else float("nan")
+            lines += ["", f"{SLOTS[kind].summary(record)}, {format_bytes(n)} (+{extra:.3f} bits per quantized weight)"]
         lines += step_info_lines(self.step_info)
         ratio = self.size_before / self.size_after if self.size_after else float("nan")
         summary = [["", "before", "after"],

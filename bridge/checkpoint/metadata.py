@@ -22,9 +22,10 @@ readers refuse it rather than run the rotated weights without them)::
 
      "online": {"model.layers.0.mlp.down_proj:input": {"kind": "hadamard", "size": 1536}, ...}
 
-Version 5 adds the ranks of the low-rank corrections quantized linears run (the ``lowrank`` step), written
-only when a model has some (older readers refuse it rather than drop them); the tensors
-``<module>.lowrank_a`` ``(rank, in)`` and ``<module>.lowrank_b`` ``(out, rank)`` are stored in the dtype of
+Version 5 adds the step outputs a model carries beside its quantized tensors (:mod:`bridge.step_outputs`), each
+kind's record under its name, written only when a model has some (older readers refuse it rather than drop
+them). Today the low-rank corrections quantized linears run (the ``lowrank`` step): their ranks, the tensors
+``<module>.lowrank_a`` ``(rank, in)`` and ``<module>.lowrank_b`` ``(out, rank)`` stored in the dtype of
 the module's weight entry::
 
      "lowrank": {"model.layers.0.mlp.down_proj": 32, ...}
@@ -59,9 +60,11 @@ import torch
 
 import qtransform as qt
 
+from ..step_outputs import SLOTS
+from ..step_outputs import VERSION as OUTPUTS_VERSION
 from .layout import LAYOUTS, dtype_from_name, dtype_name
 
-__all__ = ["VERSION", "VERSION_ACTIVATIONS", "VERSION_ONLINE", "VERSION_LOWRANK", "READABLE", "QUANT_METHOD", "Entry", "Metadata", "CheckpointError", "encode", "decode", "checkpoint_config",
+__all__ = ["VERSION", "VERSION_ACTIVATIONS", "VERSION_ONLINE", "VERSION_OUTPUTS", "READABLE", "QUANT_METHOD", "Entry", "Metadata", "CheckpointError", "encode", "decode", "checkpoint_config",
            "entries_of", "upgrade"]
 
 VERSION = 2
@@ -69,8 +72,8 @@ VERSION = 2
 VERSION_ACTIVATIONS = 3
 #: The version of checkpoints with online rotations.
 VERSION_ONLINE = 4
-#: The version of checkpoints with low-rank corrections.
-VERSION_LOWRANK = 5
+#: The version of checkpoints with step outputs (low-rank corrections): :data:`bridge.step_outputs.VERSION`.
+VERSION_OUTPUTS = OUTPUTS_VERSION
 READABLE = (1, 2, 3, 4, 5)
 QUANT_METHOD = "qtransform"
 _EMPTY: Mapping[str, str] = types.MappingProxyType({})
@@ -101,7 +104,7 @@ class Metadata(NamedTuple):
     version: int = VERSION
     activations: Mapping[qt.Site, qt.QuantSpec] = _EMPTY
     online: Mapping[qt.Site, qt.OnlineRotation] = _EMPTY
-    lowrank: Mapping[str, int] = _EMPTY
+    outputs: Mapping[str, Mapping] = _EMPTY  # {kind: record} of the step outputs (bridge.step_outputs.SLOTS)
 
 
 def entries_of(quantized: Mapping) -> dict[str, Entry]:
@@ -113,9 +116,10 @@ def encode(entries: Mapping[str, Entry], *, layout: str = "native", recipe: qt.R
            recipe_name: str | None = None, rules: Mapping[str, str] | None = None,
            aliases: Mapping[str, str] | None = None, skip_modules=None,
            activations: Mapping[qt.Site, qt.QuantSpec] | None = None,
-           online: Mapping[qt.Site, qt.OnlineRotation] | None = None, lowrank: Mapping[str, int] | None = None) -> dict:
+           online: Mapping[qt.Site, qt.OnlineRotation] | None = None, outputs: Mapping[str, Mapping] | None = None) -> dict:
     """JSON-able ``quantization_config``: version 2, 3 with ``activations``, 4 with ``online`` rotations,
-    5 with ``lowrank`` ranks (absent optional fields are left out)."""
+    5 (a kind's ``version``) with step ``outputs`` (``{kind: record}``, each under its kind's name, in the order
+    the kinds were registered; absent optional fields are left out)."""
     specs: list[qt.QuantSpec] = []
     index: dict[qt.QuantSpec, int] = {}
 
@@ -129,8 +133,12 @@ def encode(entries: Mapping[str, Entry], *, layout: str = "native", recipe: qt.R
                for path, e in entries.items()}
     acts = {f"{site.module}:{site.role}": spec_index(spec) for site, spec in (activations or {}).items()}
     rotations = {f"{site.module}:{site.role}": rot.to_dict() for site, rot in (online or {}).items()}
-    version = (VERSION_LOWRANK if lowrank else VERSION_ONLINE if rotations else VERSION_ACTIVATIONS if acts
-               else VERSION)
+    recorded = {name: dict(outputs[name]) for name in SLOTS if (outputs or {}).get(name)}
+    unknown = sorted(set(k for k, v in (outputs or {}).items() if v) - set(recorded))
+    if unknown:
+        raise ValueError(f"encode: outputs of kinds without a registered slot: {unknown}; known: {list(SLOTS)}")
+    version = max([VERSION_ONLINE if rotations else VERSION_ACTIVATIONS if acts else VERSION,
+                   *(SLOTS[name].version for name in recorded)])
     d = {"quant_method": QUANT_METHOD, "version": version,
          "qtransform_version": qt.__version__, "layout": layout,
          "specs": [s.to_dict() for s in specs], "tensors": tensors,
@@ -139,8 +147,7 @@ def encode(entries: Mapping[str, Entry], *, layout: str = "native", recipe: qt.R
         d["activations"] = acts
     if rotations:
         d["online"] = rotations
-    if lowrank:
-        d["lowrank"] = {m: int(r) for m, r in lowrank.items()}
+    d.update(recorded)
     for key, value in (("recipe_name", recipe_name), ("rules", dict(rules or {})), ("aliases", dict(aliases or {}))):
         if value:
             d[key] = value
@@ -150,7 +157,7 @@ def encode(entries: Mapping[str, Entry], *, layout: str = "native", recipe: qt.R
 def checkpoint_config(quantized: Mapping, *, recipe: qt.Recipe | None = None, recipe_name: str | None = None,
                         rules: Mapping[str, str] | None = None, aliases: Mapping[str, str] | None = None,
                         skip_modules=None, activations: Mapping | None = None, online: Mapping | None = None,
-                        lowrank: Mapping[str, int] | None = None, where: str = "quantization_config") -> dict:
+                        outputs: Mapping[str, Mapping] | None = None, where: str = "quantization_config") -> dict:
     """The ``quantization_config`` a qtransform checkpoint records for its ``quantized`` tensors (``{path:
     QTensor}``), whichever driver wrote it: :func:`encode` of their entries, the activation quantizers as their
     specs (``{Site: QuantSpec | QParams}``), checked to read back (:class:`CheckpointError` naming ``where``)
@@ -158,7 +165,7 @@ def checkpoint_config(quantized: Mapping, *, recipe: qt.Recipe | None = None, re
     specs = {s: q if isinstance(q, qt.QuantSpec) else q.spec for s, q in (activations or {}).items()}
     d = encode(entries_of(quantized), layout="native", recipe=recipe, recipe_name=recipe_name, rules=rules,
                aliases=aliases, skip_modules=skip_modules, activations=specs or None, online=dict(online or {}) or None,
-               lowrank=lowrank)
+               outputs=outputs)
     decode(d, where=where)
     return d
 
@@ -283,7 +290,7 @@ def decode(d, *, where: str = "quantization_config") -> Metadata:
     return Metadata(entries=entries, layout=layout, recipe=recipe, recipe_name=name,
                     rules=dict(rules), aliases=dict(aliases), skip_modules=skip, version=version,
                     activations=_activations(d.get("activations"), specs, where),
-                    online=_online(d.get("online"), where), lowrank=_lowrank(d.get("lowrank"), entries, where))
+                    online=_online(d.get("online"), where), outputs=_outputs(d, entries, where))
 
 
 def _sites(raw, field: str, roles, what: str, where: str, value) -> dict:
@@ -318,16 +325,13 @@ def _online(raw, where: str) -> dict:
     return _sites(raw, "online", qt.rotation.ONLINE_ROLES, "rotation", where, rotation)
 
 
-def _lowrank(raw, entries: Mapping[str, Entry], where: str) -> dict:
-    """``{module: rank}``: each a quantized 2-D weight's module, each rank an int >= 1."""
-    if raw is None:
-        return {}
-    if not isinstance(raw, Mapping):
-        _fail(where, f"'lowrank' must be an object of module -> rank, got {type(raw).__name__}")
-    for module, r in raw.items():
-        e = entries.get(f"{module}.weight")
-        if e is None or len(e.shape) != 2:
-            _fail(where, f"'lowrank' names {module!r}, which has no quantized 2-D weight in 'tensors'")
-        if not isinstance(r, int) or isinstance(r, bool) or r < 1:
-            _fail(where, f"'lowrank' rank of {module!r} must be an int >= 1, got {r!r}")
-    return dict(raw)
+def _outputs(d: Mapping, entries: Mapping[str, Entry], where: str) -> dict:
+    """``{kind: record}`` of the registered kinds of step output the config records, each checked by its slot."""
+    out = {}
+    for name, slot in SLOTS.items():
+        if d.get(name) is not None:
+            try:
+                out[name] = slot.check_record(d[name], entries)
+            except (TypeError, ValueError) as e:
+                _fail(where, str(e))
+    return out

@@ -27,12 +27,13 @@ import qtransform as qt
 
 from ..checkpoint import metadata
 from ..checkpoint.metadata import Entry
+from ..step_outputs import SLOTS
 
 __all__ = ["QTransformConfig"]
 
 _SAVED = ("quant_method", "version", "qtransform_version", "layout", "specs", "tensors", "aliases", "recipe_name",
           "rules", "skip_modules", "recipe", "algorithm", "algorithm_options", "activations",
-          "online", "lowrank")
+          "online")  # and each registered kind of step output's record (bridge.step_outputs.SLOTS)
 
 
 def _as_recipe(recipe) -> qt.Recipe | None:
@@ -66,7 +67,7 @@ class QTransformConfig(QuantizationConfigMixin):
 
     def __init__(self, recipe=None, *, steps=None, algorithm: str | None = None, algorithm_options: dict | None = None,
                  skip_modules: list[str] | None = None, verify: bool = True, **saved):
-        unknown = sorted(set(saved) - set(_SAVED))
+        unknown = sorted(set(saved) - set(_SAVED) - set(SLOTS))
         if unknown:
             raise ValueError(f"QTransformConfig: unknown field(s) {unknown}")
         self.quant_method = metadata.QUANT_METHOD
@@ -81,7 +82,7 @@ class QTransformConfig(QuantizationConfigMixin):
             self.recipe_name, self.layout = meta.recipe_name, meta.layout
             self.activations = dict(meta.activations)
             self.online = dict(meta.online)
-            self.lowrank = dict(meta.lowrank)  # {module: rank} of the low-rank corrections
+            self.outputs = dict(meta.outputs)  # {kind: record} of the step outputs (low-rank corrections' ranks)
         else:
             stray = sorted(set(saved) - {"quant_method"})
             if stray:
@@ -94,7 +95,7 @@ class QTransformConfig(QuantizationConfigMixin):
             self.aliases, self.rules, self.recipe_name, self.layout = {}, {}, None, "native"
             self.activations: dict = {}
             self.online: dict = {}
-            self.lowrank: dict = {}
+            self.outputs: dict = {}
         recipe = _as_recipe(recipe)
         if algorithm_options is not None and not isinstance(algorithm_options, dict):
             raise TypeError(f"QTransformConfig: algorithm_options must be a dict, got {type(algorithm_options).__name__}")
@@ -121,7 +122,7 @@ class QTransformConfig(QuantizationConfigMixin):
     def to_dict(self) -> dict[str, Any]:
         return metadata.encode(self.entries, layout=self.layout, recipe=self.recipe, recipe_name=self.recipe_name,
                                rules=self.rules, aliases=self.aliases, skip_modules=self.skip_modules,
-                               activations=self.activations, online=self.online, lowrank=self.lowrank)
+                               activations=self.activations, online=self.online, outputs=self.outputs)
 
     def get_loading_attributes(self) -> dict[str, Any]:
         """What a config passed to ``from_pretrained`` changes in a checkpoint's own (transformers' protocol)."""

@@ -12,8 +12,9 @@ function of the quantized weights and loads without the bridge:
   weight holding ``W H``) is *folded*: the float weight is ``dequantize(qweight) H^T``, so
   ``x W_float^T = (x H) dequantize(qweight)^T`` with no hook (float linears the recipe left alone
   but that take a rotation are folded the same way);
-* a low-rank correction of a linear layer (the ``lowrank`` step) is *folded*: the float weight is
-  ``dequantize(qweight) + B A`` (before any input rotation is folded, as the correction sees the rotated input);
+* a step output that folds (:attr:`bridge.step_outputs.OutputSlot.fold`) is *folded* before any input rotation
+  is (it sees the rotated input): a low-rank correction of a linear layer (the ``lowrank`` step) makes the
+  float weight ``dequantize(qweight) + B A``; a model carrying a kind that does not fold is refused;
 * an online rotation of queries and keys (``R3``) is *dropped*: ``(q H)(k H)^T = q k^T`` since ``H``
   is orthogonal, so without the key quantizer it changes nothing but rounding;
 * activation quantizers (input, output) and the key/value cache quantizers are *dropped* (a
@@ -44,6 +45,7 @@ from ..modules import (QConv2d, QConvTranspose2d, QEmbedding, QEmbeddingBag, QLi
                        kvcache)
 from ..modules import online
 from ..modules.experts import QExperts
+from ..step_outputs import SLOTS, read_outputs
 from ..tree import submodule
 from .offload import offloaded_names
 
@@ -106,9 +108,9 @@ def float_module(module: QModule, dtype: torch.dtype | None = None, *,
         raise ValueError(f"float_module: an online input rotation folds into a linear layer, not a "
                          f"{type(module).__name__}")
     weight = qt.dequantize(module.qweight, dtype=torch.float32 if rotation is not None else dtype)
-    c = module.lowrank if type(module) is QLinear else None
-    if c is not None:  # a low-rank correction folds into the weight: Q x + B A x = (Q + B A) x
-        weight = weight + (c.delta().T if module.transposed else c.delta()).to(weight.dtype)
+    for slot in SLOTS.values():  # step outputs fold into the weight (a low-rank correction: Q + B A)
+        if slot.fold is not None:
+            weight = slot.fold(module, weight)
     if rotation is not None:
         weight = _rotated(weight, rotation, transposed=module.transposed)
     bias = getattr(module, "bias", None)
@@ -129,6 +131,10 @@ def float_module(module: QModule, dtype: torch.dtype | None = None, *,
 
 def _check(model: nn.Module, quantized: dict, rotations: dict) -> None:
     """Everything :func:`dequantize_model` will do, checked before it changes anything."""
+    for name, values in read_outputs(model).items():
+        if SLOTS[name].fold is None:
+            raise ValueError(f"dequantize: {next(iter(values))} carries {SLOTS[name].label} ({name!r}), which do not "
+                             "fold into a float model")
     for path, m in quantized.items():
         if not path:
             raise ValueError("dequantize: the model itself is a quantized module; wrap it in a container")

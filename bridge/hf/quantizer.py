@@ -33,7 +33,7 @@ from ..checkpoint.layout import NATIVE, abstract_qtensor, check_like
 from ..checkpoint.metadata import CheckpointError, Entry
 from ..modules import QModule
 from ..modules import actquant, kvcache, online
-from ..modules.lowrank import abstract_lowrank, lowrank_ranks
+from ..step_outputs import abstract_outputs, read_outputs, records
 from ..modules.actquant import abstract_qparams, activation_specs
 from ..pipeline import plan as model_plan
 from ..modules.experts import QExperts
@@ -121,7 +121,7 @@ class QTransformHfQuantizer(HfQuantizer):
             module.set_activation(site.role, spec if spec.dynamic else abstract_qparams(module, site.role, spec))
         try:
             online.install_online_rotations(model, cfg.online)
-            abstract_lowrank(model, cfg.lowrank)  # empty corrections for the checkpoint's tensors to fill
+            abstract_outputs(model, cfg.outputs)  # empty step outputs for the checkpoint's tensors to fill
         except (TypeError, ValueError) as e:
             raise CheckpointError(f"config.json: {e}") from None
         kvcache.route_attention(model)
@@ -205,7 +205,7 @@ def attach_config(model: nn.Module, quantized: dict, plan: qt.Plan | None = None
     cfg.entries = {**cfg.entries, **metadata.entries_of(quantized)}
     cfg.activations = activation_specs(model)
     cfg.online = online.online_rotations(model)
-    cfg.lowrank = lowrank_ranks(model)
+    cfg.outputs = records(read_outputs(model))
     if plan is not None:
         cfg.recipe = plan.recipe
         cfg.rules = {**cfg.rules, **{p: plan[p].rule for p in quantized if p in plan}}

@@ -29,6 +29,7 @@ from ..checkpoint.layout import dtype_from_name
 from ..checkpoint.metadata import CheckpointError, Metadata
 from ..checkpoint.tree_io import CONFIG, TOKENIZER_FILES, load_tree, read_metadata
 from ..modules.experts import EXPERT_WEIGHTS
+from ..step_outputs import SLOTS
 
 __all__ = ["Checkpoint", "Support", "Exporter", "EXPORTERS", "register_exporter", "Importer", "IMPORTERS",
            "register_importer", "detect_format", "read_source", "read_imported", "verify_digests", "verify_shards",
@@ -79,8 +80,9 @@ class Exporter(abc.ABC):
     name: str = ""
     #: One line for ``qtransform export --help`` and the README table.
     description: str = ""
-    #: Whether the target can hold low-rank corrections (``lowrank_a``/``_b`` beside a quantized linear).
-    holds_lowrank: bool = False
+    #: The kinds of step output (names in :data:`bridge.step_outputs.SLOTS`) the target can hold; a checkpoint
+    #: carrying any other is refused by :meth:`problems`, entry by entry.
+    holds: frozenset[str] = frozenset()
 
     @abc.abstractmethod
     def support(self, spec: qt.QuantSpec, role: str = "weight") -> Support:
@@ -102,9 +104,10 @@ class Exporter(abc.ABC):
         for site in source.meta.online:
             out.append(f"{site.module}:{site.role}: an online rotation, which {self.name} cannot express "
                        "(dequantize-and-fold it first: model.dequantize(), or quantize without R3/R4)")
-        for module, rank in ({} if self.holds_lowrank else getattr(source.meta, "lowrank", {})).items():
-            out.append(f"{module}: a low-rank correction (rank {rank}), which {self.name} cannot hold "
-                       "(quantize without the lowrank step, or keep the qtransform checkpoint)")
+        for kind, record in getattr(source.meta, "outputs", {}).items():
+            for key, entry in ({} if kind in self.holds else record).items():
+                out.append(f"{key}: {SLOTS[kind].describe(key, entry)}, which {self.name} cannot hold (quantize "
+                           f"without the step returning {kind!r} outputs, or keep the qtransform checkpoint)")
         return out
 
     def _judge(self, where: str, spec: qt.QuantSpec, role: str, allow_nearest: bool) -> list[str]:

@@ -6,7 +6,7 @@ from .linear import QLinear, is_conv1d
 from .conv import QConv2d, QConvTranspose2d
 from .embedding import QEmbedding, QEmbeddingBag
 from .experts import QExperts, is_experts
-from . import actquant, kvcache, online
+from . import actquant, kvcache, online, lowrank
 
 __all__ = ["QModule", "QLinear", "QConv2d", "QConvTranspose2d", "QEmbedding", "QEmbeddingBag", "QUANTIZED_CLASSES",
-           "quantized_class", "register_quantized_class", "is_conv1d", "QExperts", "is_experts", "actquant", "kvcache", "online"]
+           "quantized_class", "register_quantized_class", "is_conv1d", "QExperts", "is_experts", "actquant", "kvcache", "online", "lowrank"]

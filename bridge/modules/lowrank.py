@@ -4,7 +4,9 @@ Each correction lives on its :class:`~bridge.modules.QLinear` as the buffers ``<
 ``(r, in)`` and ``<module>.lowrank_b`` ``(out, r)`` (logical layout, also for ``Conv1D``), kept in the
 dtype of the weight's dequantized values (the model's dtype: 4 bytes per element in float32, 2 in
 bf16/fp16), so a correction of rank ``r`` costs ``r·(in + out)`` such elements. A checkpoint records
-each module's rank (``quantization_config["lowrank"]``); the shapes follow from its weight.
+each module's rank (``quantization_config["lowrank"]``); the shapes follow from its weight. ``model.dequantize()``
+folds a correction into its float weight. All of that is the kind's one registration, :data:`SLOT`
+(:mod:`bridge.step_outputs`).
 
 >>> import torch, qtransform as qt
 >>> from bridge.modules import QLinear
@@ -24,9 +26,10 @@ from torch import nn
 
 import qtransform as qt
 
-from .linear import QLinear
+from ..step_outputs import OutputSlot, register_slot
+from .linear import QLinear, is_conv1d
 
-__all__ = ["attach_lowrank", "lowrank_of", "lowrank_ranks", "lowrank_bytes", "abstract_lowrank", "NAMES"]
+__all__ = ["attach_lowrank", "lowrank_of", "lowrank_ranks", "lowrank_bytes", "abstract_lowrank", "NAMES", "SLOT"]
 
 #: The buffer names of a correction, ``a`` then ``b``.
 NAMES = ("lowrank_a", "lowrank_b")
@@ -71,7 +74,7 @@ def lowrank_of(model: nn.Module) -> dict[str, qt.LowRank]:
 
 def lowrank_ranks(model: nn.Module) -> dict[str, int]:
     """``{module path: rank}`` of the corrections in ``model`` (what a checkpoint's config records)."""
-    return {p.rpartition(".")[0]: c.rank for p, c in lowrank_of(model).items()}
+    return _ranks(lowrank_of(model))
 
 
 def lowrank_bytes(model: nn.Module) -> int:
@@ -87,3 +90,67 @@ def abstract_lowrank(model: nn.Module, ranks: Mapping[str, int], *, device="meta
         dt = m.weight_dtype or torch.float32
         m.set_lowrank(qt.LowRank(a=torch.empty(r, m.in_features, dtype=dt, device=device),
                                  b=torch.empty(m.out_features, r, dtype=dt, device=device)))
+
+
+def _ranks(corrections: Mapping[str, qt.LowRank]) -> dict[str, int]:
+    return {p.rpartition(".")[0]: int(c.rank) for p, c in corrections.items()}
+
+
+def _check_ranks(raw, entries) -> dict:
+    """``{module: rank}``: each a quantized 2-D weight's module, each rank an int >= 1."""
+    if not isinstance(raw, Mapping):
+        raise ValueError(f"'lowrank' must be an object of module -> rank, got {type(raw).__name__}")
+    for module, r in raw.items():
+        e = entries.get(f"{module}.weight")
+        if e is None or len(e.shape) != 2:
+            raise ValueError(f"'lowrank' names {module!r}, which has no quantized 2-D weight in 'tensors'")
+        if not isinstance(r, int) or isinstance(r, bool) or r < 1:
+            raise ValueError(f"'lowrank' rank of {module!r} must be an int >= 1, got {r!r}")
+    return dict(raw)
+
+
+def _tensors(corrections: Mapping[str, qt.LowRank]) -> dict:
+    out = {}
+    for path, c in corrections.items():
+        module = path.rpartition(".")[0]
+        out.update({f"{module}.{NAMES[0]}": c.a, f"{module}.{NAMES[1]}": c.b})
+    return out
+
+
+def _parts(like: nn.Module, ranks: Mapping[str, int], entries) -> dict:
+    """``<module>.lowrank_a`` ``(rank, in)`` and ``.lowrank_b`` ``(out, rank)`` in the weight entry's dtype,
+    ``in``/``out`` the logical widths of ``like``'s linear (a ``Conv1D`` stores its weight (in, out))."""
+    out = {}
+    for module, r in ranks.items():
+        e = entries[f"{module}.weight"]
+        try:
+            m = like.get_submodule(module)
+        except AttributeError:
+            raise ValueError(f"low-rank correction of {module!r} names no module of {type(like).__name__}") from None
+        if not isinstance(m, nn.Linear) and not is_conv1d(m) and not isinstance(m, QLinear):
+            raise ValueError(f"low-rank correction of {module!r}: a {type(m).__name__}, not a linear")
+        n_out, n_in = e.shape[::-1] if (is_conv1d(m) or getattr(m, "transposed", False)) else e.shape
+        out[f"{module}.{NAMES[0]}"] = ((r, n_in), e.dtype)
+        out[f"{module}.{NAMES[1]}"] = ((n_out, r), e.dtype)
+    return out
+
+
+def _take(tree: dict, ranks: Mapping[str, int]) -> dict:
+    return {f"{m}.weight": qt.LowRank(a=tree.pop(f"{m}.{NAMES[0]}"), b=tree.pop(f"{m}.{NAMES[1]}")) for m in ranks}
+
+
+def _fold(module: nn.Module, weight: torch.Tensor) -> torch.Tensor:
+    """A correction folds into the float weight: ``Q x + B A x = (Q + B A) x``."""
+    c = module.lowrank if type(module) is QLinear else None
+    return weight if c is None else weight + (c.delta().T if module.transposed else c.delta()).to(weight.dtype)
+
+
+def _summary(ranks: Mapping[str, int]) -> str:
+    return f"low-rank corrections: {len(ranks)} linears, rank {', '.join(map(str, sorted(set(ranks.values()))))}"
+
+
+#: The ``lowrank`` kind on the torch side (see :mod:`bridge.step_outputs`).
+SLOT = register_slot(OutputSlot(
+    name="lowrank", label="low-rank corrections", attach=attach_lowrank, read=lowrank_of, record=_ranks,
+    check_record=_check_ranks, tensors=_tensors, parts=_parts, take=_take, abstract=abstract_lowrank, fold=_fold,
+    describe=lambda module, rank: f"a low-rank correction (rank {rank})", summary=_summary, streams=False))

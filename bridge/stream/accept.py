@@ -20,6 +20,7 @@ from torch import nn
 
 from .. import pipeline
 from ..calibrate.blocks import find_blocks
+from ..step_outputs import SLOTS
 from . import skeleton as skel
 from .source import Source
 
@@ -77,7 +78,9 @@ def plan_streamed(model: nn.Module, recipe, *, calibrated: bool) -> qt.Plan:
     take refused as :class:`CannotStream`."""
     p = pipeline.prepare(model, recipe, calibrated=calibrated)
     for i, s in enumerate(p.steps):
-        if s.name == "lowrank":  # its corrections are not written by the streamed run: refused, never dropped
-            raise CannotStream(f"recipe.steps[{i}] (lowrank): low-rank corrections are not written by a streamed "
-                               "run; quantize in memory (--in-memory)")
+        for kind in qt.get_algorithm(s.name).outputs:  # outputs a streamed run does not write: refused, never dropped
+            slot = SLOTS.get(kind)
+            if slot is None or not slot.streams:
+                raise CannotStream(f"recipe.steps[{i}] ({s.name}): {slot.label if slot else repr(kind) + ' outputs'} "
+                                   "are not written by a streamed run; quantize in memory (--in-memory)")
     return p

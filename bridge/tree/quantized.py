@@ -40,7 +40,7 @@ class Quantized(NamedTuple):
     (``{Site: dynamic QuantSpec | calibrated QParams}``), what the steps reported (``info``:
     ``{path: {name: value}}``, e.g. GPTQ's layer losses), and the online rotations the quantized tree
     expects at run time (``online``: ``{Site: OnlineRotation}``, the ``rotate`` step's ``R3``/``R4``), and the
-    low-rank corrections its quantized linears run (``lowrank``: ``{weight path: LowRank}``, the ``lowrank`` step's).
+    step outputs that run beside its tensors (``outputs``: ``{kind: {path: value}}``, :mod:`bridge.step_outputs`).
 
     :func:`bridge.to_module` ``(model, result)`` builds the quantized model from it (for
     :func:`bridge.quantize` and the ``qtransform`` command alike); :func:`bridge.save` writes it.
@@ -56,7 +56,7 @@ class Quantized(NamedTuple):
     activations: dict = {}
     info: dict = {}
     online: dict = {}
-    lowrank: dict = {}
+    outputs: dict = {}
     written: Written | None = None
 
     def changed(self) -> dict:

@@ -36,7 +36,7 @@ from qtransform import QTensor
 
 from ..modules import QModule, actquant, kvcache, quantized_class
 from ..modules import online as online_mod
-from ..modules.lowrank import attach_lowrank
+from ..step_outputs import attach_outputs
 from ..modules.experts import QExperts, expert_weights, stored_shape
 from .quantized import Quantized
 
@@ -252,7 +252,7 @@ def to_module(model: nn.Module, qtree: Any, *, inplace: bool = False, kernel: st
     Args:
         model: the float (or already partly quantized) model giving the structure.
         qtree: a :class:`~bridge.tree.Quantized` result (:func:`bridge.quantize_params`; its changed
-            tensors, with its plan, activation quantizers, online rotations and low-rank corrections), or a tree
+            tensors, with its plan, activation quantizers, online rotations and step outputs), or a tree
             ``{path: Tensor | QTensor}`` (e.g. ``qt.quantize_tree(bridge.extract(model), recipe)``).
         inplace: modify ``model`` itself instead of returning a new model.
         kernel: kernel request for every new quantized module (``"auto"`` or e.g. ``"dequant"``).
@@ -262,10 +262,10 @@ def to_module(model: nn.Module, qtree: Any, *, inplace: bool = False, kernel: st
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    plan, activations, online, lowrank = None, None, None, {}
+    plan, activations, online, outputs = None, None, None, {}
     if isinstance(qtree, Quantized):
-        qtree, plan, activations, online, lowrank = (qtree.changed(), qtree.plan, qtree.activations, qtree.online,
-                                                     qtree.lowrank)
+        qtree, plan, activations, online, outputs = (qtree.changed(), qtree.plan, qtree.activations, qtree.online,
+                                                     qtree.outputs)
     leaves = qt.flatten_tree(qtree)
     known = set(model.state_dict())
     unknown = sorted(p for p in leaves if p not in known)
@@ -294,7 +294,7 @@ def to_module(model: nn.Module, qtree: Any, *, inplace: bool = False, kernel: st
         else:
             target.get_submodule(site.module).set_activation(site.role, quant)
     online_mod.install_online_rotations(target, online or {})
-    attach_lowrank(target, lowrank)
+    attach_outputs(target, outputs)
     kvcache.route_attention(target)
     for hook in REBUILD_HOOKS.values():
         hook(target, quantized, plan)

@@ -6,7 +6,8 @@
 folded into the weights, block by block on calibration data), ``gptq``, ``awq`` (activation-aware
 scales and clipping), ``rotate`` (QuaRot's rotations), ``spinquant`` (rotations learned on the
 quantized model's loss), ``signround`` (AutoRound: rounding and clipping learned by signed gradient descent)
-and ``lowrank`` (rank-r corrections of the quantization error, EoRA).
+and ``lowrank`` (rank-r corrections of the quantization error, EoRA). What a step returns beside tensors and
+quantization parameters is a registered kind of step output (:mod:`.outputs`: ``lowrank``'s corrections).
 
 The convention, one for every algorithm:
 
@@ -27,10 +28,11 @@ The convention, one for every algorithm:
 from .base import (ALGORITHMS, Algorithm, Block, BlockInputs, Context, Fit, ModelLoss, SiteStats, apply_fit,
                    check_algorithm_options, get_algorithm, register_algorithm)
 from .lowrank_math import LowRank
-from . import (rtn, hqq_math, hqq, smoothing, smoothquant_math, smoothquant, gptq_math, gptq, awq_math, awq, rotate,
+from .outputs import OUTPUT_KINDS, OutputKind, register_output_kind
+from . import (outputs, rtn, hqq_math, hqq, smoothing, smoothquant_math, smoothquant, gptq_math, gptq, awq_math, awq, rotate,
                spinquant, signround_math, signround, lowrank_math, lowrank)
 
-__all__ = ["LowRank", "ALGORITHMS", "Algorithm", "Block", "BlockInputs", "ModelLoss", "Context", "Fit", "SiteStats",
+__all__ = ["LowRank", "OUTPUT_KINDS", "OutputKind", "register_output_kind", "outputs", "ALGORITHMS", "Algorithm", "Block", "BlockInputs", "ModelLoss", "Context", "Fit", "SiteStats",
            "apply_fit", "check_algorithm_options", "get_algorithm", "register_algorithm", "rtn", "hqq_math", "hqq",
            "smoothing", "smoothquant_math", "smoothquant", "gptq_math", "gptq", "awq_math", "awq", "rotate",
            "spinquant", "signround_math", "signround", "lowrank_math", "lowrank"]

@@ -54,106 +54,16 @@ from typing import Any, Callable, Iterable, Mapping, NamedTuple, Sequence
 import torch
 
 from .. import _pytree
-from .._pytree import pytree_dataclass
 from ..parallel import SERIAL, Parallel
 from ..registry import Registry
-from ..rotation import OnlineRotation
-from ..spec import Site, as_plan
-from ..tensor import QParams
-from .lowrank_math import LowRank
+from ..spec import as_plan
+from .fit import Fit, apply_fit
+from .outputs import OUTPUT_KINDS
 from .options import check_options as _check_options
 from .options import option_fields
 
 __all__ = ["Fit", "Context", "SiteStats", "BlockInputs", "ModelLoss", "Block", "Algorithm", "ALGORITHMS", "register_algorithm", "get_algorithm",
            "check_algorithm_options", "apply_fit"]
-
-
-@pytree_dataclass(static=("info", "online"))
-class Fit:
-    """What a step returns: ``params`` ``{path: tensor}`` it changed and ``qparams``
-    ``{path: QParams}`` it fitted (a pytree: tensors are leaves), ``info`` ``{path: {name:
-    number or str}}``, what it reports about them (GPTQ's loss, SmoothQuant's α; static, not leaves),
-    ``online`` ``{Site: OnlineRotation}``, the rotations its weights expect at run time (static), and
-    ``lowrank`` ``{weight path: LowRank}``, rank-r corrections run beside quantized linears (``lowrank``)."""
-
-    params: Mapping[str, torch.Tensor] = dataclasses.field(default_factory=dict)
-    qparams: Mapping[str, QParams] = dataclasses.field(default_factory=dict)
-    info: Mapping[str, Mapping[str, Any]] = dataclasses.field(default_factory=dict)
-    online: Mapping[Site, OnlineRotation] = dataclasses.field(default_factory=dict)
-    lowrank: Mapping[str, LowRank] = dataclasses.field(default_factory=dict)
-
-    def __post_init__(self):
-        for name, kind in (("params", torch.Tensor), ("qparams", QParams), ("lowrank", LowRank)):
-            value = getattr(self, name)
-            if not isinstance(value, Mapping):
-                raise TypeError(f"Fit.{name} must be a mapping of path -> {kind.__name__}, got {type(value).__name__}")
-            keys = [k for k in value if not isinstance(k, str)]
-            if keys:
-                raise TypeError(f"Fit.{name} must be keyed by tree paths (str), got the key {keys[0]!r}")
-            bad = [k for k, v in value.items() if not isinstance(v, kind)]
-            if bad:
-                raise TypeError(f"Fit.{name}[{bad[0]!r}] must be a {kind.__name__}, got {type(value[bad[0]]).__name__}")
-            object.__setattr__(self, name, dict(value))
-        if not isinstance(self.info, Mapping) or not all(
-                isinstance(k, str) and isinstance(v, Mapping) for k, v in self.info.items()):
-            raise TypeError(f"Fit.info must map tree paths (str) to dicts of reported values, got {self.info!r:.80}")
-        object.__setattr__(self, "info", {k: dict(v) for k, v in self.info.items()})
-        if not isinstance(self.online, Mapping) or not all(
-                isinstance(k, Site) and isinstance(v, OnlineRotation) for k, v in self.online.items()):
-            raise TypeError(f"Fit.online must map qtransform.Site to OnlineRotation, got {self.online!r:.80}")
-        object.__setattr__(self, "online", dict(self.online))
-
-    def then(self, later: "Fit") -> "Fit":
-        """This fit followed by ``later``: ``later``'s tensors replace this one's, and a tensor ``later``
-        changes drops the quantization parameters fitted before for it (they described the old tensor), one it
-        changes or fits anew its low-rank correction; online rotations add up (two at one site: ``ValueError``).
-
-        >>> import torch, qtransform as qt
-        >>> a = qt.Fit(params={"w": torch.zeros(1)}, qparams={"w": qt.choose_qparams(torch.ones(1), qt.QuantSpec(format="int8"))})
-        >>> b = qt.Fit(params={"w": torch.ones(1)})
-        >>> sorted(a.then(b).params), sorted(a.then(b).qparams)
-        (['w'], [])
-        """
-        if not isinstance(later, Fit):
-            raise TypeError(f"Fit.then: expected a Fit, got {type(later).__name__}")
-        kept = {p: q for p, q in self.qparams.items() if p not in later.params}
-        lowrank = {p: c for p, c in self.lowrank.items() if p not in later.params and p not in later.qparams}
-        info = {p: dict(v) for p, v in self.info.items()}
-        for p, v in later.info.items():
-            info[p] = {**info.get(p, {}), **v}
-        twice = sorted(f"{s.module} ({s.role})" for s in set(self.online) & set(later.online))
-        if twice:
-            raise ValueError(f"Fit.then: two online rotations at {twice[:3]}: rotate once")
-        return Fit(params={**self.params, **later.params}, qparams={**kept, **later.qparams}, info=info,
-                   online={**self.online, **later.online}, lowrank={**lowrank, **later.lowrank})
-
-
-def apply_fit(params: Any, fit: Fit) -> Any:
-    """``params`` with the tensors ``fit`` changed put in (a new tree; the input is untouched).
-
-    Like optax's ``apply_updates``: the one function that applies a step's result. Raises
-    ``ValueError`` naming the path for a path not in the tree or a changed shape or dtype.
-    """
-    if not isinstance(fit, Fit):
-        raise TypeError(f"apply_fit: fit must be a Fit, got {type(fit).__name__}")
-    seen = set()
-
-    def one(path, leaf):
-        if path not in fit.params:
-            return leaf
-        new = fit.params[path]
-        if not isinstance(leaf, torch.Tensor) or new.shape != leaf.shape or new.dtype != leaf.dtype:
-            got = f"{tuple(leaf.shape)} {leaf.dtype}" if isinstance(leaf, torch.Tensor) else type(leaf).__name__
-            raise ValueError(f"{path}: a step returned a tensor of shape {tuple(new.shape)} and dtype {new.dtype} "
-                             f"for a leaf of {got}; steps keep shapes and dtypes")
-        seen.add(path)
-        return new
-
-    out = _pytree.map_with_path(one, params)
-    unknown = sorted(set(fit.params) - seen)
-    if unknown:
-        raise ValueError(f"apply_fit: a step returned tensors for paths not in the tree: {unknown[:5]}")
-    return out
 
 
 class SiteStats(NamedTuple):
@@ -280,6 +190,7 @@ class Algorithm:
     description: str = ""
     requires: tuple[str, ...] = ()
     options: type | None = None
+    outputs: tuple[str, ...] = ()
 
     def __call__(self, params: Any, recipe, *, types: Mapping[str, str] | None = None, stats: Mapping | None = None,
                  progress: Callable | None = None, **options) -> Fit:
@@ -347,7 +258,7 @@ ALGORITHMS = Registry("algorithm", check=_check_algorithm)
 
 def register_algorithm(name: str, fn: Callable, *, needs: SiteStats | BlockInputs | None = None, local: bool = False,
                        check_options: Callable | None = None, description: str = "", requires: Iterable[str] = (),
-                       options: type | None = None, replace: bool = False) -> Algorithm:
+                       options: type | None = None, outputs: Iterable[str] = (), replace: bool = False) -> Algorithm:
     """Register ``fn`` (see the module docstring) as the step ``name``; returns the :class:`Algorithm`.
 
     ``options``: the frozen keyword-only dataclass of ``fn``'s options (fields typed, ranges in
@@ -357,7 +268,8 @@ def register_algorithm(name: str, fn: Callable, *, needs: SiteStats | BlockInput
     keywords), raises ``ValueError``/``TypeError`` for options ``fn`` does not take. ``requires``
     names the model facts of the :class:`~qtransform.Plan` the step cannot run without (``"groups"``,
     ``"layout"``; an option of the same name, given explicitly, stands in): a plan without them is
-    refused before any work.
+    refused before any work. ``outputs`` names the registered kinds of step output (:mod:`.outputs`) it may
+    return in :attr:`Fit.outputs`; :func:`~qtransform.run_steps` refuses any other.
     """
     if not callable(fn):
         raise TypeError(f"register_algorithm: fn must be callable, got {type(fn).__name__}")
@@ -373,8 +285,11 @@ def register_algorithm(name: str, fn: Callable, *, needs: SiteStats | BlockInput
     bad = [r for r in requires if r not in FACTS]
     if bad:
         raise ValueError(f"register_algorithm {name}: requires must name plan facts among {list(FACTS)}, got {bad}")
+    outputs = (outputs,) if isinstance(outputs, str) else tuple(outputs)
+    for kind in outputs:
+        OUTPUT_KINDS[kind]  # a ValueError listing the registered kinds
     algo = Algorithm(name=name, fn=fn, needs=needs, local=local, check_options=check_options,
-                     description=description, requires=requires, options=options)
+                     description=description, requires=requires, options=options, outputs=outputs)
     return ALGORITHMS.register(name, algo, replace=replace)
 
 

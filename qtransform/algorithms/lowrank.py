@@ -42,9 +42,10 @@ from ..observers import choose_qparams, finalize_stats, init_stats
 from ..spec import Site
 from ..tensor import dequantize, quantize
 from .base import Fit, SiteStats, register_algorithm
-from .lowrank_math import hessian_basis, lowrank_error
+from .lowrank_math import LowRank, check_lowrank, hessian_basis, lowrank_error
 from .gptq import LINEAR_TYPES
 from .options import option, options_checker, received
+from .outputs import register_output_kind
 
 __all__ = ["step", "Options", "check_options", "lowrank_weights"]
 
@@ -138,5 +139,15 @@ def _residual(e: torch.Tensor, delta: torch.Tensor, H) -> float:
     return float((num / den).clamp_min(0).sqrt()) if den > 0 else 0.0
 
 
-register_algorithm("lowrank", step, needs=SiteStats(sites=_sites, wanted=_wanted), options=Options,
+def _fits(c: LowRank, w, *, path: str, plan) -> None:
+    """A correction returned for ``path`` fits the 2-D weight the plan quantizes there (logical layout)."""
+    if path not in plan.specs or not isinstance(w, torch.Tensor) or w.dim() != 2:
+        raise ValueError(f"returned a low-rank correction for {path!r}, which is not a 2-D weight the recipe quantizes")
+    check_lowrank(c, tuple(w.shape[::-1]) if plan[path].module_type == "Conv1D" else tuple(w.shape), path=path)
+
+
+# the kind of step output (Fit.lowrank); a later step that changes or refits a weight drops its correction
+register_output_kind("lowrank", LowRank, check=_fits, stale_after=("params", "qparams"),
+                     description="rank-r corrections run beside quantized linears ({weight path: LowRank})")
+register_algorithm("lowrank", step, outputs=("lowrank",), needs=SiteStats(sites=_sites, wanted=_wanted), options=Options,
                    description="low-rank error correction (EoRA): rank-r A, B per linear, weighted by input Hessians")

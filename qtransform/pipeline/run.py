@@ -39,7 +39,7 @@ import torch
 from .. import _pytree
 from ..algorithms import ALGORITHMS, Block, BlockInputs, Context, Fit, ModelLoss, SiteStats
 from ..algorithms.base import FACTS, needs_data
-from ..algorithms.lowrank_math import check_lowrank
+from ..algorithms.outputs import check_against
 from ..observers import Observer, init_stats
 from ..parallel import SERIAL
 from ..rotation.online import ONLINE_ROLES
@@ -151,7 +151,7 @@ def _run_step(algo, step: Step, plan: Plan, current: dict, calibrator: Calibrato
         def fit_block(block: Block, params: Mapping) -> Fit:
             fit = algo.fn(dict(params), plan, context=Context(block=block, progress=progress, online=dict(online),
                                                               **known), **arguments)
-            _check_fit(fit, f"{at} block {block.name}", plan, current)
+            _check_fit(fit, f"{at} block {block.name}", plan, current, declared=algo.outputs)
             outside = sorted(set(fit.params) - set(block.paths))
             if outside:
                 raise ValueError(f"{at} block {block.name}: returned tensors outside the block: {outside[:5]}")
@@ -183,7 +183,8 @@ def _collect(algo, step: Step, arguments: Mapping, plan: Plan, current: Mapping,
     raise TypeError(f"{at}: unknown need {type(algo.needs).__name__}")
 
 
-def _check_fit(fit, at: str, plan: Plan, current: Mapping[str, torch.Tensor], before: Mapping = {}) -> None:
+def _check_fit(fit, at: str, plan: Plan, current: Mapping[str, torch.Tensor], before: Mapping = {}, *,
+               declared: Sequence[str] = ()) -> None:
     if not isinstance(fit, Fit):
         raise TypeError(f"{at}: the algorithm returned {type(fit).__name__}, not a qtransform.Fit")
     for site, rot in fit.online.items():
@@ -205,12 +206,11 @@ def _check_fit(fit, at: str, plan: Plan, current: Mapping[str, torch.Tensor], be
         if t.shape != old.shape or t.dtype != old.dtype:
             raise ValueError(f"{at}: {path}: returned shape {tuple(t.shape)} and dtype {t.dtype} for a tensor of "
                              f"{tuple(old.shape)} {old.dtype}; steps keep shapes and dtypes")
-    for path, c in fit.lowrank.items():
-        w = current.get(path)
-        if path not in plan.specs or not isinstance(w, torch.Tensor) or w.dim() != 2:
-            raise ValueError(f"{at}: returned a low-rank correction for {path!r}, which is not a 2-D weight the "
-                             "recipe quantizes")
-        check_lowrank(c, tuple(w.shape[::-1]) if plan[path].module_type == "Conv1D" else tuple(w.shape), path=path)
+    check_against(fit.outputs, current, plan, at=at)
+    undeclared = [k for k in fit.outputs if k not in declared]
+    if undeclared:
+        raise ValueError(f"{at}: returned {undeclared[0]!r} outputs, which the step does not declare "
+                         f"(register_algorithm(..., outputs=({undeclared[0]!r},)))")
     for path, qp in fit.qparams.items():
         spec = plan.specs.get(path)
         if spec is None:
@@ -253,7 +253,7 @@ def run_steps(params: Any, recipe, *, types: Mapping[str, str] | None = None, ca
             if type(e) not in (ValueError, TypeError) or str(e).startswith("recipe.steps["):
                 raise
             raise type(e)(f"{at}: {e}") from e
-        _check_fit(fit, at, plan, current, total.online)
+        _check_fit(fit, at, plan, current, total.online, declared=ALGORITHMS[step.name].outputs)
         reference = _references(fit, current, reference)
         total = total.then(fit)
     return total
