@@ -39,10 +39,10 @@ from torch import nn
 import qtransform as qt
 
 __all__ = ["OutputSlot", "SLOTS", "register_slot", "attach_outputs", "read_outputs", "records", "output_tensors",
-           "output_bytes", "output_parts", "take_outputs", "abstract_outputs", "VERSION"]
+           "output_bytes", "output_parts", "take_outputs", "abstract_outputs", "VERSION_OUTPUTS"]
 
 #: The first ``quantization_config`` version that records step outputs.
-VERSION = 5
+VERSION_OUTPUTS = 5
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -63,7 +63,7 @@ class OutputSlot:
     abstract: Callable[[nn.Module, Mapping], None] | None = None
     fold: Callable[[nn.Module, Any], Any] | None = None
     streams: bool = False
-    version: int = VERSION
+    version: int = VERSION_OUTPUTS
 
 
 def _check(name: str, slot) -> None:

@@ -60,8 +60,7 @@ import torch
 
 import qtransform as qt
 
-from ..step_outputs import SLOTS
-from ..step_outputs import VERSION as OUTPUTS_VERSION
+from ..step_outputs import SLOTS, VERSION_OUTPUTS
 from .layout import LAYOUTS, dtype_from_name, dtype_name
 
 __all__ = ["VERSION", "VERSION_ACTIVATIONS", "VERSION_ONLINE", "VERSION_OUTPUTS", "READABLE", "QUANT_METHOD", "Entry", "Metadata", "CheckpointError", "encode", "decode", "checkpoint_config",
@@ -72,8 +71,7 @@ VERSION = 2
 VERSION_ACTIVATIONS = 3
 #: The version of checkpoints with online rotations.
 VERSION_ONLINE = 4
-#: The version of checkpoints with step outputs (low-rank corrections): :data:`bridge.step_outputs.VERSION`.
-VERSION_OUTPUTS = OUTPUTS_VERSION
+# VERSION_OUTPUTS (5): checkpoints with step outputs (low-rank corrections), :mod:`bridge.step_outputs`'s.
 READABLE = (1, 2, 3, 4, 5)
 QUANT_METHOD = "qtransform"
 _EMPTY: Mapping[str, str] = types.MappingProxyType({})
