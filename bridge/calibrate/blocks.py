@@ -25,7 +25,7 @@ from .experts import expert_sites
 from .sites import first_tensor, fold_sites, run_batch
 
 __all__ = ["find_blocks", "capture_inputs", "spread", "my_share", "blockwise", "fit_block_on", "batch_tokens",
-           "hidden_slot", "hidden_of", "with_hidden"]
+           "hidden_slot", "hidden_of", "with_hidden", "without_cache"]
 
 
 def find_blocks(model: nn.Module, blocks: str | None = None) -> tuple[str, ...]:
@@ -62,12 +62,32 @@ class _Captured(Exception):
     pass
 
 
+def _is_cache(value) -> bool:
+    """A key/value (or state-space) cache object of transformers: it grows each time a block runs with it."""
+    return callable(getattr(value, "update", None)) and callable(getattr(value, "get_seq_length", None))
+
+
+def without_cache(kwargs: Mapping) -> dict:
+    """A block's keyword inputs with no cache carried from one run to the next: every cache object replaced by
+    ``None`` and ``use_cache`` turned off. A model whose forward does not name ``use_cache`` (so that
+    :func:`~bridge.calibrate.sites.run_batch` cannot turn it off) makes a cache that its blocks would otherwise
+    grow on every calibration pass, each pass attending to the keys of the passes before."""
+    out = {k: None if _is_cache(v) else v for k, v in kwargs.items()}
+    if isinstance(out.get("use_cache"), bool):
+        out["use_cache"] = False
+    return out
+
+
 def capture_inputs(model: nn.Module, params: Mapping, block: str, batches) -> list:
-    """``(args, kwargs)`` of module ``block`` for every batch (the forward stops at the block)."""
+    """``(args, kwargs)`` of module ``block`` for every batch (the forward stops at the block), without any
+    cache (:func:`without_cache`)."""
     inputs = []
 
     def stop(m, args, kwargs):
-        inputs.append((args, kwargs))
+        if any(_is_cache(a) for a in args):
+            raise ValueError(f"calibration: block {block!r} takes a cache object positionally; pass use_cache=False "
+                             "in the calibration batches (dicts of model inputs)")
+        inputs.append((args, without_cache(kwargs)))
         raise _Captured
 
     handle = model.get_submodule(block).register_forward_pre_hook(stop, with_kwargs=True)
