@@ -153,7 +153,13 @@ def test_smollm2_int4_and_fp8_exports_load_in_transformers_without_bridge(tmp_pa
         case = Case(got[recipe]["logits"], *ours[recipe], float_logits, got[recipe]["quark_layers"], None)
         assert case.quark_layers == 30 * 7  # every linear layer but the (tied) lm_head
         _check(case, atol=1e-4)
-        assert (case.quark.argmax(-1) == case.ours.argmax(-1)).float().mean() > 0.95
+        assert (case.quark.argmax(-1) == case.ours_dequant.argmax(-1)).float().mean() > 0.95
+        # against our default kernels (their own rounding): a top token differs only at a near tie, where our two
+        # top logits are closer than the kernels' difference plus the tolerance above, on either side
+        flip = (case.quark.argmax(-1) != case.ours.argmax(-1)).flatten()
+        top = case.ours.topk(2, -1).values.flatten(0, -2)
+        slack = (case.ours - case.ours_dequant).abs().amax(-1).flatten() + 1e-4 * case.ours_dequant.abs().max()
+        assert ((top[:, 0] - top[:, 1])[flip] <= 2 * slack[flip]).all()
 
 
 # ---------------------------------------------------------------------------------------------- Quark's own exports
