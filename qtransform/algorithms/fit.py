@@ -13,7 +13,7 @@ from .._pytree import pytree_dataclass
 from ..rotation import OnlineRotation
 from ..spec import Site
 from ..tensor import QParams
-from .outputs import OUTPUT_KINDS, check_outputs, combine_outputs, with_keywords
+from .outputs import OUTPUT_KINDS, check_outputs, check_path_map, combine_outputs, with_keywords
 
 __all__ = ["Fit", "apply_fit"]
 
@@ -48,16 +48,7 @@ class Fit:
 
     def __post_init__(self):
         for name, kind in (("params", torch.Tensor), ("qparams", QParams)):
-            value = getattr(self, name)
-            if not isinstance(value, Mapping):
-                raise TypeError(f"Fit.{name} must be a mapping of path -> {kind.__name__}, got {type(value).__name__}")
-            keys = [k for k in value if not isinstance(k, str)]
-            if keys:
-                raise TypeError(f"Fit.{name} must be keyed by tree paths (str), got the key {keys[0]!r}")
-            bad = [k for k, v in value.items() if not isinstance(v, kind)]
-            if bad:
-                raise TypeError(f"Fit.{name}[{bad[0]!r}] must be a {kind.__name__}, got {type(value[bad[0]]).__name__}")
-            object.__setattr__(self, name, dict(value))
+            object.__setattr__(self, name, check_path_map(getattr(self, name), kind, name))
         object.__setattr__(self, "outputs", check_outputs(self.outputs))
         if not isinstance(self.info, Mapping) or not all(
                 isinstance(k, str) and isinstance(v, Mapping) for k, v in self.info.items()):

@@ -38,7 +38,7 @@ from typing import Any, Callable, Mapping
 
 from ..registry import Registry
 
-__all__ = ["OutputKind", "OUTPUT_KINDS", "register_output_kind", "check_outputs", "combine_outputs",
+__all__ = ["OutputKind", "OUTPUT_KINDS", "register_output_kind", "check_path_map", "check_outputs", "combine_outputs",
            "check_against", "with_keywords"]
 
 #: The ``Fit`` fields a kind's name may not take (it is also a keyword of ``Fit``).
@@ -84,26 +84,27 @@ def register_output_kind(name: str, type: type, *, check: Callable[..., None] | 
     return OUTPUT_KINDS.register(name, kind, replace=replace)
 
 
+def check_path_map(value: Any, kind: type, name: str) -> dict:
+    """``value`` as a new dict when it maps tree paths (str) to ``kind`` values, else ``TypeError`` naming
+    ``Fit.<name>`` (the one check of every path-keyed field of ``Fit``: its params, qparams and each kind)."""
+    if not isinstance(value, Mapping):
+        raise TypeError(f"Fit.{name} must be a mapping of path -> {kind.__name__}, got {type(value).__name__}")
+    keys = [k for k in value if not isinstance(k, str)]
+    if keys:
+        raise TypeError(f"Fit.{name} must be keyed by tree paths (str), got the key {keys[0]!r}")
+    bad = [k for k, v in value.items() if not isinstance(v, kind)]
+    if bad:
+        raise TypeError(f"Fit.{name}[{bad[0]!r}] must be a {kind.__name__}, got {type(value[bad[0]]).__name__}")
+    return dict(value)
+
+
 def check_outputs(outputs: Any) -> dict:
     """``{kind: {path: value}}`` checked (a new dict; kinds without values left out): each kind registered,
     keyed by tree paths (str), each value of the kind's type; ``TypeError``/``ValueError`` naming ``Fit.<kind>``."""
     if not isinstance(outputs, Mapping):
         raise TypeError(f"Fit.outputs must be a mapping of kind -> {{path: value}}, got {type(outputs).__name__}")
-    out = {}
-    for name, values in outputs.items():
-        kind = OUTPUT_KINDS[name]
-        if not isinstance(values, Mapping):
-            raise TypeError(f"Fit.{name} must be a mapping of path -> {kind.type.__name__}, got "
-                            f"{type(values).__name__}")
-        keys = [k for k in values if not isinstance(k, str)]
-        if keys:
-            raise TypeError(f"Fit.{name} must be keyed by tree paths (str), got the key {keys[0]!r}")
-        bad = [k for k, v in values.items() if not isinstance(v, kind.type)]
-        if bad:
-            raise TypeError(f"Fit.{name}[{bad[0]!r}] must be a {kind.type.__name__}, got {type(values[bad[0]]).__name__}")
-        if values:
-            out[name] = dict(values)
-    return out
+    checked = {name: check_path_map(values, OUTPUT_KINDS[name].type, name) for name, values in outputs.items()}
+    return {name: values for name, values in checked.items() if values}
 
 
 def with_keywords(outputs: Any, kinds: Mapping[str, Any]) -> Any:
@@ -140,9 +141,7 @@ def check_against(outputs: Mapping, current: Mapping, plan, *, at: str) -> None:
     under ``plan``; ``ValueError`` prefixed by ``at`` (the step)."""
     for name, values in outputs.items():
         check = OUTPUT_KINDS[name].check
-        for path, value in values.items():
-            if check is None:
-                continue
+        for path, value in values.items() if check is not None else ():
             try:
                 check(value, current.get(path), path=path, plan=plan)
             except ValueError as e:
