@@ -192,6 +192,12 @@ class Algorithm:
     options: type | None = None
     outputs: tuple[str, ...] = ()
 
+    @property
+    def one_tensor_at_a_time(self) -> bool:
+        """It fits one tensor at a time without data (quantize-on-load runs it; a streamed run goes shard to shard
+        with it)."""
+        return self.local and self.needs is None
+
     def __call__(self, params: Any, recipe, *, types: Mapping[str, str] | None = None, stats: Mapping | None = None,
                  progress: Callable | None = None, **options) -> Fit:
         """Run this algorithm alone on ``params`` for ``recipe`` (a Recipe, QuantSpec or Plan); a

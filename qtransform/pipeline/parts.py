@@ -28,7 +28,7 @@ __all__ = ["tensor_by_tensor", "rotates_block_by_block", "block_by_block_refusal
 
 def tensor_by_tensor(plan: Plan) -> bool:
     """Every step of ``plan`` fits one tensor at a time without data."""
-    return all(ALGORITHMS[s.name].local and ALGORITHMS[s.name].needs is None for s in plan.steps)
+    return all(ALGORITHMS[s.name].one_tensor_at_a_time for s in plan.steps)
 
 
 def rotates_block_by_block(name: str) -> bool:

@@ -106,9 +106,9 @@ def check_steps(steps: Sequence[Step], *, calibrated: bool | None = None, on_loa
         except ValueError as e:
             raise ValueError(f"{at}: {e}") from None
         algo.check(step.options, path=at)
-        if on_load and (algo.needs is not None or not algo.local):
+        if on_load and not algo.one_tensor_at_a_time:
             why = "needs calibration data" if algo.needs is not None else "changes several tensors together"
-            local = sorted(n for n, a in ALGORITHMS.items() if a.local and a.needs is None)
+            local = sorted(n for n, a in ALGORITHMS.items() if a.one_tensor_at_a_time)
             raise ValueError(f"{at}: quantize-on-load runs steps that fit one tensor at a time without data "
                              f"({', '.join(local)}); {step.name!r} {why}. Quantize the model first "
                              "(bridge.quantize or `qtransform quantize`) and load the checkpoint")
