@@ -22,10 +22,11 @@ import qtransform as qt
 
 from ..distributed import share
 from .experts import expert_sites
-from .sites import first_tensor, fold_sites, run_batch
+from .own_inputs import capture_blocks, capture_inputs, hidden_of, hidden_slot, without_cache
+from .sites import first_tensor, fold_sites
 
-__all__ = ["find_blocks", "capture_inputs", "spread", "my_share", "blockwise", "fit_block_on", "batch_tokens",
-           "hidden_slot", "hidden_of", "with_hidden", "without_cache"]
+__all__ = ["find_blocks", "capture_inputs", "capture_blocks", "spread", "my_share", "chosen", "blockwise", "fit_block_on",
+           "batch_tokens", "hidden_slot", "hidden_of", "with_hidden", "without_cache"]
 
 
 def find_blocks(model: nn.Module, blocks: str | None = None) -> tuple[str, ...]:
@@ -58,51 +59,6 @@ def find_blocks(model: nn.Module, blocks: str | None = None) -> tuple[str, ...]:
     return tuple(f"{name}.{i}" if name else str(i) for i in range(len(found)))
 
 
-class _Captured(Exception):
-    pass
-
-
-def _is_cache(value) -> bool:
-    """A key/value (or state-space) cache object of transformers: it grows each time a block runs with it."""
-    return callable(getattr(value, "update", None)) and callable(getattr(value, "get_seq_length", None))
-
-
-def without_cache(kwargs: Mapping) -> dict:
-    """A block's keyword inputs with no cache carried from one run to the next: every cache object replaced by
-    ``None`` and ``use_cache`` turned off. A model whose forward does not name ``use_cache`` (so that
-    :func:`~bridge.calibrate.sites.run_batch` cannot turn it off) makes a cache that its blocks would otherwise
-    grow on every calibration pass, each pass attending to the keys of the passes before."""
-    out = {k: None if _is_cache(v) else v for k, v in kwargs.items()}
-    if isinstance(out.get("use_cache"), bool):
-        out["use_cache"] = False
-    return out
-
-
-def capture_inputs(model: nn.Module, params: Mapping, block: str, batches) -> list:
-    """``(args, kwargs)`` of module ``block`` for every batch (the forward stops at the block), without any
-    cache (:func:`without_cache`)."""
-    inputs = []
-
-    def stop(m, args, kwargs):
-        if any(_is_cache(a) for a in args):
-            raise ValueError(f"calibration: block {block!r} takes a cache object positionally; pass use_cache=False "
-                             "in the calibration batches (dicts of model inputs)")
-        inputs.append((args, without_cache(kwargs)))
-        raise _Captured
-
-    handle = model.get_submodule(block).register_forward_pre_hook(stop, with_kwargs=True)
-    try:
-        with torch.no_grad():
-            for batch in batches:
-                with contextlib.suppress(_Captured):
-                    run_batch(model, params, batch)
-    finally:
-        handle.remove()
-    if not inputs:
-        raise ValueError("calibration: no batches (the calibration data is empty or already consumed)")
-    return inputs
-
-
 def spread(inputs: list, tokens: int | None) -> list:
     """Whole batches of ``inputs``, evenly spread over them, until ``tokens`` tokens (all for ``None``)."""
     if tokens is None:
@@ -115,23 +71,6 @@ def spread(inputs: list, tokens: int | None) -> list:
     k = min(len(inputs), max(1, math.ceil(tokens * len(sizes) / sum(sizes))))  # batches of the mean size
     picks = sorted({round(i * (len(inputs) - 1) / (k - 1)) for i in range(k)}) if k > 1 else [0]
     return [inputs[i] for i in picks]
-
-
-def hidden_slot(args, kwargs: Mapping) -> int | str | None:
-    """Where a block's inputs hold its hidden states, the one rule of both drivers: ``0`` (the first positional
-    input, when it is a tensor), else transformers' ``hidden_states`` keyword, else the first tensor keyword;
-    ``None`` when no input is a tensor."""
-    if args and isinstance(args[0], torch.Tensor):
-        return 0
-    if isinstance(kwargs.get("hidden_states"), torch.Tensor):
-        return "hidden_states"
-    return next((k for k, v in kwargs.items() if isinstance(v, torch.Tensor)), None)
-
-
-def hidden_of(args, kwargs: Mapping, slot: int | str | None = ...) -> torch.Tensor | None:
-    """The hidden states in a block's inputs (at ``slot``, else at :func:`hidden_slot`'s)."""
-    slot = hidden_slot(args, kwargs) if slot is ... else slot
-    return None if slot is None else args[0] if slot == 0 else kwargs[slot]
 
 
 def with_hidden(args, kwargs: Mapping, h, slot: int | str | None, block: str):
@@ -243,18 +182,31 @@ def blockwise(model: nn.Module, params: Mapping, plan: qt.Plan, batches, fit_blo
     names = find_blocks(model, blocks)
     current = dict(params)
     prior = dict(qparams or {})
-    inputs = my_share(spread(capture_inputs(model, current, names[0], batches), tokens), parallel)
+    own = capture_blocks(model, current, names, batches, real=True)  # each block's own inputs, batch by batch
+    picks = chosen([(a, k) for (_, a, k), *_ in own], tokens, parallel)
+    inputs = [own[j][0][1:] for j in picks]
     floats = list(inputs) if float_inputs else None
     total = qt.Fit()
     order = progress(names, desc="blocks", total=len(names)) if progress is not None else names
-    for name in order:
+    for i, name in enumerate(order):
+        following = [own[j][i + 1] for j in picks] if i + 1 < len(names) else None
         fit, inputs, floats = fit_block_on(model, name, current, inputs, plan, fit_block, prior, total.qparams,
-                                           parallel=parallel, all_experts=all_experts, float_inputs=floats)
+                                           parallel=parallel, all_experts=all_experts, float_inputs=floats,
+                                           following=following)
         current.update(fit.params)
         total = total.then(fit)
         for p in fit.params:  # what was fitted before described the old tensor
             prior.pop(p, None)
     return total
+
+
+def chosen(inputs: list, tokens: int | None, parallel: qt.Parallel) -> list[int]:
+    """Indices of the batches of ``inputs`` (a block's ``(args, kwargs)`` per batch) that this rank runs: whole
+    batches spread over the data until ``tokens`` (:func:`spread`), then this rank's share (:func:`my_share`).
+    The one choice of both drivers."""
+    picked = {id(x) for x in spread(inputs, tokens)}
+    js = [j for j, x in enumerate(inputs) if id(x) in picked]
+    return my_share([inputs[j] for j in js], parallel, items=js)
 
 
 def my_share(inputs: list, parallel: qt.Parallel, *, items: list | None = None) -> list:
@@ -268,13 +220,17 @@ def my_share(inputs: list, parallel: qt.Parallel, *, items: list | None = None) 
 
 def fit_block_on(model: nn.Module, name: str, current: Mapping, inputs: list, plan: qt.Plan, fit_block: Callable,
                  prior: Mapping, fitted: Mapping | None = None, *, parallel: qt.Parallel = qt.SERIAL,
-                 all_experts: bool = False, float_inputs: list | None = None) -> tuple[qt.Fit, list, list | None]:
+                 all_experts: bool = False, float_inputs: list | None = None,
+                 following: list | None = None) -> tuple[qt.Fit, list, list | None]:
     """One block of :func:`blockwise`: ``fit_block`` on block ``name`` of ``model`` with its ``inputs`` and the
     tree ``current``; returns the fit, the next block's inputs (this block's outputs with its tensors
     quantized: the fit's qparams, else ``fitted`` ones of earlier blocks' steps, else ``prior`` ones for
     tensors the fit left unchanged, else round to nearest) and, when ``float_inputs`` (the float model's
     inputs of this block, batch for batch) are given, the next block's float inputs (this block's outputs on
-    them with its tensors as ``current`` holds them), else ``None``. The streamed runs call it block by block.
+    them with its tensors as ``current`` holds them), else ``None``. ``following``: the next block's own inputs
+    in the model's forward, batch by batch (``(slot, args, kwargs)``, :func:`capture_blocks`): the outputs are put
+    in their hidden states' slot; ``None`` (the last block): in this block's. The streamed runs call it block by
+    block.
     ``parallel``: ``inputs`` are this rank's share; the block's statistics reduce over the ranks (to the
     owners a step names, ``site_stats(..., owners=)``), its token count is the ranks' total.
 
@@ -325,12 +281,20 @@ def fit_block_on(model: nn.Module, name: str, current: Mapping, inputs: list, pl
     fit = fit_block(block, state)
     floats = None
     if float_inputs is not None:  # the float chain: this block as the earlier steps left it, before this fit
-        floats = [with_hidden(a, k, o, hidden_slot(a, k), name) for (a, k), o in zip(float_inputs, float_outputs())]
+        floats = _onto(float_inputs, float_outputs(), following, name)
         memo.clear()
     state.update(fit.params)
     prior = {p: q for p, q in prior.items() if p not in fit.params}  # what was fitted before described the old tensor
     quantized = _quantized(state, paths, plan, {**prior, **(fitted or {}), **fit.qparams})
     outputs = quiet({p: quantized[p] for p in paths})
-    nxt = [with_hidden(args, kwargs, first_tensor(out), hidden_slot(args, kwargs), name)
-           for (args, kwargs), out in zip(inputs, outputs)]
-    return fit, nxt, floats
+    return fit, _onto(inputs, [first_tensor(o) for o in outputs], following, name), floats
+
+
+def _onto(inputs: list, hidden: list, following: list | None, name: str) -> list:
+    """The next block's inputs: ``hidden`` (this block's outputs, batch by batch) in ``following``'s slots, or in
+    this block's ``inputs`` where there is no next block."""
+    if following is None:
+        return [with_hidden(a, k, h, hidden_slot(a, k), name) for (a, k), h in zip(inputs, hidden)]
+    if len(following) != len(hidden):
+        raise ValueError(f"block {name}: {len(following)} batches of the next block's inputs for {len(hidden)} outputs")
+    return [with_hidden(a, k, h, slot, name) for (slot, a, k), h in zip(following, hidden)]

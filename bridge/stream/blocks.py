@@ -32,8 +32,8 @@ from safetensors.torch import load_file, save_file
 
 import qtransform as qt
 
-from ..calibrate.blocks import (capture_inputs, find_blocks, fit_block_on, hidden_of, hidden_slot, my_share,
-                               spread, with_hidden)
+from ..calibrate.blocks import (capture_blocks, chosen, find_blocks, fit_block_on, hidden_of, hidden_slot,
+                               with_hidden)
 from ..calibrate.sites import first_tensor, fold_sites, to_device
 from ..io import cast_leaf
 from ..pipeline import calibrate_activations
@@ -103,6 +103,7 @@ class BlockRun:
         self.on_tensor, self.act_observer, self.parallel = on_tensor, act_observer, parallel
         self.all_experts = all_experts
         self.names = find_blocks(model)
+        self.current = self.names[0]
         paths = list(model.state_dict(keep_vars=True))
         self.stored = {path: path if path in src else tied[path] for path in paths}
         self.inside = {n: [q for q in paths if q.startswith(n + ".")] for n in self.names}
@@ -111,7 +112,7 @@ class BlockRun:
         self.outside = [q for q in paths if q not in within]
         self.prefix = [q for q in self.outside if paths.index(q) < first]
         self.cache = ActivationCache(self.work / "spill", budget)
-        self.slots, self.streams = [], {}
+        self.own, self.streams = [], {}  # each block's own inputs, batch by batch (hidden states: the streams')
         self.acts, self.info, self.online = {}, {}, {}
         self._initial = self._initial_q = self._prefix = None
         self._prefix_written = False
@@ -123,8 +124,10 @@ class BlockRun:
             self.stored[path]).dtype.is_floating_point else None)
 
     def _capture(self, quantized: bool) -> list:
-        """The first block's inputs, the prefix (embeddings) run with the recipe's steps without data applied
-        (``quantized``: and its quantized tensors dequantized, as the static activations' pass sees them)."""
+        """Every block's own inputs (:func:`~bridge.calibrate.blocks.capture_blocks`: the blocks are not loaded,
+        so pass-throughs stand in for them or the model is refused by name), the prefix (embeddings) run with the
+        recipe's steps without data applied (``quantized``: and its quantized tensors dequantized, as the static
+        activations' pass sees them)."""
         if self._prefix is None:  # read, transformed, quantized and written once
             params = {q: self._read(q) for q in self.prefix}
             qtree, fit = self._outside(self.prefix, params)
@@ -133,8 +136,9 @@ class BlockRun:
         changed, qtree = self._prefix
         params = {q: qt.dequantize(qtree[q]) if quantized and isinstance(qtree[q], qt.QTensor) else changed[q]
                   for q in self.prefix}
+        params.update({q: self._read(q) for q in self.inside[self.names[0]]})  # the first block runs: its output's form
         with torch.no_grad():
-            return capture_inputs(self.model, params, self.names[0], self.calibration)
+            return capture_blocks(self.model, params, self.names, self.calibration, real=False)
 
     def inputs(self, k: int | str, tokens, *, quantized_prefix: bool = False) -> list:
         """The inputs of the current block for stream ``k`` (``"<k>f"``: the float chain of pass ``k``; made from the prefix's outputs at the first block:
@@ -146,24 +150,20 @@ class BlockRun:
                 if static and any(q in self.p.specs for q in self.prefix):
                     self._initial_q = self._capture(True)
                 self._prefix = None
-                self.slots = [(hidden_slot(a, kw), a, kw) for a, kw in self._initial]
-                if any(slot is None for slot, _, _ in self.slots):
+                if any(rec[0][0] is None for rec in self._initial):
                     raise ValueError(f"block-by-block calibration: the first block ({self.names[0]}) takes no tensor input")
-            pairs = self._initial_q if quantized_prefix and self._initial_q is not None else self._initial
-            chosen = {id(x) for x in spread(pairs, tokens)}
-            self.streams[k] = self._mine([j for j, x in enumerate(pairs) if id(x) in chosen], pairs)
+                self.own = [[(slot, a if slot != 0 else (None, *a[1:]), kw if slot == 0 else {**kw, slot: None})
+                             for slot, a, kw in rec] for rec in self._initial]  # the hidden states go to the streams
+            records = self._initial_q if quantized_prefix and self._initial_q is not None else self._initial
+            self.streams[k] = chosen([(a, kw) for (_, a, kw), *_ in records], tokens, self.parallel)
             for j in self.streams[k]:
-                self.cache.put(f"s{k}-b{j}", hidden_of(*pairs[j]))
+                self.cache.put(f"s{k}-b{j}", hidden_of(*records[j][0][1:]))
+        i = self.names.index(self.current)
         out = []
         for j in self.streams[k]:
-            slot, args, kwargs = self.slots[j]
-            out.append(to_device(with_hidden(args, kwargs, self.cache.get(f"s{k}-b{j}"), slot, self.names[0]), self.device))
+            slot, args, kwargs = self.own[j][i]
+            out.append(to_device(with_hidden(args, kwargs, self.cache.get(f"s{k}-b{j}"), slot, self.current), self.device))
         return out
-
-    def _mine(self, picked: list, pairs: list) -> list:
-        """This rank's contiguous share of the batches ``picked`` (indices into ``pairs``), balanced by tokens, as
-        :func:`bridge.calibrate.blocks.my_share` of the in-memory run (all of them for one process)."""
-        return my_share([pairs[j] for j in picked], self.parallel, items=picked)
 
     def carry(self, k: int | str, nxt: list) -> None:
         for j, (a, kw) in zip(self.streams[k], nxt):
@@ -233,6 +233,7 @@ class BlockRun:
                 self.files.put({q: self._plain(q, v)})
 
     def _block(self, name: str) -> None:
+        self.current = name
         paths = self.inside[name]
         params = {q: self._read(q) for q in paths}
         p = self._plan(paths)
@@ -268,7 +269,7 @@ class BlockRun:
         for k, js in self.streams.items():
             save_file({str(j): self.cache.get(f"s{k}-b{j}").contiguous() for j in js}, str(tmp / f"stream-{k}.safetensors"))
         acts = {f"{s.module}|{s.role}": q.tensors() for s, q in self.acts.items() if isinstance(q, qt.QParams)}
-        torch.save({"streams": self.streams, "slots": self.slots, "acts": acts, "info": self.info}, tmp / "state.pt")
+        torch.save({"streams": self.streams, "own": self.own, "acts": acts, "info": self.info}, tmp / "state.pt")
         shutil.rmtree(self._snapdir(i), ignore_errors=True)  # one a run killed before recording it left
         tmp.rename(self._snapdir(i))
         self._snapped = time.monotonic()
@@ -287,7 +288,7 @@ class BlockRun:
         i = max(blocks)
         d = self._snapdir(i)
         state = torch.load(d / "state.pt", weights_only=False)
-        self.streams, self.slots, self.info = state["streams"], state["slots"], state["info"]
+        self.streams, self.own, self.info = state["streams"], state["own"], state["info"]
         specs = self.p.activations
         for key, tensors in state["acts"].items():
             module, role = key.split("|")
