@@ -33,6 +33,8 @@ import tempfile
 from pathlib import Path
 from typing import Callable
 
+from ..checkpoint.config_file import write_config
+
 __all__ = ["cache_root", "cache_dir", "cached", "convert"]
 
 _MANIFEST = "source.json"
@@ -115,7 +117,7 @@ def _save_float(model, directory: Path) -> None:
 
     config = model.config.to_dict()
     config.pop("quantization_config", None)
-    (directory / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
+    write_config(directory / "config.json", config)  # infinity and NaN as transformers reads them
     generation = getattr(model, "generation_config", None)
     if generation is not None:
         generation.save_pretrained(directory)

@@ -17,14 +17,13 @@ from __future__ import annotations
 
 import abc
 import inspect
-import json
 import shutil
 from pathlib import Path
 from typing import Mapping, NamedTuple
 
 import qtransform as qt
 
-from ..checkpoint import checksum, store
+from ..checkpoint import checksum, config_file, store
 from ..checkpoint.layout import dtype_from_name
 from ..checkpoint.metadata import CheckpointError, Metadata
 from ..checkpoint.tree_io import CONFIG, TOKENIZER_FILES, load_tree, read_metadata
@@ -275,7 +274,7 @@ def read_source(checkpoint, *, verify: bool = True) -> Checkpoint:
     root = Path(checkpoint)
     meta = read_metadata(root)
     tree = load_tree(root, verify=verify)
-    config = store.read_json(root / CONFIG, "checkpoint config")
+    config = config_file.read_config(root / CONFIG)  # infinity and NaN as Python floats, tagged or bare
     config = {k: v for k, v in config.items() if k != "quantization_config"}
     return Checkpoint(root, meta, tree, config)
 
@@ -292,8 +291,9 @@ def copy_extras(source: Checkpoint, out: Path, names=EXTRA_FILES) -> list[str]:
 
 
 def write_config(out: Path, config: Mapping) -> None:
-    """``config.json`` in transformers' style (sorted keys, two-space indent)."""
-    (out / CONFIG).write_text(json.dumps(dict(config), indent=2, sort_keys=True) + "\n")
+    """``config.json`` in transformers' style (sorted keys, two-space indent, infinity and NaN encoded as the
+    installed transformers reads them: :func:`bridge.checkpoint.config_file.config_text`)."""
+    config_file.write_config(Path(out) / CONFIG, config)
 
 
 def export(checkpoint, *, to: str, out, overwrite: bool = False, allow_nearest: bool = False,

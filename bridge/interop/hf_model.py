@@ -17,6 +17,7 @@ from torch import nn
 
 import qtransform as qt
 
+from ..checkpoint.config_file import decode_floats
 from ..modules.actquant import PREFIX
 from ..tree import tie_groups
 from .base import Checkpoint
@@ -40,8 +41,12 @@ def transformers_model(config: Mapping, *, paths: Iterable[str] = (), device: st
     if config.get("model_type") not in CONFIG_MAPPING:
         raise ValueError(f"config.json names model_type {config.get('model_type')!r}, not a transformers model "
                          "this transformers builds")
-    cfg = CONFIG_MAPPING[config["model_type"]].from_dict({k: v for k, v in config.items()
-                                                          if k != "quantization_config"})
+    try:  # a dict as json.loads gave it may still hold transformers' tagged floats ({"__float__": "Infinity"})
+        cfg = CONFIG_MAPPING[config["model_type"]].from_dict(decode_floats({k: v for k, v in config.items()
+                                                                            if k != "quantization_config"}))
+    except Exception as e:  # noqa: BLE001  (huggingface_hub's strict-dataclass errors are no ValueError)
+        raise ValueError(f"config.json of model_type {config['model_type']!r} is not a valid "
+                         f"{CONFIG_MAPPING[config['model_type']].__name__} ({type(e).__name__}: {e})") from e
     named = [a for a in config.get("architectures") or [] if isinstance(a, str) and hasattr(transformers, a)]
     heads = list(HEADS)
     if config.get("is_decoder") is False:  # an encoder (BERT) that could be a decoder: its masked LM first

@@ -34,7 +34,7 @@ import torch
 
 import qtransform as qt
 
-from ...checkpoint import metadata, store
+from ...checkpoint import config_file, metadata, store
 from ...checkpoint.metadata import CheckpointError, Entry, Metadata
 from ...checkpoint.tree_io import CONFIG
 from . import config as ct_config
@@ -107,7 +107,7 @@ class CompressedTensorsImporter(Importer):
         root = Path(directory)
         if not isinstance(verify, bool):
             raise TypeError(f"compressed-tensors import: verify must be True or False, got {verify!r}")
-        config = store.read_json(root / CONFIG, "checkpoint config")
+        config = config_file.read_config(root / CONFIG)
         qc = config.get("quantization_config") if isinstance(config, dict) else None
         if not isinstance(qc, dict) or qc.get("quant_method") != "compressed-tensors":
             raise CheckpointError(f"{root / CONFIG}: not a compressed-tensors checkpoint")

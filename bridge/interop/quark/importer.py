@@ -37,7 +37,7 @@ import torch
 
 import qtransform as qt
 
-from ...checkpoint import metadata, store
+from ...checkpoint import config_file, metadata, store
 from ...checkpoint.layout import dtype_from_name, dtype_name
 from ...checkpoint.tree_io import CONFIG
 from . import config as qc
@@ -196,7 +196,7 @@ class QuarkImporter(Importer):
             raise ValueError(f"{root}: not a Quark checkpoint (config.json with quantization_config.quant_method "
                              "'quark')")
         cfile = root / CONFIG
-        config = store.read_json(cfile, "checkpoint config")
+        config = config_file.read_config(cfile)
         check_config(config, cfile)  # shapes and types of every key, before anything is read
         qcfg = config["quantization_config"]
         export = qcfg.get("export") or {}
