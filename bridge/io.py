@@ -84,7 +84,8 @@ def write_extras(model, tmp: Path, qconfig: dict, tokenizer, *, dtype: torch.dty
 
 
 def save(model_or_qtree, directory, *, max_shard_size="2GB", overwrite: bool = False, recipe=None,
-         recipe_name: str | None = None, rules: dict | None = None, tokenizer=None, dtypes=None) -> None:
+         recipe_name: str | None = None, rules: dict | None = None, tokenizer=None, dtypes=None,
+         carried: Mapping | None = None) -> None:
     """Write a quantized model (or quantized tree, or the pipeline's result) to ``directory`` as a
     qtransform checkpoint.
 
@@ -106,18 +107,21 @@ def save(model_or_qtree, directory, *, max_shard_size="2GB", overwrite: bool = F
             of them): the tensors left unquantized are cast to it and the quantized ones dequantize to it
             (a bf16 model's checkpoint stays bf16: ``dtypes=torch.bfloat16``). The config records the
             dtype (the most common one of a dict). Default: as the model holds them.
+        carried: ``{name: tensor}`` written as they are besides the model's: the input checkpoint's tensors the
+            model does not load (multi-token-prediction layers; :mod:`bridge.stream.inventory`).
     """
     store.parse_size(max_shard_size)  # bad arguments fail before anything is written
     if not isinstance(overwrite, bool):
         raise TypeError(f"save: overwrite must be True or False, got {overwrite!r}")
     write = checkpoint_writer(model_or_qtree, max_shard_size=max_shard_size, recipe=recipe, recipe_name=recipe_name,
-                              rules=rules, tokenizer=tokenizer, dtypes=dtypes)
+                              rules=rules, tokenizer=tokenizer, dtypes=dtypes, carried=carried)
     with store.atomic_directory(directory, overwrite=overwrite) as tmp:
         write(tmp)
 
 
 def checkpoint_writer(model_or_qtree, *, max_shard_size="2GB", recipe=None, recipe_name: str | None = None,
-                      rules: dict | None = None, tokenizer=None, dtypes=None) -> Callable[[Path], None]:
+                      rules: dict | None = None, tokenizer=None, dtypes=None,
+                      carried: Mapping | None = None) -> Callable[[Path], None]:
     """Everything :func:`save` checks, checked now; returns ``write(directory)``, which writes the
     checkpoint's files into an existing empty ``directory``: the temporary directory of a
     :func:`bridge.checkpoint.store.atomic_directory` that the caller fills with more (the
@@ -161,6 +165,10 @@ def checkpoint_writer(model_or_qtree, *, max_shard_size="2GB", recipe=None, reci
     if targets:
         tree = {p: cast_leaf(v, targets[p]) if p in targets else v for p, v in tree.items()}
         groups = [{n: cast_leaf(t, targets[n]) if n in targets else t for n, t in g.items()} for g in groups]
+    clash = sorted(set(carried or ()) & {n for g in groups for n in g})
+    if clash or not all(isinstance(t, torch.Tensor) for t in (carried or {}).values()):
+        raise ValueError(f"save: carried must be a dict of name -> tensor, none of them the model's: {clash[:5]}")
+    groups = groups + [{n: t} for n, t in (carried or {}).items()]
     quantized = {p: q for p, q in tree.items() if isinstance(q, qt.QTensor)}
     cfg = getattr(getattr(model, "config", None), "quantization_config", None)  # duck-typed: no transformers import
     recipe = getattr(cfg, "recipe", None) if recipe is None else qt.as_recipe(recipe)
@@ -169,7 +177,7 @@ def checkpoint_writer(model_or_qtree, *, max_shard_size="2GB", recipe=None, reci
             quantized, recipe=recipe, recipe_name=recipe_name or getattr(cfg, "recipe_name", None),
             rules=rules if rules is not None else getattr(cfg, "rules", None), aliases=aliases,
             skip_modules=getattr(cfg, "skip_modules", None), activations=activations, online=online,
-            outputs=records(outputs), where="bridge.save")
+            outputs=records(outputs), carried=tuple(carried or ()), where="bridge.save")
     except metadata.CheckpointError as e:
         raise ValueError(f"{e} (check the recipe_name= and rules= arguments)") from None
 
@@ -265,7 +273,8 @@ def load(directory, *, like: nn.Module, kernel: str = "auto", verify: bool = Tru
 
         return from_source(like, read_imported(fmt, root, verify=verify, like=like), kernel=kernel)
     meta = read_metadata(root)
-    located, handles = store.open_shards(root)
+    every, handles = store.open_shards(root)
+    located = {n: f for n, f in every.items() if n not in meta.carried}  # kept as stored: not the model's
     ref = extract(like)
     for path in list(meta.entries) + list(meta.aliases):
         if path not in ref:
@@ -303,7 +312,7 @@ def load(directory, *, like: nn.Module, kernel: str = "auto", verify: bool = Tru
         if stored is not None:
             expected[name] = (shape, stored)
     store.check_headers(root, located, handles, expected)
-    verify_checksums(root, located, verify=verify)
+    verify_checksums(root, every, verify=verify)
     act_names = [n for parts in act_parts.values() for n in parts]
     tree = read_tree(root, meta, located, handles, expected, list(ref) + act_names + list(out_parts))  # every tensor read once
     for path, leaf in ref.items():  # in the model's dtypes (a bf16 checkpoint loads into a float32 model)

@@ -116,7 +116,21 @@ def _prepare(a, recipe, label, source, out):
     dtypes = placement.stored_dtypes(a, source, model)  # of the float model: its tied tensors still tied
     # as the input stores them, the report's "before" (the same map unless --dtype changes what is written)
     stored = dtypes if a.dtype == "auto" else placement.stored_dtypes(a, source, model, dtype="auto")
-    return model, tokenizer, device, eval_seqs, calibration, plan, dtypes, stored
+    return model, tokenizer, device, eval_seqs, calibration, plan, dtypes, stored, _inventory(source, model)
+
+
+def _inventory(source, model):
+    """The input checkpoint's tensors, each loaded into the model or carried as stored
+    (:func:`bridge.stream.inventory.take`); ``None`` for a GGUF file or another tool's checkpoint (read whole by
+    their importers)."""
+    from ..checkpoint.store import INDEX, SINGLE
+    from ..stream.inventory import take
+
+    d = source.directory
+    if source.gguf_file is not None or source.imported is not None or not ((d / INDEX).is_file() or (d / SINGLE).is_file()):
+        return None
+    return take(d, model)
+
 
 
 def cmd_quantize(a) -> int:
@@ -150,7 +164,8 @@ def cmd_quantize(a) -> int:
         return streaming.cmd_streamed(a, recipe, label, out, source, t0, driver)
     phases = {"check": time.perf_counter() - t0}  # seconds of each phase (PHASES), in the report
     with launch.stage():
-        model, tokenizer, device, eval_seqs, calibration, plan, dtypes, stored = _prepare(a, recipe, label, source, out)
+        model, tokenizer, device, eval_seqs, calibration, plan, dtypes, stored, inventory = _prepare(
+            a, recipe, label, source, out)
     phases["load"] = time.perf_counter() - t0 - phases["check"]
     unmatched = recipe.unmatched(plan)
     for glob in unmatched:
@@ -199,17 +214,20 @@ def cmd_quantize(a) -> int:
         return 0
 
     run = record.Run(model=a.model or models.DEFAULT_MODEL, label=label, recipe=recipe, out=out, driver=driver.why,
-                     t0=t0, eval_seqs=eval_seqs, calibration=calibration, ppl_before=ppl_before, phases=phases)
+                     t0=t0, eval_seqs=eval_seqs, calibration=calibration, ppl_before=ppl_before, phases=phases,
+                     notes=record.carried_note(inventory.carried if inventory else ()))
     rep = run.report(facts, rows, size_before=size_before, size_after=report.tree_bytes(extract(qmodel)),
                      seconds=seconds_q, ppl_after=ppl_after, outputs=records(read_outputs(qmodel)),
                      output_bytes=output_bytes(qmodel))
     write = io.checkpoint_writer(qmodel, recipe=recipe, recipe_name=label, tokenizer=tokenizer,
-                                 rules={p: plan[p].rule for p in plan.specs},
-                                 dtypes=dtypes)
+                                 rules={p: plan[p].rule for p in plan.specs}, dtypes=dtypes,
+                                 carried={n: inventory.read(n) for n in inventory.carried} if inventory else None)
     try:  # checkpoint, report and plot in one temporary directory, renamed to --out when all are written
         with store.atomic_directory(out, overwrite=a.overwrite) as tmp:
             tw = time.perf_counter()
             write(tmp)
+            if inventory is not None:  # every stored tensor of the input is in the output, or nothing appears
+                inventory.check(tmp)
             phases["write"] = time.perf_counter() - tw
             record.write_report(a, run, rep, tmp)
     except OSError as e:  # atomic_directory's WriteError names --out already

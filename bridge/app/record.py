@@ -21,7 +21,7 @@ from . import export, outputs
 from .outputs import say
 from .report import Report, activation_rows, online_rows, peak_memory
 
-__all__ = ["Run", "write_report", "publish_report"]
+__all__ = ["Run", "write_report", "publish_report", "carried_note"]
 
 
 @dataclasses.dataclass
@@ -76,3 +76,12 @@ def publish_report(a, rep: Report, out: Path, *lines: str) -> None:
     say()
     say("\n".join([rep.render(), *[line for line in lines if line],
                    *([f"exported ({a.to}): {exported}"] if exported else [])]))
+
+
+def carried_note(names) -> list:
+    """The report's line on the stored tensors carried as they are (none: no line)."""
+    if not names:
+        return []
+    heads = sorted({n.split(".")[0] if not n.startswith("model.layers.") else ".".join(n.split(".")[:3]) for n in names})
+    return [f"kept as stored: {len(names)} tensor(s) of the input that the model class does not load "
+            f"({', '.join(heads[:4])}{', ...' if len(heads) > 4 else ''}): written unchanged, checked present"]

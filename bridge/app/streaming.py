@@ -62,6 +62,7 @@ def cmd_streamed(a, recipe, label: str, out: Path, source, t0: float, driver) ->
     def before_publish(tmp: Path, result) -> None:
         ppl, te = None, time.perf_counter()
         run.phases["quantize"] = result.written.seconds
+        run.notes.extend(record.carried_note(result.written.carried))
         if eval_seqs is not None and not driver.eval_after:
             run.notes.append(f"perplexity of the quantized checkpoint not measured: loading it whole does not fit "
                              f"the {format_size(driver.available)} available (`qtransform eval --model {out}` "

@@ -6,7 +6,8 @@ Version 2::
      "specs": [<QuantSpec.to_dict()>, ...],
      "tensors": {"model.layers.0.mlp.up_proj.weight": {"spec": 0, "shape": [1536, 576], "dtype": "float32"}},
      "recipe": <Recipe.to_dict(), steps included> | null, "recipe_name": "hqq4-g64",
-     "rules": {path: rule}, "aliases": {path: path}, "skip_modules": [...] | null}
+     "rules": {path: rule}, "aliases": {path: path}, "skip_modules": [...] | null,
+     "carried": [name, ...]}  (the input's tensors its model does not load, written as stored; optional)
 
 Version 3 is version 2 with activation quantizers, written only when a model has some (older
 readers refuse it rather than drop them)::
@@ -103,6 +104,7 @@ class Metadata(NamedTuple):
     activations: Mapping[qt.Site, qt.QuantSpec] = _EMPTY
     online: Mapping[qt.Site, qt.OnlineRotation] = _EMPTY
     outputs: Mapping[str, Mapping] = _EMPTY  # {kind: record} of the step outputs (bridge.step_outputs.SLOTS)
+    carried: tuple = ()  # the input's tensors its model does not load, written as stored (bridge.stream.inventory)
 
 
 def entries_of(quantized: Mapping) -> dict[str, Entry]:
@@ -114,7 +116,8 @@ def encode(entries: Mapping[str, Entry], *, layout: str = "native", recipe: qt.R
            recipe_name: str | None = None, rules: Mapping[str, str] | None = None,
            aliases: Mapping[str, str] | None = None, skip_modules=None,
            activations: Mapping[qt.Site, qt.QuantSpec] | None = None,
-           online: Mapping[qt.Site, qt.OnlineRotation] | None = None, outputs: Mapping[str, Mapping] | None = None) -> dict:
+           online: Mapping[qt.Site, qt.OnlineRotation] | None = None, outputs: Mapping[str, Mapping] | None = None,
+           carried=()) -> dict:
     """JSON-able ``quantization_config``: version 2, 3 with ``activations``, 4 with ``online`` rotations,
     5 (a kind's ``version``) with step ``outputs`` (``{kind: record}``, each under its kind's name, in the order
     the kinds were registered; absent optional fields are left out)."""
@@ -146,7 +149,8 @@ def encode(entries: Mapping[str, Entry], *, layout: str = "native", recipe: qt.R
     if rotations:
         d["online"] = rotations
     d.update(recorded)
-    for key, value in (("recipe_name", recipe_name), ("rules", dict(rules or {})), ("aliases", dict(aliases or {}))):
+    for key, value in (("recipe_name", recipe_name), ("rules", dict(rules or {})), ("aliases", dict(aliases or {})),
+                       ("carried", sorted(carried or ()))):
         if value:
             d[key] = value
     return d
@@ -155,7 +159,8 @@ def encode(entries: Mapping[str, Entry], *, layout: str = "native", recipe: qt.R
 def checkpoint_config(quantized: Mapping, *, recipe: qt.Recipe | None = None, recipe_name: str | None = None,
                         rules: Mapping[str, str] | None = None, aliases: Mapping[str, str] | None = None,
                         skip_modules=None, activations: Mapping | None = None, online: Mapping | None = None,
-                        outputs: Mapping[str, Mapping] | None = None, where: str = "quantization_config") -> dict:
+                        outputs: Mapping[str, Mapping] | None = None, carried=(),
+                        where: str = "quantization_config") -> dict:
     """The ``quantization_config`` a qtransform checkpoint records for its ``quantized`` tensors (``{path:
     QTensor}``), whichever driver wrote it: :func:`encode` of their entries, the activation quantizers as their
     specs (``{Site: QuantSpec | QParams}``), checked to read back (:class:`CheckpointError` naming ``where``)
@@ -163,7 +168,7 @@ def checkpoint_config(quantized: Mapping, *, recipe: qt.Recipe | None = None, re
     specs = {s: q if isinstance(q, qt.QuantSpec) else q.spec for s, q in (activations or {}).items()}
     d = encode(entries_of(quantized), layout="native", recipe=recipe, recipe_name=recipe_name, rules=rules,
                aliases=aliases, skip_modules=skip_modules, activations=specs or None, online=dict(online or {}) or None,
-               outputs=outputs)
+               outputs=outputs, carried=carried)
     decode(d, where=where)
     return d
 
@@ -285,10 +290,13 @@ def decode(d, *, where: str = "quantization_config") -> Metadata:
     name = d.get("recipe_name")
     if name is not None and not isinstance(name, str):
         _fail(where, f"'recipe_name' must be a string, got {type(name).__name__}")
+    carried = d.get("carried") or []
+    if not isinstance(carried, list) or not all(isinstance(n, str) for n in carried):
+        _fail(where, "'carried' must be a list of tensor names")
     return Metadata(entries=entries, layout=layout, recipe=recipe, recipe_name=name,
                     rules=dict(rules), aliases=dict(aliases), skip_modules=skip, version=version,
                     activations=_activations(d.get("activations"), specs, where),
-                    online=_online(d.get("online"), where), outputs=_outputs(d, entries, where))
+                    online=_online(d.get("online"), where), outputs=_outputs(d, entries, where), carried=tuple(carried))
 
 
 def _sites(raw, field: str, roles, what: str, where: str, value) -> dict:

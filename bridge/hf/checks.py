@@ -90,7 +90,7 @@ def check_checkpoint(model, cfg, files, *, verify: bool = True) -> None:
         raise CheckpointError(f"{where}: missing tensor(s) {sorted(missing)[:5]}" + (" ..." if len(missing) > 5 else "")
                               + " (deleted or renamed; transformers would initialise them at random)")
     if strict:
-        extra = [n for n in stored if n not in exact and n not in plain
+        extra = [n for n in stored if n not in exact and n not in plain and n not in getattr(cfg, "carried", ())
                  and not _matches(n, getattr(model, "_keys_to_ignore_on_load_unexpected", None))]
         if extra:
             raise CheckpointError(f"{stored[extra[0]][0]}: unexpected tensor(s) {sorted(extra)[:5]} (not in the "

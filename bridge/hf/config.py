@@ -33,7 +33,7 @@ __all__ = ["QTransformConfig"]
 
 _SAVED = ("quant_method", "version", "qtransform_version", "layout", "specs", "tensors", "aliases", "recipe_name",
           "rules", "skip_modules", "recipe", "algorithm", "algorithm_options", "activations",
-          "online")  # and each registered kind of step output's record (bridge.step_outputs.SLOTS)
+          "online", "carried")  # and each registered kind of step output's record (bridge.step_outputs.SLOTS)
 
 
 def _as_recipe(recipe) -> qt.Recipe | None:
@@ -83,6 +83,7 @@ class QTransformConfig(QuantizationConfigMixin):
             self.activations = dict(meta.activations)
             self.online = dict(meta.online)
             self.outputs = dict(meta.outputs)  # {kind: record} of the step outputs (low-rank corrections' ranks)
+            self.carried = tuple(meta.carried)  # the input's tensors its model does not load, kept as stored
         else:
             stray = sorted(set(saved) - {"quant_method"})
             if stray:
@@ -96,6 +97,7 @@ class QTransformConfig(QuantizationConfigMixin):
             self.activations: dict = {}
             self.online: dict = {}
             self.outputs: dict = {}
+            self.carried: tuple = ()
         recipe = _as_recipe(recipe)
         if algorithm_options is not None and not isinstance(algorithm_options, dict):
             raise TypeError(f"QTransformConfig: algorithm_options must be a dict, got {type(algorithm_options).__name__}")
@@ -122,7 +124,8 @@ class QTransformConfig(QuantizationConfigMixin):
     def to_dict(self) -> dict[str, Any]:
         return metadata.encode(self.entries, layout=self.layout, recipe=self.recipe, recipe_name=self.recipe_name,
                                rules=self.rules, aliases=self.aliases, skip_modules=self.skip_modules,
-                               activations=self.activations, online=self.online, outputs=self.outputs)
+                               activations=self.activations, online=self.online, outputs=self.outputs,
+                               carried=self.carried)
 
     def get_loading_attributes(self) -> dict[str, Any]:
         """What a config passed to ``from_pretrained`` changes in a checkpoint's own (transformers' protocol)."""

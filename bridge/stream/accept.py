@@ -22,6 +22,7 @@ from .. import pipeline
 from ..calibrate.blocks import find_blocks
 from ..step_outputs import SLOTS
 from . import skeleton as skel
+from .inventory import Inventory, take
 from .source import Source
 
 __all__ = ["CannotStream", "Accepted", "accepted_run"]
@@ -42,6 +43,7 @@ class Accepted(NamedTuple):
     tied: dict
     plan: qt.Plan
     tensor_run: bool
+    inventory: Inventory  # each stored tensor loaded or carried (:mod:`.inventory`)
 
     @property
     def mode(self) -> str:
@@ -63,6 +65,7 @@ def accepted_run(source, recipe, *, calibrated: bool, model_class=None) -> Accep
     src.map_to(model)  # stored names -> the model's (transformers' conversion mapping: stacked experts...)
     shapes, tied = skel.model_tensors(model)
     src.check_against(shapes, tied)
+    inventory = take(src, model)
     p = plan_streamed(model, recipe, calibrated=calibrated)
     tensor_run = qt.pipeline.tensor_by_tensor(p) and not calibrated
     if not tensor_run:
@@ -70,7 +73,7 @@ def accepted_run(source, recipe, *, calibrated: bool, model_class=None) -> Accep
         if why is not None:
             raise CannotStream(f"{why}; a streamed run quantizes one block at a time: quantize in memory "
                                "(--in-memory) on a machine the model fits")
-    return Accepted(src, model, shapes, tied, p, tensor_run)
+    return Accepted(src, model, shapes, tied, p, tensor_run, inventory)
 
 
 def plan_streamed(model: nn.Module, recipe, *, calibrated: bool) -> qt.Plan:

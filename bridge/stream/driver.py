@@ -13,6 +13,7 @@ Inside a ``torch.distributed`` group (``torchrun``) the ranks share the work and
 
 from __future__ import annotations
 
+import itertools
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -110,7 +111,7 @@ def quantize_checkpoint(source, out, recipe, *, calibration: Iterable | None = N
     specs = {s: q for s, q in p.activations.items()}
     layout = skel.output_layout(model, p, dtypes, activations=specs)
     file_meta = {"format": "pt", "quant_method": metadata.QUANT_METHOD, "version": str(metadata.VERSION)}
-    shard_plan = ShardPlan(layout.groups, max_shard_size=max_shard_size, file_metadata=file_meta,
+    shard_plan = ShardPlan(layout.groups + prep.inventory.groups(), max_shard_size=max_shard_size, file_metadata=file_meta,
                            index_metadata={"quant_method": metadata.QUANT_METHOD})
     fp = fingerprint(input=_input_fingerprint(src), recipe=p.recipe.to_dict(), dtype=str(dtype),
                      calibration=calibration_digest(calibration), shards=str(max_shard_size),
@@ -135,7 +136,7 @@ def quantize_checkpoint(source, out, recipe, *, calibration: Iterable | None = N
                            work=scratch(work.path, par, fresh=manifest is None), progress=progress,
                            on_tensor=on_tensor, act_observer=act_observer, parallel=par, all_experts=all_experts)
         saved = time.monotonic()
-        for unit in run.units(done):
+        for unit in itertools.chain(run.units(done), _carry(prep.inventory, files, done, writer)):
             done.add(unit)
             if writer and (time.monotonic() - saved > _SAVE_EVERY_S or run.saves_each):
                 files.flush()  # what the manifest calls done is on disk
@@ -150,14 +151,15 @@ def quantize_checkpoint(source, out, recipe, *, calibration: Iterable | None = N
             qconfig = metadata.checkpoint_config(
                 {path: q for path, q in layout.tree.items() if isinstance(q, qt.QTensor)}, recipe=p.recipe,
                 recipe_name=recipe_name, rules={path: p[path].rule for path in p.specs}, aliases=layout.aliases,
-                activations=acts, online=online)
+                activations=acts, online=online, carried=prep.inventory.carried)
             write_extras(model, work.path, qconfig, tokenizer, dtype=config_dtype(dtypes),
                          generation_config=_generation_config(src.root))
+            prep.inventory.check(work.path)  # every stored tensor is in the output, or nothing is published
             if tokenizer is None:
                 _copy_tokenizer(src.root, work.path)
             size = sum((work.path / f).stat().st_size for f in shard_plan.files)
             result = _result(p, info, acts, online, Written(str(out), src.bytes, size, time.perf_counter() - t0,
-                                                           resumed, mode))
+                                                           resumed, mode, prep.inventory.carried))
             if before_publish is not None:
                 before_publish(work.path, result)
             work.publish()
@@ -168,7 +170,16 @@ def quantize_checkpoint(source, out, recipe, *, calibration: Iterable | None = N
         drop_scratch(work.path, par)
     finally:
         files.close()
-    return _result(p, info, acts, online, Written(str(out), src.bytes, size, time.perf_counter() - t0, resumed, mode))
+    return _result(p, info, acts, online, Written(str(out), src.bytes, size, time.perf_counter() - t0, resumed, mode, prep.inventory.carried))
+
+
+def _carry(inventory, files, done, writer: bool):
+    """The stored tensors the model does not load, written as they are stored (one unit: ``"carried"``)."""
+    if inventory.carried and "carried" not in done:
+        if writer:
+            for name in inventory.carried:
+                files.put({name: inventory.read(name)})
+        yield "carried"
 
 
 def _result(p: qt.Plan, info, acts, online, written: Written) -> Quantized:

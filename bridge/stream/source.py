@@ -8,7 +8,7 @@ bounds (a truncated shard), a dtype qtransform does not read. :meth:`Source.map_
 the tensors of the model built from ``config.json`` through transformers' conversion mapping (renamed tensors,
 experts stored one by one and stacked in the model: :mod:`.renames`); from then on ``in``, :meth:`~Source.entry`
 and :meth:`~Source.read` take model paths. :meth:`~Source.check_against` compares them with the model (a missing
-tensor, a shape that disagrees, a tensor the model does not have), naming the file and the tensor.
+tensor, a shape that disagrees), naming the file and the tensor.
 """
 
 from __future__ import annotations
@@ -128,8 +128,9 @@ class Source:
         return out.view(s.dtype).reshape(s.shape)
 
     def check_against(self, expected: dict[str, tuple], tied: dict[str, str]) -> None:
-        """The stored tensors are exactly the model's: ``expected`` ``{path: shape}`` of its parameters and
-        persistent buffers, ``tied`` ``{path: path stored instead}`` for tied weights (one may be absent)."""
+        """Every tensor of the model is stored, in its shape: ``expected`` ``{path: shape}`` of its parameters and
+        persistent buffers, ``tied`` ``{path: path stored instead}`` for tied weights (one may be absent). Stored
+        tensors the model does not load are carried (:mod:`.inventory`), not refused."""
         for path, shape in expected.items():
             name = path if path in self else tied.get(path)
             if name is None or name not in self:
@@ -140,11 +141,6 @@ class Source:
                     raise CheckpointError(self._missing(path, shape, e))
                 raise CheckpointError(f"{self.root / e.file}: tensor {self.view.names[name]!r} has shape "
                                       f"{list(e.shape)}, the model of config.json has {list(shape)}")
-        used = self.view.consumed(p if p in self else tied.get(p) for p in expected)
-        extra = [n for n in self.tensors if n not in used]
-        if extra:
-            raise CheckpointError(f"{self.root / self.tensors[extra[0]].file}: tensor(s) {extra[:5]} are not tensors "
-                                  "of the model of config.json")
 
     def _missing(self, path: str, shape, built: Built | None = None) -> str:
         """The error of a model tensor not (wholly) stored: the stored tensors it is made of (the names

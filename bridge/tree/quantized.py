@@ -23,8 +23,9 @@ __all__ = ["Quantized", "Written"]
 
 class Written(NamedTuple):
     """Where a streamed run's quantized tree went (:func:`bridge.stream.quantize_checkpoint`): the checkpoint
-    ``directory``, bytes read and written, seconds, the units a resumed run found done, and the ``mode``
-    (``"shard to shard"`` or ``"block by block"``)."""
+    ``directory``, bytes read and written, seconds, the units a resumed run found done, the ``mode``
+    (``"shard to shard"`` or ``"block by block"``) and the stored tensors ``carried`` as they are (the model does
+    not load them: :mod:`bridge.stream.inventory`)."""
 
     directory: str
     bytes_in: int
@@ -32,6 +33,7 @@ class Written(NamedTuple):
     seconds: float
     resumed: int
     mode: str
+    carried: tuple = ()
 
 
 class Quantized(NamedTuple):

@@ -66,8 +66,6 @@ BAD = {
     "a shard disagreeing with config.json": (lambda d: _edit_config(d, intermediate_size=96),
                                              r"tensor 'model.layers.0.mlp.\w+_proj.weight' has shape \[\d+, \d+\], "
                                              r"the model of config.json has"),
-    "a tensor config.json lacks": (lambda d: _edit_config(d, num_hidden_layers=1),
-                                   r"tensor\(s\) \['model.layers.1.*'\] are not tensors of the model of config.json"),
     "a tensor config.json has and no shard holds": (lambda d: _edit_config(d, num_hidden_layers=3),
                                                     r"tensor 'model.layers.2.\S+' of shape .*, which no shard holds"),
     "a truncated shard": (_truncate, r"lies outside the file .*truncated"),
@@ -83,6 +81,29 @@ def test_bad_checkpoints_are_refused_before_anything_is_written(case, source, tm
     with pytest.raises((CheckpointError, OSError, ValueError), match=message):
         quantize_checkpoint(d, tmp_path / "out", RECIPE, calibration=CALIB)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]  # no output, no work directory
+
+
+def test_tensors_config_json_lacks_are_carried_as_stored_not_dropped(source, tmp_path):
+    """Stored tensors the model of config.json does not load (as transformers leaves out a checkpoint's
+    multi-token-prediction layers) are written unchanged and recorded, never dropped."""
+    from safetensors import safe_open
+
+    d = _copy(source, tmp_path)
+    _edit_config(d, num_hidden_layers=1)
+    done = quantize_checkpoint(d, tmp_path / "out", RECIPE, calibration=CALIB)
+    wmap = _index(d)["weight_map"]
+    layer1 = sorted(n for n in wmap if n.startswith("model.layers.1."))
+    assert layer1 and sorted(done.written.carried) == layer1
+    out = tmp_path / "out"
+    assert json.loads((out / "config.json").read_text())["quantization_config"]["carried"] == layer1
+    out_files = [out / "model.safetensors"] if (out / "model.safetensors").is_file() else sorted(out.glob("model-*"))
+    out_map = {}
+    for f in out_files:
+        with safe_open(f, "pt") as h:
+            out_map.update({n: f for n in h.keys()})
+    for name in layer1:
+        with safe_open(d / wmap[name], "pt") as a, safe_open(out_map[name], "pt") as b:
+            assert torch.equal(a.get_tensor(name), b.get_tensor(name)), name
 
 
 def _whole_model_step(params, plan, *, context):

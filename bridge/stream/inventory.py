@@ -1,0 +1,101 @@
+"""The inventory of a checkpoint's tensors: what becomes of each stored tensor, and the check that the output
+holds them all before it is published.
+
+The plan starts from the model, and the model from transformers' load, which renames some stored tensors,
+builds some from several (experts stored one by one) and leaves out the ones its class does not know: the
+multi-token-prediction layers of DeepSeek-V3, GLM-4-MoE, Qwen3-Next or Nemotron-H (``model.layers.<n>.eh_proj``,
+``mtp.*``: ``_keys_to_ignore_on_load_unexpected``), whatever else a class ignores. :class:`Inventory` starts
+from the stored tensors instead (the safetensors headers, before transformers renames or drops anything): each
+one is *loaded* into a model tensor (which the plan then quantizes or keeps) or *carried*: not a tensor of the
+model, written to the output as it is stored (its dtype, its bytes), in memory and streamed alike.
+
+Before a checkpoint appears, :meth:`Inventory.check` reads the names the output holds and fails naming every
+stored tensor that is in it neither under its own name, nor under the name of the model tensor it was loaded
+into (with its quantized parts: ``<name>_scale``...), nor as a tied alias. Nothing is dropped with exit status 0.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import NamedTuple
+
+from ..checkpoint import CheckpointError, checksum
+from ..checkpoint.store import read_index
+from .source import Built, Source
+
+__all__ = ["Inventory", "take"]
+
+
+class Inventory(NamedTuple):
+    """``loaded`` ``{stored name: model path it is (part of)}``; ``carried`` the stored names the model does not
+    load (written as they are stored); ``source`` the checkpoint read."""
+
+    source: Source
+    loaded: dict
+    carried: tuple
+
+    def groups(self) -> list:
+        """The carried tensors as the output layout's groups (``{name: (dtype, shape)}``, one each)."""
+        return [{n: (self.source.tensors[n].dtype, self.source.tensors[n].shape)} for n in self.carried]
+
+    def read(self, name: str):
+        return self.source.read_stored(name)
+
+    def summary(self) -> dict:
+        """What the report says: counts of stored tensors loaded and carried, and the carried names."""
+        return {"stored": len(self.loaded) + len(self.carried), "loaded": len(self.loaded),
+                "carried": list(self.carried)}
+
+    def check(self, directory) -> None:
+        """The checkpoint in ``directory`` holds every stored tensor (see the module docstring), or
+        :class:`~bridge.checkpoint.CheckpointError` names the missing ones."""
+        directory = Path(directory)
+        names = set(written_names(directory))
+        qc = json.loads((directory / "config.json").read_text()).get("quantization_config") or {}
+        aliases = set((qc.get("aliases") or {}) if isinstance(qc, dict) else ())
+        prefixes = {n.rsplit("_", 1)[0] for n in names if "_" in n.rsplit(".", 1)[-1]}  # X.weight_scale -> X.weight
+        missing = []
+        for name in [*self.loaded, *self.carried]:
+            target = self.loaded.get(name, name)
+            if not ({name, target} & (names | aliases | prefixes)):
+                missing.append(name if target == name else f"{name} (as {target})")
+        if missing:
+            more = f" (and {len(missing) - 8} more)" if len(missing) > 8 else ""
+            raise CheckpointError(f"{directory}: the output lacks {len(missing)} tensor(s) of the input "
+                                  f"{self.source.root}: {', '.join(missing[:8])}{more}; refusing to publish it")
+
+
+def take(source, model) -> Inventory:
+    """The inventory of the checkpoint ``source`` (a directory or :class:`~.source.Source`) as ``model`` loads it
+    (transformers' conversion mapping; its parameters may be on ``meta``)."""
+    src = source if isinstance(source, Source) else Source(source)
+    src.map_to(model)
+    view = src.view
+    loaded = {}
+    for path, e in view.entries.items():
+        if isinstance(e, Built):
+            loaded.update({n: path for names in e.sources.values() for n in names})
+        else:
+            loaded[view.names[path]] = path
+    tied = _tied_names(model)
+    carried = tuple(n for n in src.tensors if n not in loaded and n not in tied)
+    loaded.update({n: tied[n] for n in src.tensors if n in tied and n not in loaded})
+    return Inventory(src, loaded, carried)
+
+
+def _tied_names(model) -> dict:
+    """``{name: name}`` of the model's tied tensors (a checkpoint may store either of a tied pair, or both)."""
+    from ..tree import tie_groups
+
+    return {p: p for paths in tie_groups(model) for p in paths}
+
+
+def written_names(directory: Path) -> list:
+    """The tensor names a checkpoint directory holds (its shards' headers)."""
+    _, files = read_index(directory)
+    out = []
+    for f in files:
+        header, _ = checksum.read_header(directory / f)
+        out.extend(n for n in header if n != "__metadata__")
+    return out
