@@ -23,7 +23,7 @@ from torch import nn
 
 import qtransform as qt
 
-from .arch import model_groups, model_layout, residual_layout, smoothing_groups
+from .arch import model_groups, model_layout, residual_layout, smoothing_groups, towers
 from .calibrate import ModelCalibrator
 from .tree import Quantized, extract, model_plan, to_module, unsupported_experts, weight_paths
 
@@ -38,7 +38,8 @@ def plan(model: nn.Module, recipe, *, tree: Mapping | None = None) -> qt.Plan:
     Only weights of modules a quantized module can replace (Linear, transformers' Conv1D, Conv2d,
     ConvTranspose2d, Embedding, EmbeddingBag) can be quantized: another tensor that the recipe's
     ``default`` would select is left in full precision (rule ``"skipped (...)"``); one that an
-    explicit rule selects is an error naming it. Every selected spec is checked against its
+    explicit rule selects is an error naming it. A multimodal model's vision or audio towers and projectors
+    (:func:`bridge.arch.towers`) stay in float unless a glob rule (``rules``) selects them. Every selected spec is checked against its
     tensor's shape here, before any work: a group that does not divide its axis (without
     ``pad=True``) is a ``ValueError`` naming the path and the rule.
 
@@ -63,9 +64,13 @@ def plan(model: nn.Module, recipe, *, tree: Mapping | None = None) -> qt.Plan:
         raise ValueError(f"the recipe quantizes mixture-of-experts weights that qtransform cannot: {refused[:3]}"
                          + (f" and {len(refused) - 3} more" if len(refused) > 3 else "")
                          + "; keep them in float explicitly (type_rules={'Experts': None}, or exclude=[their paths])")
-    keep, casts = _kept_in_float32(model), _casting_callers(model)
+    keep, casts, parts = _kept_in_float32(model), _casting_callers(model), towers(model)
     matches = {}
     for path, m in resolved.items():
+        tower = next((t for t in parts if path.startswith(t + ".")), None)
+        if m.spec is not None and tower is not None and not m.rule.startswith("rules[") and not given:
+            m = qt.Match(None, f"skipped (default: {tower}, a tower or projector of a multimodal model, stays in "
+                         "float; a glob rule selects it)", m.module_type)
         kept = next((k for k in keep if f".{k}." in f".{qt.module_of(path)}."), None)
         if m.spec is not None and kept is not None and not m.rule.startswith("rules[") and not given:
             m = qt.Match(None, f"skipped ({type(model).__name__} keeps {kept} in float32: _keep_in_fp32_modules; "

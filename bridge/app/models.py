@@ -140,7 +140,9 @@ def _kwargs(source: ModelSource) -> dict:
 
 def load_causal_lm(model: str | os.PathLike | ModelSource | None = None, *, dtype: torch.dtype = torch.float32,
                    dequantize_imported: bool = False):
-    """A causal LM (``AutoModelForCausalLM``) in eval mode, from :func:`resolve` ``(model)``.
+    """A causal LM in eval mode, from :func:`resolve` ``(model)``: the class its ``config.json`` names where that
+    is a causal LM or a vision-language model (:func:`bridge.stream.skeleton.class_for`), else
+    ``AutoModelForCausalLM``.
 
     GGUF weights are dequantized to ``dtype`` by transformers. A Quark or compressed-tensors
     checkpoint is read by our importer (:func:`bridge.app.imported.load_imported`): its quantized
@@ -150,7 +152,9 @@ def load_causal_lm(model: str | os.PathLike | ModelSource | None = None, *, dtyp
     name (:class:`~bridge.CheckpointError`), as is a directory with quantized tensors but no
     ``quantization_config`` (:func:`bridge.app.loadcheck.check_quantized_without_config`).
     """
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from ..stream.skeleton import class_for  # the one rule of both drivers: the class the checkpoint names
 
     source = resolve(model)
     if source.gguf_file is None and source.imported is not None:
@@ -160,8 +164,9 @@ def load_causal_lm(model: str | os.PathLike | ModelSource | None = None, *, dtyp
         source = ModelSource(converted, None)
     _needs_gguf(source)
     check_quantized_without_config(source)
-    m, info = AutoModelForCausalLM.from_pretrained(str(source.directory), dtype=dtype, output_loading_info=True,
-                                                   **_kwargs(source))
+    cls = AutoModelForCausalLM if source.gguf_file is not None else class_for(
+        AutoConfig.from_pretrained(str(source.directory), local_files_only=True))
+    m, info = cls.from_pretrained(str(source.directory), dtype=dtype, output_loading_info=True, **_kwargs(source))
     _check_every_tensor_read(source, info)
     return m.eval()
 

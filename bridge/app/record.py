@@ -21,7 +21,7 @@ from . import export, outputs
 from .outputs import say
 from .report import Report, activation_rows, online_rows, peak_memory
 
-__all__ = ["Run", "write_report", "publish_report", "carried_note"]
+__all__ = ["Run", "write_report", "publish_report", "carried_note", "kept_notes"]
 
 
 @dataclasses.dataclass
@@ -55,7 +55,8 @@ class Run:
                       out=str(self.out), unmatched=self.recipe.unmatched(result.plan),
                       activations=activation_rows(result.activations), step_info=result.info,
                       online=online_rows(result.online), streamed=written.mode if written is not None else "",
-                      driver=self.driver, notes=list(self.notes), phases=self.phases, peak_memory=peak_memory(),
+                      driver=self.driver, notes=list(self.notes) + kept_notes(result.plan), phases=self.phases,
+                      peak_memory=peak_memory(),
                       **extra)
 
 
@@ -85,3 +86,15 @@ def carried_note(names) -> list:
     heads = sorted({n.split(".")[0] if not n.startswith("model.layers.") else ".".join(n.split(".")[:3]) for n in names})
     return [f"kept as stored: {len(names)} tensor(s) of the input that the model class does not load "
             f"({', '.join(heads[:4])}{', ...' if len(heads) > 4 else ''}): written unchanged, checked present"]
+
+
+def kept_notes(plan) -> list:
+    """One line per reason the plan keeps tensors in float on purpose (its ``skipped (...)`` rules: a multimodal
+    model's towers, routers, float32 modules...), with the count and a first path: nothing is left out unsaid."""
+    if plan is None:
+        return []
+    by: dict = {}
+    for path, m in plan.items():
+        if m.spec is None and m.rule.startswith("skipped ("):
+            by.setdefault(m.rule[len("skipped ("):-1], []).append(path)
+    return [f"kept in float: {len(paths)} tensor(s) (e.g. {paths[0]}): {why}" for why, paths in sorted(by.items())]

@@ -7,6 +7,7 @@ from .tables import Arch, ExpertNames, Gguf, GroupTemplate
 from .families import ARCHS, arch_for, foldable_norms, rotatable
 from .groups import find_arch, model_groups, smoothing_groups
 from .residual import model_layout, residual_layout
+from .towers import towers
 
 __all__ = ["ARCHS", "Arch", "ExpertNames", "Gguf", "GroupTemplate", "arch_for", "foldable_norms", "rotatable",
-           "find_arch", "smoothing_groups", "model_groups", "residual_layout", "model_layout"]
+           "find_arch", "smoothing_groups", "model_groups", "residual_layout", "model_layout", "towers"]

@@ -20,6 +20,7 @@ from torch import nn
 
 import qtransform as qt
 
+from ..arch.towers import towers
 from ..distributed import share
 from .experts import expert_sites
 from .own_inputs import capture_blocks, capture_inputs, hidden_of, hidden_slot, without_cache
@@ -32,7 +33,7 @@ __all__ = ["find_blocks", "capture_inputs", "capture_blocks", "spread", "my_shar
 def find_blocks(model: nn.Module, blocks: str | None = None) -> tuple[str, ...]:
     """Module paths of the model's blocks: the children of the ``nn.ModuleList`` at path ``blocks``,
     by default the one holding the most parameters (a decoder's layers, whatever their classes; the
-    experts inside a layer hold fewer). ``ValueError`` naming the model when there is none."""
+    experts inside a layer hold fewer), outside a multimodal model's towers (:func:`bridge.arch.towers`). ``ValueError`` naming the model when there is none."""
     if blocks is not None:
         if not isinstance(blocks, str):
             raise TypeError(f"blocks must be the module path of an nn.ModuleList, got {type(blocks).__name__}")
@@ -46,9 +47,9 @@ def find_blocks(model: nn.Module, blocks: str | None = None) -> tuple[str, ...]:
                              f"its module lists: {lists[:8]}")
         best = (blocks, found)
     else:
-        best, size = None, -1
+        best, size, parts = None, -1, towers(model)  # a multimodal model's blocks are its language model's
         for name, m in model.named_modules():
-            if isinstance(m, nn.ModuleList) and len(m):
+            if isinstance(m, nn.ModuleList) and len(m) and not any(name.startswith(t + ".") for t in parts):
                 n = sum(p.numel() for p in m.parameters())
                 if n > size:
                     best, size = (name, m), n

@@ -25,7 +25,7 @@ from ..io import cast_leaf
 from ..modules.actquant import abstract_qparams
 from ..tree import Quantized, extract, tie_groups, to_module
 
-__all__ = ["params_on_meta", "build", "model_tensors", "OutputLayout", "output_layout", "stored_parts"]
+__all__ = ["params_on_meta", "class_for", "build", "model_tensors", "OutputLayout", "output_layout", "stored_parts"]
 
 
 @contextlib.contextmanager
@@ -47,14 +47,32 @@ def params_on_meta():
         nn.Module.register_parameter = register
 
 
+def class_for(config):
+    """The class a checkpoint of ``config`` loads as, the one rule of both drivers: the class its
+    ``architectures`` names when transformers has it as a causal LM or an image-text-to-text model (a
+    vision-language checkpoint keeps its vision tower and its own config type; Qwen3.5's text-only causal-LM class
+    would drop both), else ``AutoModelForCausalLM``."""
+    import transformers
+    from transformers.models.auto.modeling_auto import (MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+                                                        MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES)
+
+    generative = set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()) | set(MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES.values())
+    for name in getattr(config, "architectures", None) or ():
+        cls = getattr(transformers, name, None) if name in generative else None
+        if isinstance(cls, type) and issubclass(cls, transformers.PreTrainedModel):
+            return cls
+    return transformers.AutoModelForCausalLM
+
+
 def build(directory, model_class=None) -> nn.Module:
-    """The model of ``directory``'s ``config.json`` (``model_class``, default transformers'
-    ``AutoModelForCausalLM``; anything with ``from_config``), weights on ``meta``, in eval mode."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    """The model of ``directory``'s ``config.json`` (``model_class``, default :func:`class_for` the config;
+    anything with ``from_config``), weights on ``meta``, in eval mode."""
+    from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(str(directory), local_files_only=True)
+    cls = model_class or class_for(config)
     with params_on_meta():
-        model = (model_class or AutoModelForCausalLM).from_config(config)
+        model = cls.from_config(config) if hasattr(cls, "from_config") else cls._from_config(config)
     return model.eval()
 
 
