@@ -174,6 +174,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="after the recipe's steps, a rank-RANK correction of each quantized linear's error (EoRA: "
                         "weighted by its input Hessian with --calib, the plain SVD without)")
     q.add_argument("--calib-batch", type=_at_least(1), default=4, metavar="B", help="calibration sequences per forward pass")
+    q.add_argument("--calib-images", metavar="DIR|FILE.jsonl|synthetic",
+                   help="vision-language models: calibrate on N image-text pairs made by the model's processor: the "
+                        "images of DIR (captions in same-name .txt files), a JSONL of {image, text}, or synthetic "
+                        "images (the default for a model with a vision tower and a processor)")
     q.add_argument("--calibrate-all-experts", action="store_true",
                    help="mixture-of-experts models: every expert's statistics see every calibration token (the layer's "
                         "output stays the routed one); default: the tokens routed to it")

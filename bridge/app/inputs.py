@@ -167,7 +167,8 @@ def check_vocab(model, batches, what: str) -> None:
     rows = getattr(getattr(emb, "weight", None), "shape", (None,))[0]
     if rows is None or batches is None:
         return
-    top = max((int(b.max()) for b in ([batches] if hasattr(batches, "max") else batches) if b.numel()), default=-1)
+    ids = [b["input_ids"] if isinstance(b, dict) else b for b in ([batches] if hasattr(batches, "max") else batches)]
+    top = max((int(b.max()) for b in ids if b.numel()), default=-1)
     if top >= rows:
         raise UserError(f"the tokenizer gives token id {top} in the {what}, but the model's embedding has {rows} "
                         f"rows (vocabulary size {rows}): the tokenizer does not belong to this model")

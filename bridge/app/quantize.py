@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 
 from . import driver as drivers
-from . import export, inputs, outputs, placement, streaming
+from . import export, images, inputs, outputs, placement, streaming
 from .inputs import UserError
 from .outputs import say, warn
 
@@ -84,9 +84,10 @@ def recipe_of(a):
 
 
 def _prepare(a, recipe, label, source, out):
-    """The corpus read, the model loaded (on ``--device``), the evaluation and calibration sequences, the
-    plan, the dtypes to write and the stored ones: ``(model, tokenizer, device, eval_seqs, calibration, plan, dtypes,
-    stored)``."""
+    """The corpus read, the model loaded (on ``--device``), the evaluation and calibration sequences (image-text
+    pairs for a vision-language model: :mod:`.images`), the plan, the dtypes to write and the stored ones, the
+    input's inventory and the report's notes so far: ``(model, tokenizer, device, eval_seqs, calibration, plan,
+    dtypes, stored, inventory, notes)``."""
     from . import models
 
     text = None if a.no_eval else inputs.corpus_text(a.corpus)
@@ -109,6 +110,9 @@ def _prepare(a, recipe, label, source, out):
         inputs.check_seq_len(model, a.seq_len)
     eval_seqs = None if a.no_eval else inputs.sequences(tokenizer, text, a.corpus, a.seq_len, a.eval_sequences)
     calibration = inputs.calibration(a, tokenizer, calib_text)
+    pictures, notes = images.image_calibration(a, source.directory if source.gguf_file is None else None, model,
+                                               tokenizer, calib_text)
+    calibration = pictures if pictures is not None else calibration
     inputs.check_vocab(model, eval_seqs, "evaluation text")
     inputs.check_vocab(model, calibration, "calibration text")
     plan = _plan(model, recipe, label, bool(a.calib))
@@ -116,7 +120,7 @@ def _prepare(a, recipe, label, source, out):
     dtypes = placement.stored_dtypes(a, source, model)  # of the float model: its tied tensors still tied
     # as the input stores them, the report's "before" (the same map unless --dtype changes what is written)
     stored = dtypes if a.dtype == "auto" else placement.stored_dtypes(a, source, model, dtype="auto")
-    return model, tokenizer, device, eval_seqs, calibration, plan, dtypes, stored, _inventory(source, model)
+    return model, tokenizer, device, eval_seqs, calibration, plan, dtypes, stored, _inventory(source, model), notes
 
 
 def _inventory(source, model):
@@ -164,7 +168,7 @@ def cmd_quantize(a) -> int:
         return streaming.cmd_streamed(a, recipe, label, out, source, t0, driver)
     phases = {"check": time.perf_counter() - t0}  # seconds of each phase (PHASES), in the report
     with launch.stage():
-        model, tokenizer, device, eval_seqs, calibration, plan, dtypes, stored, inventory = _prepare(
+        model, tokenizer, device, eval_seqs, calibration, plan, dtypes, stored, inventory, notes = _prepare(
             a, recipe, label, source, out)
     phases["load"] = time.perf_counter() - t0 - phases["check"]
     unmatched = recipe.unmatched(plan)
@@ -215,7 +219,7 @@ def cmd_quantize(a) -> int:
 
     run = record.Run(model=a.model or models.DEFAULT_MODEL, label=label, recipe=recipe, out=out, driver=driver.why,
                      t0=t0, eval_seqs=eval_seqs, calibration=calibration, ppl_before=ppl_before, phases=phases,
-                     notes=record.carried_note(inventory.carried if inventory else ()))
+                     notes=notes + record.carried_note(inventory.carried if inventory else ()))
     rep = run.report(facts, rows, size_before=size_before, size_after=report.tree_bytes(extract(qmodel)),
                      seconds=seconds_q, ppl_after=ppl_after, outputs=records(read_outputs(qmodel)),
                      output_bytes=output_bytes(qmodel))

@@ -51,7 +51,8 @@ class Run:
                       layers=rows, size_before=size_before, size_after=size_after, seconds_quantize=seconds,
                       ppl_before=self.ppl_before, ppl_after=ppl_after,
                       eval_tokens=0 if self.eval_seqs is None else int(self.eval_seqs.numel()),
-                      calib_tokens=0 if self.calibration is None else sum(int(b.numel()) for b in self.calibration),
+                      calib_tokens=0 if self.calibration is None else sum(
+                          int((b["input_ids"] if isinstance(b, dict) else b).numel()) for b in self.calibration),
                       out=str(self.out), unmatched=self.recipe.unmatched(result.plan),
                       activations=activation_rows(result.activations), step_info=result.info,
                       online=online_rows(result.online), streamed=written.mode if written is not None else "",

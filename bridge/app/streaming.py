@@ -17,7 +17,7 @@ import dataclasses
 import time
 from pathlib import Path
 
-from . import export, inputs, outputs
+from . import export, images, inputs, outputs
 from .inputs import UserError
 from .outputs import say, warn
 from .placement import dtype_of
@@ -44,12 +44,14 @@ def cmd_streamed(a, recipe, label: str, out: Path, source, t0: float, driver) ->
         inputs.check_seq_len(skeleton, a.seq_len)
     tokenizer = models.load_tokenizer(source)
     calibration = inputs.calibration(a, tokenizer, calib_text)
+    pictures, notes = images.image_calibration(a, source.directory, skeleton, tokenizer, calib_text)
+    calibration = pictures if pictures is not None else calibration
     eval_seqs = None if text is None else inputs.sequences(tokenizer, text, a.corpus, a.seq_len, a.eval_sequences)
     inputs.check_vocab(skeleton, eval_seqs, "evaluation text")
     inputs.check_vocab(skeleton, calibration, "calibration text")
     rows, rep = [], {}
     run = record.Run(model=name, label=label, recipe=recipe, out=out, driver=driver.why, t0=t0, eval_seqs=eval_seqs,
-                     calibration=calibration, phases={"check": time.perf_counter() - t0})
+                     calibration=calibration, phases={"check": time.perf_counter() - t0}, notes=notes)
     stored = stored_dtypes_of(driver.prepared.src, skeleton)  # the bytes before of each row: the headers read once
     te = time.perf_counter()
     run.ppl_before = _original_perplexity(source, eval_seqs, driver, run.notes, parallel=current())

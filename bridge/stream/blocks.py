@@ -32,6 +32,7 @@ from safetensors.torch import load_file, save_file
 
 import qtransform as qt
 
+from ..arch.towers import towers
 from ..calibrate.blocks import (capture_blocks, chosen, find_blocks, fit_block_on, hidden_of, hidden_slot,
                                with_hidden)
 from ..calibrate.sites import first_tensor, fold_sites, to_device
@@ -110,7 +111,8 @@ class BlockRun:
         within = {q for ps in self.inside.values() for q in ps}
         first = min(paths.index(ps[0]) for ps in self.inside.values() if ps)
         self.outside = [q for q in paths if q not in within]
-        self.prefix = [q for q in self.outside if paths.index(q) < first]
+        parts = towers(model)  # a multimodal model's towers run before its blocks on image batches
+        self.prefix = [q for q in self.outside if paths.index(q) < first or any(q.startswith(t + ".") for t in parts)]
         self.cache = ActivationCache(self.work / "spill", budget)
         self.own, self.streams = [], {}  # each block's own inputs, batch by batch (hidden states: the streams')
         self.acts, self.info, self.online = {}, {}, {}
