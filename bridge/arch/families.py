@@ -114,6 +114,10 @@ ARCHS: tuple[Arch, ...] = (
     # DeepSeek-V2: no smoothing table yet (its norm class is not known to fold); its checkpoints' experts are named
     Arch("deepseek_v2", ("deepseek_v2",), "model.layers", (), expert_count="n_routed_experts",
          checkpoint_experts=_QWEN_EXPERTS),
+    # Qwen3-Next (gated DeltaNet and gated attention): no smoothing table; its checkpoints' experts are named as
+    # qwen2_moe's (transformers' conversion mapping), what compressed-tensors and Quark exports write
+    Arch("qwen3_next", ("qwen3_next",), "model.layers", (), expert_count="num_experts",
+         checkpoint_experts=_QWEN_EXPERTS),
 )
 
 

@@ -11,6 +11,12 @@ it reads the checkpoint (checksums verified), asks the target about every quanti
 activation quantizer first and refuses with one ``ValueError`` listing the tree paths it cannot
 express (nothing is written then), and writes the export into a temporary directory renamed into
 place at the end (:func:`bridge.checkpoint.store.atomic_directory`): never half a directory.
+
+Carried tensors (the input checkpoint's tensors its model class does not load, multi-token-prediction layers:
+``quantization_config["carried"]``, :mod:`bridge.stream.inventory`) are read here, once for every target, into
+:attr:`Checkpoint.carried`, apart from the tree. A target that writes them as stored under their own names sets
+:attr:`Exporter.carries` (and names them in its format's list of layers left float); every other target refuses
+them by name in :meth:`Exporter.problems`: never dropped.
 """
 
 from __future__ import annotations
@@ -19,7 +25,10 @@ import abc
 import inspect
 import shutil
 from pathlib import Path
+from types import MappingProxyType
 from typing import Mapping, NamedTuple
+
+import torch
 
 import qtransform as qt
 
@@ -32,7 +41,7 @@ from ..step_outputs import SLOTS
 
 __all__ = ["Checkpoint", "Support", "Exporter", "EXPORTERS", "register_exporter", "Importer", "IMPORTERS",
            "register_importer", "detect_format", "read_source", "read_imported", "verify_digests", "verify_shards",
-           "export",
+           "export", "split_carried", "carried_problem", "carried_modules",
            "EXTRA_FILES", "copy_extras", "write_config", "SUPPORT_KINDS", "FLOAT_SCALES", "judged_spec"]
 
 #: What :meth:`Exporter.support` answers: the target holds the spec bit for bit, holds the nearest
@@ -56,12 +65,14 @@ class Checkpoint(NamedTuple):
     ``meta``: its decoded ``quantization_config`` (specs of every quantized tensor, activation and
     key/value-cache quantizers, online rotations); ``config``: ``config.json`` without its
     ``quantization_config`` (the transformers model config; ``{}`` for a checkpoint of a plain
-    module); ``directory``: where it was read (tokenizer files sit there)."""
+    module); ``directory``: where it was read (tokenizer files sit there); ``carried``: ``{name: tensor}`` of the
+    tensors the model does not load, as stored (``meta.carried`` names them; not in ``tree``)."""
 
     directory: Path
     meta: Metadata
     tree: dict
     config: dict
+    carried: Mapping = MappingProxyType({})
 
 
 class Support(NamedTuple):
@@ -82,6 +93,9 @@ class Exporter(abc.ABC):
     #: The kinds of step output (names in :data:`bridge.step_outputs.SLOTS`) the target can hold; a checkpoint
     #: carrying any other is refused by :meth:`problems`, entry by entry.
     holds: frozenset[str] = frozenset()
+    #: The target writes :attr:`Checkpoint.carried` as stored, under their own names; a checkpoint carrying any is
+    #: refused by :meth:`problems` (naming them) where it does not.
+    carries: bool = False
 
     @abc.abstractmethod
     def support(self, spec: qt.QuantSpec, role: str = "weight") -> Support:
@@ -95,7 +109,7 @@ class Exporter(abc.ABC):
     def problems(self, source: Checkpoint, *, allow_nearest: bool = False) -> list[str]:
         """Why ``source`` cannot be exported (one line per tree path or site; empty when it can).
         Targets with whole-model conditions (an architecture, online rotations) extend it."""
-        out = []
+        out = [] if self.carries or not source.carried else [carried_problem(source, self.name)]
         for path, entry in source.meta.entries.items():
             out += self._judge(path, judged_spec(path, entry), "weight", allow_nearest)
         for site, spec in source.meta.activations.items():
@@ -117,6 +131,26 @@ class Exporter(abc.ABC):
             extra = " (pass allow_nearest=True / --allow-nearest to accept it)" if s.kind == "nearest" else ""
             return [f"{where}: {spec}: {s.note or 'not expressible'}{extra}"]
         return []
+
+
+def carried_problem(source: Checkpoint, target: str) -> str:
+    """The line refusing a checkpoint's carried tensors for a target that cannot write them."""
+    names = sorted(source.carried)
+    more = f" (and {len(names) - 8} more)" if len(names) > 8 else ""
+    return (f"{source.directory}: carried tensor(s) {', '.join(names[:8])}{more}: stored as they are beside the "
+            f"model's (layers the model class does not load, e.g. multi-token prediction), which {target} cannot "
+            "hold (export to compressed-tensors or quark, which keep them, or keep the qtransform checkpoint)")
+
+
+def carried_modules(names) -> list[str]:
+    """The module names of the carried tensors ``names`` (``mtp.fc`` of ``mtp.fc.weight``), sorted: what a
+    target's list of layers left in floating point names (compressed-tensors' ``ignore``, Quark's ``exclude``), so
+    that its loaders build them unquantized.
+
+    >>> carried_modules(["mtp.fc.weight", "mtp.norm.weight", "mtp.fc.bias"])
+    ['mtp.fc', 'mtp.norm']
+    """
+    return sorted({n.rpartition(".")[0] or n for n in names})
 
 
 def judged_spec(path: str, entry) -> qt.QuantSpec:
@@ -270,13 +304,26 @@ def register_exporter(exporter: Exporter, *, replace: bool = False) -> Exporter:
 
 def read_source(checkpoint, *, verify: bool = True) -> Checkpoint:
     """Read a qtransform checkpoint directory into a :class:`Checkpoint` (checksums verified unless
-    ``verify=False``); :class:`~bridge.CheckpointError` when it is not one."""
+    ``verify=False``); :class:`~bridge.CheckpointError` when it is not one. Its carried tensors
+    (``meta.carried``) are :attr:`Checkpoint.carried`, not in the tree."""
     root = Path(checkpoint)
     meta = read_metadata(root)
     tree = load_tree(root, verify=verify)
     config = config_file.read_config(root / CONFIG)  # infinity and NaN as Python floats, tagged or bare
     config = {k: v for k, v in config.items() if k != "quantization_config"}
-    return Checkpoint(root, meta, tree, config)
+    tree, carried = split_carried(tree, meta.carried, root / CONFIG)
+    return Checkpoint(root, meta, tree, config, carried)
+
+
+def split_carried(tree: Mapping, names, where) -> tuple[dict, dict]:
+    """``(tree without them, {name: tensor})`` of the carried tensors ``names`` (a checkpoint's or an export's
+    record of them); :class:`~bridge.CheckpointError` naming ``where`` when one is not a stored plain tensor."""
+    bad = sorted(n for n in names if n not in tree or not isinstance(tree[n], torch.Tensor))
+    if bad:
+        raise CheckpointError(f"{where}: carried tensor(s) {bad[:5]} are recorded but not stored as plain tensors "
+                              "(deleted, renamed or quantized)")
+    names = set(names)
+    return {p: v for p, v in tree.items() if p not in names}, {n: tree[n] for n in sorted(names)}
 
 
 def copy_extras(source: Checkpoint, out: Path, names=EXTRA_FILES) -> list[str]:

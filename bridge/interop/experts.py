@@ -14,7 +14,8 @@ model types (:func:`namings`)              per-expert tensors of ``model.layers.
                                             ``.w3`` (up), ``.w2`` (down); the router
                                             ``model.layers.N.mlp.gate`` is ``block_sparse_moe.gate``
 ``qwen2_moe``, ``qwen3_moe``, ``olmoe``,    ``model.layers.N.mlp.experts.{e}.gate_proj``, ``.up_proj``,
-``deepseek_v2``, ``deepseek_v3``            ``.down_proj``
+``deepseek_v2``, ``deepseek_v3``,           ``.down_proj``
+``qwen3_next``
 ==========================================  =========================================================
 
 each followed by the format's own tensor names (``.weight``, ``.weight_packed``, ``.weight_scale``...).

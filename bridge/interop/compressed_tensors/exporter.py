@@ -33,6 +33,10 @@ dtype (``config.json``'s ``dtype``): scales wider than it (float32 scales of a b
 refused, or rounded to it with ``allow_nearest``. GPTQ's act-order needs no ``g_idx``: our GPTQ fixes its
 groups before the column loop (``static_groups``), so checkpoints carry no permutation.
 
+Carried tensors (the input's tensors the model class does not load: multi-token-prediction layers,
+:attr:`bridge.interop.Checkpoint.carried`) are written as stored under their own names, their modules named in
+``ignore`` (so vLLM and transformers build them unquantized); our metadata records them (``carried``).
+
 Our own metadata (specs, recipe, tied paths) rides along in the shards' safetensors metadata
 (``qtransform_config``), ignored by other readers, so that :class:`.importer.CompressedTensorsImporter`
 gives back the very tree that was exported.
@@ -54,7 +58,7 @@ from ...checkpoint.metadata import Entry
 from ...modules.actquant import PREFIX
 from . import config as ct_config
 from .. import experts as moe
-from ..base import Checkpoint, Exporter, Support, copy_extras, judged_spec, write_config
+from ..base import Checkpoint, Exporter, Support, carried_modules, copy_extras, judged_spec, write_config
 from .importer import GLOBAL_SCALES_KEY, HINT_KEY
 from .model import QUANTIZABLE, is_cached_attention, skeleton
 from .tensors import to_ct
@@ -315,6 +319,8 @@ def _tensor_groups(source: Checkpoint, plan: _Plan) -> Iterator[dict[str, torch.
             yield {f"{name}.weight": t for name, t in moe.pieces(path, leaf, plan.naming)}
             continue
         yield {moe.export_name(path, plan.naming): leaf}
+    for name, t in source.carried.items():  # as stored, under their own names (named in ignore)
+        yield {name: t}
 
 
 def _hint(source: Checkpoint, plan: _Plan) -> str:
@@ -323,7 +329,7 @@ def _hint(source: Checkpoint, plan: _Plan) -> str:
                for n, layer in plan.layers.items() if layer.weight is not None}
     d = metadata.encode(entries, recipe=source.meta.recipe, recipe_name=source.meta.recipe_name,
                         rules=source.meta.rules, aliases=source.meta.aliases, skip_modules=source.meta.skip_modules,
-                        activations=plan.activations)
+                        activations=plan.activations, carried=tuple(source.carried))
     return json.dumps(d, sort_keys=True, separators=(",", ":"))
 
 
@@ -339,6 +345,7 @@ class CompressedTensorsExporter(Exporter):
     name = "compressed-tensors"
     description = "compressed-tensors (vLLM, transformers): pack-quantized int1-8, fp8 (+ activations, KV cache), " \
                   "MXFP4/6/8, NVFP4"
+    carries = True
 
     def support(self, spec: qt.QuantSpec, role: str = "weight") -> Support:
         return ct_config.judge(spec, role)
@@ -371,6 +378,7 @@ class CompressedTensorsExporter(Exporter):
         if plan.problems:
             raise ValueError("export to compressed-tensors:\n  " + "\n  ".join(plan.problems))
         groups, ignore, fmt = _groups(plan)
+        ignore = ignore + [m for m in carried_modules(source.carried) if m not in ignore]  # carried: float
         qc = {"quant_method": "compressed-tensors", "format": fmt, "quantization_status": "compressed",
               "config_groups": groups, "ignore": ignore, "kv_cache_scheme": plan.kv,
               "global_compression_ratio": None, "sparsity_config": {}, "transform_config": {}}

@@ -5,7 +5,9 @@ and ``ignore``: names, ``re:`` regexes, class names, the last resolved on the mo
 ``meta`` device), reads its args back into our spec (:func:`.config.spec_of`) and its tensors
 into a QTensor (:func:`.tensors.from_ct`): codes and scales bit for bit. Activation quantizers
 become our activation sites (``input_scale`` -> the ``input`` site), ``kv_cache_scheme`` the
-``key``/``value`` sites of every attention layer with ``k_scale``/``v_scale``.
+``key``/``value`` sites of every attention layer with ``k_scale``/``v_scale``. The tensors our export recorded as
+carried (the input's tensors the model class does not load, its metadata's ``carried``) come back as they are
+stored, apart from the tree (:attr:`~bridge.interop.Checkpoint.carried`).
 
 A checkpoint that :class:`~bridge.interop.compressed_tensors.CompressedTensorsExporter` wrote
 carries our metadata (``qtransform_config`` in the safetensors metadata): where its spec of a
@@ -118,6 +120,9 @@ class CompressedTensorsImporter(Importer):
         located, handles = store.open_shards(root)
         verify_shards(root, located, verify=verify)  # our exports' digests (llm-compressor's files carry none)
         hint = self._hint(handles, HINT_KEY)
+        hmeta = self._hint_meta(hint)
+        carried = _carried(located, handles, hmeta.carried if hmeta else (), root)  # as stored, not the model's
+        located = {n: f for n, f in located.items() if n not in carried}
         hint_weights, hint_acts = self._hint_specs(hint)
         exact_globals = self._hint(handles, GLOBAL_SCALES_KEY)
         plain = {k: v for k, v in config.items() if k != "quantization_config"}
@@ -168,13 +173,12 @@ class CompressedTensorsImporter(Importer):
                 activations[site] = hs
         aliases = {a: t for a, t in (hint.get("aliases") or {}).items() if t in tree and a not in tree}
         tree.update({a: tree[t] for a, t in aliases.items()})
-        hmeta = self._hint_meta(hint)
         meta = Metadata(entries=entries, layout="native", recipe=hmeta.recipe if hmeta else None,
                         recipe_name=hmeta.recipe_name if hmeta else None, rules=hmeta.rules if hmeta else {},
                         aliases=aliases, skip_modules=hmeta.skip_modules if hmeta else None,
                         version=metadata.VERSION_ACTIVATIONS if activations else metadata.VERSION,
-                        activations=activations)
-        return Checkpoint(root, meta, tree, plain)
+                        activations=activations, carried=tuple(carried))
+        return Checkpoint(root, meta, tree, plain, carried)
 
     # ------------------------------------------------------------------ pieces
     @staticmethod
@@ -273,6 +277,16 @@ class CompressedTensorsImporter(Importer):
 
 
 _FLOATS = ("F32", "F16", "BF16", "F64")
+
+
+def _carried(located, handles, names, root: Path) -> dict:
+    """``{name: tensor}`` of the carried tensors our export recorded (``carried`` in its metadata): the input's
+    tensors the model class does not load, stored as they were beside the model's; each must be stored."""
+    gone = sorted(n for n in names if n not in located)
+    if gone:
+        raise CheckpointError(f"{root}: carried tensor(s) {gone[:5]} recorded with the export ({HINT_KEY}) are not "
+                              "stored (deleted or renamed)")
+    return {n: handles[located[n]].get_tensor(n) for n in names}
 
 
 def _check_leftovers(located, handles, claimed: set, hinted: dict, entries: dict, root: Path) -> None:

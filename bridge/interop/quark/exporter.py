@@ -21,6 +21,10 @@ Mixture-of-experts weights are written per expert and projection under the origi
 (:mod:`bridge.interop.experts`); each experts module has one layer config, found by its name as vLLM's Quark MoE
 method looks it up (``layer_quant_config`` pattern, else the global config).
 
+Carried tensors (the input's tensors the model class does not load: multi-token-prediction layers,
+:attr:`bridge.interop.Checkpoint.carried`) are written as stored under their own names, their modules in
+``exclude`` (left float by Quark's and vLLM's loaders); ``qtransform`` records them (``carried``).
+
 Quark quantizes ``nn.Linear`` layers only: quantized embeddings, transformers' ``Conv1D`` (GPT-2) and
 fused attention projections without ``k_proj``/``v_proj`` for a KV cache are refused by tree path.
 """
@@ -40,7 +44,7 @@ from ...checkpoint import metadata, store
 from ...modules.actquant import PREFIX
 from . import config as qc
 from .. import experts as moe
-from ..base import Checkpoint, Exporter, Support, copy_extras, judged_spec, write_config
+from ..base import Checkpoint, Exporter, Support, carried_modules, copy_extras, judged_spec, write_config
 from ..hf_model import transformers_model
 from .tensors import shape_problem, symmetric_zero, to_quark
 
@@ -95,6 +99,7 @@ class QuarkExporter(Exporter):
 
     name = "quark"
     description = "AMD Quark HF format (transformers with amd-quark, vLLM): int4/uint4/int8 weights, fp8, OCP MX"
+    carries = True
 
     def support(self, spec: qt.QuantSpec, role: str = "weight") -> Support:
         return qc.judge(spec, role)
@@ -197,6 +202,8 @@ class QuarkExporter(Exporter):
                 key = (leaf.untyped_storage().data_ptr(), leaf.storage_offset(), tuple(leaf.shape), leaf.dtype)
                 yield {name(path): leaf.clone() if leaf.numel() and key in seen else leaf}
                 seen.setdefault(key, path)
+            for carried, t in source.carried.items():  # as stored, under their own names (excluded by module)
+                yield {carried: t}
 
         store.write_shards(out, produce(), file_metadata={"format": "pt"})
         config = dict(source.config)
@@ -280,9 +287,11 @@ def quantization_config(layers: dict[str, dict], linear: list[str], meta: metada
     kv = next((layers[m]["output_tensors"] for m in quantized for s in meta.activations
                if s.role in _KV_PROJ and m == f"{s.module}.{_KV_PROJ[s.role]}"), None)
     hint = metadata.encode(meta.entries, recipe=meta.recipe, recipe_name=meta.recipe_name,
-                           activations=meta.activations)
+                           activations=meta.activations, carried=meta.carried)
+    exclude = _compress(excluded, set(excluded), linear)
+    exclude += [m for m in carried_modules(meta.carried) if m not in exclude]  # carried tensors' modules: float
     return {"quant_method": "quark", "global_quant_config": glob, "layer_quant_config": per_layer,
-            "layer_type_quant_config": {}, "exclude": _compress(excluded, set(excluded), linear),
+            "layer_type_quant_config": {}, "exclude": exclude,
             "kv_cache_quant_config": ({p: layer_config(output_tensors=kv) for p in KV_CACHE_GROUP} if kv else {}),
             "kv_cache_post_rope": False, "algo_config": None, "softmax_quant_spec": None, "quant_mode": "eager_mode",
             "version": FORMAT_VERSION,

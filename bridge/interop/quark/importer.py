@@ -9,7 +9,9 @@ config has a weight spec and the checkpoint holds ``<layer>.weight_scale``; its 
 (:func:`~bridge.interop.quark.tensors.from_quark`). Static activation scales become
 ``<layer>.input_scale`` / ``output_scale`` (and zero points); the outputs of the
 ``export.kv_cache_group`` projections ``k_proj`` / ``v_proj`` become the attention module's
-``k_scale`` / ``v_scale``. Everything else (biases, norms, embeddings, unquantized layers) is copied. Per-expert
+``k_scale`` / ``v_scale``. Everything else (biases, norms, embeddings, unquantized layers) is copied; the tensors
+our export recorded as carried (``qtransform``'s ``carried``: the input's tensors the model class does not load)
+come back as stored, apart from the tree (:attr:`~bridge.interop.Checkpoint.carried`). Per-expert
 weights (``...experts.{e}.gate_proj``, Mixtral's ``w1``) take their experts module's config (as vLLM resolves a
 FusedMoE layer's) and are stacked back into our experts paths (:func:`bridge.interop.experts.fuse`).
 
@@ -211,6 +213,12 @@ class QuarkImporter(Importer):
         located, tensors = _read_all(root, verify)
         at = lambda n: f"{root / located[n]}: {n}"  # noqa: E731  (where a stored tensor's error points)
         hint = _hint(qcfg)
+        carried = hint.carried if hint is not None else ()  # as stored, not the model's: apart from the tree
+        gone = sorted(n for n in carried if n not in tensors)
+        if gone:
+            raise CheckpointError(f"{cfile}: carried tensor(s) {gone[:5]} recorded with the export "
+                                  "(quantization_config.qtransform) are not stored (deleted or renamed)")
+        carried = {n: tensors.pop(n) for n in carried}
         dtype = dtype_from_name(config.get("dtype") or config.get("torch_dtype") or "float32")
         tree, entries, acts, consumed = {}, {}, {}, set()
         for wname in [n for n in tensors if n.endswith(".weight") and f"{n}_scale" in tensors]:
@@ -284,8 +292,9 @@ class QuarkImporter(Importer):
                                   "(quantization_config.qtransform) have no stored scale (deleted or renamed?)")
         meta = metadata.Metadata(
             entries=entries, recipe=hint.recipe if hint else None, recipe_name=hint.recipe_name if hint else None,
-            version=metadata.VERSION_ACTIVATIONS if acts else metadata.VERSION, activations=acts)
-        return Checkpoint(root, meta, tree, {k: v for k, v in config.items() if k != "quantization_config"})
+            version=metadata.VERSION_ACTIVATIONS if acts else metadata.VERSION, activations=acts,
+            carried=tuple(carried))
+        return Checkpoint(root, meta, tree, {k: v for k, v in config.items() if k != "quantization_config"}, carried)
 
 
 def _recorded(spec: qt.QuantSpec, shape) -> tuple:

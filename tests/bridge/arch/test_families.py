@@ -140,7 +140,8 @@ def test_shipped_rows_keep_the_facts_they_had():
     assert gguf_families.arches() == {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "mixtral": "llama",
                                       "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe"}
     assert [t for t in gguf_families.arches() if arch_for(t).gguf.permute_qk] == ["llama", "mistral", "mixtral"]
-    assert sorted(experts.namings()) == ["deepseek_v2", "deepseek_v3", "mixtral", "olmoe", "qwen2_moe", "qwen3_moe"]
+    assert sorted(experts.namings()) == ["deepseek_v2", "deepseek_v3", "mixtral", "olmoe", "qwen2_moe", "qwen3_moe",
+                                         "qwen3_next"]  # qwen3_next: issue 51 (its MTP checkpoints exported)
     assert gguf_families.expert_counts() == ("num_local_experts", "num_experts", "n_routed_experts")
 
 
