@@ -47,8 +47,9 @@ def _export_dir(a, out: Path) -> Path:
     return Path(a.export_out) if a.export_out else out.with_name(f"{out.name}-{a.to}")
 
 
-def check_plan(a, plan, out: Path) -> None:
-    """Before quantizing: the ``--to`` target holds every spec of ``plan`` and its directory is free."""
+def check_plan(a, plan, out: Path, carried=()) -> None:
+    """Before quantizing: the ``--to`` target holds every spec of ``plan`` and the input's ``carried`` tensors
+    (:mod:`bridge.stream.inventory`), and its directory is free."""
     if getattr(a, "to", None) is None:
         if getattr(a, "export_out", None):
             raise UserError("--export-out needs --to")
@@ -63,6 +64,10 @@ def check_plan(a, plan, out: Path) -> None:
         s = exporter.support(spec, "weight")
         if s.kind == "no" or (s.kind == "nearest" and not a.allow_nearest):
             bad.append(f"{path}: {spec}: {s.note}")
+    if carried and not getattr(exporter, "carries", False):
+        raise UserError(f"--to {a.to} cannot hold the {len(carried)} tensor(s) of the input that the model does not load "
+                        f"and the checkpoint keeps as stored ({', '.join(sorted(carried)[:4])}"
+                        f"{', ...' if len(carried) > 4 else ''}); export to a format that carries them")
     if bad:
         more = f" (and {len(bad) - 5} more)" if len(bad) > 5 else ""
         raise UserError(f"--to {a.to} cannot hold {len(bad)} tensor(s) of this recipe: " + "; ".join(bad[:5]) + more)

@@ -116,22 +116,26 @@ def _prepare(a, recipe, label, source, out):
     inputs.check_vocab(model, eval_seqs, "evaluation text")
     inputs.check_vocab(model, calibration, "calibration text")
     plan = _plan(model, recipe, label, bool(a.calib))
-    export.check_plan(a, plan, out)
+    inventory = _inventory(source, model)
+    export.check_plan(a, plan, out, inventory.carried if inventory else ())
     dtypes = placement.stored_dtypes(a, source, model)  # of the float model: its tied tensors still tied
     # as the input stores them, the report's "before" (the same map unless --dtype changes what is written)
     stored = dtypes if a.dtype == "auto" else placement.stored_dtypes(a, source, model, dtype="auto")
-    return model, tokenizer, device, eval_seqs, calibration, plan, dtypes, stored, _inventory(source, model), notes
+    return model, tokenizer, device, eval_seqs, calibration, plan, dtypes, stored, inventory, notes
 
 
 def _inventory(source, model):
     """The input checkpoint's tensors, each loaded into the model or carried as stored
     (:func:`bridge.stream.inventory.take`); ``None`` for a GGUF file or another tool's checkpoint (read whole by
     their importers)."""
+    from ..checkpoint.config_file import read_config
     from ..checkpoint.store import INDEX, SINGLE
     from ..stream.inventory import take
 
     d = source.directory
     if source.gguf_file is not None or source.imported is not None or not ((d / INDEX).is_file() or (d / SINGLE).is_file()):
+        return None
+    if "quantization_config" in read_config(d / "config.json"):  # a quantized checkpoint: its loader checks it
         return None
     return take(d, model)
 

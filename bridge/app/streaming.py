@@ -35,7 +35,7 @@ def cmd_streamed(a, recipe, label: str, out: Path, source, t0: float, driver) ->
 
     name = a.model or models.DEFAULT_MODEL
     skeleton, plan = driver.prepared.model, driver.prepared.plan
-    export.check_plan(a, plan, out)  # the --to target holds every spec, before anything is written
+    export.check_plan(a, plan, out, driver.prepared.inventory.carried)  # the --to target holds all, before any write
     for glob in recipe.unmatched(plan):
         warn(f"recipe pattern {glob!r} matches no tensor of the model")
     text = None if a.no_eval else inputs.corpus_text(a.corpus)

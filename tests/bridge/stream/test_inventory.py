@@ -118,3 +118,14 @@ def test_an_output_lacking_an_input_tensor_is_refused_by_name(tmp_path):
     with pytest.raises(CheckpointError, match=r"the output lacks 1 tensor\(s\) of the input .*kv_a_proj_with_mqa"):
         inv.check(out)
     assert lost not in written_names(out)
+
+
+@pytest.mark.parametrize("driver", ["--in-memory", "--stream"])
+def test_an_export_that_cannot_carry_them_is_refused_before_anything_is_written(driver, tmp_path):
+    src = tmp_path / "src"
+    with_mtp("deepseek_v3", src, deepseek_mtp)
+    res = main_cli("quantize", "--model", src, "--recipe", "int4-g32", "--out", tmp_path / "out", "--no-eval", driver,
+                   "--to", "gguf")
+    assert res.returncode != 0 and "--to gguf cannot hold the 2 tensor(s) of the input" in res.stderr, res.stderr
+    assert "model.layers.2.eh_proj.weight" in res.stderr
+    assert not (tmp_path / "out").exists()
