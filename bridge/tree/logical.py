@@ -64,6 +64,28 @@ def _stacked(path: str, m: qt.Match, module: nn.Module, stored: tuple[int, ...])
     return spec
 
 
+#: the torch classes a quantized module replaces; their subclasses take their type rules (unless one names them)
+_BASES = (nn.Linear, nn.Conv2d, nn.ConvTranspose2d, nn.Embedding, nn.EmbeddingBag)
+
+
+def _subclasses(model: nn.Module, recipe: qt.Recipe, tree: Mapping, named: set) -> dict:
+    """``{path: Match}`` of the weights of subclasses of the replaceable torch classes (DeepSeek-V4's grouped
+    ``nn.Linear``) that a rule for their base class would select: kept in float and said why (a quantized module
+    replaces the torch class itself, not a subclass that may compute something else), never silently."""
+    out = {}
+    for name, mod in model.named_modules():
+        base = next((b for b in _BASES if isinstance(mod, b) and type(mod) is not b), None)
+        path = f"{name}.weight" if name else "weight"
+        if base is None or path not in tree or type(mod).__name__ in named:
+            continue
+        m = recipe.resolve(path, module_type=base.__name__, ndim=tree[path].dim(), floating=tree[path].is_floating_point())
+        if m.spec is not None and not m.rule.startswith("rules["):
+            how = "overrides its forward" if type(mod).forward is not base.forward else "is its own class"
+            out[path] = qt.Match(None, f"skipped ({type(mod).__name__}, a subclass of {base.__name__}, {how}: a quantized "
+                                 f"{base.__name__} would replace it; kept in float)", type(mod).__name__)
+    return out
+
+
 def model_plan(model: nn.Module, recipe: qt.Recipe, tree: Mapping[str, torch.Tensor]) -> qt.Plan:
     """``recipe`` resolved for ``model``'s tree ``tree`` (its :func:`~bridge.extract`), with module
     types (``Linear`` rules reaching ``Conv1D``) and the specs of stored-transposed weights turned to
@@ -90,5 +112,6 @@ def model_plan(model: nn.Module, recipe: qt.Recipe, tree: Mapping[str, torch.Ten
                                  f"{logical} as for Linear") from None
             spec = qt.transposed_spec(spec, logical)
         matches[path] = qt.Match(spec, m.rule, types.get(path))
+    matches.update(_subclasses(model, recipe, tree, named))
     flipped = [p for p, m in owners.items() if types.get(p) == "Experts" and is_experts(m) and stacked_like(m, p.rpartition(".")[2])[1]]
     return qt.Plan(recipe, matches, attention=resolved.attention, transposed_experts=flipped)
