@@ -84,7 +84,7 @@ def carried_note(names) -> list:
     """The report's line on the stored tensors carried as they are (none: no line)."""
     if not names:
         return []
-    heads = sorted({n.split(".")[0] if not n.startswith("model.layers.") else ".".join(n.split(".")[:3]) for n in names})
+    heads = sorted({".".join(n.split(".")[:3 if n.startswith(("model.layers.", "layers.")) else 2]) for n in names})
     return [f"kept as stored: {len(names)} tensor(s) of the input that the model class does not load "
             f"({', '.join(heads[:4])}{', ...' if len(heads) > 4 else ''}): written unchanged, checked present"]
 

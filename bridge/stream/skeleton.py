@@ -51,7 +51,8 @@ def class_for(config):
     """The class a checkpoint of ``config`` loads as, the one rule of both drivers: the class its
     ``architectures`` names when transformers has it as a causal LM or an image-text-to-text model (a
     vision-language checkpoint keeps its vision tower and its own config type; Qwen3.5's text-only causal-LM class
-    would drop both), else ``AutoModelForCausalLM``."""
+    would drop both), else ``AutoModelForCausalLM``; ``ValueError`` naming the model where transformers has no
+    causal-LM class for its type (T5 and other encoder-decoder models)."""
     import transformers
     from transformers.models.auto.modeling_auto import (MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
                                                         MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES)
@@ -61,6 +62,13 @@ def class_for(config):
         cls = getattr(transformers, name, None) if name in generative else None
         if isinstance(cls, type) and issubclass(cls, transformers.PreTrainedModel):
             return cls
+    kind = getattr(config, "model_type", None)
+    if kind not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        names = ", ".join(getattr(config, "architectures", None) or ()) or type(config).__name__
+        what = "an encoder-decoder model" if getattr(config, "is_encoder_decoder", False) else "not a causal LM"
+        raise ValueError(f"{names} (model type {kind!r}) is {what}: transformers has no causal-LM or vision-language "
+                         "class for it, and the command quantizes those; quantize it from Python "
+                         "(bridge.quantize(model, recipe), calibration batches as dicts of its inputs)")
     return transformers.AutoModelForCausalLM
 
 
