@@ -37,7 +37,7 @@ def test_t5_is_refused_by_name(driver, tmp_path):
 
 @pytest.mark.parametrize("driver", ["--in-memory", "--stream"])
 def test_whisper_decoder_quantized_encoder_carried(driver, tmp_path, monkeypatch):
-    model = _save("whisper", transformers.WhisperForConditionalGeneration, tmp_path / "src")
+    _save("whisper", transformers.WhisperForConditionalGeneration, tmp_path / "src")
     held = []
     on_command_model(monkeypatch, lambda q: held.append(q(IDS).logits))
     res = main_cli("quantize", "--model", tmp_path / "src", "--recipe", "int4-g32", "--no-eval", "--out",
