@@ -16,6 +16,7 @@ steps, with a :class:`~bridge.calibrate.ModelCalibrator` for the steps that need
 from __future__ import annotations
 
 import inspect
+import re
 from collections import Counter
 from typing import Callable, Iterable, Mapping
 
@@ -118,21 +119,28 @@ def _kept_in_float32(model: nn.Module) -> tuple[str, ...]:
     return tuple(dict.fromkeys(names))
 
 
+_WEIGHT_DTYPE = re.compile(r"\bself\.([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*)\.weight\.dtype\b")
+
+
 def _casting_callers(model: nn.Module) -> dict[str, str]:
-    """``{module path: caller class}`` for the linear children whose parent's ``forward`` casts their input to
-    ``self.<child>.weight.dtype`` (DeepSeek-V3.2-style indexers' ``weights_proj``): quantized, that dtype would be
-    the codes' (an integer), so such a weight stays in float."""
-    out, sources = {}, {}
-    for name, m in model.named_modules():
+    """``{module path: caller class}`` for the modules whose weight dtype a ``forward`` above them reads to cast
+    activations: ``self.<child>.weight.dtype`` (DeepSeek-V3.2-style indexers' ``weights_proj``, whose input is
+    cast to it) or a deeper ``self.<a>.<b>.weight.dtype`` (Ergo's decoder layer casts both branches' inputs to
+    ``self.self_attn.o_proj.weight.dtype``). Quantized, that dtype would be the codes' (an integer), so such a
+    weight stays in float."""
+    out, sources, modules = {}, {}, dict(model.named_modules())
+    for name, m in modules.items():
         cls = type(m)
         if cls not in sources:
             try:
-                sources[cls] = inspect.getsource(cls.forward)
+                src = inspect.getsource(cls.forward)
             except (OSError, TypeError):
-                sources[cls] = ""
-        for child, _ in m.named_children():
-            if f"self.{child}.weight.dtype" in sources[cls]:
-                out[f"{name}.{child}" if name else child] = cls.__name__
+                src = ""
+            sources[cls] = tuple(dict.fromkeys(_WEIGHT_DTYPE.findall(src)))
+        for sub in sources[cls]:
+            path = f"{name}.{sub}" if name else sub
+            if path in modules:  # a submodule (not an attribute that merely has a weight)
+                out[path] = cls.__name__
     return out
 
 

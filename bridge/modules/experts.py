@@ -12,7 +12,9 @@ optional ``post_expert_norm``; ``forward(hidden_states (tokens, hidden), top_k_i
 :func:`routed_forward` is the one routed computation (transformers' eager loop: each expert that tokens
 reached runs on its tokens, outputs weighted and summed in a fixed order) over weights given by a
 function, with an optional *tap* that sees every expert's input to each projection (calibration: the
-statistics of expert ``e`` come from the tokens routed to it, or from all tokens with ``all_tokens``).
+statistics of expert ``e`` come from the tokens routed to it, or from all tokens with ``all_tokens``). Where
+the module's class wraps the standard forward in its own (a subclass whose ``forward`` calls
+``super().forward``: Ergo's per-expert norms of each route), that wrapper runs around the loop.
 ``QExperts`` replaces the experts module: each quantized weight is a stacked QTensor (one
 quantized matrix per expert, :mod:`qtransform.tensor.stacked`) held in buffers named by the native
 layout (``gate_up_proj``, ``gate_up_proj_scale``...); a forward dequantizes only the experts its tokens
@@ -21,6 +23,7 @@ reached. It replaces transformers' ``eager``/``grouped_mm``/``batched_mm`` imple
 
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
 import torch
@@ -88,7 +91,19 @@ def routed_forward(module: nn.Module, hidden_states: torch.Tensor, top_k_index: 
     ``name`` of expert ``e``: the rows of the tokens routed to it, or every token with ``all_tokens`` (the
     output stays the routed one). ``inputs(name, x)``, when given, replaces each projection's input (activation
     quantization). Token ids of ``num_experts`` and above (expert-parallel sentinels) are skipped.
+    Where the module's class (``QExperts``: the float class it replaced) wraps the standard forward in its own,
+    that forward runs with this loop as its ``super().forward`` (:func:`_wrapper`).
     """
+    def loop(h, index, weights):
+        return _routed(module, h, index, weights, matrix, tap, all_tokens, inputs)
+
+    wrapper = _wrapper(module._float_type if isinstance(module, QExperts) else type(module))
+    if wrapper is None:
+        return loop(hidden_states, top_k_index, top_k_weights)
+    return wrapper.run(module, loop, hidden_states, top_k_index, top_k_weights)
+
+
+def _routed(module, hidden_states, top_k_index, top_k_weights, matrix, tap, all_tokens, inputs):
     names = expert_weights(module)
     up, down = names[0], names[-1]
     final = torch.zeros_like(hidden_states)
@@ -111,6 +126,42 @@ def routed_forward(module: nn.Module, hidden_states: torch.Tensor, top_k_index: 
         y = y * top_k_weights[tok, pos, None]
         final.index_add_(0, tok, y.to(final.dtype))
     return final
+
+
+def _is_dispatch(fn) -> bool:
+    """Whether ``fn`` is the ``forward`` that transformers' ``use_experts_implementation`` gives a class."""
+    return (callable(fn) and getattr(fn, "__wrapped__", None) is not None and fn.__name__ == "forward"
+            and getattr(fn, "__globals__", {}).get("__name__") == "transformers.integrations.moe")
+
+
+@functools.lru_cache(maxsize=None)
+def _wrapper(cls: type) -> type | None:
+    """For an experts class whose ``forward`` wraps the standard one (Ergo's ``ErgoExperts`` over the decorated
+    ``ErgoExpertProjections``: routes repeated one per row, then a norm per expert), a stand-in class whose
+    ``run(module, loop, *args)`` runs that ``forward`` on ``module`` with ``loop`` as its ``super().forward``;
+    ``None`` for a class whose ``forward`` is the standard one (or that has none).
+
+    The stand-in's MRO is ``cls``'s with a class overriding ``forward`` just above the decorated class, so the
+    wrapper's zero-argument ``super()`` reaches ``loop``; an instance reads every attribute from ``module``."""
+    standard = next((c for c in cls.__mro__ if _is_dispatch(c.__dict__.get("forward"))), None)
+    if standard is None or _is_dispatch(cls.forward):
+        return None
+
+    def loop_forward(self, *args, **kwargs):
+        return self._loop(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(object.__getattribute__(self, "_module"), name)
+
+    def run(module, loop, *args, **kwargs):
+        standin = object.__new__(stand_in)
+        object.__setattr__(standin, "_module", module)
+        object.__setattr__(standin, "_loop", loop)
+        return cls.forward(standin, *args, **kwargs)
+
+    inner = type(f"_Loop{standard.__name__}", (standard,), {"forward": loop_forward})
+    stand_in = type(f"_Wrapped{cls.__name__}", (cls, inner), {"__getattr__": __getattr__, "run": staticmethod(run)})
+    return stand_in
 
 
 def _project(module, name, e, x, matrix, tap, inputs):

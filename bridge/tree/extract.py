@@ -86,9 +86,21 @@ def unsupported_experts(model: nn.Module) -> dict[str, str]:
     return out
 
 
+def _outputs(m: nn.Module) -> int | None:
+    """The output width of a linear layer, float or quantized (``None`` for any other module)."""
+    if isinstance(m, nn.Linear):
+        return m.out_features
+    return m.weight_shape[0] if isinstance(m, QModule) and not m.transposed and m.weight_shape else None
+
+
+_ROUTED_COUNTS = ("num_experts", "num_local_experts", "n_routed_experts", "num_routed_experts", "total_experts")
+
+
 def _routers(model: nn.Module) -> set[str]:
-    """Module paths of the routers of mixture-of-experts layers: ``nn.Linear`` siblings of an experts module
-    that score the experts (``num_experts`` outputs) or gate a shared expert (one output)."""
+    """Module paths of the routers of mixture-of-experts layers: linear siblings of an experts module that score
+    the experts (``num_experts`` outputs) or gate a shared expert (one output), and the one linear layer of a
+    router module beside the experts that scores them (LongCat-Flash's ``router.classifier``, whose outputs also
+    count its zero-computation experts: the router's ``n_routed_experts``; Ergo's ``gate.linear``)."""
     out = set()
     for name, m in model.named_modules():
         n = getattr(m, "num_experts", None)
@@ -98,9 +110,14 @@ def _routers(model: nn.Module) -> set[str]:
         if is_experts(m) and "." in name:
             parent = name.rpartition(".")[0]
             for child, c in model.get_submodule(parent).named_children():
-                if isinstance(c, nn.Linear) and c.out_features in (m.num_experts, 1) or (
-                        isinstance(c, QModule) and c.weight_shape[0] in (m.num_experts, 1) and not c.transposed):
+                if _outputs(c) in (m.num_experts, 1):
                     out.add(f"{parent}.{child}")
+                elif c is not m and _outputs(c) is None:
+                    linears = [(k, sub) for k, sub in c.named_children() if _outputs(sub) is not None]
+                    counts = {m.num_experts} | {getattr(c, a) for a in _ROUTED_COUNTS
+                                                if isinstance(getattr(c, a, None), int)}
+                    if len(linears) == 1 and _outputs(linears[0][1]) in counts:
+                        out.add(f"{parent}.{child}.{linears[0][0]}")
     return out
 
 

@@ -59,12 +59,16 @@ _OVERRIDES: dict[str, dict] = {
     "lfm2_moe": {"layer_types": ["conv", "full_attention"]},  # default None, needed
     "qwen4_exp_text": {"indexer_n_heads": 2, "indexer_kv_heads": 1, "indexer_head_dim": 16,
                        "indexer_budget": 8, "indexer_compress_ratio": 2},  # default None, needed
+    "kolibri1_1": {"kv_source_layers": [0, 1],  # one source per layer (not indices of layers: not cut to [0])
+                   "index_layers": [1],  # layer 1 (indexed attention) is the indexer, as the family requires
+                   "index_num_heads": 2},  # at most the query heads per key head (4 // 2); default 12
     "jamba": {"attn_layer_period": 2, "attn_layer_offset": 0,  # layer 0 attention, 1 Mamba + MoE
               "expert_layer_period": 2, "expert_layer_offset": 1},
 }
 
 # Types that cannot be built or run on CPU here: {model_type: short reason (exception text)}.
-# Hard-coded; empty with transformers 5.24 / torch 2.13 CPU, where all 60 types build and run.
+# Hard-coded; empty with transformers 5.25 / torch 2.13 CPU, where all 64 types build and run (5.25's new
+# kolibri1_1 with its override above; 5.24 had 60).
 UNBUILDABLE: dict[str, str] = {}
 
 
