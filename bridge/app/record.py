@@ -21,7 +21,7 @@ from . import export, outputs
 from .outputs import say
 from .report import Report, activation_rows, online_rows, peak_memory
 
-__all__ = ["Run", "write_report", "publish_report", "carried_note", "kept_notes"]
+__all__ = ["Run", "write_report", "publish_report", "carried_note", "kept_notes", "nearest_notes"]
 
 
 @dataclasses.dataclass
@@ -56,7 +56,7 @@ class Run:
                       out=str(self.out), unmatched=self.recipe.unmatched(result.plan),
                       activations=activation_rows(result.activations), step_info=result.info,
                       online=online_rows(result.online), streamed=written.mode if written is not None else "",
-                      driver=self.driver, notes=list(self.notes) + kept_notes(result.plan), phases=self.phases,
+                      driver=self.driver, notes=list(self.notes) + kept_notes(result.plan) + nearest_notes(result), phases=self.phases,
                       peak_memory=peak_memory(),
                       **extra)
 
@@ -99,3 +99,18 @@ def kept_notes(plan) -> list:
         if m.spec is None and m.rule.startswith("skipped ("):
             by.setdefault(m.rule[len("skipped ("):-1], []).append(path)
     return [f"kept in float: {len(paths)} tensor(s) (e.g. {paths[0]}): {why}" for why, paths in sorted(by.items())]
+
+
+def nearest_notes(result) -> list:
+    """The line on quantized tensors that a recipe with calibrated steps left to round to nearest (no step
+    reported fitting them: outside the blocks a block-by-block step runs on, such as a head a rule selects)."""
+    import qtransform as qt
+
+    plan = result.plan
+    if plan is None or not any(qt.get_algorithm(s.name).needs is not None for s in plan.steps):
+        return []
+    left = [p for p in plan.specs if p not in result.info]
+    if not left:
+        return []
+    return [f"round to nearest: {len(left)} quantized tensor(s) no calibrated step fitted (e.g. {left[0]}): outside "
+            "the blocks the recipe's steps calibrate"]
