@@ -179,7 +179,7 @@ def test_transformers_loads_the_compressed_tensors_export_with_its_carried_tenso
         assert torch.equal(state[path], want), path
 
 
-@pytest.mark.slow
+@pytest.mark.long  # amd-quark imported in a clean process: ~40 s (make test-long)
 def test_transformers_with_quark_loads_the_quark_export_with_its_carried_tensors(tmp_path):
     """The peer's loader (transformers with amd-quark, in a clean process) reads a Quark export with carried tensors
     in it and their modules in ``exclude``: a dense model (transformers' Quark layers do not take fused experts), to
