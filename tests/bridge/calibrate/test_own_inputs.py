@@ -45,14 +45,15 @@ def recorder():
     qt.ALGORITHMS.unregister("own_recorder")
 
 
-def own_inputs(model, batches) -> dict:
-    """``{block: [(args, kwargs) per batch]}`` by pre-hooks on every block in the model's own forward."""
+def own_inputs(model, batches, plain: bool = False) -> dict:
+    """``{block: [(args, kwargs) per batch]}`` by pre-hooks on every block in the model's own forward (a
+    transformers model called with ``use_cache=False``, a ``plain`` module with the batch alone)."""
     got = {n: [] for n in find_blocks(model)}
     handles = [model.get_submodule(n).register_forward_pre_hook(
         lambda m, a, k, n=n: got[n].append((a, dict(k))), with_kwargs=True) for n in got]
     with torch.no_grad():
         for b in batches:
-            model(b, use_cache=False)
+            model(b) if plain else model(b, use_cache=False)
     for h in handles:
         h.remove()
     return got
@@ -139,22 +140,10 @@ def test_inputs_made_by_earlier_blocks_come_from_the_real_blocks(recorder):
     model = _Biased().eval()
     batches = [torch.randint(0, 32, (2, 5)), torch.randint(0, 32, (1, 7))]
     bridge.quantize(model, qt.Recipe(type_rules={"Linear": SPEC}, steps=["own_recorder"]), calibration=batches)
-    want = own_inputs_plain(model, batches)
+    want = own_inputs(model, batches, plain=True)
     for name, inputs in recorder[1:]:
         for (a, k), (wa, wk) in zip(inputs, want[name]):
             torch.testing.assert_close(k["bias"], wk["bias"])  # the float first block's bias, not None
-
-
-def own_inputs_plain(model, batches) -> dict:
-    got = {n: [] for n in find_blocks(model)}
-    handles = [model.get_submodule(n).register_forward_pre_hook(
-        lambda m, a, k, n=n: got[n].append((a, dict(k))), with_kwargs=True) for n in got]
-    with torch.no_grad():
-        for b in batches:
-            model(b)
-    for h in handles:
-        h.remove()
-    return got
 
 
 class _Scaled(_Biased):
@@ -182,7 +171,7 @@ def test_blocks_a_streamed_run_cannot_record_are_refused_by_name(recorder):
         capture_blocks(skeleton, first, names, batches, real=False)
     # in memory the blocks run instead: the inputs are the model's own
     bridge.quantize(model, qt.Recipe(type_rules={"Linear": SPEC}, steps=["own_recorder"]), calibration=batches)
-    want = own_inputs_plain(model, batches)
+    want = own_inputs(model, batches, plain=True)
     for name, inputs in recorder[1:]:
         for (a, k), (wa, wk) in zip(inputs, want[name]):
             torch.testing.assert_close(k["bias"], wk["bias"])
