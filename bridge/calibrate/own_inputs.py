@@ -28,7 +28,7 @@ from torch import nn
 
 from .sites import run_batch
 
-__all__ = ["capture_blocks", "capture_inputs", "Unfaithful", "same_inputs", "hidden_slot", "hidden_of", "without_cache"]
+__all__ = ["capture_blocks", "capture_inputs", "strip_hidden", "Unfaithful", "same_inputs", "hidden_slot", "hidden_of", "without_cache"]
 
 
 class _Captured(Exception):
@@ -82,7 +82,7 @@ class _Moved(Exception):
     """A pass-through's hidden states did not reach the next block unchanged."""
 
 
-def _strip(args, kwargs: Mapping, slot):
+def strip_hidden(args, kwargs: Mapping, slot):
     """A block's inputs without its hidden states (the runner puts the carried ones there)."""
     return (slot, (None, *args[1:]) if slot == 0 else tuple(args),
             dict(kwargs) if slot == 0 else {**kwargs, slot: None})
@@ -121,7 +121,7 @@ def _record(model: nn.Module, params: Mapping, names: tuple, batches, through: b
                 if through and i > 1 and h is not state["h"]:
                     raise _Moved
                 state["h"] = h
-                out[-1].append(_strip(args, without_cache(kwargs), slot))
+                out[-1].append(strip_hidden(args, without_cache(kwargs), slot))
             if i == len(blocks) - 1:
                 raise _Captured
         return hook

@@ -33,6 +33,7 @@ from safetensors.torch import load_file, save_file
 import qtransform as qt
 
 from ..arch.towers import towers
+from ..calibrate.own_inputs import strip_hidden
 from ..calibrate.blocks import (capture_blocks, chosen, find_blocks, fit_block_on, hidden_of, hidden_slot,
                                with_hidden)
 from ..calibrate.sites import first_tensor, fold_sites, to_device
@@ -154,8 +155,8 @@ class BlockRun:
                 self._prefix = None
                 if any(rec[0][0] is None for rec in self._initial):
                     raise ValueError(f"block-by-block calibration: the first block ({self.names[0]}) takes no tensor input")
-                self.own = [[(slot, a if slot != 0 else (None, *a[1:]), kw if slot == 0 else {**kw, slot: None})
-                             for slot, a, kw in rec] for rec in self._initial]  # the hidden states go to the streams
+                self.own = [[strip_hidden(a, kw, slot) for slot, a, kw in rec]
+                            for rec in self._initial]  # the hidden states go to the streams
             records = self._initial_q if quantized_prefix and self._initial_q is not None else self._initial
             self.streams[k] = chosen([(a, kw) for (_, a, kw), *_ in records], tokens, self.parallel)
             for j in self.streams[k]:

@@ -16,11 +16,11 @@ into (with its quantized parts: ``<name>_scale``...), nor as a tied alias. Nothi
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import NamedTuple
 
 from ..checkpoint import CheckpointError, checksum
+from ..checkpoint.config_file import read_config
 from ..checkpoint.store import read_index
 from .source import Built, Source
 
@@ -52,7 +52,7 @@ class Inventory(NamedTuple):
         :class:`~bridge.checkpoint.CheckpointError` names the missing ones."""
         directory = Path(directory)
         names = set(written_names(directory))
-        qc = json.loads((directory / "config.json").read_text()).get("quantization_config") or {}
+        qc = read_config(directory / "config.json").get("quantization_config") or {}
         aliases = set((qc.get("aliases") or {}) if isinstance(qc, dict) else ())
         prefixes = {n.rsplit("_", 1)[0] for n in names if "_" in n.rsplit(".", 1)[-1]}  # X.weight_scale -> X.weight
         missing = []
