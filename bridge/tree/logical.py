@@ -35,6 +35,7 @@ from ..modules import QLinear, is_conv1d
 from ..modules.experts import is_experts, stacked_like
 from ..modules.kvcache import attention_modules
 from .extract import module_types, weight_paths
+from .standins import keep_read_weights
 
 __all__ = ["TYPE_FALLBACK", "stored_transposed", "model_plan"]
 
@@ -113,5 +114,6 @@ def model_plan(model: nn.Module, recipe: qt.Recipe, tree: Mapping[str, torch.Ten
             spec = qt.transposed_spec(spec, logical)
         matches[path] = qt.Match(spec, m.rule, types.get(path))
     matches.update(_subclasses(model, recipe, tree, named))
+    matches.update(keep_read_weights(model, recipe, matches, tree))  # Mamba's dt_proj.weight @ ..., RWKV's rescaling
     flipped = [p for p, m in owners.items() if types.get(p) == "Experts" and is_experts(m) and stacked_like(m, p.rpartition(".")[2])[1]]
     return qt.Plan(recipe, matches, attention=resolved.attention, transposed_experts=flipped)
