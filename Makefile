@@ -9,7 +9,7 @@ TORCH   := torch==2.13.0
 STAMP   := $(VENV)/.installed
 PYTEST  := $(BIN)/python -m pytest
 
-.PHONY: install test quick test-long test-llamacpp demo bench bench-gptq bench-gptq-peer bench-awq bench-rotation bench-e2e bench-stream bench-distributed bench-moe bench-signround bench-signround-peer test-gpu bench-gpu clean
+.PHONY: install test quick test-long test-walk test-llamacpp demo bench bench-gptq bench-gptq-peer bench-awq bench-rotation bench-e2e bench-stream bench-distributed bench-moe bench-signround bench-signround-peer test-gpu bench-gpu clean
 
 $(STAMP): pyproject.toml Makefile .ci/constraints.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -31,6 +31,10 @@ test: $(STAMP)
 ## whole every-preset x every-architecture command matrix (make test runs a covering set of it)
 test-long: $(STAMP)
 	HYPOTHESIS_PROFILE=ci $(PYTEST) -q -m long
+
+## the walk over every model type transformers registers (issue 51; tests/bridge/walk, ~4 min on 2 workers)
+test-walk: $(STAMP)
+	HYPOTHESIS_PROFILE=ci $(PYTEST) -q -n 2 tests/bridge/walk
 
 ## the same without tests marked slow
 quick: $(STAMP)

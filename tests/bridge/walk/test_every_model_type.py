@@ -15,7 +15,8 @@ Any other exception is a failure. The type list is computed at import (a new tra
 types that cannot be built here are in :data:`UNBUILDABLE`, those whose forward needs more than token ids in
 :data:`NO_TEXT_FORWARD`, each with its exception, and the tests check they still fail that way (a fix is noticed).
 Failures the walk found and this branch does not fix are :data:`KNOWN` (strict xfail, with the cause).
-``SUBSET`` (one type per family kind) runs unmarked; the whole walk is marked slow. Each test records its outcome
+``SUBSET`` (one type per family kind) runs in ``make test``; the whole walk is marked long (``make test-long``, or
+``make test-walk``). Each test records its outcome
 and the model's family kind (``record_property``: ``--junitxml`` has them).
 """
 
@@ -42,7 +43,7 @@ pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::U
 RECIPE = qt.get_preset("int4-g32").recipe
 GPTQ = qt.get_preset("gptq4-g64").recipe
 
-#: one type per family kind, run by ``make quick`` (the rest is marked slow)
+#: one type per family kind, run by ``make test`` (the rest is marked long)
 SUBSET = {"llama": "dense", "qwen3_moe": "moe", "qwen3_next": "linear-attention", "bamba": "mamba-hybrid",
           "llava": "vlm", "qwen3_5-vlm": "vlm", "gemma3_text": "sliding-window"}
 
@@ -119,7 +120,7 @@ class Walked(NamedTuple):
 
 
 def _params(ids):
-    return [pytest.param(i, id=i, marks=() if i in SUBSET else pytest.mark.slow) for i in ids]
+    return [pytest.param(i, id=i, marks=() if i in SUBSET else pytest.mark.long) for i in ids]
 
 
 @pytest.fixture(scope="module", params=_params(WALKED))
