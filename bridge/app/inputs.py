@@ -163,7 +163,9 @@ def check_seq_len(model, seq_len: int) -> None:
 def check_vocab(model, batches, what: str) -> None:
     """Every token id of ``batches`` (tensors, or ``None``) has a row in ``model``'s input embeddings: a tokenizer
     larger than the model's vocabulary is refused with both numbers, before any forward pass."""
-    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    from ..arch.embeddings import input_embeddings
+
+    emb = input_embeddings(model)
     rows = getattr(getattr(emb, "weight", None), "shape", (None,))[0]
     if rows is None or batches is None:
         return

@@ -31,10 +31,11 @@ _MAX_HEADER = 100 * 1024 * 1024
 
 def quantized_looking(header: dict) -> str | None:
     """The first tensor name (sorted) of a safetensors ``header`` that looks quantized: a quantized-only
-    name ending, or a ``.weight`` stored as fp8 or integer codes; ``None`` when none does."""
+    last name component (``x.weight_scale``, not Gemma-3n's ``altup.correct_output_scale``), or a ``.weight`` stored
+    as fp8 or integer codes; ``None`` when none does."""
     for name in sorted(k for k in header if k != "__metadata__"):
         info = header[name] if isinstance(header[name], dict) else {}
-        if name.endswith(QUANTIZED_SUFFIXES) or (name.endswith(".weight") and info.get("dtype") in QUANTIZED_DTYPES):
+        if name.rpartition(".")[2] in QUANTIZED_SUFFIXES or (name.endswith(".weight") and info.get("dtype") in QUANTIZED_DTYPES):
             return name
     return None
 

@@ -32,6 +32,7 @@ from qtransform.rotation import HeadPair, NormReaders, QueryKey, ResidualLayout
 from ..modules import kvcache
 from ..modules.experts import expert_weights
 
+from .embeddings import input_embeddings, output_embeddings
 from .families import rotatable
 from .groups import find_arch, smoothing_groups
 
@@ -74,13 +75,13 @@ def residual_layout(model: nn.Module) -> ResidualLayout:
             writers.append(f"{name}.{names[-1]}")
             if m.is_transposed:  # GPT-OSS: (experts, in, out)
                 transposed += [f"{name}.{n}" for n in names]
-    head = model.get_output_embeddings() if callable(getattr(model, "get_output_embeddings", None)) else None
+    head = output_embeddings(model)
     final = modules.get(arch.blocks.rpartition(".")[0] + ".norm")
     if head is None or final is None:
         raise ValueError(f"rotations: {type(model).__name__} has no output head after a final "
                          f"{arch.blocks.rpartition('.')[0]}.norm (a causal LM of the {arch.name} family has both)")
     norms.append(NormReaders(f"{path[id(final)]}.weight", (f"{path[id(head)]}.weight",)))
-    inputs = model.get_input_embeddings() if callable(getattr(model, "get_input_embeddings", None)) else None
+    inputs = input_embeddings(model)
     if id(inputs) not in path:
         raise ValueError(f"rotations: {type(model).__name__} names no input embeddings (get_input_embeddings)")
     embeddings = (f"{path[id(inputs)]}.weight",)

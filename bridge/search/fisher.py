@@ -42,6 +42,7 @@ from torch import nn
 
 import qtransform as qt
 
+from ..arch.embeddings import input_embeddings, output_embeddings
 from ..calibrate.sites import run_batch
 from ..tree import extract
 
@@ -172,7 +173,7 @@ def fisher_pass(model: nn.Module, batches: Iterable, paths: Sequence[str], *, he
             raise ValueError(f"output_fisher: {p!r} is not a weight of a module of the model") from None
         if not isinstance(getattr(modules[p], name, None), torch.Tensor):
             raise ValueError(f"output_fisher: {p!r} is not a weight of a module of the model")
-    embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    embed = input_embeddings(model)
     if not isinstance(embed, nn.Module):
         raise ValueError(f"output_fisher: {type(model).__name__} has no input embedding to differentiate from "
                          "(use the estimate 'hessian')")
@@ -195,7 +196,7 @@ def fisher_pass(model: nn.Module, batches: Iterable, paths: Sequence[str], *, he
             stats[name] = qt.observe(stats[name], args[0], path=name)
         return hook
 
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    head = output_embeddings(model)
     if not isinstance(head, nn.Module) or any(model.get_submodule(m) is head for m in hessian_modules):
         head = None  # the head's own input is folded (or there is no head module): run it
 

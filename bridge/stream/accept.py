@@ -63,7 +63,7 @@ def accepted_run(source, recipe, *, calibrated: bool, model_class=None) -> Accep
                            "(--in-memory; its values are dequantized first)")
     model = skel.build(src.root, model_class)
     src.map_to(model)  # stored names -> the model's (transformers' conversion mapping: stacked experts...)
-    shapes, tied = skel.model_tensors(model)
+    shapes, tied = skel.model_tensors(model, src)
     src.check_against(shapes, tied)
     inventory = take(src, model)
     p = plan_streamed(model, recipe, calibrated=calibrated)

@@ -44,7 +44,7 @@ def stored_dtypes_of(source: Source, model, dtype="auto") -> dict[str, torch.dty
     path not stored takes its twin's; a tensor built from several stored ones, the dtype they convert to) or
     ``dtype`` for all."""
     source.map_to(model)
-    shapes, tied = skel.model_tensors(model)
+    shapes, tied = skel.model_tensors(model, source)
     out = {}
     for path in shapes:
         name = path if path in source else tied.get(path)

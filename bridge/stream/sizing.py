@@ -31,6 +31,8 @@ from typing import NamedTuple
 import qtransform as qt
 from torch import nn
 
+from ..arch.embeddings import input_embeddings
+
 __all__ = ["Estimate", "PROCESS", "in_memory", "streamed", "evaluation", "available", "format_size"]
 
 #: the Python process with torch and transformers imported (0.45 GB measured)
@@ -81,7 +83,7 @@ def _logits(model: nn.Module, seq_len: int) -> int:
 
 
 def _hidden(model: nn.Module) -> int:
-    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    emb = input_embeddings(model)
     w = getattr(emb, "weight", None)
     return int(w.shape[-1]) if w is not None else int(getattr(model.config, "hidden_size", 0) or 0)
 

@@ -84,15 +84,19 @@ def build(directory, model_class=None) -> nn.Module:
     return model.eval()
 
 
-def model_tensors(model: nn.Module) -> tuple[dict[str, tuple], dict[str, str]]:
+def model_tensors(model: nn.Module, stored=()) -> tuple[dict[str, tuple], dict[str, str]]:
     """``({path: shape}, {tied path: path stored instead})`` of the model's stored tensors (parameters and
-    persistent buffers; a tensor tied to another may be stored under either name)."""
+    persistent buffers; a tensor tied to others may be stored under any of their names). ``stored``: the names a
+    checkpoint holds; each tied path maps to the first of its group (model order) stored there, else to the group's
+    first other path (a group of three, lm_head and two embeddings, is stored under any one of them)."""
     shapes = {p: tuple(t.shape) for p, t in model.state_dict(keep_vars=True).items()}
     tied = {}
     for paths in tie_groups(model):
-        for p in paths[1:]:
-            tied[p] = paths[0]
-            tied.setdefault(paths[0], p)
+        present = [p for p in paths if p in stored]
+        for p in paths:
+            others = [q for q in present if q != p] or [q for q in paths if q != p]
+            if others:
+                tied[p] = others[0]
     return shapes, tied
 
 

@@ -168,3 +168,7 @@ def test_quantized_looking_tensors():
     assert loadcheck.quantized_looking({"a.weight_packed": {"dtype": "I32", "shape": [2, 1]}}) == "a.weight_packed"
     assert loadcheck.quantized_looking({"__metadata__": {}, "a.weight": {"dtype": "F32", "shape": [2]},
                                         "a.bias": {"dtype": "F16", "shape": [2]}}) is None
+    # a float model's own parameter whose name merely ends like a quantized one (Gemma-3n's AltUp)
+    assert loadcheck.quantized_looking({"m.altup.correct_output_scale": {"dtype": "F32", "shape": [4]},
+                                        "m.x.input_scale": {"dtype": "F32", "shape": []}}) == "m.x.input_scale"
+    assert loadcheck.quantized_looking({"m.altup.correct_output_scale": {"dtype": "F32", "shape": [4]}}) is None

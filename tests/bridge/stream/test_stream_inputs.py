@@ -176,3 +176,18 @@ def test_the_block_runs_on_cuda_and_the_checkpoint_is_the_same_format(source, tm
     assert on_gpu.info.keys() == on_cpu.info.keys()
     a, b = digests(tmp_path / "gpu"), digests(tmp_path / "cpu")
     assert a.keys() == b.keys() and a["config.json"] == b["config.json"]
+
+
+def test_a_tensor_tied_three_ways_is_read_under_whichever_name_is_stored():
+    """A group of three tied paths (an output head and two embeddings) stored under any one name: every path
+    maps to that name (a map from each path to one other path misses it for one of the three)."""
+    from torch import nn
+
+    from bridge.stream.skeleton import model_tensors
+
+    model = nn.ModuleDict({"a": nn.Embedding(8, 4), "b": nn.Embedding(8, 4), "head": nn.Linear(4, 8, bias=False)})
+    model.b.weight = model.a.weight
+    model.head.weight = model.a.weight
+    for stored in ("a.weight", "b.weight", "head.weight"):
+        _, tied = model_tensors(model, {stored})
+        assert all(tied[p] == stored for p in ("a.weight", "b.weight", "head.weight") if p != stored), (stored, tied)

@@ -87,15 +87,6 @@ KNOWN: dict[tuple[str, str], str] = {
     ("qwen3_vl_moe", "reload"): "transformers' conversion mapping for qwen3_vl_moe transposes mlp.experts.gate_up_proj "
                                 "and down_proj as it loads (Transpose(1, 2)); bridge.hf's quantizer leaves it on for "
                                 "the QExperts buffers: '`gate_up_proj` is not an nn.Parameter'",
-    ("gemma3n_text", "stream"): "the in-memory command refuses the float checkpoint: bridge.app.loadcheck."
-                                "quantized_looking takes 'altup.correct_output_scale' for a quantized tensor (the "
-                                "suffix 'output_scale' matched without its dot)",
-    ("pp_formulanet", "stream"): "the in-memory command calls get_input_embeddings, which PPFormulaNetModel does not "
-                                 "implement (NotImplementedError, printed as the error line)",
-    ("diffusion_gemma", "stream"): "the streamed driver refuses the checkpoint the command reads: lm_head, the "
-                                   "decoder's and the encoder's embeddings are one tensor (a tie group of 3), "
-                                   "bridge.stream.skeleton.model_tensors maps each path to one other only, so "
-                                   "Source.check_against misses 'lm_head.weight'",
     **{(e, "calibrated"): _CALIBRATION for e in ("blip-2", "instructblip", "instructblipvideo", "pix2struct", "pi0",
                                                  "pi05", "musicgen", "musicgen_melody", "t5gemma2", "pp_formulanet",
                                                  "blt")},
