@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import sys
+from pathlib import Path
 from typing import Any, Callable, Mapping
 
 import torch
@@ -99,12 +101,42 @@ def run_batch(model: nn.Module, params: Mapping[str, torch.Tensor], batch) -> An
     if takes(model, "use_cache"):
         kwargs["use_cache"] = False
     try:
-        return torch.func.functional_call(model, untied(model, params), args, kwargs)
-    except _Split:
-        pass
-    # tied names holding different tensors (one of them quantized: the quantized model unties them):
-    # each name gets its own value
-    return torch.func.functional_call(model, dict(params), args, kwargs, tie_weights=False)
+        try:
+            return torch.func.functional_call(model, untied(model, params), args, kwargs)
+        except _Split:
+            pass
+        # tied names holding different tensors (one of them quantized: the quantized model unties them):
+        # each name gets its own value
+        return torch.func.functional_call(model, dict(params), args, kwargs, tie_weights=False)
+    except Exception as e:
+        if _ours(e):
+            raise
+        raise ValueError(f"calibration: {type(model).__name__}'s forward fails on a calibration batch "
+                         f"({_described(batch)}): {type(e).__name__}: {e}. Its forward needs inputs the batches do "
+                         "not hold (images, audio, encoder or decoder inputs, state...): give batches as dicts of "
+                         "its inputs, or quantize without calibration") from e
+
+
+_OURS = tuple(str(Path(m.__file__).resolve().parent) for m in (qt, sys.modules[__name__.partition(".")[0]]))
+
+
+def _ours(e: BaseException) -> bool:
+    """Whether ``e`` was raised in, or passed through, the library's own code below the model's forward (a hook, a
+    patched forward): not the model's forward failing on its inputs."""
+    tb = e.__traceback__.tb_next if e.__traceback__ is not None else None  # below run_batch's own frame
+    while tb is not None:
+        if tb.tb_frame.f_code.co_filename.startswith(_OURS):
+            return True
+        tb = tb.tb_next
+    return False
+
+
+def _described(batch) -> str:
+    if isinstance(batch, torch.Tensor):
+        return f"a tensor of shape {list(batch.shape)}"
+    if isinstance(batch, Mapping):
+        return "a dict of " + ", ".join(map(str, batch))
+    return f"a {type(batch).__name__} of {len(batch)} inputs"
 
 
 def fold_sites(model: nn.Module, sites: Mapping[qt.Site, Any], run_all: Callable[[], Any], *,

@@ -80,16 +80,11 @@ NO_TEXT_FORWARD: dict[str, str] = {
 
 WALKED = [e for e in ENTRIES if e not in UNBUILDABLE]
 
-_CALIBRATION = ("token-id calibration batches crash the model's forward (its own inputs missing) with an exception "
-                "that is no ValueError naming the model or the step: bridge.calibrate should refuse such a model")
 #: failures found by the walk, not fixed here: {(entry id, check): the cause}; strict, so that a fix is noticed
 KNOWN: dict[tuple[str, str], str] = {
     ("qwen3_vl_moe", "reload"): "transformers' conversion mapping for qwen3_vl_moe transposes mlp.experts.gate_up_proj "
                                 "and down_proj as it loads (Transpose(1, 2)); bridge.hf's quantizer leaves it on for "
                                 "the QExperts buffers: '`gate_up_proj` is not an nn.Parameter'",
-    **{(e, "calibrated"): _CALIBRATION for e in ("blip-2", "instructblip", "instructblipvideo", "pix2struct", "pi0",
-                                                 "pi05", "musicgen", "musicgen_melody", "t5gemma2", "pp_formulanet",
-                                                 "blt")},
 }
 
 
@@ -217,7 +212,8 @@ def test_calibrated_recipe_runs_or_is_refused_by_name(walked, record_property, r
         record_property("outcome", f"refused: {e}")
         return
     assert any(isinstance(v, qt.QTensor) for v in bridge.extract(qmodel).values())
-    assert torch.isfinite(logits(qmodel, batches[0])).all()
+    if walked.id not in NO_TEXT_FORWARD:  # the calibration forward ran (no cache; a first stack only): the model's
+        assert torch.isfinite(logits(qmodel, batches[0])).all()  # own forward on ids alone may still fail
     record_property("outcome", "quantized")
 
 
