@@ -54,6 +54,13 @@ def _untie(model: nn.Module, paths) -> None:
                 tied.pop(k)
 
 
+def _in_place(converter) -> bool:
+    """Whether a transformers weight converter changes tensors in place: the same names in and out."""
+    sources = getattr(converter, "_original_source_patterns", None)
+    targets = getattr(converter, "_original_target_patterns", None)
+    return bool(sources) and list(sources) == list(targets or ()) and bool(getattr(converter, "operations", None))
+
+
 def _float_slots(model: nn.Module, entries: dict) -> None:
     """Quantize-on-load: the codes slot of each quantized module holds a ``meta`` tensor of the
     float weight (shape and dtype) until the weight is read: transformers 5.17 casts each checkpoint
@@ -131,6 +138,15 @@ class QTransformHfQuantizer(HfQuantizer):
         _untie(model, set(cfg.entries))
         if self.pre_quantized:  # the files against the skeleton, before transformers reads any data
             checks.check_checkpoint(model, cfg, kwargs.get("checkpoint_files"), verify=cfg.verify)
+
+    def update_weight_conversions(self, weight_conversions, model):
+        """A qtransform checkpoint holds every tensor under the model's own name in the model's own layout
+        (:func:`bridge.save` writes the model's tree): transformers' in-place layout changes of a checkpoint's tensor
+        (a converter whose sources are its targets: Qwen3-VL-MoE's transposed experts) must not run on it (they
+        would transpose packed codes). Renames and merges of other names find nothing to match and stay."""
+        if self.pre_quantized:
+            weight_conversions = [c for c in weight_conversions if not _in_place(c)]
+        return super().update_weight_conversions(weight_conversions, model)
 
     def param_needs_quantization(self, model, param_name: str, **kwargs) -> bool:
         return not self.pre_quantized and param_name in self.quantization_config.entries

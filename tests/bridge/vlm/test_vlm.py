@@ -20,7 +20,7 @@ from cli_util import main_cli
 from tiny_vlm import build_tiny
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning:torch.jit._script")
-TYPES = ("llava", "llava_next", "qwen3_5", "qwen3_vl", "gemma3", "smolvlm", "idefics3", "mistral3", "mllama")
+TYPES = ("llava", "llava_next", "qwen3_5", "qwen3_vl", "qwen3_vl_moe", "gemma3", "smolvlm", "idefics3", "mistral3", "mllama")
 CALIBRATED = ("llava", "qwen3_5", "mllama")
 IDS = torch.randint(0, 200, (1, 12), generator=torch.Generator().manual_seed(0))
 

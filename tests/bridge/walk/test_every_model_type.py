@@ -82,9 +82,6 @@ WALKED = [e for e in ENTRIES if e not in UNBUILDABLE]
 
 #: failures found by the walk, not fixed here: {(entry id, check): the cause}; strict, so that a fix is noticed
 KNOWN: dict[tuple[str, str], str] = {
-    ("qwen3_vl_moe", "reload"): "transformers' conversion mapping for qwen3_vl_moe transposes mlp.experts.gate_up_proj "
-                                "and down_proj as it loads (Transpose(1, 2)); bridge.hf's quantizer leaves it on for "
-                                "the QExperts buffers: '`gate_up_proj` is not an nn.Parameter'",
 }
 
 
