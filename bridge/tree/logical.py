@@ -31,18 +31,24 @@ from torch import nn
 
 import qtransform as qt
 
-from ..modules import QLinear, is_conv1d
+from ..modules import QLinear, is_conv1d, register_quantized_class
 from ..modules.experts import is_experts, stacked_like
 from ..modules.kvcache import attention_modules
 from .extract import module_types, weight_paths
 from .standins import keep_read_weights
 
-__all__ = ["TYPE_FALLBACK", "stored_transposed", "model_plan"]
+__all__ = ["TYPE_FALLBACK", "LINEAR_AS_BASE", "stored_transposed", "model_plan"]
 
 #: ``{module type: type whose rules it follows when the recipe has no rule for it}``: a ``Linear`` rule
 #: reaches GPT-2's ``Conv1D`` and the stacked ``Experts`` weights of mixture-of-experts layers (each expert is
 #: a linear layer), unless the recipe has a rule of their own (``type_rules={"Experts": None}`` keeps them).
-TYPE_FALLBACK = {"Conv1D": "Linear", "Experts": "Linear"}
+#: ``nn.Linear`` subclasses of transformers' models whose forward computes ``nn.Linear``'s ``x @ W.T + b``, written out
+#: (Falcon's): a ``Linear`` rule reaches them and a quantized Linear replaces them exactly (other subclasses are kept
+#: in float, said why: :func:`_subclasses`).
+LINEAR_AS_BASE = ("FalconLinear",)
+TYPE_FALLBACK = {"Conv1D": "Linear", "Experts": "Linear", **{name: "Linear" for name in LINEAR_AS_BASE}}
+register_quantized_class("LinearAsBase", lambda m: isinstance(m, nn.Linear) and type(m).__name__ in LINEAR_AS_BASE,
+                         QLinear)
 
 
 def stored_transposed(module: nn.Module) -> bool:
@@ -77,7 +83,7 @@ def _subclasses(model: nn.Module, recipe: qt.Recipe, tree: Mapping, named: set) 
     for name, mod in model.named_modules():
         base = next((b for b in _BASES if isinstance(mod, b) and type(mod) is not b), None)
         path = f"{name}.weight" if name else "weight"
-        if base is None or path not in tree or type(mod).__name__ in named:
+        if base is None or path not in tree or type(mod).__name__ in named or type(mod).__name__ in TYPE_FALLBACK:
             continue
         m = recipe.resolve(path, module_type=base.__name__, ndim=tree[path].dim(), floating=tree[path].is_floating_point())
         if m.spec is not None and not m.rule.startswith("rules["):

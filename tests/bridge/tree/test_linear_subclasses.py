@@ -39,3 +39,22 @@ def test_deepseek_v4_grouped_output_projection_is_named_in_the_report():
     ids = torch.randint(0, 200, (1, 8))
     with torch.no_grad():
         assert torch.isfinite(qmodel(ids).logits).all()
+
+
+def test_a_subclass_that_computes_linear_is_quantized_as_linear():
+    """Falcon's FalconLinear writes out nn.Linear's forward: a Linear rule reaches it and the quantized Linear that
+    replaces it computes the dequantized weight's x @ W.T + b."""
+    from transformers.models.falcon.modeling_falcon import FalconLinear
+
+    torch.manual_seed(0)
+    layer = FalconLinear(64, 32, bias=True)
+    x = torch.randn(3, 5, 64)
+    with torch.no_grad():  # the fact the table states, checked independently of it
+        torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias))
+    model = torch.nn.Sequential(layer).eval()
+    plan = bridge.plan(model, qt.Recipe(type_rules={"Linear": SPEC}))
+    assert plan["0.weight"].spec == SPEC and plan["0.weight"].rule == "type_rules[Linear]"
+    q = bridge.quantize(model, qt.Recipe(type_rules={"Linear": SPEC}), kernel="dequant")
+    w = qt.dequantize(bridge.extract(q)["0.weight"])
+    with torch.no_grad():
+        torch.testing.assert_close(q(x), torch.nn.functional.linear(x, w, layer.bias))
