@@ -33,7 +33,8 @@ __all__ = ["find_blocks", "capture_inputs", "capture_blocks", "spread", "my_shar
 def find_blocks(model: nn.Module, blocks: str | None = None) -> tuple[str, ...]:
     """Module paths of the model's blocks: the children of the ``nn.ModuleList`` at path ``blocks``,
     by default the one holding the most parameters (a decoder's layers, whatever their classes; the
-    experts inside a layer hold fewer), outside a multimodal model's towers (:func:`bridge.arch.towers`). ``ValueError`` naming the model when there is none."""
+    experts inside a layer hold fewer), outside a multimodal model's towers (:func:`bridge.arch.towers`), not a list
+    of bare torch layers (a convolutional subsampler's). ``ValueError`` naming the model when there is none."""
     if blocks is not None:
         if not isinstance(blocks, str):
             raise TypeError(f"blocks must be the module path of an nn.ModuleList, got {type(blocks).__name__}")
@@ -49,7 +50,8 @@ def find_blocks(model: nn.Module, blocks: str | None = None) -> tuple[str, ...]:
     else:
         best, size, parts = None, -1, towers(model)  # a multimodal model's blocks are its language model's
         for name, m in model.named_modules():
-            if isinstance(m, nn.ModuleList) and len(m) and not any(name.startswith(t + ".") for t in parts):
+            if (isinstance(m, nn.ModuleList) and len(m) and not any(name == t or name.startswith(t + ".") for t in parts)
+                    and not all(_leaf(b) for b in m)):
                 n = sum(p.numel() for p in m.parameters())
                 if n > size:
                     best, size = (name, m), n
@@ -58,6 +60,11 @@ def find_blocks(model: nn.Module, blocks: str | None = None) -> tuple[str, ...]:
                          "nn.ModuleList, such as a decoder's layers)")
     name, found = best
     return tuple(f"{name}.{i}" if name else str(i) for i in range(len(found)))
+
+
+def _leaf(module: nn.Module) -> bool:
+    """A torch layer without children (a convolution of a subsampler, a per-layer projection): no block."""
+    return not any(True for _ in module.children())
 
 
 def spread(inputs: list, tokens: int | None) -> list:
