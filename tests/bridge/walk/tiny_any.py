@@ -318,16 +318,17 @@ _AUDIO = {
 
 def inputs(model, batch: int = 1, seed: int = 1) -> dict:
     """The model's inputs as keyword arguments: an encoder-decoder model gets its encoder's input (token ids, or
-    audio: input features of the shape its encoder expects, raw samples) and ``decoder_input_ids`` (8 tokens); a
+    audio: input features of the shape its encoder expects, raw samples) and ``decoder_input_ids`` (16 tokens: a
+    batch of 2 is 32 rows, where the CPU int4 kernels compute in float32 as the walk over causal LMs has them); a
     decoder with an audio tower (no cross-attention) gets token ids only."""
     ids, audio = tokens(model, batch, 16, seed), _AUDIO.get(type(model).__name__)
     if not getattr(model.config, "is_encoder_decoder", False):
         out = {"input_ids": ids}
     elif type(model).__name__ == "DiaForConditionalGeneration":  # text in, audio codes out: one id per channel
-        out = {"input_ids": ids, "decoder_input_ids": tokens(model, batch, 8 * model.config.decoder_config.num_channels,
-                                                            seed + 100).view(batch, 8, -1)}
+        out = {"input_ids": ids, "decoder_input_ids": tokens(model, batch, 16 * model.config.decoder_config.num_channels,
+                                                            seed + 100).view(batch, 16, -1)}
     else:
-        out = {"decoder_input_ids": tokens(model, batch, 8, seed + 100)}
+        out = {"decoder_input_ids": tokens(model, batch, 16, seed + 100)}
         out.update({} if audio else {"input_ids": ids})
     if audio is not None:
         name, shape = audio
