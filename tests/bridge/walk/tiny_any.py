@@ -11,6 +11,10 @@ of :func:`moe.tiny_moe._small_value` and :mod:`tiny_vlm`, plus the few spellings
 partial rotary ``rotary_dim``...); ``OVERRIDES`` has the per-type fixes. :func:`build` refuses a config whose model
 would have more than ``MAX_PARAMS`` parameters (counted on the meta device) before allocating anything, then builds
 an ``eval()`` model with deterministic finite random weights.
+
+``SEQ2SEQ``: the same for ``MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES`` and ``MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES``
+(encoder-decoder text and speech models, and the decoders with an audio tower registered there); :func:`inputs` gives
+each its own inputs (``decoder_input_ids``, audio features of the shape its encoder expects).
 """
 
 from __future__ import annotations
@@ -23,6 +27,8 @@ import transformers
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES as CAUSAL
 from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES as VLM
+from transformers.models.auto.modeling_auto import MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES as S2S
+from transformers.models.auto.modeling_auto import MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES as SPEECH
 
 from moe.tiny_moe import _OVERRIDES as MOE_OVERRIDES
 from moe.tiny_moe import _reinit, _small_value
@@ -37,7 +43,7 @@ class Entry(NamedTuple):
 
     model_type: str
     class_name: str
-    mapping: str  # "causal" or "vlm"
+    mapping: str  # "causal", "vlm", "seq2seq" or "speech"
 
 
 def _entries() -> dict[str, Entry]:
@@ -52,9 +58,28 @@ def _entries() -> dict[str, Entry]:
 
 ENTRIES = _entries()
 
+
+def _seq2seq() -> dict[str, Entry]:
+    """The seq2seq and speech-seq2seq classes: an entry id already in :data:`ENTRIES` gets ``-s2s`` (or
+    ``-speech``); a type in both mappings with one class is one entry."""
+    out = {}
+    for mt in sorted(set(S2S) | set(SPEECH)):
+        for mapping, names, tail in (("seq2seq", S2S, "-s2s"), ("speech", SPEECH, "-speech")):
+            cls = names.get(mt)
+            if cls is None or (mapping == "speech" and S2S.get(mt) == cls):
+                continue
+            taken = mt in ENTRIES or mt in out
+            out[f"{mt}{tail}" if taken else mt] = Entry(mt, cls, mapping)
+    return out
+
+
+#: every encoder-decoder (text and speech) class transformers registers, by entry id
+SEQ2SEQ = _seq2seq()
+
 #: per-type fixes where shrinking by name is not enough: fields given to the config (top level, or
 #: ``{"text_config": {...}}`` merged into a sub-config), on top of :data:`moe.tiny_moe._OVERRIDES`
 _MROPE = {"text_config": {"rope_parameters": {"mrope_section": [2, 3, 3]}}}  # the modeling default: a big head's
+_CODEC = {"num_filters": 4, "depths": [1] * 7}  # VibeVoice's audio tokenizers: channels double at each of 7 stages
 _BY_LAYER = {"rope_type": "default", "rope_theta": 10000.0}
 
 #: per-type fixes where shrinking by name is not enough: fields given to the config (sub-config dicts merged), on
@@ -100,6 +125,17 @@ OVERRIDES: dict[str, dict] = {
                         "text_config": {"mamba_num_heads": 8, "ssm_state_size": 16, "n_groups": 1}},
     "molmo2": {"adapter_config": {"vision_feature_layer": [1, 0]}},
     "muse_spark": {"audio_config": {"num_hidden_layers": 4, "hidden_sizes": [16, 16, 32, 32]}},  # 4 audio stages
+    # seq2seq and speech (SEQ2SEQ)
+    "whisper": {"max_source_positions": 32},  # 64 input frames, not 3000
+    "dia": {"delay_pattern": [0, 8], "decoder_config": {"num_channels": 2, "cross_hidden_size": 64}},
+    "fun_asr_nano": {"adaptor_config": {"intermediate_size": 16}},  # text hidden // 4
+    "nemo_speechlm": {"head_config": {"audio_hidden_size": 64}},
+    "moonshine_streaming": {"num_key_value_heads": 4},
+    **{t: {"encoder_config": {"hidden_dim": 64, "num_layers": 2, "dim_head": 16}} for t in ("granite_speech",
+                                                                                          "granite_speech_plus")},
+    **{t: {f"{k}_tokenizer_encoder_config": _CODEC for k in ("acoustic", "semantic")} for t in ("vibevoice_asr",)},
+    "vibevoice": {"audio_config": _CODEC, "semantic_model_config": _CODEC,
+                  "diffusion_head_config": {"hidden_size": 64, "intermediate_size": 32}},
     "apertus1p5": {"image_token_id": 10, "audio_token_id": 11, "image_token_offset": 100, "audio_token_offset": 164,
                    "audio_config": {"codebook_dim": 64, "decoder_num_layers": 2, "decoder_hidden_size": 64,
                                     "codebook_size": 64, "decoder_attention_num_groups": 4},
@@ -255,3 +291,46 @@ def tokens(model, batch: int = 1, length: int = 16, seed: int = 1) -> torch.Tens
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     vocab = getattr(config, "vocab_size", None) or 256
     return torch.randint(0, min(vocab, 200), (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def _frames(n: int, width_of):
+    return lambda c: (n, width_of(c))
+
+
+#: the encoder's audio input of a speech class: ``class name: (argument, its shape without the batch from config)``
+_AUDIO = {
+    "WhisperForConditionalGeneration": ("input_features", lambda c: (c.num_mel_bins, 2 * c.max_source_positions)),
+    "Speech2TextForConditionalGeneration": ("input_features", _frames(32, lambda c: c.input_feat_per_channel
+                                                                      * c.input_channels)),
+    "SeamlessM4TForSpeechToText": ("input_features", _frames(32, lambda c: c.feature_projection_input_dim)),
+    "SeamlessM4Tv2ForSpeechToText": ("input_features", _frames(32, lambda c: c.feature_projection_input_dim)),
+    "CanaryForConditionalGeneration": ("input_features", _frames(64, lambda c: c.encoder_config.num_mel_bins)),
+    "CohereAsrForConditionalGeneration": ("input_features", _frames(64, lambda c: c.encoder_config.num_mel_bins)),
+    "Pop2PianoForConditionalGeneration": ("input_features", _frames(16, lambda c: c.d_model)),  # encoder embeddings
+    "MoonshineForConditionalGeneration": ("input_values", lambda c: (4000,)),  # raw audio samples
+    "SpeechT5ForSpeechToText": ("input_values", lambda c: (4000,)),
+    "SpeechEncoderDecoderModel": ("input_values", lambda c: (4000,)),
+    "MoonshineStreamingForConditionalGeneration": ("input_values", lambda c: (4000,)),
+    # no cross-attention: the audio is added to the token embeddings, 8 frames per token
+    "VoxtralRealtimeForConditionalGeneration": ("input_features", lambda c: (c.audio_config.num_mel_bins, 8 * 16)),
+}
+
+
+def inputs(model, batch: int = 1, seed: int = 1) -> dict:
+    """The model's inputs as keyword arguments: an encoder-decoder model gets its encoder's input (token ids, or
+    audio: input features of the shape its encoder expects, raw samples) and ``decoder_input_ids`` (16 tokens: a
+    batch of 2 is 32 rows, where the CPU int4 kernels compute in float32 as the walk over causal LMs has them); a
+    decoder with an audio tower (no cross-attention) gets token ids only."""
+    ids, audio = tokens(model, batch, 16, seed), _AUDIO.get(type(model).__name__)
+    if not getattr(model.config, "is_encoder_decoder", False):
+        out = {"input_ids": ids}
+    elif type(model).__name__ == "DiaForConditionalGeneration":  # text in, audio codes out: one id per channel
+        out = {"input_ids": ids, "decoder_input_ids": tokens(model, batch, 16 * model.config.decoder_config.num_channels,
+                                                            seed + 100).view(batch, 16, -1)}
+    else:
+        out = {"decoder_input_ids": tokens(model, batch, 16, seed + 100)}
+        out.update({} if audio else {"input_ids": ids})
+    if audio is not None:
+        name, shape = audio
+        out[name] = torch.randn((batch, *shape(model.config)), generator=torch.Generator().manual_seed(seed))
+    return out
