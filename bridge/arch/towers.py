@@ -13,7 +13,8 @@ in a model whose config has a sub-config besides its text one (``vision_config``
   embedding, Evolla's protein encoder, GIT's image encoder), its children that hold a matrix and are not on its
   text path: not its blocks (its shallowest module list), not its input or output embeddings (nor hold them).
 
-An encoder-decoder model's encoder (``get_encoder()``) is no tower: it is quantized.
+An encoder-decoder model's encoder (``get_encoder()``) is no tower: it is quantized (a decoder's audio encoder, which
+``get_encoder()`` may also return, is one).
 """
 
 from __future__ import annotations
@@ -22,13 +23,19 @@ from torch import nn
 
 from .embeddings import input_embeddings, output_embeddings
 
-__all__ = ["towers"]
+__all__ = ["towers", "encoder_decoder"]
 
 def _subconfigs(config) -> list:
     """The config's sub-configs besides its text one (an attribute holding a config object)."""
     text = config.get_text_config() if callable(getattr(config, "get_text_config", None)) else config
     return [v for k, v in vars(config).items() if hasattr(v, "to_dict") and hasattr(v, "model_type") and v is not text
             and not k.startswith("_")]
+
+
+def encoder_decoder(config) -> bool:
+    """Whether the config (or its text part: Florence-2's BART) is an encoder-decoder model's."""
+    text = config.get_text_config() if callable(getattr(config, "get_text_config", None)) else config
+    return bool(getattr(config, "is_encoder_decoder", False) or getattr(text, "is_encoder_decoder", False))
 
 
 def _path_of(model: nn.Module, module) -> str | None:
@@ -67,8 +74,8 @@ def towers(model: nn.Module) -> tuple[str, ...]:
     path = _path_of(model, decoder)
     if not path:
         return ()
-    text = {id(m) for m in (input_embeddings(model), output_embeddings(model), _ask(model, "get_encoder"))
-            if isinstance(m, nn.Module)}
+    encoder = _ask(model, "get_encoder") if encoder_decoder(config) else None  # else: an audio encoder, a tower
+    text = {id(m) for m in (input_embeddings(model), output_embeddings(model), encoder) if isinstance(m, nn.Module)}
     chain = {""} | {path[:i] for i, c in enumerate(path) if c == "."} | {path}
     out = []
     for parent in sorted(chain - {path}, key=len):

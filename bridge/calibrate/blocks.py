@@ -20,13 +20,13 @@ from torch import nn
 
 import qtransform as qt
 
-from ..arch.towers import towers
+from ..arch.towers import encoder_decoder, towers
 from ..distributed import share
 from .experts import expert_sites
 from .own_inputs import capture_blocks, capture_inputs, hidden_of, hidden_slot, without_cache
 from .sites import first_tensor, fold_sites
 
-__all__ = ["find_blocks", "capture_inputs", "capture_blocks", "spread", "my_share", "chosen", "blockwise", "fit_block_on",
+__all__ = ["find_blocks", "find_stacks", "capture_inputs", "capture_blocks", "spread", "my_share", "chosen", "blockwise", "fit_block_on",
            "batch_tokens", "hidden_slot", "hidden_of", "with_hidden", "without_cache"]
 
 
@@ -48,18 +48,49 @@ def find_blocks(model: nn.Module, blocks: str | None = None) -> tuple[str, ...]:
                              f"its module lists: {lists[:8]}")
         best = (blocks, found)
     else:
-        best, size, parts = None, -1, towers(model)  # a multimodal model's blocks are its language model's
-        for name, m in model.named_modules():
-            if (isinstance(m, nn.ModuleList) and len(m) and not any(name == t or name.startswith(t + ".") for t in parts)
-                    and not all(_leaf(b) for b in m)):
-                n = sum(p.numel() for p in m.parameters())
-                if n > size:
-                    best, size = (name, m), n
+        best = _largest_list(model)
     if best is None:
         raise ValueError(f"block-by-block calibration: {type(model).__name__} has no repeated blocks (an "
                          "nn.ModuleList, such as a decoder's layers)")
     name, found = best
     return tuple(f"{name}.{i}" if name else str(i) for i in range(len(found)))
+
+
+def _lists(model: nn.Module, under: str = "", outside: str | None = None) -> list:
+    """``[(path, list, parameters)]`` of the non-empty module lists below ``under`` (not below ``outside``),
+    outside the towers, not of bare torch layers: the candidates for blocks."""
+    skip = towers(model) + ((outside,) if outside else ())  # a multimodal model's blocks are its language model's
+    return [(n, m, sum(p.numel() for p in m.parameters())) for n, m in model.named_modules()
+            if isinstance(m, nn.ModuleList) and len(m) and (not under or n.startswith(under + "."))
+            and not any(n == t or n.startswith(t + ".") for t in skip) and not all(_leaf(b) for b in m)]
+
+
+def _largest_list(model: nn.Module):
+    """``(path, list)`` of the candidate holding the most parameters (the first of equals); ``None`` if none."""
+    found = _lists(model)
+    return max(found, key=lambda t: t[2])[:2] if found else None
+
+
+def find_stacks(model: nn.Module, blocks: str | None = None) -> tuple[tuple[str, ...], ...]:
+    """The model's stacks of blocks in the order its forward runs them: an encoder-decoder model's two, the
+    encoder's blocks (below ``get_encoder()``) then the decoder's (below ``get_decoder()``, outside the encoder:
+    the decoder's cross-attention reads the encoder's output); any other model's one (:func:`find_blocks`)."""
+    config = getattr(model, "config", None)
+    if blocks is not None or config is None or not encoder_decoder(config):
+        return (find_blocks(model, blocks),)
+    paths = {id(m): n for n, m in model.named_modules()}
+    try:
+        enc, dec = (paths.get(id(getattr(model, k)())) for k in ("get_encoder", "get_decoder"))
+    except (AttributeError, NotImplementedError, TypeError):
+        enc = dec = None
+    if not enc or dec is None or enc == dec or dec.startswith(enc + "."):  # the encoder may lie inside the decoder
+        return (find_blocks(model),)
+    found = (_lists(model, enc), _lists(model, dec, outside=enc))
+    if not all(found):
+        return (find_blocks(model),)
+    # each stack's own layers: its shallowest list (a speech prenet's convolutions or a vision tower lie deeper)
+    picked = [min(f, key=lambda t: (t[0].count("."), -t[2]))[:2] for f in found]
+    return tuple(tuple(f"{n}.{i}" for i in range(len(m))) for n, m in picked)
 
 
 def _leaf(module: nn.Module) -> bool:
@@ -187,25 +218,34 @@ def blockwise(model: nn.Module, params: Mapping, plan: qt.Plan, batches, fit_blo
     ``float_inputs``: also carry the float model's block inputs from block to block (:attr:`qtransform.Block.float_inputs`;
     the first block's are its quantized-chain inputs: nothing before it is quantized).
     """
-    names = find_blocks(model, blocks)
     current = dict(params)
     prior = dict(qparams or {})
-    own = capture_blocks(model, current, names, batches, real=True)  # each block's own inputs, batch by batch
-    picks = chosen([(a, k) for (_, a, k), *_ in own], tokens, parallel)
-    inputs = [own[j][0][1:] for j in picks]
-    floats = list(inputs) if float_inputs else None
     total = qt.Fit()
-    order = progress(names, desc="blocks", total=len(names)) if progress is not None else names
-    for i, name in enumerate(order):
-        following = [own[j][i + 1] for j in picks] if i + 1 < len(names) else None
-        fit, inputs, floats = fit_block_on(model, name, current, inputs, plan, fit_block, prior, total.qparams,
-                                           parallel=parallel, all_experts=all_experts, float_inputs=floats,
-                                           following=following)
-        current.update(fit.params)
-        total = total.then(fit)
-        for p in fit.params:  # what was fitted before described the old tensor
-            prior.pop(p, None)
+    stacks = find_stacks(model, blocks)
+    every = [n for names in stacks for n in names]
+    order = iter(progress(every, desc="blocks", total=len(every)) if progress is not None else every)
+    for names in stacks:  # an encoder-decoder's encoder first: the decoder's inputs come from the quantized encoder
+        own = capture_blocks(model, current, names, batches, real=True)  # each block's own inputs, batch by batch
+        picks = chosen([(a, k) for (_, a, k), *_ in own], tokens, parallel)
+        inputs = [own[j][0][1:] for j in picks]
+        floats = ([own[j][0][1:] for j in picks] if names is stacks[0] else
+                  [x[0][1:] for x in _at(capture_blocks(model, params, names[:1], batches, real=True), picks)]
+                  ) if float_inputs else None
+        for i, name in enumerate(names):
+            next(order)
+            following = [own[j][i + 1] for j in picks] if i + 1 < len(names) else None
+            fit, inputs, floats = fit_block_on(model, name, current, inputs, plan, fit_block, prior, total.qparams,
+                                               parallel=parallel, all_experts=all_experts, float_inputs=floats,
+                                               following=following)
+            current.update(fit.params)
+            total = total.then(fit)
+            for p in fit.params:  # what was fitted before described the old tensor
+                prior.pop(p, None)
     return total
+
+
+def _at(items: list, picks: list) -> list:
+    return [items[j] for j in picks]
 
 
 def chosen(inputs: list, tokens: int | None, parallel: qt.Parallel) -> list[int]:

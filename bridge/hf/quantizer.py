@@ -28,6 +28,7 @@ from transformers.quantizers.quantizers_utils import should_convert_module
 
 import qtransform as qt
 
+from ..arch.embeddings import output_embeddings
 from ..checkpoint import metadata
 from ..checkpoint.layout import NATIVE, abstract_qtensor, check_like
 from ..checkpoint.metadata import CheckpointError, Entry
@@ -45,13 +46,26 @@ from .dequantize import dequantize_model
 __all__ = ["QTransformHfQuantizer", "attach_config", "register"]
 
 
-def _untie(model: nn.Module, paths) -> None:
-    """Drop transformers' weight-tying entries that involve a quantized weight."""
+def _untie(model: nn.Module, paths) -> list:
+    """Drop transformers' weight-tying entries that involve a quantized weight; returns the dropped pairs."""
     tied = getattr(model, "all_tied_weights_keys", None)
+    dropped = []
     if tied:
         for k, v in list(tied.items()):
             if k in paths or v in paths:
-                tied.pop(k)
+                dropped.append((k, tied.pop(k)))
+    return dropped
+
+
+def _untie_head(model: nn.Module, paths) -> None:
+    """:func:`_untie`; where a dropped tie is the output head's (Whisper's ``proj_out`` quantized, its embedding
+    kept), the config says so (``tie_word_embeddings`` False), so that a reload does not tie them again."""
+    head = output_embeddings(model)
+    name = next((n for n, m in model.named_modules() if m is head), None) if head is not None else None
+    dropped = _untie(model, paths)
+    if name is not None and any(f"{name}.weight" in pair for pair in dropped):
+        if getattr(model.config, "tie_word_embeddings", False):
+            model.config.tie_word_embeddings = False
 
 
 def _in_place(converter) -> bool:
@@ -229,7 +243,7 @@ def attach_config(model: nn.Module, quantized: dict, plan: qt.Plan | None = None
     model.hf_quantizer = QTransformHfQuantizer(cfg, pre_quantized=True)
     model.is_quantized = True
     model.quantization_method = metadata.QUANT_METHOD
-    _untie(model, set(quantized))
+    _untie_head(model, set(quantized))
 
 
 def register() -> None:

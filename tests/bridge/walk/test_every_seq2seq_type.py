@@ -58,13 +58,6 @@ UNBUILDABLE: dict[str, str] = {
     "nemo_speechlm": "`head_config.audio_hidden_size` (512) must match `audio_config.hidden_size` (64)",
 }
 
-_ONE_STACK = ("bridge.calibrate.blocks.find_blocks takes the one nn.ModuleList with the most parameters as the blocks "
-              "(here the other stack's layers), so GPTQ fits one stack and the other stack's linears are rounded to "
-              "nearest (the report's 'no calibrated step fitted'); an encoder-decoder model needs both stacks' layers "
-              "as blocks, the encoder's first (the decoder's cross-attention reads the encoder's output)")
-_TOWERS = ("bridge.arch.towers finds no tower: its _SUBCONFIGS lists vision_config, audio_config, speech_config, "
-           "vision_tower_config, and this model's audio encoder is configured by {}, so the audio encoder is "
-           "quantized as if it were the language model (other audio decoders keep their tower in float)")
 _CAUSAL_CLASS = ("bridge.stream.skeleton.class_for: the model type is in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, so a "
                  "checkpoint whose architectures name the seq2seq class ({}) loads as AutoModelForCausalLM (the "
                  "decoder alone); {}. It should refuse by name an is_encoder_decoder config whose architectures "
@@ -74,29 +67,8 @@ _MISREAD = "the command then refuses for a tensor, not for the model: 'model.dec
 _CARRIED = ("the command writes the decoder quantized and the encoder carried as stored in float, unlike "
             "bridge.quantize (both stacks); documented for Whisper in docs/architectures.md and "
             "tests/bridge/vlm/test_seq2seq.py, yet neither the Python bytes nor a refusal")
-_UNTIED = ("the output head {}, tied to the decoder's embed_tokens, is a Linear that the recipe's exclude "
-           "'lm_head*' misses (another name, or not at the start of the path): bridge.quantize quantizes it and so "
-           "unties it, yet bridge.save writes config.json with tie_word_embeddings still true; the reload's logits "
-           "match, the saved config does not say untied (bridge.checkpoint should write it false)")
 #: failures found by the walk, not fixed here: {(entry id, check): the cause}; strict, so that a fix is noticed
 KNOWN: dict[tuple[str, str], str] = {
-    **{(e, "fitted"): _ONE_STACK for e in (
-        "bart-s2s", "bigbird_pegasus-s2s", "blenderbot-s2s", "blenderbot-small-s2s", "canary", "cohere_asr", "dia",
-        "encoder-decoder", "fsmt", "led", "longt5", "m2m_100", "marian-s2s", "mbart-s2s", "moonshine",
-        "moonshine_streaming", "mt5", "mvp-s2s", "nllb-moe", "pegasus-s2s", "pegasus_x", "plbart-s2s", "pop2piano",
-        "prophetnet-s2s", "seamless_m4t", "seamless_m4t-speech", "seamless_m4t_v2", "seamless_m4t_v2-speech",
-        "speech-encoder-decoder", "speecht5", "switch_transformers", "t5", "t5gemma", "umt5", "whisper-speech")},
-    **{(e, c): "bridge.calibrate.blocks.find_blocks takes model.encoder.conv.conv_layers (the convolution "
-               "subsampler: more parameters than the transformer layers) as the blocks, and fit_block_on feeds "
-               "conv_layers.0's output to conv_layers.1 without the GLU that Conv1dSubsampler.forward applies "
-               "between them: RuntimeError 'expected input[1, 1024, 16] to have 512 channels' (a crash, no "
-               "ValueError)" for e, c in (("speech_to_text", "calibrated"), ("speech_to_text", "fitted"))},
-    ("granite_speech", "stacks"): _TOWERS.format("encoder_config (GraniteSpeechEncoderConfig)"),
-    ("granite_speech_plus", "stacks"): _TOWERS.format("encoder_config"),
-    ("vibevoice_asr", "stacks"): _TOWERS.format("acoustic_/semantic_tokenizer_encoder_config"),
-    **{(e, "reload"): _UNTIED.format(h) for e, h in (("whisper-speech", "proj_out"), ("canary", "proj_out"),
-                                                     ("moonshine", "proj_out"),
-                                                     ("speecht5", "text_decoder_postnet.lm_head"))},
     **{(e, "command"): _CAUSAL_CLASS.format(c, _MISREAD) for e, c in (
         ("bart-s2s", "BartForConditionalGeneration"), ("bigbird_pegasus-s2s", "BigBirdPegasusForConditionalGeneration"),
         ("blenderbot-s2s", "BlenderbotForConditionalGeneration"),
