@@ -222,6 +222,8 @@ def blockwise(model: nn.Module, params: Mapping, plan: qt.Plan, batches, fit_blo
     prior = dict(qparams or {})
     total = qt.Fit()
     stacks = find_stacks(model, blocks)
+    if len(stacks) > 1:  # each stack captures its own inputs: the batches are read once per stack
+        batches = list(batches)
     every = [n for names in stacks for n in names]
     order = iter(progress(every, desc="blocks", total=len(every)) if progress is not None else every)
     for names in stacks:  # an encoder-decoder's encoder first: the decoder's inputs come from the quantized encoder

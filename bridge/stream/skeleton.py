@@ -19,6 +19,7 @@ from torch import nn
 
 import qtransform as qt
 
+from ..arch.towers import encoder_decoder
 from ..checkpoint import LAYOUTS
 from ..checkpoint.layout import abstract_qtensor
 from ..io import cast_leaf
@@ -52,7 +53,8 @@ def class_for(config):
     ``architectures`` names when transformers has it as a causal LM or an image-text-to-text model (a
     vision-language checkpoint keeps its vision tower and its own config type; Qwen3.5's text-only causal-LM class
     would drop both), else ``AutoModelForCausalLM``; ``ValueError`` naming the model where transformers has no
-    causal-LM class for its type (T5 and other encoder-decoder models)."""
+    causal-LM class for its type, or the config is an encoder-decoder model's (T5; Whisper and BART, whose causal-LM
+    class is the decoder alone)."""
     import transformers
     from transformers.models.auto.modeling_auto import (MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
                                                         MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES)
@@ -63,12 +65,14 @@ def class_for(config):
         if isinstance(cls, type) and issubclass(cls, transformers.PreTrainedModel):
             return cls
     kind = getattr(config, "model_type", None)
-    if kind not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+    pair = encoder_decoder(config)  # Whisper, BART: their causal-LM class is the decoder alone
+    if kind not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES or pair:
         names = ", ".join(getattr(config, "architectures", None) or ()) or type(config).__name__
-        what = "an encoder-decoder model" if getattr(config, "is_encoder_decoder", False) else "not a causal LM"
-        raise ValueError(f"{names} (model type {kind!r}) is {what}: transformers has no causal-LM or vision-language "
-                         "class for it, and the command quantizes those; quantize it from Python "
-                         "(bridge.quantize(model, recipe), calibration batches as dicts of its inputs)")
+        what = ("an encoder-decoder model: its causal-LM class, if any, is its decoder alone" if pair else
+                "not a causal LM: transformers has no causal-LM or vision-language class for it")
+        raise ValueError(f"{names} (model type {kind!r}) is {what}; the command quantizes causal LMs and "
+                         "vision-language models: quantize it from Python (bridge.quantize(model, recipe) quantizes "
+                         "and calibrates both stacks, calibration batches as dicts of its inputs; bridge.save)")
     return transformers.AutoModelForCausalLM
 
 

@@ -58,25 +58,8 @@ UNBUILDABLE: dict[str, str] = {
     "nemo_speechlm": "`head_config.audio_hidden_size` (512) must match `audio_config.hidden_size` (64)",
 }
 
-_CAUSAL_CLASS = ("bridge.stream.skeleton.class_for: the model type is in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, so a "
-                 "checkpoint whose architectures name the seq2seq class ({}) loads as AutoModelForCausalLM (the "
-                 "decoder alone); {}. It should refuse by name an is_encoder_decoder config whose architectures "
-                 "are not a causal-LM class, as it does for T5")
-_MISREAD = "the command then refuses for a tensor, not for the model: 'model.decoder.embed_tokens.weight ... which no "\
-           "shard holds' (the seq2seq checkpoint stores it as model.shared.weight)"
-_CARRIED = ("the command writes the decoder quantized and the encoder carried as stored in float, unlike "
-            "bridge.quantize (both stacks); documented for Whisper in docs/architectures.md and "
-            "tests/bridge/vlm/test_seq2seq.py, yet neither the Python bytes nor a refusal")
 #: failures found by the walk, not fixed here: {(entry id, check): the cause}; strict, so that a fix is noticed
 KNOWN: dict[tuple[str, str], str] = {
-    **{(e, "command"): _CAUSAL_CLASS.format(c, _MISREAD) for e, c in (
-        ("bart-s2s", "BartForConditionalGeneration"), ("bigbird_pegasus-s2s", "BigBirdPegasusForConditionalGeneration"),
-        ("blenderbot-s2s", "BlenderbotForConditionalGeneration"),
-        ("blenderbot-small-s2s", "BlenderbotSmallForConditionalGeneration"), ("marian-s2s", "MarianMTModel"),
-        ("mbart-s2s", "MBartForConditionalGeneration"), ("mvp-s2s", "MvpForConditionalGeneration"),
-        ("pegasus-s2s", "PegasusForConditionalGeneration"), ("plbart-s2s", "PLBartForConditionalGeneration"))},
-    ("prophetnet-s2s", "command"): _CAUSAL_CLASS.format("ProphetNetForConditionalGeneration", _CARRIED),
-    ("whisper-speech", "command"): _CAUSAL_CLASS.format("WhisperForConditionalGeneration", _CARRIED),
 }
 
 WALKED = [e for e in SEQ2SEQ if e not in UNBUILDABLE]
