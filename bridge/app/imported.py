@@ -32,7 +32,9 @@ def load_imported(path, *, dtype: torch.dtype = torch.float32, kernel: str = "au
         raise ValueError(f"load_imported: {path} is not a checkpoint of a format qtransform imports "
                          f"({', '.join(sorted(interop.IMPORTERS))})")
     source = interop.IMPORTERS[fmt].read(path)
-    if dequantize:
-        return float_model(source, dtype)
+    if dequantize:  # the source of a new recipe: the export's carried tensors go into its output as stored
+        model = float_model(source, dtype)
+        model._qt_carried = dict(source.carried)
+        return model
     model = transformers_model(source.config, paths=model_paths(source), device="cpu", dtype=dtype)
     return from_source(model, source, kernel=kernel)

@@ -126,14 +126,18 @@ def _prepare(a, recipe, label, source, out):
 
 def _inventory(source, model):
     """The input checkpoint's tensors, each loaded into the model or carried as stored
-    (:func:`bridge.stream.inventory.take`); ``None`` for a GGUF file or another tool's checkpoint (read whole by
-    their importers)."""
+    (:func:`bridge.stream.inventory.take`); for another tool's checkpoint the carried tensors its importer read
+    (:class:`bridge.stream.inventory.Carried`: our compressed-tensors or Quark export of a checkpoint with MTP
+    layers); ``None`` for a GGUF file or a checkpoint without them (read whole by their importers)."""
     from ..checkpoint.config_file import read_config
     from ..checkpoint.store import INDEX, SINGLE
-    from ..stream.inventory import take
+    from ..stream.inventory import Carried, take
 
     d = source.directory
-    if source.gguf_file is not None or source.imported is not None or not ((d / INDEX).is_file() or (d / SINGLE).is_file()):
+    if source.gguf_file is None and source.imported is not None:
+        carried = getattr(model, "_qt_carried", None)
+        return Carried(carried) if carried else None
+    if source.gguf_file is not None or not ((d / INDEX).is_file() or (d / SINGLE).is_file()):
         return None
     if "quantization_config" in read_config(d / "config.json"):  # a quantized checkpoint: its loader checks it
         return None

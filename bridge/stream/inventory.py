@@ -24,7 +24,7 @@ from ..checkpoint.config_file import read_config
 from ..checkpoint.store import read_index
 from .source import Built, Source
 
-__all__ = ["Inventory", "take"]
+__all__ = ["Inventory", "Carried", "take"]
 
 
 class Inventory(NamedTuple):
@@ -64,6 +64,29 @@ class Inventory(NamedTuple):
             more = f" (and {len(missing) - 8} more)" if len(missing) > 8 else ""
             raise CheckpointError(f"{directory}: the output lacks {len(missing)} tensor(s) of the input "
                                   f"{self.source.root}: {', '.join(missing[:8])}{more}; refusing to publish it")
+
+
+class Carried(NamedTuple):
+    """The carried tensors of another tool's checkpoint made by our export (its importer's
+    :attr:`~bridge.interop.Checkpoint.carried`: ``{name: tensor}`` as stored), written as they are by a new recipe's
+    output: the inventory of those (the importer refused whatever else it could not map)."""
+
+    tensors: dict
+
+    @property
+    def carried(self) -> tuple:
+        return tuple(self.tensors)
+
+    def read(self, name: str):
+        return self.tensors[name]
+
+    def check(self, directory) -> None:
+        """The checkpoint in ``directory`` holds every carried tensor, or CheckpointError names the missing ones."""
+        names = set(written_names(Path(directory)))
+        missing = [n for n in self.tensors if n not in names]
+        if missing:
+            raise CheckpointError(f"{directory}: the output lacks {len(missing)} carried tensor(s) of the input: "
+                                  f"{', '.join(missing[:8])}; refusing to publish it")
 
 
 def take(source, model) -> Inventory:

@@ -93,6 +93,19 @@ def test_the_export_holds_the_carried_tensors_as_stored_and_lists_them_float(mad
 
 
 @pytest.mark.parametrize("to", sorted(KEEP))
+def test_a_new_recipe_on_the_export_keeps_the_carried_tensors(made, to, tmp_path):
+    """Re-quantizing an export (its values dequantized, a new recipe) writes its carried tensors as stored."""
+    _, d, names = made
+    want = load_file(d / "src" / "model.safetensors")
+    res = main_cli("quantize", "--model", d / to, "--recipe", "int8-channel", "--out", tmp_path / "again", "--no-eval")
+    assert res.returncode == 0, res.stderr
+    got = _stored(tmp_path / "again")
+    for name in names:
+        assert got[name].dtype == want[name].dtype and torch.equal(got[name], want[name]), name
+    assert json.loads((tmp_path / "again" / "config.json").read_text())["quantization_config"]["carried"] == names
+
+
+@pytest.mark.parametrize("to", sorted(KEEP))
 def test_our_importer_reads_the_export_back_to_the_checkpoints_logits(made, to):
     _, d, names = made
     want = load_file(d / "src" / "model.safetensors")
