@@ -117,11 +117,21 @@ def _prepare(a, recipe, label, source, out):
     inputs.check_vocab(model, calibration, "calibration text")
     plan = _plan(model, recipe, label, bool(a.calib))
     inventory = _inventory(source, model)
+    _check_rules(plan.recipe, inventory.carried if inventory else ())
     export.check_plan(a, plan, out, inventory.carried if inventory else ())
     dtypes = placement.stored_dtypes(a, source, model)  # of the float model: its tied tensors still tied
     # as the input stores them, the report's "before" (the same map unless --dtype changes what is written)
     stored = dtypes if a.dtype == "auto" else placement.stored_dtypes(a, source, model, dtype="auto")
     return model, tokenizer, device, eval_seqs, calibration, plan, dtypes, stored, inventory, notes
+
+
+def _check_rules(recipe, carried) -> None:
+    from ..stream.inventory import check_rules
+
+    try:
+        check_rules(recipe, carried)
+    except ValueError as e:
+        raise inputs.UserError(str(e)) from None
 
 
 def _inventory(source, model):

@@ -22,7 +22,7 @@ from .. import pipeline
 from ..calibrate.blocks import find_blocks, find_stacks
 from ..step_outputs import SLOTS
 from . import skeleton as skel
-from .inventory import Inventory, take
+from .inventory import Inventory, check_rules, take
 from .source import Source
 
 __all__ = ["CannotStream", "Accepted", "accepted_run"]
@@ -67,6 +67,7 @@ def accepted_run(source, recipe, *, calibrated: bool, model_class=None) -> Accep
     src.check_against(shapes, tied)
     inventory = take(src, model)
     p = plan_streamed(model, recipe, calibrated=calibrated)
+    check_rules(p.recipe, inventory.carried)
     tensor_run = qt.pipeline.tensor_by_tensor(p) and not calibrated
     if not tensor_run:
         stacks = find_stacks(model)

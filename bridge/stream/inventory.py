@@ -24,7 +24,7 @@ from ..checkpoint.config_file import read_config
 from ..checkpoint.store import read_index
 from .source import Built, Source
 
-__all__ = ["Inventory", "Carried", "take"]
+__all__ = ["Inventory", "Carried", "take", "check_rules"]
 
 
 class Inventory(NamedTuple):
@@ -87,6 +87,18 @@ class Carried(NamedTuple):
         if missing:
             raise CheckpointError(f"{directory}: the output lacks {len(missing)} carried tensor(s) of the input: "
                                   f"{', '.join(missing[:8])}; refusing to publish it")
+
+
+def check_rules(recipe, carried) -> None:
+    """A glob rule of ``recipe`` (``rules``) that selects a carried tensor is a ``ValueError`` naming both: the
+    carried tensors are written as stored (no module of the model holds them to be quantized), never ignored
+    silently by a rule that names them."""
+    for name in carried:
+        m = recipe.resolve(name)
+        if m.spec is not None and m.rule.startswith("rules["):
+            raise ValueError(f"{name}: recipe {m.rule} selects a tensor the model class does not load (carried: "
+                             "written as stored, as transformers would ignore it); qtransform keeps carried tensors "
+                             "as stored: narrow the rule or exclude it (exclude=[...])")
 
 
 def take(source, model) -> Inventory:

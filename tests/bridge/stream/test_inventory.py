@@ -129,3 +129,20 @@ def test_an_export_that_cannot_carry_them_is_refused_before_anything_is_written(
     assert res.returncode != 0 and "--to gguf cannot hold the 2 tensor(s) of the input" in res.stderr, res.stderr
     assert "model.layers.2.eh_proj.weight" in res.stderr
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("driver", ["--in-memory", "--stream"])
+def test_a_rule_selecting_a_carried_tensor_is_refused_by_name(driver, tmp_path):
+    """Carried tensors are written as stored: a glob rule naming one (which no module holds) is refused, not ignored."""
+    src = tmp_path / "src"
+    with_mtp("qwen3_next", src, qwen_mtp)
+    recipe = tmp_path / "r.json"
+    int4 = {"format": "int4", "granularity": {"type": "PerGroup", "size": 32}}
+    recipe.write_text(json.dumps({"type_rules": {"Linear": int4}, "rules": {"mtp.*.weight": int4},
+                                  "exclude": ["lm_head*"]}))
+    res = main_cli("quantize", "--model", src, "--recipe", recipe, "--out", tmp_path / "out", "--no-eval", driver)
+    assert res.returncode != 0, res.stderr
+    line = res.stderr.strip().splitlines()[-1]
+    assert "recipe rules[mtp.*.weight] selects a tensor the model class does not load" in line, res.stderr
+    assert any(f"{n}: recipe" in line for n in qwen_mtp(4, 1)), line  # the carried tensor, by name
+    assert not (tmp_path / "out").exists()
