@@ -56,6 +56,24 @@ _MLA = (
     GroupTemplate("self_attn.kv_a_layernorm", ("self_attn.kv_b_proj",), inspect="self_attn"),
 )
 
+#: Hybrid blocks: a block holds one mixer of several kinds (a Mamba/Mamba-2 mixer, a short convolution, attention)
+#: and the norm before it feeds that mixer's input projections: ``present`` picks the group of the kind the block
+#: has. A mixer's own output projection reads a gated, normed state-space or convolution output (not linear in its
+#: input projection's rows): no group; an attention's value -> output holds.
+def _mixer(norm: str, mixer: str, attention: str, qkv=("q_proj", "k_proj", "v_proj"),
+           out: str = "o_proj") -> tuple[GroupTemplate, ...]:
+    q = tuple(f"{attention}.{n}" for n in qkv)
+    return (GroupTemplate(norm, (f"{mixer}.in_proj",), inspect=f"{mixer}.in_proj", local=True,
+                          present=f"{mixer}.in_proj"),
+            GroupTemplate(norm, q, inspect=attention, present=q[0]),
+            GroupTemplate(q[2], (f"{attention}.{out}",), heads=True, present=q[2]))
+
+
+def _gated_mlp(norm: str, mlp: str, gate: str = "gate_proj", up: str = "up_proj", down: str = "down_proj"):
+    return (GroupTemplate(norm, (f"{mlp}.{gate}", f"{mlp}.{up}"), inspect=mlp, local=True, present=f"{mlp}.{up}"),
+            GroupTemplate(f"{mlp}.{up}", (f"{mlp}.{down}",), present=f"{mlp}.{up}"))
+
+
 #: Per-expert checkpoint names: transformers 5.24's conversion mapping (``mixtral``; ``qwen2_moe``, whose layout
 #: the other families share).
 _MIXTRAL_EXPERTS = ExpertNames("w1", "w3", "w2", moe="block_sparse_moe")
@@ -111,6 +129,22 @@ ARCHS: tuple[Arch, ...] = (
         GroupTemplate("post_attention_layernorm", ("mlp.gate_up_proj",), inspect="mlp", local=True),
         GroupTemplate("mlp.gate_up_proj", ("mlp.down_proj",), rows="up"),
     ), norms=("Phi3RMSNorm",), rotatable=True),
+    # Nemotron-H: one mixer per block (Mamba-2, attention, a ReLU^2 MLP: no up -> down through its square)
+    Arch("nemotron_h", ("nemotron_h",), "model.layers", _mixer("norm", "mixer", "mixer") + (
+        GroupTemplate("norm", ("mixer.up_proj",), inspect="mixer.up_proj", local=True, present="mixer.up_proj"),),
+         norms=("NemotronHRMSNorm",)),
+    # Bamba: a Mamba-2 or an attention layer, then a gated MLP
+    Arch("bamba", ("bamba",), "model.layers", _mixer("input_layernorm", "mamba", "self_attn")
+         + _gated_mlp("pre_ff_layernorm", "feed_forward"), norms=("BambaRMSNorm",)),
+    # Falcon-H1: attention and Mamba-2 side by side on one normed input (one group: the norm feeds both; scalar
+    # multipliers commute with a per-channel scale), then a gated MLP
+    Arch("falcon_h1", ("falcon_h1",), "model.layers", (
+        GroupTemplate("input_layernorm", ("mamba.in_proj", "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
+        GroupTemplate("self_attn.v_proj", ("self_attn.o_proj",), heads=True),
+    ) + _gated_mlp("pre_ff_layernorm", "feed_forward"), norms=("FalconH1RMSNorm",)),
+    # LFM2: a short convolution (in_proj -> causal conv -> out_proj) or an attention layer, then a gated MLP
+    Arch("lfm2", ("lfm2",), "model.layers", _mixer("operator_norm", "conv", "self_attn", out="out_proj")
+         + _gated_mlp("ffn_norm", "feed_forward", gate="w1", up="w3", down="w2"), norms=("Lfm2RMSNorm",)),
     # DeepSeek-V2: no smoothing table yet (its norm class is not known to fold); its checkpoints' experts are named
     Arch("deepseek_v2", ("deepseek_v2",), "model.layers", (), expert_count="n_routed_experts",
          checkpoint_experts=_QWEN_EXPERTS),

@@ -69,11 +69,13 @@ def _missing(model: nn.Module, arch: Arch) -> str | None:
     blocks = _module(model, arch.blocks)
     if not isinstance(blocks, nn.ModuleList) or not len(blocks):
         return f"no module list {arch.blocks!r}"
+    applied = 0
     for t in arch.groups:
         first = next((f"{arch.blocks}.{i}" for i in range(len(blocks)) if _applies(model, f"{arch.blocks}.{i}", t)),
                      None)
         if first is None:  # e.g. dense MLP groups of a model whose every block has experts
             continue
+        applied += 1
         for rel in (t.prev, *t.linears):
             if rel in t.stacked:
                 if _stacked(model, f"{first}.{rel}") is None:
@@ -93,6 +95,8 @@ def _missing(model: nn.Module, arch: Arch) -> str | None:
                     f"({sorted(foldable)})")
         if not _is_linear(prev) and getattr(prev, "weight", None) is None:
             return f"{first}.{t.prev} has no weight (elementwise_affine=False) to fold a scale into"
+    if not applied:  # a row whose every group needs a module the blocks lack
+        return f"no block of {arch.blocks!r} has the modules of its groups ({arch.groups[0].present}...)"
     return None
 
 

@@ -9,29 +9,13 @@ import torch
 import bridge
 import qtransform as qt
 from bridge.calibrate import find_blocks
-from moe.tiny_moe import _reinit, tiny_moe_config
+from moe.tiny_moe import tiny_hybrid as tiny
 from transformers import AutoModelForCausalLM
 
 SPEC = qt.QuantSpec(format="int4", granularity=qt.PerGroup(16))
 RECIPE = dict(type_rules={"Linear": SPEC}, exclude=["lm_head*"])
 #: layers of two kinds in two blocks: sliding/full attention, linear attention, Mamba-2, short convolutions
 DIFFERING = ("gemma3_text", "qwen3_next", "lfm2", "bamba", "nemotron_h", "falcon_h1")
-#: a layer of each kind in the two blocks (the defaults' first two layers are of one kind)
-KINDS = {"lfm2": {"layer_types": ["conv", "full_attention"]}, "bamba": {"attn_layer_indices": [1]},
-         "nemotron_h": {"layers_block_type": ["linear_attention", "full_attention"]}}
-
-
-def tiny(model_type: str, attn: str = "eager", seed: int = 0):
-    config = tiny_moe_config(model_type)
-    for key, value in KINDS.get(model_type, {}).items():
-        setattr(config, key, value)
-    config._attn_implementation = attn
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    _reinit(model, seed)
-    return model.eval()
-
-
 @pytest.fixture
 def recorder():
     seen = []

@@ -202,3 +202,23 @@ def build_tiny_moe(model_type: str, seed: int = 0, dtype: torch.dtype = torch.fl
     model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     _reinit(model, seed)
     return model.eval()
+
+
+#: a layer of each kind in the two blocks of a hybrid model (the defaults' first two layers are of one kind)
+HYBRID_KINDS = {"lfm2": {"layer_types": ["conv", "full_attention"]}, "bamba": {"attn_layer_indices": [1]},
+                "nemotron_h": {"layers_block_type": ["linear_attention", "full_attention"]}}
+
+
+def tiny_hybrid(model_type: str, attn: str = "eager", seed: int = 0):
+    """A tiny ``model_type`` causal LM (:func:`tiny_moe_config`) whose two blocks are of two kinds where the
+    family mixes them (:data:`HYBRID_KINDS`), with ``attn`` attention, eval mode."""
+    from transformers import AutoModelForCausalLM
+
+    config = tiny_moe_config(model_type)
+    for key, value in HYBRID_KINDS.get(model_type, {}).items():
+        setattr(config, key, value)
+    config._attn_implementation = attn
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    _reinit(model, seed)
+    return model.eval()
