@@ -88,9 +88,15 @@ def find_stacks(model: nn.Module, blocks: str | None = None) -> tuple[tuple[str,
     found = (_lists(model, enc), _lists(model, dec, outside=enc))
     if not all(found):
         return (find_blocks(model),)
-    # each stack's own layers: its shallowest list (a speech prenet's convolutions or a vision tower lie deeper)
+    # each stack's own layers: its shallowest list of blocks holding linear layers (a speech encoder's convolutional
+    # feature extractor holds none; a prenet's convolutions or a vision tower lie deeper)
+    found = [[t for t in f if all(_has_linear(b) for b in t[1])] or f for f in found]
     picked = [min(f, key=lambda t: (t[0].count("."), -t[2]))[:2] for f in found]
     return tuple(tuple(f"{n}.{i}" for i in range(len(m))) for n, m in picked)
+
+
+def _has_linear(module: nn.Module) -> bool:
+    return any(isinstance(m, nn.Linear) for m in module.modules())
 
 
 def _leaf(module: nn.Module) -> bool:

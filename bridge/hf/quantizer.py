@@ -57,6 +57,19 @@ def _untie(model: nn.Module, paths) -> list:
     return dropped
 
 
+def _tie_aliases(model: nn.Module, cfg) -> None:
+    """The float tensors the checkpoint stores once for several names (``aliases``: ``{alias: stored}``) are tied
+    on load whatever the config's ``tie_word_embeddings`` says: a head untied by quantization writes it false, and
+    transformers would then leave BERT's ``cls.predictions.decoder.bias`` (stored as ``cls.predictions.bias``)
+    unread."""
+    tied = getattr(model, "all_tied_weights_keys", None)
+    if tied is None:
+        return
+    for alias, stored in cfg.aliases.items():
+        if alias not in cfg.entries and stored not in cfg.entries:
+            tied.setdefault(alias, stored)
+
+
 def _untie_head(model: nn.Module, paths) -> None:
     """:func:`_untie`; where a dropped tie is the output head's (Whisper's ``proj_out`` quantized, its embedding
     kept), the config says so (``tie_word_embeddings`` False), so that a reload does not tie them again."""
@@ -150,6 +163,7 @@ class QTransformHfQuantizer(HfQuantizer):
         if not self.pre_quantized:
             _float_slots(model, cfg.entries)
         _untie(model, set(cfg.entries))
+        _tie_aliases(model, cfg)
         if self.pre_quantized:  # the files against the skeleton, before transformers reads any data
             checks.check_checkpoint(model, cfg, kwargs.get("checkpoint_files"), verify=cfg.verify)
 
