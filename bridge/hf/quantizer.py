@@ -28,7 +28,6 @@ from transformers.quantizers.quantizers_utils import should_convert_module
 
 import qtransform as qt
 
-from ..arch.embeddings import output_embeddings
 from ..checkpoint import metadata
 from ..checkpoint.layout import NATIVE, abstract_qtensor, check_like
 from ..checkpoint.metadata import CheckpointError, Entry
@@ -46,39 +45,26 @@ from .dequantize import dequantize_model
 __all__ = ["QTransformHfQuantizer", "attach_config", "register"]
 
 
-def _untie(model: nn.Module, paths) -> list:
-    """Drop transformers' weight-tying entries that involve a quantized weight; returns the dropped pairs."""
+def _untie(model: nn.Module, paths) -> None:
+    """Drop transformers' weight-tying entries that involve a quantized weight."""
     tied = getattr(model, "all_tied_weights_keys", None)
-    dropped = []
     if tied:
         for k, v in list(tied.items()):
             if k in paths or v in paths:
-                dropped.append((k, tied.pop(k)))
-    return dropped
+                tied.pop(k)
 
 
 def _tie_aliases(model: nn.Module, cfg) -> None:
     """The float tensors the checkpoint stores once for several names (``aliases``: ``{alias: stored}``) are tied
-    on load whatever the config's ``tie_word_embeddings`` says: a head untied by quantization writes it false, and
-    transformers would then leave BERT's ``cls.predictions.decoder.bias`` (stored as ``cls.predictions.bias``)
-    unread."""
+    on load whatever the config's ``tie_word_embeddings`` says: a head untied by quantization writes it false
+    (:func:`bridge.io.write_extras`), and transformers would then leave BERT's ``cls.predictions.decoder.bias``
+    (stored as ``cls.predictions.bias``) unread."""
     tied = getattr(model, "all_tied_weights_keys", None)
     if tied is None:
         return
     for alias, stored in cfg.aliases.items():
         if alias not in cfg.entries and stored not in cfg.entries:
             tied.setdefault(alias, stored)
-
-
-def _untie_head(model: nn.Module, paths) -> None:
-    """:func:`_untie`; where a dropped tie is the output head's (Whisper's ``proj_out`` quantized, its embedding
-    kept), the config says so (``tie_word_embeddings`` False), so that a reload does not tie them again."""
-    head = output_embeddings(model)
-    name = next((n for n, m in model.named_modules() if m is head), None) if head is not None else None
-    dropped = _untie(model, paths)
-    if name is not None and any(f"{name}.weight" in pair for pair in dropped):
-        if getattr(model.config, "tie_word_embeddings", False):
-            model.config.tie_word_embeddings = False
 
 
 def _in_place(converter) -> bool:
@@ -257,7 +243,7 @@ def attach_config(model: nn.Module, quantized: dict, plan: qt.Plan | None = None
     model.hf_quantizer = QTransformHfQuantizer(cfg, pre_quantized=True)
     model.is_quantized = True
     model.quantization_method = metadata.QUANT_METHOD
-    _untie_head(model, set(quantized))
+    _untie(model, set(quantized))
 
 
 def register() -> None:

@@ -34,8 +34,8 @@ import tiny_lm
 from cli_util import main_cli, one_line_error
 
 from .tiny_any import ENTRIES, Entry, build, tokens
-from .walk_checks import (KINDS, check_inventory, close, dequantized_copy, family, logits, named, safetensors_of,
-                          same_tensors, same_trees)
+from .walk_checks import (KINDS, check_inventory, close, dequantized_copy, family, logits, named, quantized,
+                          safetensors_of, same_tensors, same_trees)
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::UserWarning",
                                         "ignore::FutureWarning")
@@ -122,15 +122,8 @@ def walked(request):
 
 
 def _quantized(w: Walked, record_property) -> bool:
-    """Whether ``w`` was quantized (False: refused by name, checked here); a crash is raised."""
     record_property("kind", w.kind)
-    if w.error is not None:
-        raise w.error
-    if w.qmodel is None:
-        assert named(w.refusal, w.model), f"refused without naming a tensor, module or the model: {w.refusal}"
-        record_property("outcome", f"refused: {w.refusal}")
-        return False
-    return True
+    return quantized(w, record_property)
 
 
 def test_inventory_is_complete(walked, record_property):

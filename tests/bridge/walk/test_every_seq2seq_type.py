@@ -39,7 +39,8 @@ import tiny_lm
 from cli_util import main_cli, one_line_error
 
 from .tiny_any import ENTRIES, SEQ2SEQ, Entry, build, inputs
-from .walk_checks import check_inventory, close, dequantized_copy, named, safetensors_of, same_tensors, same_trees
+from .walk_checks import (check_inventory, close, dequantized_copy, named, quantized, safetensors_of, same_tensors,
+                          same_trees)
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::UserWarning",
                                         "ignore::FutureWarning")
@@ -124,15 +125,7 @@ def walked(request):
     return Walked(request.param, entry, model, plan, qmodel, None, None)
 
 
-def _quantized(w: Walked, record_property) -> bool:
-    """Whether ``w`` was quantized (False: refused by name, checked here); a crash is raised."""
-    if w.error is not None:
-        raise w.error
-    if w.qmodel is None:
-        assert named(w.refusal, w.model), f"refused without naming a tensor, module or the model: {w.refusal}"
-        record_property("outcome", f"refused: {w.refusal}")
-        return False
-    return True
+_quantized = quantized
 
 
 def test_inventory_is_complete_and_both_stacks_are_quantized(walked, record_property, request):

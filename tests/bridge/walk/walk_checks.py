@@ -138,3 +138,15 @@ def same_trees(got: dict, want: dict) -> None:
     assert not kinds, f"quantized in one, float in the other: {kinds[:5]}"
     differ = [p for p in want if not torch.equal(value(got[p]), value(want[p]))]
     assert not differ, f"{len(differ)} tensors differ: {differ[:5]}"
+
+
+def quantized(w, record_property) -> bool:
+    """Whether walked model ``w`` (``error``, ``qmodel``, ``refusal``, ``model``) was quantized; False: refused by
+    name (checked here, recorded); a crash is raised."""
+    if w.error is not None:
+        raise w.error
+    if w.qmodel is None:
+        assert named(w.refusal, w.model), f"refused without naming a tensor, module or the model: {w.refusal}"
+        record_property("outcome", f"refused: {w.refusal}")
+        return False
+    return True
