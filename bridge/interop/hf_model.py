@@ -3,8 +3,9 @@ need its module classes (Quark, compressed-tensors), its float forward (ONNX) or
 import into (the ``qtransform`` command).
 
 The class is the config's ``architectures`` entry when this transformers defines it, else the first
-head class (causal LM first; masked LM first for an encoder, ``is_decoder: false``) whose state dict
-holds every given path. Candidates are tried on the ``meta`` device (no memory); only the chosen one is
+head class (causal LM first, then image-text-to-text for a vision-language model whose checkpoint
+names no class; masked LM first for an encoder, ``is_decoder: false``) whose state dict holds every
+given path. Candidates are tried on the ``meta`` device (no memory); only the chosen one is
 built on a real device.
 """
 
@@ -25,8 +26,8 @@ from .base import Checkpoint
 __all__ = ["HEADS", "transformers_model", "model_paths", "float_model"]
 
 #: Head classes tried, in order, when the config names no class this transformers defines.
-HEADS = ("AutoModelForCausalLM", "AutoModelForMaskedLM", "AutoModelForSeq2SeqLM", "AutoModelForSequenceClassification",
-         "AutoModelForTokenClassification", "AutoModel")
+HEADS = ("AutoModelForCausalLM", "AutoModelForImageTextToText", "AutoModelForMaskedLM", "AutoModelForSeq2SeqLM",
+         "AutoModelForSequenceClassification", "AutoModelForTokenClassification", "AutoModel")
 _BUILD_ERRORS = (ValueError, KeyError, TypeError, AttributeError, RuntimeError)
 
 

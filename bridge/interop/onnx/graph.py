@@ -40,7 +40,7 @@ _COMPUTE = ("MatMul", "Gemm")
 def export_float(model: torch.nn.Module):
     """``(onnx.ModelProto, output names)`` of ``model(input_ids, attention_mask)`` (batch and sequence
     dynamic), its initializers named by the state dict (the key/value cache is not part of the graph)."""
-    model.config.use_cache = False
+    _no_cache(model)
     vocab = int(getattr(model.config, "vocab_size", 2) or 2)
     ids = (torch.arange(16).reshape(2, 8) * 7) % vocab
     kwargs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
@@ -52,6 +52,23 @@ def export_float(model: torch.nn.Module):
                                 input_names=list(kwargs), output_names=names, verbose=False,
                                 dynamic_shapes={k: dims for k in kwargs})
     return program.model_proto, names
+
+
+def _no_cache(model: torch.nn.Module) -> None:
+    """``use_cache = False`` in every config the model's modules read (a vision-language model's text config
+    too: its language model returns a cache object, no tensor, otherwise)."""
+    from transformers import PretrainedConfig
+
+    todo = [model.config] + [m.config for m in model.modules() if isinstance(getattr(m, "config", None),
+                                                                                 PretrainedConfig)]
+    seen: list = []
+    while todo:
+        config = todo.pop()
+        if any(config is c for c in seen):
+            continue
+        seen.append(config)
+        config.use_cache = False
+        todo += [v for v in vars(config).values() if isinstance(v, PretrainedConfig)]
 
 
 # ---------------------------------------------------------------------------------------------- rewriting
