@@ -86,7 +86,10 @@ def model_paths(source: Checkpoint) -> list[str]:
 def float_model(source: Checkpoint, dtype: torch.dtype = torch.float32) -> nn.Module:
     """The transformers model whose weights ``source`` holds (see :func:`transformers_model`) in ``dtype``,
     loaded with the tree (quantized tensors dequantized; activation and key/value scales left out).
-    ``ValueError`` naming the tensors the model lacks or the checkpoint does not give."""
+    Paths the config ties whose tree values differ (an output projection quantized, the input embedding
+    tied to it kept in float) get a parameter each, as the quantized model holds them: loading one into
+    the other's tensor would change the model. ``ValueError`` naming the tensors the model lacks or the
+    checkpoint does not give."""
     paths = model_paths(source)
     model = transformers_model(source.config, paths=paths, device="cpu", dtype=dtype)
     state = {}
@@ -94,8 +97,25 @@ def float_model(source: Checkpoint, dtype: torch.dtype = torch.float32) -> nn.Mo
         leaf = source.tree[p]
         t = qt.dequantize(leaf) if qt.is_qtensor(leaf) else leaf
         state[p] = t.to(dtype) if t.is_floating_point() else t
+    _untie_differing(model, state)
     missing = set(model.load_state_dict(state, strict=False).missing_keys)
     missing -= {p for group in tie_groups(model) for p in group if any(q in state for q in group)}
     if missing:
         raise ValueError(f"{source.directory}: no value for {sorted(missing)[:5]} of {type(model).__name__}")
     return model
+
+
+def _untie_differing(model: nn.Module, state: Mapping) -> None:
+    """Give each path of a tie group its own parameter where ``state`` holds different values for them."""
+    for group in tie_groups(model):
+        given = [p for p in group if p in state]
+        if all(state[p].shape == state[given[0]].shape and torch.equal(state[p], state[given[0]]) for p in given):
+            continue
+        for p in group:
+            owner, _, name = p.rpartition(".")
+            module = model.get_submodule(owner) if owner else model
+            old = getattr(module, name)
+            if isinstance(old, nn.Parameter):
+                setattr(module, name, nn.Parameter(old.detach().clone(), requires_grad=old.requires_grad))
+            else:
+                module._buffers[name] = old.detach().clone()
