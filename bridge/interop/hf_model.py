@@ -4,8 +4,9 @@ import into (the ``qtransform`` command).
 
 The class is the config's ``architectures`` entry when this transformers defines it, else the first
 head class (causal LM first, then image-text-to-text for a vision-language model whose checkpoint
-names no class; masked LM first for an encoder, ``is_decoder: false``) whose state dict holds every
-given path. Candidates are tried on the ``meta`` device (no memory); only the chosen one is
+names no class; masked LM first for an encoder, ``is_decoder: false``), else the first causal-LM or
+image-text-to-text class registered for the config's own class (a composite model's text part, which the
+auto classes do not build), whose state dict holds every given path. Candidates are tried on the ``meta`` device (no memory); only the chosen one is
 built on a real device.
 """
 
@@ -23,7 +24,7 @@ from ..modules.actquant import PREFIX
 from ..tree import tie_groups
 from .base import Checkpoint
 
-__all__ = ["HEADS", "transformers_model", "model_paths", "float_model"]
+__all__ = ["HEADS", "transformers_model", "registered_heads", "model_paths", "float_model"]
 
 #: Head classes tried, in order, when the config names no class this transformers defines.
 HEADS = ("AutoModelForCausalLM", "AutoModelForImageTextToText", "AutoModelForMaskedLM", "AutoModelForSeq2SeqLM",
@@ -53,11 +54,12 @@ def transformers_model(config: Mapping, *, paths: Iterable[str] = (), device: st
     if config.get("is_decoder") is False:  # an encoder (BERT) that could be a decoder: its masked LM first
         heads.insert(0, heads.pop(heads.index("AutoModelForMaskedLM")))
     wanted, tried = set(paths), []
-    for name in named + heads:
+    last = [a for a in registered_heads(type(cfg)) if a not in named]  # what the auto classes do not build
+    for name in named + heads + last:
         cls = getattr(transformers, name)
 
         def build(cls=cls, name=name):
-            return cls(cfg) if name in named else cls.from_config(cfg)
+            return cls.from_config(cfg) if name in heads else cls(cfg)
         try:
             with torch.device("meta"):
                 model = build()
@@ -75,6 +77,32 @@ def transformers_model(config: Mapping, *, paths: Iterable[str] = (), device: st
             with torch.device(device):
                 model = build().to(dtype)
     return model.eval()
+
+
+def registered_heads(config_class: type) -> list[str]:
+    """The causal-LM and image-text-to-text classes transformers registers (under any model type of the config's
+    own package) whose config class is ``config_class``: the text part of a composite model (Mllama's
+    ``MllamaTextConfig`` -> ``MllamaForCausalLM``, registered under ``mllama``), which the auto classes do not build
+    from that config. Only that package's classes are imported.
+
+    >>> from transformers import MllamaTextConfig
+    >>> registered_heads(MllamaTextConfig)
+    ['MllamaForCausalLM']
+    """
+    import transformers
+    from transformers.models.auto.configuration_auto import model_type_to_module_name
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES as CAUSAL
+    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES as VLM
+
+    package = config_class.__module__.split(".")[2] if config_class.__module__.startswith("transformers.models.") else None
+    out = []
+    for mapping in (CAUSAL, VLM):
+        for model_type, name in mapping.items():
+            if model_type_to_module_name(model_type) == package and name not in out:
+                cls = getattr(transformers, name, None)
+                if cls is not None and getattr(cls, "config_class", None) is config_class:
+                    out.append(name)
+    return out
 
 
 def model_paths(source: Checkpoint) -> list[str]:

@@ -5,6 +5,8 @@ and the forwards it cannot trace. Found by :mod:`walk.test_every_export`:
   float holds two different tensors under the tied paths; ``float_model`` loaded both into the one tied parameter,
   so the last one won and the ONNX graph computed with a changed embedding (BioGPT, XLM, BERT...: logits off by
   up to 0.06). Each path now gets its own parameter where the values differ;
+- a composite model's text part (``MllamaForCausalLM`` of ``MllamaTextConfig``) was built by no auto class, so every
+  export refused it; the classes registered for the config's own class are tried last;
 - a model whose forward needs more than token ids (BLIP's pixel values) or that ``torch.onnx.export`` cannot convert
   (Mamba's) crashed the export with the model's own exception; it is refused with a ``ValueError`` naming the
   class, nothing written.
@@ -15,11 +17,12 @@ Expected values: the checkpoint's tree dequantized by ``qt.dequantize`` and the 
 import pytest
 import torch
 from walk.tiny_any import ENTRIES, build, tokens
-from walk.walk_checks import close, logits
+from walk.walk_checks import close, logits, same_trees
 
 import bridge
 import qtransform as qt
 from bridge import interop
+from bridge.interop.base import read_imported
 from bridge.interop.hf_model import float_model
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
@@ -66,3 +69,15 @@ def test_onnx_refuses_a_forward_it_cannot_trace_by_class(entry, cls, why, tmp_pa
     with pytest.raises(ValueError, match=f"{cls}: {why}"):
         interop.export(tmp_path / "q", to="onnx", out=tmp_path / "onnx")
     assert not (tmp_path / "onnx").exists()
+
+
+@pytest.mark.parametrize("entry", ["mllama", "musicgen"])
+def test_a_composite_models_text_part_exports_by_its_registered_class(entry, tmp_path):
+    """``MllamaForCausalLM``'s config is ``MllamaTextConfig`` (model type ``mllama_text_model``), which no auto class
+    builds: every export refused the checkpoint ("no transformers class ... (tried [])")."""
+    model, _ = _saved(entry, tmp_path / "q")
+    source = interop.read_source(tmp_path / "q")
+    assert not model.config.architectures and source.config["model_type"] != ENTRIES[entry].model_type
+    out = interop.export(tmp_path / "q", to="quark", out=tmp_path / "quark")
+    assert type(float_model(source)) is type(model)
+    same_trees(read_imported("quark", out).tree, source.tree)
