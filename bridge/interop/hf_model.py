@@ -3,8 +3,10 @@ need its module classes (Quark, compressed-tensors), its float forward (ONNX) or
 import into (the ``qtransform`` command).
 
 The class is the config's ``architectures`` entry when this transformers defines it, else the first
-head class (causal LM first; masked LM first for an encoder, ``is_decoder: false``) whose state dict
-holds every given path. Candidates are tried on the ``meta`` device (no memory); only the chosen one is
+head class (causal LM first, then image-text-to-text for a vision-language model whose checkpoint
+names no class; masked LM first for an encoder, ``is_decoder: false``), else the first causal-LM or
+image-text-to-text class registered for the config's own class (a composite model's text part, which the
+auto classes do not build), whose state dict holds every given path. Candidates are tried on the ``meta`` device (no memory); only the chosen one is
 built on a real device.
 """
 
@@ -22,11 +24,11 @@ from ..modules.actquant import PREFIX
 from ..tree import tie_groups
 from .base import Checkpoint
 
-__all__ = ["HEADS", "transformers_model", "model_paths", "float_model"]
+__all__ = ["HEADS", "transformers_model", "registered_heads", "model_paths", "float_model"]
 
 #: Head classes tried, in order, when the config names no class this transformers defines.
-HEADS = ("AutoModelForCausalLM", "AutoModelForMaskedLM", "AutoModelForSeq2SeqLM", "AutoModelForSequenceClassification",
-         "AutoModelForTokenClassification", "AutoModel")
+HEADS = ("AutoModelForCausalLM", "AutoModelForImageTextToText", "AutoModelForMaskedLM", "AutoModelForSeq2SeqLM",
+         "AutoModelForSequenceClassification", "AutoModelForTokenClassification", "AutoModel")
 _BUILD_ERRORS = (ValueError, KeyError, TypeError, AttributeError, RuntimeError)
 
 
@@ -52,11 +54,12 @@ def transformers_model(config: Mapping, *, paths: Iterable[str] = (), device: st
     if config.get("is_decoder") is False:  # an encoder (BERT) that could be a decoder: its masked LM first
         heads.insert(0, heads.pop(heads.index("AutoModelForMaskedLM")))
     wanted, tried = set(paths), []
-    for name in named + heads:
+    last = [a for a in registered_heads(type(cfg)) if a not in named]  # what the auto classes do not build
+    for name in named + heads + last:
         cls = getattr(transformers, name)
 
         def build(cls=cls, name=name):
-            return cls(cfg) if name in named else cls.from_config(cfg)
+            return cls.from_config(cfg) if name in heads else cls(cfg)
         try:
             with torch.device("meta"):
                 model = build()
@@ -76,6 +79,32 @@ def transformers_model(config: Mapping, *, paths: Iterable[str] = (), device: st
     return model.eval()
 
 
+def registered_heads(config_class: type) -> list[str]:
+    """The causal-LM and image-text-to-text classes transformers registers (under any model type of the config's
+    own package) whose config class is ``config_class``: the text part of a composite model (Mllama's
+    ``MllamaTextConfig`` -> ``MllamaForCausalLM``, registered under ``mllama``), which the auto classes do not build
+    from that config. Only that package's classes are imported.
+
+    >>> from transformers import MllamaTextConfig
+    >>> registered_heads(MllamaTextConfig)
+    ['MllamaForCausalLM']
+    """
+    import transformers
+    from transformers.models.auto.configuration_auto import model_type_to_module_name
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES as CAUSAL
+    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES as VLM
+
+    package = config_class.__module__.split(".")[2] if config_class.__module__.startswith("transformers.models.") else None
+    out = []
+    for mapping in (CAUSAL, VLM):
+        for model_type, name in mapping.items():
+            if model_type_to_module_name(model_type) == package and name not in out:
+                cls = getattr(transformers, name, None)
+                if cls is not None and getattr(cls, "config_class", None) is config_class:
+                    out.append(name)
+    return out
+
+
 def model_paths(source: Checkpoint) -> list[str]:
     """The paths of ``source``'s tree that are the model's own tensors (not activation or key/value scales)."""
     acts = {f"{s.module}.{PREFIX[s.role]}{f}" for s in source.meta.activations for f in qt.QParams.FIELDS}
@@ -85,7 +114,10 @@ def model_paths(source: Checkpoint) -> list[str]:
 def float_model(source: Checkpoint, dtype: torch.dtype = torch.float32) -> nn.Module:
     """The transformers model whose weights ``source`` holds (see :func:`transformers_model`) in ``dtype``,
     loaded with the tree (quantized tensors dequantized; activation and key/value scales left out).
-    ``ValueError`` naming the tensors the model lacks or the checkpoint does not give."""
+    Paths the config ties whose tree values differ (an output projection quantized, the input embedding
+    tied to it kept in float) get a parameter each, as the quantized model holds them: loading one into
+    the other's tensor would change the model. ``ValueError`` naming the tensors the model lacks or the
+    checkpoint does not give."""
     paths = model_paths(source)
     model = transformers_model(source.config, paths=paths, device="cpu", dtype=dtype)
     state = {}
@@ -93,8 +125,25 @@ def float_model(source: Checkpoint, dtype: torch.dtype = torch.float32) -> nn.Mo
         leaf = source.tree[p]
         t = qt.dequantize(leaf) if qt.is_qtensor(leaf) else leaf
         state[p] = t.to(dtype) if t.is_floating_point() else t
+    _untie_differing(model, state)
     missing = set(model.load_state_dict(state, strict=False).missing_keys)
     missing -= {p for group in tie_groups(model) for p in group if any(q in state for q in group)}
     if missing:
         raise ValueError(f"{source.directory}: no value for {sorted(missing)[:5]} of {type(model).__name__}")
     return model
+
+
+def _untie_differing(model: nn.Module, state: Mapping) -> None:
+    """Give each path of a tie group its own parameter where ``state`` holds different values for them."""
+    for group in tie_groups(model):
+        given = [p for p in group if p in state]
+        if all(state[p].shape == state[given[0]].shape and torch.equal(state[p], state[given[0]]) for p in given):
+            continue
+        for p in group:
+            owner, _, name = p.rpartition(".")
+            module = model.get_submodule(owner) if owner else model
+            old = getattr(module, name)
+            if isinstance(old, nn.Parameter):
+                setattr(module, name, nn.Parameter(old.detach().clone(), requires_grad=old.requires_grad))
+            else:
+                module._buffers[name] = old.detach().clone()

@@ -59,6 +59,7 @@ from ...modules.actquant import PREFIX
 from . import config as ct_config
 from .. import experts as moe
 from ..base import Checkpoint, Exporter, Support, carried_modules, copy_extras, judged_spec, write_config
+from ..hf_model import model_paths
 from .importer import GLOBAL_SCALES_KEY, HINT_KEY
 from .model import QUANTIZABLE, is_cached_attention, skeleton
 from .tensors import to_ct
@@ -145,7 +146,7 @@ def _experts_schemes(layers: dict, experts: dict, naming) -> list[str]:
 def _plan(source: Checkpoint, allow_nearest: bool) -> _Plan:
     """Everything the export writes, or the reasons it cannot (``problems``, one line per path)."""
     problems: list[str] = []
-    model, why = skeleton(source.config)
+    model, why = skeleton(source.config, model_paths(source))
     if model is None:
         return _Plan({}, None, {}, {}, [], [f"{source.directory}: {why}"])
     modules = dict(model.named_modules())

@@ -25,13 +25,14 @@ QUANTIZABLE = (nn.Linear, nn.Embedding)
 _KV_NAMES = ("k_proj", "v_proj", "qkv_proj", "kv_b_proj")
 
 
-def skeleton(config: Mapping) -> tuple[nn.Module | None, str]:
-    """The transformers model ``config`` (a ``config.json`` dict) describes, on the ``meta`` device
-    (:func:`~bridge.interop.hf_model.transformers_model`), or ``None`` and why not."""
+def skeleton(config: Mapping, paths: Iterable[str] = ()) -> tuple[nn.Module | None, str]:
+    """The transformers model ``config`` (a ``config.json`` dict) describes that has every tensor in ``paths``
+    (the checkpoint's: a composite config, a vision-language model's, also builds its text-only causal LM), on the
+    ``meta`` device (:func:`~bridge.interop.hf_model.transformers_model`), or ``None`` and why not."""
     if not config.get("model_type"):
         return None, "config.json has no model_type (compressed-tensors exports transformers models)"
     try:
-        return transformers_model(config), ""
+        return transformers_model(config, paths=paths), ""
     except Exception as e:  # noqa: BLE001  (a config this transformers cannot build: say so, do not crash the export)
         return None, f"cannot build the model of config.json ({type(e).__name__}: {e})"
 

@@ -39,19 +39,56 @@ _COMPUTE = ("MatMul", "Gemm")
 
 def export_float(model: torch.nn.Module):
     """``(onnx.ModelProto, output names)`` of ``model(input_ids, attention_mask)`` (batch and sequence
-    dynamic), its initializers named by the state dict (the key/value cache is not part of the graph)."""
-    model.config.use_cache = False
+    dynamic), its initializers named by the state dict (the key/value cache is not part of the graph).
+    ``ValueError`` naming the model's class when its forward needs other inputs (pixel values, a robot's
+    state...) or ``torch.onnx.export`` cannot convert it (data-dependent control flow, ops without an ONNX
+    function): the export is refused, nothing written."""
+    _no_cache(model)
     vocab = int(getattr(model.config, "vocab_size", 2) or 2)
     ids = (torch.arange(16).reshape(2, 8) * 7) % vocab
     kwargs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
-    with torch.no_grad():
-        out = model(**kwargs)
+    try:
+        with torch.no_grad():
+            out = model(**kwargs)
+    except Exception as e:  # noqa: BLE001  (the model's own code: whatever it raises without its other inputs)
+        raise ValueError(f"{type(model).__name__}: its forward on input_ids and attention_mask alone fails "
+                         f"({type(e).__name__}: {_first_line(e)}); the ONNX graph has no other inputs") from e
     names = [k for k, v in out.items() if isinstance(v, torch.Tensor)]
     dims = {0: "batch", 1: "sequence"}
-    program = torch.onnx.export(model, (), kwargs=kwargs, dynamo=True, optimize=False, opset_version=OPSET,
-                                input_names=list(kwargs), output_names=names, verbose=False,
-                                dynamic_shapes={k: dims for k in kwargs})
+    try:
+        program = torch.onnx.export(model, (), kwargs=kwargs, dynamo=True, optimize=False, opset_version=OPSET,
+                                    input_names=list(kwargs), output_names=names, verbose=False,
+                                    dynamic_shapes={k: dims for k in kwargs})
+    except torch.onnx.OnnxExporterError as e:
+        raise ValueError(f"{type(model).__name__}: torch.onnx.export cannot convert its forward ({type(e).__name__}: "
+                         f"{_first_line(e)}); export to compressed-tensors or quark instead") from e
     return program.model_proto, names
+
+
+def _first_line(e: BaseException) -> str:
+    """What went wrong, in one line: the summary of a ``torch.onnx`` error (after its advice), else the first line."""
+    text = str(e)
+    if "## Exception summary" in text:
+        text = text.split("## Exception summary", 1)[1]
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    return (lines[0] if lines else type(e).__name__)[:300]
+
+
+def _no_cache(model: torch.nn.Module) -> None:
+    """``use_cache = False`` in every config the model's modules read (a vision-language model's text config
+    too: its language model returns a cache object, no tensor, otherwise)."""
+    from transformers import PretrainedConfig
+
+    todo = [model.config] + [m.config for m in model.modules() if isinstance(getattr(m, "config", None),
+                                                                                 PretrainedConfig)]
+    seen: list = []
+    while todo:
+        config = todo.pop()
+        if any(config is c for c in seen):
+            continue
+        seen.append(config)
+        config.use_cache = False
+        todo += [v for v in vars(config).values() if isinstance(v, PretrainedConfig)]
 
 
 # ---------------------------------------------------------------------------------------------- rewriting
