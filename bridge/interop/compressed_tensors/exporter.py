@@ -53,6 +53,7 @@ from torch import nn
 
 import qtransform as qt
 
+from ...arch.embeddings import output_embeddings
 from ...checkpoint import metadata, store
 from ...checkpoint.metadata import Entry
 from ...modules.actquant import PREFIX
@@ -222,7 +223,7 @@ def _plan(source: Checkpoint, allow_nearest: bool) -> _Plan:
             kv = ct_config.activation_args(next(iter(kv_specs.values())), "key")
     routers = set(moe.routers(model))  # float in vLLM's MoE models; named in ignore all the same
     linears = sorted(moe.export_name(n, naming) for n, m in modules.items() if isinstance(m, nn.Linear) or n in routers)
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    head = output_embeddings(model)
     head_name = next((n for n, m in modules.items() if head is not None and m is head), None)
     untie = bool(source.config.get("tie_word_embeddings")) and f"{head_name}.weight" in specs
     return _Plan(layers, kv, specs, acts, linears, problems, untie, type(model).__name__, frozenset(claimed),

@@ -40,6 +40,7 @@ import torch
 
 import qtransform as qt
 
+from ...arch.embeddings import output_embeddings
 from ...checkpoint import metadata, store
 from ...modules.actquant import PREFIX
 from . import config as qc
@@ -62,7 +63,7 @@ _EMPTY = {"input_tensors": None, "output_tensors": None, "weight": None, "bias":
 def _skeleton(config_json: str, paths: tuple[str, ...]) -> tuple[dict, str | None, str]:
     model = transformers_model(json.loads(config_json), paths=paths)
     types = {n: type(m) for n, m in model.named_modules()}
-    out = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    out = output_embeddings(model)
     out_name = next((n for n, m in model.named_modules() if m is out), None) if out is not None else None
     tied = bool(getattr(model.config, "tie_word_embeddings", False))
     return types, (out_name if tied else None), type(model).__name__, moe.experts_modules(model), moe.routers(model)
