@@ -37,6 +37,7 @@ from torch import nn
 
 import qtransform as qt
 
+from .arch.embeddings import head_apart
 from .checkpoint import metadata, store
 from .checkpoint.layout import LAYOUTS, dtype_name
 from .checkpoint.metadata import CheckpointError
@@ -52,23 +53,6 @@ __all__ = ["save", "checkpoint_writer", "write_extras", "cast_dtypes", "config_d
            "imported_format", "from_source", "TOKENIZER_FILES"]
 
 
-def _head_untied(model, qconfig: dict) -> bool:
-    """Whether ``qconfig`` quantizes the model's output head apart from its input embeddings (Whisper's
-    ``proj_out``, BERT's ``cls.predictions.decoder``; the embedding kept in float, or quantized as another tensor):
-    the config must then say untied, or a reader ties them again. Both drivers write the config here."""
-    from .arch.embeddings import input_embeddings, output_embeddings
-
-    head, emb = output_embeddings(model), input_embeddings(model)
-    paths = {id(m): n for n, m in model.named_modules()} if head is not None and emb is not None else {}
-    if id(head) not in paths or id(emb) not in paths:
-        return False
-    h, e = f"{paths[id(head)]}.weight", f"{paths[id(emb)]}.weight"
-    aliases, tensors = qconfig.get("aliases") or {}, qconfig.get("tensors") or {}
-    # still one tensor: stored once (an alias), or both quantized alike from the one tied weight (the same entry)
-    still = h == e or aliases.get(e) == h or aliases.get(h) == e or (e in tensors and tensors.get(h) == tensors[e])
-    return h in tensors and not still
-
-
 def write_extras(model, tmp: Path, qconfig: dict, tokenizer, *, dtype: torch.dtype | None = None,
                  generation_config=None) -> None:
     """``config.json`` (``model``'s config with ``qconfig``, and ``dtype`` recorded when given), the
@@ -78,7 +62,7 @@ def write_extras(model, tmp: Path, qconfig: dict, tokenizer, *, dtype: torch.dty
     if config is not None and hasattr(config, "to_json_string"):
         d = json.loads(config.to_json_string(use_diff=False))
         d["quantization_config"] = qconfig
-        if d.get("tie_word_embeddings") and _head_untied(model, qconfig):
+        if d.get("tie_word_embeddings") and head_apart(model, qconfig):
             d["tie_word_embeddings"] = False
         if dtype is not None:
             d["dtype"] = dtype_name(dtype)

@@ -107,7 +107,8 @@ def registered_heads(config_class: type) -> list[str]:
 
 def model_paths(source: Checkpoint) -> list[str]:
     """The paths of ``source``'s tree that are the model's own tensors (not activation or key/value scales)."""
-    acts = {f"{s.module}.{PREFIX[s.role]}{f}" for s in source.meta.activations for f in qt.QParams.FIELDS}
+    acts = {f"{s.module}{sep}{PREFIX[s.role]}{f}" for s in source.meta.activations for f in qt.QParams.FIELDS
+            for sep in (".", "_")}  # a module's buffers; a stacked experts weight's (experts.gate_up_proj_input_scale)
     return [p for p in source.tree if p not in acts]
 
 
