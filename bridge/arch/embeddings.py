@@ -7,28 +7,31 @@ from __future__ import annotations
 
 from torch import nn
 
-__all__ = ["input_embeddings", "output_embeddings", "head_apart"]
+__all__ = ["model_part", "input_embeddings", "output_embeddings", "head_apart"]
 
 
-def _ask(model, method: str) -> nn.Module | None:
+def model_part(model, method: str) -> nn.Module | None:
+    """The module a transformers getter of ``model`` gives (``get_input_embeddings``, ``get_decoder``,
+    ``get_encoder``...), or ``None``: no such method, or one that raises because the class does not implement it or
+    has no such part."""
     get = getattr(model, method, None)
     if not callable(get):
         return None
     try:
         found = get()
-    except (NotImplementedError, AttributeError):
+    except (NotImplementedError, AttributeError, TypeError):
         return None
     return found if isinstance(found, nn.Module) else None
 
 
 def input_embeddings(model) -> nn.Module | None:
     """``model.get_input_embeddings()``, or ``None`` where the model has none (see the module docstring)."""
-    return _ask(model, "get_input_embeddings")
+    return model_part(model, "get_input_embeddings")
 
 
 def output_embeddings(model) -> nn.Module | None:
     """``model.get_output_embeddings()``, or ``None`` where the model has none (see the module docstring)."""
-    return _ask(model, "get_output_embeddings")
+    return model_part(model, "get_output_embeddings")
 
 
 def head_apart(model, qconfig) -> bool:

@@ -21,9 +21,10 @@ from __future__ import annotations
 
 from torch import nn
 
-from .embeddings import input_embeddings, output_embeddings
+from .embeddings import input_embeddings, model_part, output_embeddings
 
 __all__ = ["towers", "encoder_decoder"]
+
 
 def _subconfigs(config) -> list:
     """The config's sub-configs besides its text one (an attribute holding a config object)."""
@@ -40,14 +41,6 @@ def encoder_decoder(config) -> bool:
 
 def _path_of(model: nn.Module, module) -> str | None:
     return next((n for n, m in model.named_modules() if m is module), None) if module is not None else None
-
-
-def _ask(model, method: str):
-    get = getattr(model, method, None)
-    try:
-        return get() if callable(get) else None
-    except (AttributeError, NotImplementedError, TypeError):
-        return None
 
 
 def _holds(module: nn.Module, ids: set) -> bool:
@@ -70,11 +63,11 @@ def towers(model: nn.Module) -> tuple[str, ...]:
     config = getattr(model, "config", None)
     if config is None or not _subconfigs(config):
         return ()
-    decoder = _ask(model, "get_decoder")
+    decoder = model_part(model, "get_decoder")
     path = _path_of(model, decoder)
     if not path:
         return ()
-    encoder = _ask(model, "get_encoder") if encoder_decoder(config) else None  # else: an audio encoder, a tower
+    encoder = model_part(model, "get_encoder") if encoder_decoder(config) else None  # else: an audio encoder, a tower
     text = {id(m) for m in (input_embeddings(model), output_embeddings(model), encoder) if isinstance(m, nn.Module)}
     chain = {""} | {path[:i] for i, c in enumerate(path) if c == "."} | {path}
     out = []

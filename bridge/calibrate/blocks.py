@@ -20,6 +20,7 @@ from torch import nn
 
 import qtransform as qt
 
+from ..arch.embeddings import model_part
 from ..arch.towers import encoder_decoder, towers
 from ..distributed import share
 from .experts import expert_sites
@@ -79,10 +80,7 @@ def find_stacks(model: nn.Module, blocks: str | None = None) -> tuple[tuple[str,
     if blocks is not None or config is None or not encoder_decoder(config):
         return (find_blocks(model, blocks),)
     paths = {id(m): n for n, m in model.named_modules()}
-    try:
-        enc, dec = (paths.get(id(getattr(model, k)())) for k in ("get_encoder", "get_decoder"))
-    except (AttributeError, NotImplementedError, TypeError):
-        enc = dec = None
+    enc, dec = (paths.get(id(model_part(model, k))) for k in ("get_encoder", "get_decoder"))
     if not enc or dec is None or enc == dec or dec.startswith(enc + "."):  # the encoder may lie inside the decoder
         return (find_blocks(model),)
     found = (_lists(model, enc), _lists(model, dec, outside=enc))
@@ -236,9 +234,10 @@ def blockwise(model: nn.Module, params: Mapping, plan: qt.Plan, batches, fit_blo
         own = capture_blocks(model, current, names, batches, real=True)  # each block's own inputs, batch by batch
         picks = chosen([(a, k) for (_, a, k), *_ in own], tokens, parallel)
         inputs = [own[j][0][1:] for j in picks]
-        floats = ([own[j][0][1:] for j in picks] if names is stacks[0] else
-                  [x[0][1:] for x in _at(capture_blocks(model, params, names[:1], batches, real=True), picks)]
-                  ) if float_inputs else None
+        floats = None
+        if float_inputs:  # the float model's inputs of the stack's first block (the first stack's: its own)
+            first = own if names is stacks[0] else capture_blocks(model, params, names[:1], batches, real=True)
+            floats = [first[j][0][1:] for j in picks]
         for i, name in enumerate(names):
             next(order)
             following = [own[j][i + 1] for j in picks] if i + 1 < len(names) else None
@@ -250,10 +249,6 @@ def blockwise(model: nn.Module, params: Mapping, plan: qt.Plan, batches, fit_blo
             for p in fit.params:  # what was fitted before described the old tensor
                 prior.pop(p, None)
     return total
-
-
-def _at(items: list, picks: list) -> list:
-    return [items[j] for j in picks]
 
 
 def chosen(inputs: list, tokens: int | None, parallel: qt.Parallel) -> list[int]:

@@ -19,7 +19,7 @@ import qtransform as qt
 from torch import nn
 
 from .. import pipeline
-from ..calibrate.blocks import find_blocks, find_stacks
+from ..calibrate.blocks import find_stacks
 from ..step_outputs import SLOTS
 from . import skeleton as skel
 from .inventory import Inventory, check_rules, take
@@ -71,7 +71,7 @@ def accepted_run(source, recipe, *, calibrated: bool, model_class=None) -> Accep
     tensor_run = qt.pipeline.tensor_by_tensor(p) and not calibrated
     if not tensor_run:
         stacks = find_stacks(model)
-        why = qt.pipeline.block_by_block_refusal(p, find_blocks(model)) if len(stacks) == 1 else (
+        why = qt.pipeline.block_by_block_refusal(p, stacks[0]) if len(stacks) == 1 else (
             f"{type(model).__name__} calibrates two stacks of blocks, its encoder's ({stacks[0][0]}...) then its "
             f"decoder's ({stacks[1][0]}...) on the encoder's output")
         if why is not None:
