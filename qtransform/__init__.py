@@ -21,7 +21,7 @@ from .formats import FORMATS, Codec, Format, get_format, minifloat, mx_format, p
 from .granularity import PerBlock, PerChannel, PerGroup, PerTensor
 from .spec import (Match, Plan, QuantSpec, Recipe, Site, Step, as_plan, as_recipe, module_of, transposed_spec,
                    stacked_spec, matrix_spec)
-from .tensor import (QParams, QTensor, bits_per_element, dequantize, error_bound, fake_quantize, quantize,
+from .tensor import (QParams, QTensor, bits_per_element, conform_qparams, dequantize, error_bound, fake_quantize, quantize,
                      stacked, transposed_qparams, unpacked_codes)
 from .observers import (OBSERVERS, HistogramStats, MinMaxStats, Observer, choose_qparams, compute_qparams,
                         finalize_stats, init_stats, make_observer, merge_stats, observe, register_observer)
@@ -44,7 +44,7 @@ __all__ = [
     "PerBlock", "PerChannel", "PerGroup", "PerTensor",
     "QuantSpec", "Recipe", "Step", "Plan", "Match", "Site", "as_plan", "as_recipe", "module_of", "transposed_spec", "transposed_qparams",
     "stacked_spec", "matrix_spec", "stacked",
-    "QParams", "QTensor", "quantize", "dequantize", "fake_quantize", "unpacked_codes", "error_bound",
+    "QParams", "QTensor", "conform_qparams", "quantize", "dequantize", "fake_quantize", "unpacked_codes", "error_bound",
     "bits_per_element",
     "OBSERVERS", "Observer", "register_observer", "make_observer", "init_stats", "observe", "merge_stats",
     "finalize_stats", "compute_qparams", "choose_qparams", "MinMaxStats", "HistogramStats",

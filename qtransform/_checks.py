@@ -56,6 +56,31 @@ def _is_batched(x: torch.Tensor) -> bool:
     return False
 
 
+def differentiated(t) -> bool:
+    """Whether ``t`` is being differentiated: ``requires_grad`` with grad mode on, or :func:`func_differentiated`."""
+    if t is None:
+        return False
+    if t.requires_grad and torch.is_grad_enabled():
+        return True
+    return func_differentiated(t)
+
+
+def func_differentiated(t) -> bool:
+    """Whether ``torch.func`` differentiates ``t``: a tensor ``grad`` / ``vjp`` track, or a dual tensor of forward
+    mode (``jvp``, ``jacfwd``: no ``requires_grad`` there). ``False`` while ``torch.compile`` traces."""
+    if t is None or torch.compiler.is_compiling():
+        return False
+    f = torch._C._functorch
+    while f.is_functorch_wrapped_tensor(t):
+        if f.is_gradtrackingtensor(t):
+            return True
+        t = f.get_unwrapped(t)
+    try:
+        return torch.autograd.forward_ad.unpack_dual(t).tangent is not None
+    except RuntimeError:  # no forward-mode level open
+        return False
+
+
 def under_transform(x: torch.Tensor) -> bool:
     """True inside ``vmap`` or while ``torch.compile`` traces: no data-dependent checks there."""
     return not _CHECKS[0] or torch.compiler.is_compiling() or _is_batched(x)

@@ -20,7 +20,7 @@ from .algorithms import Fit, apply_fit
 from .observers import choose_qparams, compute_qparams, init_stats, merge_stats, observe
 from .pipeline import Calibrator, run_steps
 from .spec import Plan, Recipe, as_plan
-from .tensor import QParams, QTensor, dequantize, quantize
+from .tensor import QParams, QTensor, conform_qparams, dequantize, quantize
 from .tensor.checks import check_out_dtype
 
 __all__ = ["quantize_tree", "dequantize_tree", "observe_tree", "merge_stats_tree", "qparams_tree",
@@ -84,6 +84,9 @@ def quantize_tree(params: Any, recipe: Recipe | Any, *, qparams: Mapping[str, QP
             raise ValueError(f"{path}: qparams given but the recipe leaves this path unquantized ({match.rule})")
         if qp.spec != match.spec:
             raise ValueError(f"{path}: qparams were made for {qp.spec}, the recipe asks for {match.spec}")
+    if given:  # in the form their specs store (cast where exact): what is quantized here can be saved and reloaded
+        shapes = {p: leaf.shape for p, leaf in _pytree.flatten_with_paths(params)[0] if p in given}
+        given = {p: conform_qparams(qp, shapes[p], path=p) for p, qp in given.items()}
     fit = run_steps(params, plan, calibrator=calibrator, progress=progress, qparams=given) if plan.steps else Fit()
     clash = sorted(set(given) & (set(fit.qparams) | set(fit.params)))
     if clash:

@@ -39,7 +39,7 @@ from typing import Any, ClassVar, Mapping
 import torch
 
 from .. import _pytree
-from .._checks import check_float_tensor, where
+from .._checks import check_float_tensor, func_differentiated, where
 from ..registry import Registry
 from ..spec import QuantSpec
 
@@ -177,6 +177,13 @@ def observe(stats, x: torch.Tensor, *, path: str | None = None, donate: bool = F
     """
     _check_stats(stats, "observe", path)
     check_float_tensor(x, path=path)
+    if func_differentiated(x):
+        raise ValueError(f"{where(path)}observe: torch.func differentiates x, but statistics and the parameters "
+                         "fitted from them (choose_qparams, compute_qparams) carry no gradient; pass x.detach() "
+                         "to fit parameters without one (under autograd, statistics of a tensor that requires grad "
+                         "are taken detached, as every observer's), or learn them: qt.fake_quantize(x, qparams, "
+                         "range_grad=True) (the scale following x's range), qtransform.learn.fake_quantize "
+                         "(learned ranges)")
     if donate:
         return stats.observer.update(stats, x, path=path, donate=True)
     return stats.observer.update(stats, x, path=path)

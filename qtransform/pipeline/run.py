@@ -31,6 +31,7 @@ streamed driver does, keys them by it).
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from typing import Any, Callable, Mapping, Protocol, Sequence
 
@@ -44,7 +45,7 @@ from ..observers import Observer, init_stats
 from ..parallel import SERIAL
 from ..rotation.online import ONLINE_ROLES
 from ..spec import Plan, Site, Step, as_plan
-from ..tensor import QParams, dequantize, quantize
+from ..tensor import QParams, conform_qparams, dequantize, quantize
 
 __all__ = ["Calibrator", "run_steps", "check_steps", "check_plan_facts", "serving"]
 
@@ -151,7 +152,7 @@ def _run_step(algo, step: Step, plan: Plan, current: dict, calibrator: Calibrato
         def fit_block(block: Block, params: Mapping) -> Fit:
             fit = algo.fn(dict(params), plan, context=Context(block=block, progress=progress, online=dict(online),
                                                               **known), **arguments)
-            _check_fit(fit, f"{at} block {block.name}", plan, current, declared=algo.outputs)
+            fit = _check_fit(fit, f"{at} block {block.name}", plan, current, declared=algo.outputs)
             outside = sorted(set(fit.params) - set(block.paths))
             if outside:
                 raise ValueError(f"{at} block {block.name}: returned tensors outside the block: {outside[:5]}")
@@ -184,7 +185,9 @@ def _collect(algo, step: Step, arguments: Mapping, plan: Plan, current: Mapping,
 
 
 def _check_fit(fit, at: str, plan: Plan, current: Mapping[str, torch.Tensor], before: Mapping = {}, *,
-               declared: Sequence[str] = ()) -> None:
+               declared: Sequence[str] = ()) -> Fit:
+    """``fit`` checked against the tree and the plan, its quantization parameters in the form their specs store
+    (:func:`qtransform.conform_qparams`: cast where exact, refused by path otherwise)."""
     if not isinstance(fit, Fit):
         raise TypeError(f"{at}: the algorithm returned {type(fit).__name__}, not a qtransform.Fit")
     for site, rot in fit.online.items():
@@ -217,6 +220,13 @@ def _check_fit(fit, at: str, plan: Plan, current: Mapping[str, torch.Tensor], be
             raise ValueError(f"{at}: returned qparams for {path!r}, which the recipe leaves unquantized")
         if not isinstance(qp, QParams) or qp.spec != spec:
             raise ValueError(f"{at}: {path}: qparams were made for {getattr(qp, 'spec', qp)}, the plan asks for {spec}")
+    new = {}
+    for path, qp in fit.qparams.items():
+        shape = (fit.params.get(path) if path in fit.params else current[path]).shape
+        conformed = conform_qparams(qp, shape, path=f"{at}: {path}")
+        if conformed is not qp:
+            new[path] = conformed
+    return dataclasses.replace(fit, qparams={**fit.qparams, **new}) if new else fit
 
 
 def run_steps(params: Any, recipe, *, types: Mapping[str, str] | None = None, calibrator: Calibrator | None = None,
@@ -253,7 +263,7 @@ def run_steps(params: Any, recipe, *, types: Mapping[str, str] | None = None, ca
             if type(e) not in (ValueError, TypeError) or str(e).startswith("recipe.steps["):
                 raise
             raise type(e)(f"{at}: {e}") from e
-        _check_fit(fit, at, plan, current, total.online, declared=ALGORITHMS[step.name].outputs)
+        fit = _check_fit(fit, at, plan, current, total.online, declared=ALGORITHMS[step.name].outputs)
         reference = _references(fit, current, reference)
         total = total.then(fit)
     return total

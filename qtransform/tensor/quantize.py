@@ -19,13 +19,13 @@ from __future__ import annotations
 import torch
 
 from .. import formats
-from .._checks import check_finite, check_float_tensor, under_transform, where
+from .._checks import check_finite, check_float_tensor, differentiated, under_transform, where
 from ..spec import QuantSpec
 from . import blocks
 from .checks import check_out_dtype
 from .types import QParams, QTensor
 
-__all__ = ["quantize", "dequantize", "fake_quantize", "element_range", "roundtrip_blocks"]
+__all__ = ["quantize", "dequantize", "fake_quantize", "fake_quantize_grid", "element_range", "roundtrip_blocks"]
 
 
 def element_range(spec: QuantSpec) -> tuple[float | None, float | None]:
@@ -218,22 +218,48 @@ def fake_quantize(x: torch.Tensor, qparams: QParams, *, generator=None, path: st
     """``dequantize(quantize(x, qparams))`` with a straight-through gradient.
 
     Differentiable with respect to ``x`` (1 inside the representable range, 0 where clipped)
-    and to a float32 ``qparams.scale`` / float ``zero_point`` (LSQ-style). ``range_grad=True``
-    (for parameters fitted to ``x`` itself, as dynamic quantization fits them): the gradient also
-    flows through the scale as a function of ``x``, the scale taken proportional to each block's
-    range (``max |x|``; ``max x - min x`` with a zero point), the values unchanged.
+    and to a float32 ``qparams.scale`` / float ``zero_point`` (LSQ-style), in reverse mode
+    (``torch.func.grad``, ``backward``) and forward mode (``torch.func.jvp``, ``jacfwd``) alike.
+    ``range_grad=True`` (for parameters fitted to ``x`` itself, as dynamic quantization fits them): the
+    gradient also flows through the scale as a function of ``x``, the scale taken proportional to each
+    block's range (``max |x|``; ``max x - min x`` with a zero point), the values unchanged. Parameters
+    learned in another form than they are stored (an fp16 or power-of-two scale, an integer zero point):
+    :func:`qtransform.learn.fake_quantize`.
     """
-    p, xb, s, z = _blocked(x, qparams, path)
+    if not isinstance(qparams, QParams):
+        raise TypeError(f"{where(path)}qparams must be a QParams, got {type(qparams).__name__}")
+    s, z = qparams.effective()
+    return fake_quantize_grid(x, qparams.spec, s, z, generator=generator, path=path, range_grad=range_grad)
+
+
+def fake_quantize_grid(x: torch.Tensor, spec: QuantSpec, scale: torch.Tensor, zero_point: torch.Tensor | None, *,
+                       generator=None, path: str | None = None, range_grad: bool = False) -> torch.Tensor:
+    """:func:`fake_quantize` with the *effective* float32 ``scale`` and ``zero_point`` given on the grid
+    (what ``QParams.effective()`` returns): the values, and the gradients with respect to both, of a
+    parameterisation the caller computes (:func:`qtransform.learn.fake_quantize`: learned ranges whose
+    stored form is rounded with a straight-through gradient)."""
+    if not isinstance(spec, QuantSpec):
+        raise TypeError(f"{where(path)}spec must be a QuantSpec, got {type(spec).__name__}")
+    check_float_tensor(x, path=path)
+    p = blocks.tiling(x.shape, spec, sub_block=True, path=path)
+    if tuple(scale.shape) != p.grid:
+        raise ValueError(f"{where(path)}qparams scale grid {tuple(scale.shape)} does not match x of shape "
+                         f"{tuple(x.shape)} under {spec.granularity} (expected grid {p.grid})")
+    if scale.device != x.device:
+        raise ValueError(f"{where(path)}qparams are on {scale.device} but x is on {x.device}; move one "
+                         "explicitly (qtransform never moves tensors between devices)")
+    xb = blocks.view(x.to(torch.float32), p)
+    s = blocks.expand(scale, p)
+    z = None if zero_point is None else blocks.expand(zero_point, p)
     check_finite(x, path=path)
-    if range_grad and x.requires_grad:
+    if range_grad and differentiated(x):
         dims = blocks.reduce_dims(p)
         r = xb.abs().amax(dim=dims, keepdim=True) if z is None else \
             xb.amax(dim=dims, keepdim=True) - xb.amin(dim=dims, keepdim=True)
         ref = r.detach()
         s = s * torch.where(ref > 0, r / torch.where(ref > 0, ref, 1.0), 1.0)  # an all-zero block: scale as is
-    spec = qparams.spec
     lo, hi = element_range(spec)
-    needs_grad = x.requires_grad or s.requires_grad or (z is not None and z.requires_grad)
+    needs_grad = differentiated(x) or differentiated(s) or differentiated(z)
     offset = _offset(spec)
     limit = _limit(spec, s, z, x.dtype, xb)
     v = _to_element(xb, s, z, offset=offset, differentiable=needs_grad,
