@@ -65,11 +65,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Mapping
 
 import torch
 
 from .base import BlockInputs, Fit, register_algorithm
+from .block_training import block_mse, first_tensor, float_targets, reduce_sums, schedule
 from .gptq import Options as GPTQOptions
 from .gptq import linear_weights
 from .gptq import solve_block as gptq_solve
@@ -127,53 +127,6 @@ class Options:
 check_options = options_checker("signround", Options)
 
 
-def _first(out: Any) -> torch.Tensor:
-    """The hidden states of a block's output: the tensor, or the first element of a tuple/list/mapping."""
-    while not isinstance(out, torch.Tensor):
-        if isinstance(out, Mapping):
-            out = next(iter(out.values()))
-        elif isinstance(out, (tuple, list)) and out:
-            out = out[0]
-        else:
-            raise ValueError(f"signround: a block's output holds no tensor: {type(out).__name__}")
-    return out
-
-
-def _rows(args, kwargs) -> int:
-    """Calibration sequences in one batch: the leading size of its hidden states (3-D), else 1."""
-    h = args[0] if args and isinstance(args[0], torch.Tensor) else kwargs.get("hidden_states")
-    return int(h.shape[0]) if isinstance(h, torch.Tensor) and h.dim() >= 3 else 1
-
-
-class _Sampler:
-    """Whole batches of ``pool`` (their indices), ``per`` at a time, from a seeded shuffle redrawn when fewer than
-    ``per`` are left."""
-
-    def __init__(self, pool: list[int], per: int, seed: int):
-        self.pool, self.per = pool, min(per, len(pool))
-        self.gen = torch.Generator().manual_seed(seed)
-        self.order, self.at = [], 0
-
-    def next(self) -> list[int]:
-        if self.at + self.per > len(self.order):
-            self.order, self.at = [self.pool[j] for j in torch.randperm(len(self.pool), generator=self.gen)], 0
-        self.at += self.per
-        return self.order[self.at - self.per:self.at]
-
-
-def _targets(block) -> list[torch.Tensor]:
-    """The float block's outputs (float32) on the float chain's inputs, once per batch (the caller's
-    ``Block.float_outputs`` where it offers them: the same pass gives it the next block's float inputs)."""
-    batches = block.float_inputs
-    if batches is None:
-        raise ValueError(f"block {block.name}: signround needs the float model's block inputs (Block.float_inputs); "
-                         "the calibrator gave none")
-    with torch.no_grad():
-        outs = block.float_outputs() if block.float_outputs is not None else [
-            _first(block.call(block.name, {}, args, kwargs)) for args, kwargs in batches]
-        return [o.detach().to(torch.float32) for o in outs]
-
-
 def step(params, plan, *, context, options: Options) -> Fit:
     """The ``signround`` step on one block (``context.block``); see the module docstring."""
     o = received(Options, options, step="signround")
@@ -193,21 +146,13 @@ def step(params, plan, *, context, options: Options) -> Fit:
             if p in solved else prepare_weight(params[p], plan.specs[p], path=p) for p in weights}
     state = {p: clip_init(q, zero_point=zero_point) if o.init == "mse" else minmax_init(q) for p, q in prep.items()}
     learn_range = {p: o.minmax and q.ranged for p, q in prep.items()}
-    targets = _targets(block)
+    targets = float_targets(block, "signround")
     inputs = block.inputs if o.quantized_inputs else block.float_inputs
     if len(inputs) != len(targets):
         raise ValueError(f"block {block.name}: {len(inputs)} quantized-chain batches but {len(targets)} float ones")
     par = block.parallel
-    # one sampler over all ranks' batches (each rank holds a contiguous share, in rank order): every rank draws
-    # the same global picks and runs those it holds, so N ranks take the one-process steps
-    counts = [len(inputs)] if par.world == 1 else [int(n) for n in par.gather(len(inputs))]
-    start = sum(counts[:par.rank])
-    rows = [_rows(*inputs[0])] if par.world == 1 else par.gather(_rows(*inputs[0]) if inputs else 1)
-    per = max(1, math.ceil(o.batch_size / max(max(rows), 1)))
-    total = sum(counts)
-    held = [i for i in range(total) if o.holdout and i % o.holdout == o.holdout - 1]
-    sampler = _Sampler(sorted(set(range(total)) - set(held)), per, o.seed)
-    judge = [i - start for i in held if start <= i < start + len(inputs)] if held else range(len(inputs))
+    plan_ = schedule(inputs, par, batch_size=o.batch_size, holdout=o.holdout, seed=o.seed)
+    sampler, judge = plan_.sampler, plan_.judge
 
     device = targets[0].device.type if targets else "cpu"
 
@@ -218,8 +163,8 @@ def step(params, plan, *, context, options: Options) -> Fit:
         for i in picks:
             args, kwargs = inputs[i]
             with torch.autocast(device, dtype=torch.bfloat16, enabled=fast):
-                out = _first(block.call(block.name, tensors, args, kwargs))
-            sse = sse + (out.to(torch.float32) - targets[i]).square().sum()
+                out = first_tensor(block.call(block.name, tensors, args, kwargs), "signround")
+            sse = sse + block_mse(out, targets[i])
         return sse
 
     def split(st):
@@ -233,17 +178,17 @@ def step(params, plan, *, context, options: Options) -> Fit:
         every calibration batch."""
         with torch.no_grad():
             sse = error(*split(st), judge)
-        _, sse, count = _reduce({}, sse, float(sum(targets[i].numel() for i in judge)), par)
+        _, sse, count = reduce_sums({}, sse, float(sum(targets[i].numel() for i in judge)), par)
         return float(sse) / max(count, 1.0)
 
     grad_and_value = torch.func.grad_and_value(error)
     initial = state
     best_loss, best_state, first_loss = math.inf, state, math.nan
     for t in context.track(range(iters), desc=f"signround {block.name}", total=iters):
-        picks = [i - start for i in sampler.next() if start <= i < start + len(inputs)]
+        picks = plan_.local(sampler.next())
         grads, sse = grad_and_value(*split(state), picks, o.amp)
         count = float(sum(targets[i].numel() for i in picks))
-        grads, sse, count = _reduce(grads, sse, count, par)
+        grads, sse, count = reduce_sums(grads, sse, count, par)
         value = float(sse) / max(count, 1.0)
         if value < best_loss or not o.best:
             best_loss, best_state = value, state
@@ -283,22 +228,6 @@ def _gptq_start(params, plan, context, weights, gptaq: bool = False) -> dict:
     _, qparams, _, unrounded = gptq_solve(params, plan, context=context, options=GPTQOptions(gptaq=gptaq),
                                           unrounded=True)
     return {p: (unrounded[p], qparams[p]) for p in weights if p in unrounded}
-
-
-def _reduce(grads: Mapping, sse, count: float, par):
-    """On several ranks, the gradients, the squared error and the element count summed over them (one
-    ``all_sum`` of one flat tensor); on one, as they are."""
-    if par.world == 1:
-        return grads, sse, count
-    leaves = [(p, k, g) for p, gs in grads.items() for k, g in enumerate(gs)]
-    flat = torch.cat([g.reshape(-1).to(torch.float64) for _, _, g in leaves]
-                     + [sse.detach().reshape(1).to(torch.float64), torch.tensor([count], dtype=torch.float64)])
-    flat = par.all_sum(flat)
-    out, at = {p: list(gs) for p, gs in grads.items()}, 0
-    for p, k, g in leaves:
-        out[p][k] = flat[at:at + g.numel()].reshape(g.shape).to(g.dtype)
-        at += g.numel()
-    return {p: tuple(v) for p, v in out.items()}, flat[at], float(flat[at + 1])
 
 
 def _tokens(*, options: Options) -> int | None:

@@ -58,6 +58,7 @@ from ..formats.scaling import FP8_E4M3_MAX, FP8_E4M3_TINY, UnitScheme
 from ..spec import QuantSpec
 from ..tensor import QParams, blocks, dequantize, quantize
 from ..tensor.quantize import element_range
+from ..learn.ranges import from_qparams, stored_effective
 
 __all__ = ["Learned", "Prepared", "ZERO_POINTS", "OFFSET_RANGE", "FACTOR_RANGE", "prepare_weight", "minmax_init", "clip_init",
            "learned_fake_quantize", "sign_step", "finalize"]
@@ -130,15 +131,8 @@ def _start_range(qp: QParams, spec: QuantSpec, tiles, groups, path) -> tuple[tor
     if tiles.grid != groups.grid or tuple(qp.scale.shape) != tuple(groups.grid):
         raise ValueError(f"{where(path)}signround: a start from given parameters needs one scale per group "
                          f"(grid {tuple(groups.grid)}), got scale {tuple(qp.scale.shape)} for spec {spec}")
-    s, z = (t if t is None else t.to(torch.float32) for t in qp.effective())
-    qlo, qhi = element_range(spec)
-    if qlo is None:
-        qlo, qhi = spec.fmt.codec.qrange(symmetric=spec.symmetric, restricted=False)
-    if z is None:
-        return qlo * s, qhi * s
-    if spec.zero_point_domain == "offset":
-        return qlo * s + z, qhi * s + z
-    return (qlo - z) * s, (qhi - z) * s
+    r = from_qparams(qp, path=path)
+    return r.lo, r.hi
 
 
 def minmax_init(lq: Prepared) -> Learned:
@@ -205,13 +199,6 @@ def _qparams(lo: torch.Tensor, hi: torch.Tensor, lq: Prepared) -> QParams:
     return QParams(scale=block.to(torch.float8_e4m3fn), global_scale=lq.global_scale, spec=spec)
 
 
-def _ratio(r: torch.Tensor) -> torch.Tensor:
-    """``r / r`` (exactly 1) with the gradient of ``r / r.detach()``; 1 without gradient where ``r`` is 0."""
-    rd = r.detach()
-    pos = rd > 0
-    return torch.where(pos, r / torch.where(pos, rd, 1.0), 1.0)
-
-
 def _pick(keep: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``torch.where(keep, a, b)`` in ``a``'s dtype (fp8 scales picked through float32, exactly)."""
     if a.dtype.is_floating_point and a.element_size() == 1:
@@ -221,35 +208,14 @@ def _pick(keep: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 def _range(lq: Prepared, t: Learned):
     """The learned ranges on the element grid, their parameters, and the differentiable ``(scale, zero point)``."""
-    spec = lq.spec
     lo, hi = lq.wmin * _to_tiles(t.alpha, lq), lq.wmax * _to_tiles(t.beta, lq)
     qp = _qparams(lo.detach(), hi.detach(), lq)
     if lq.start is not None:  # the given parameters where the factors stand at 1 (the start, exactly)
         keep = (t.alpha.detach() == 1) & (t.beta.detach() == 1)
         qp = QParams(scale=_pick(keep, lq.start.scale, qp.scale), zero_point=None if qp.zero_point is None
                      else _pick(keep, lq.start.zero_point, qp.zero_point), global_scale=qp.global_scale, spec=qp.spec)
-    s_val, z_val = qp.effective()
-    if not lq.ranged:  # a cast: the scale is 1 whatever the range
-        return qp, s_val, z_val
-    zd = spec.zero_point_domain
-    if spec.symmetric:
-        width = torch.maximum(-lo, hi)
-    elif zd == "int":
-        width = hi.clamp(min=0) - lo.clamp(max=0)
-    else:
-        width = hi - lo
-    s = s_val * _ratio(width)
-    if spec.symmetric or z_val is None:
-        return qp, s, z_val
-    qlo = element_range(spec)[0]
-    qlo = spec.fmt.codec.qrange(symmetric=False, restricted=False)[0] if qlo is None else qlo
-    if zd == "offset":
-        zc = lo - qlo * s
-    elif zd == "int":
-        zc = qlo - lo.clamp(max=0) / s
-    else:
-        zc = qlo - lo / s
-    return qp, s, z_val + (zc - zc.detach())
+    s, z = stored_effective(qp, lo, hi)
+    return qp, s, z
 
 
 def _zero_point_mode(zero_point: str) -> None:
