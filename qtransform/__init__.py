@@ -33,6 +33,7 @@ from .pipeline import (PRESETS, Calibrator, Preset, activation_quantizers, check
                        run_steps)
 from .parallel import SERIAL, Parallel
 from .rotation import OnlineRotation, hadamard, hadamard_transform, orthogonal, rotate
+from . import learn
 from .tree import (dequantize_tree, flatten_tree, is_qtensor, merge_stats_tree, observe_tree, qparams_tree,
                    quantize_tree)
 
@@ -54,5 +55,5 @@ __all__ = [
     "recipe_from_dict", "register_preset",
     "hadamard", "hadamard_transform", "orthogonal", "rotate", "OnlineRotation",
     "dequantize_tree", "flatten_tree", "is_qtensor", "merge_stats_tree", "observe_tree", "qparams_tree",
-    "quantize_tree",
+    "quantize_tree", "learn",
 ]

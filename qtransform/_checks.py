@@ -57,24 +57,28 @@ def _is_batched(x: torch.Tensor) -> bool:
 
 
 def differentiated(t) -> bool:
-    """Whether ``t`` is being differentiated: ``requires_grad`` with grad mode on, or :func:`func_differentiated`."""
+    """Whether ``t`` is being differentiated: ``requires_grad`` with grad mode on (autograd, ``torch.func.grad``),
+    or a dual tensor of forward mode (``torch.func.jvp``, ``jacfwd``: no ``requires_grad`` there)."""
     if t is None:
         return False
     if t.requires_grad and torch.is_grad_enabled():
         return True
-    return func_differentiated(t)
+    return _has_tangent(t)
 
 
 def func_differentiated(t) -> bool:
-    """Whether ``torch.func`` differentiates ``t``: a tensor ``grad`` / ``vjp`` track, or a dual tensor of forward
-    mode (``jvp``, ``jacfwd``: no ``requires_grad`` there). ``False`` while ``torch.compile`` traces."""
+    """Whether ``torch.func`` differentiates ``t``: a tensor ``grad`` / ``vjp`` track (not one detached there), or
+    a dual tensor of forward mode (``jvp``, ``jacfwd``). ``False`` while ``torch.compile`` traces."""
     if t is None or torch.compiler.is_compiling():
         return False
-    f = torch._C._functorch
-    while f.is_functorch_wrapped_tensor(t):
-        if f.is_gradtrackingtensor(t):
-            return True
-        t = f.get_unwrapped(t)
+    if t.requires_grad and torch._C._functorch.is_functorch_wrapped_tensor(t):
+        return True
+    return _has_tangent(t)
+
+
+def _has_tangent(t) -> bool:
+    if torch.compiler.is_compiling():
+        return False
     try:
         return torch.autograd.forward_ad.unpack_dual(t).tangent is not None
     except RuntimeError:  # no forward-mode level open

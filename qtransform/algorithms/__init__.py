@@ -5,7 +5,8 @@
 ``hqq`` (half-quadratic optimization, calibration-free), ``smoothquant`` (activation outliers
 folded into the weights, block by block on calibration data), ``gptq``, ``awq`` (activation-aware
 scales and clipping), ``rotate`` (QuaRot's rotations), ``spinquant`` (rotations learned on the
-quantized model's loss), ``signround`` (AutoRound: rounding and clipping learned by signed gradient descent)
+quantized model's loss), ``signround`` (AutoRound: rounding and clipping learned by signed gradient descent),
+``qat`` (quantization-aware training block by block: weights and learned ranges, EfficientQAT's Block-AP)
 and ``lowrank`` (rank-r corrections of the quantization error, EoRA). What a step returns beside tensors and
 quantization parameters is a registered kind of step output (:mod:`.outputs`: ``lowrank``'s corrections).
 
@@ -30,9 +31,9 @@ from .base import (ALGORITHMS, Algorithm, Block, BlockInputs, Context, Fit, Mode
 from .lowrank_math import LowRank
 from .outputs import OUTPUT_KINDS, OutputKind, register_output_kind
 from . import (outputs, rtn, hqq_math, hqq, smoothing, smoothquant_math, smoothquant, gptq_math, gptq, awq_math, awq, rotate,
-               spinquant, signround_math, signround, lowrank_math, lowrank)
+               spinquant, signround_math, signround, lowrank_math, lowrank, block_training, qat)
 
 __all__ = ["LowRank", "OUTPUT_KINDS", "OutputKind", "register_output_kind", "outputs", "ALGORITHMS", "Algorithm", "Block", "BlockInputs", "ModelLoss", "Context", "Fit", "SiteStats",
            "apply_fit", "check_algorithm_options", "get_algorithm", "register_algorithm", "rtn", "hqq_math", "hqq",
            "smoothing", "smoothquant_math", "smoothquant", "gptq_math", "gptq", "awq_math", "awq", "rotate",
-           "spinquant", "signround_math", "signround", "lowrank_math", "lowrank"]
+           "spinquant", "signround_math", "signround", "lowrank_math", "lowrank", "block_training", "qat"]

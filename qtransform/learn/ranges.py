@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import torch
 
-from .._checks import check_finite, check_float_tensor, where
+from .._checks import check_finite, check_float_tensor, differentiated, under_transform, where
 from .._pytree import pytree_dataclass
 from ..formats.scaling import UnitScheme
 from ..spec import QuantSpec
@@ -120,18 +120,23 @@ def to_qparams(r: LearnedRange, *, path: str | None = None) -> QParams:
     """The stored parameters of ``r`` (no gradient): the format's for its ranges, as a checkpoint holds them."""
     if not isinstance(r, LearnedRange):
         raise TypeError(f"{where(path)}to_qparams: expected a LearnedRange, got {type(r).__name__}")
-    lo, hi = r.lo.detach().to(torch.float32), r.hi.detach().to(torch.float32)
+    return _stored(r.lo, r.hi, r.spec, path)
+
+
+def _stored(lo: torch.Tensor, hi: torch.Tensor, spec: QuantSpec, path) -> QParams:
+    """The format's parameters for the (ordered) ranges, no gradient; a non-finite range refused by path."""
+    lo, hi = lo.detach().to(torch.float32), hi.detach().to(torch.float32)
     bad = ~(torch.isfinite(lo) & torch.isfinite(hi))
-    if bool(bad.any()):
+    if not under_transform(lo) and bool(bad.any()):
         raise ValueError(f"{where(path)}a learned range is not finite at grid index "
                          f"{tuple(int(i) for i in bad.nonzero()[0])} (a diverged step?)")
-    return QParams.from_range(torch.minimum(lo, hi), torch.maximum(lo, hi), r.spec, path=path)
+    return QParams.from_range(torch.minimum(lo, hi), torch.maximum(lo, hi), spec, path=path)
 
 
 def _ratio(r: torch.Tensor) -> torch.Tensor:
     """``r / r`` (exactly 1) with the gradient of ``r / r.detach()``; 1 without gradient where ``r`` is 0."""
     rd = r.detach()
-    pos = rd > 0
+    pos = (rd > 0) & torch.isfinite(rd)  # a width beyond float32 (a range at its limit): no gradient, never NaN
     return torch.where(pos, r / torch.where(pos, rd, 1.0), 1.0)
 
 
@@ -142,7 +147,7 @@ def stored_effective(qp: QParams, lo: torch.Tensor, hi: torch.Tensor, *, zero_po
         raise ValueError(f"zero_point must be one of {list(ZERO_POINTS)}, got {zero_point!r}")
     spec = qp.spec
     s_val, z_val = qp.effective()
-    if not ranged(spec):  # a cast: the scale is 1 whatever the range
+    if not ranged(spec) or not (differentiated(lo) or differentiated(hi)):  # a cast (scale 1), or no gradient asked
         return s_val, z_val
     zd = spec.zero_point_domain
     if spec.symmetric:
@@ -162,7 +167,7 @@ def stored_effective(qp: QParams, lo: torch.Tensor, hi: torch.Tensor, *, zero_po
         zc = qlo - lo.clamp(max=0) / s
     else:
         zc = qlo - lo / s
-    return s, z_val + (zc - zc.detach())
+    return s, z_val + torch.where(torch.isfinite(zc.detach()), zc - zc.detach(), 0.0)
 
 
 def fake_quantize(w: torch.Tensor, r: LearnedRange, *, zero_point: str = "ste", generator=None,
@@ -178,6 +183,6 @@ def fake_quantize(w: torch.Tensor, r: LearnedRange, *, zero_point: str = "ste", 
         raise ValueError(f"{where(path)}learned range of grid {tuple(r.lo.shape)} does not fit a tensor of shape "
                          f"{tuple(w.shape)} under {r.spec} (grid {grid})")
     lo, hi = torch.minimum(r.lo, r.hi), torch.maximum(r.lo, r.hi)
-    qp = QParams.from_range(lo.detach().to(torch.float32), hi.detach().to(torch.float32), r.spec, path=path)
+    qp = _stored(lo, hi, r.spec, path)
     s, z = stored_effective(qp, lo.to(torch.float32), hi.to(torch.float32), zero_point=zero_point)
     return fake_quantize_grid(w, r.spec, s, z, generator=generator, path=path)
