@@ -107,6 +107,12 @@ def _check_plan(model: nn.Module, p: qt.Plan, calibrated: bool) -> None:
     if getattr(p.recipe, "kv_cache", None) is not None:
         raise ValueError("recipe.kv_cache: bridge.qat does not train key/value cache quantizers; drop kv_cache, "
                          "or quantize with bridge.quantize")
+    qt.check_steps(p.steps, calibrated=calibrated)  # a step needing data is named first
+    outputs = [f"{s.name} ({', '.join(qt.get_algorithm(s.name).outputs)})" for s in p.steps
+               if qt.get_algorithm(s.name).outputs]
+    if outputs:
+        raise ValueError(f"recipe.steps: {outputs} make step outputs beside the quantized tensors, which bridge.qat "
+                         "does not train; quantize with bridge.quantize, or drop that step")
     owners = weight_paths(model)
     for path in p.specs:
         if parametrize.is_parametrized(owners[path], "weight"):
@@ -134,13 +140,6 @@ def _check_plan(model: nn.Module, p: qt.Plan, calibrated: bool) -> None:
 def _conv_sites(p: qt.Plan) -> dict:
     return {s: p[path].module_type in _CONV for role in ACT_NAMES for s, paths in p.sites(role).items()
             for path in paths}
-
-
-def _check_steps(r) -> None:
-    if r.outputs:
-        raise ValueError(f"recipe.steps ({[s.name for s in r.plan.steps]}): they make step outputs "
-                         f"({sorted(r.outputs)}) beside the quantized tensors, which bridge.qat does not train; "
-                         "quantize with bridge.quantize, or drop that step")
 
 
 def prepare(model: nn.Module, recipe, *, inplace: bool = False, calibration: Iterable | None = None,
@@ -174,7 +173,6 @@ def prepare(model: nn.Module, recipe, *, inplace: bool = False, calibration: Ite
     result = None
     if p.steps or any(not s.dynamic for s in p.activations.values()):
         result = quantize_params(model, p, calibration=calibration, act_observer=act_observer)
-        _check_steps(result)
     target = model if inplace else copy.deepcopy(model)
     ranges = start_from_steps(target, result) if p.steps else {}
     if result is not None and result.online:  # QuaRot's online Hadamards, before the input quantizers
