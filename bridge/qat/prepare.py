@@ -40,7 +40,7 @@ from ..modules import QModule
 from ..modules.experts import QExperts
 from ..modules.online import install_online_rotations
 from ..pipeline import nothing_selected, plan, quantize_params
-from ..tree import weight_paths
+from ..tree import tie_groups, weight_paths
 from .quantizers import ACT_NAMES, ActFakeQuant, WeightFakeQuant, attach_activation, attach_weight, weight_quantizer
 from .start import start_from_steps, static_range
 
@@ -113,6 +113,11 @@ def _check_plan(model: nn.Module, p: qt.Plan, calibrated: bool) -> None:
     if outputs:
         raise ValueError(f"recipe.steps: {outputs} make step outputs beside the quantized tensors, which bridge.qat "
                          "does not train; quantize with bridge.quantize, or drop that step")
+    for group in tie_groups(model):
+        specs = {path: p.specs[path] for path in group if path in p.specs}
+        if len(set(specs.values())) > 1:
+            raise ValueError(f"recipe: the tied weights {list(specs)} get different specs "
+                             f"({[str(s) for s in specs.values()]}); bridge.qat gives tied weights one quantizer")
     owners = weight_paths(model)
     for path in p.specs:
         if parametrize.is_parametrized(owners[path], "weight"):
@@ -173,27 +178,27 @@ def prepare(model: nn.Module, recipe, *, inplace: bool = False, calibration: Ite
     result = None
     if p.steps or any(not s.dynamic for s in p.activations.values()):
         result = quantize_params(model, p, calibration=calibration, act_observer=act_observer)
-    target = model if inplace else copy.deepcopy(model)
-    ranges = start_from_steps(target, result) if p.steps else {}
-    if result is not None and result.online:  # QuaRot's online Hadamards, before the input quantizers
-        install_online_rotations(target, result.online)
-    owners = weight_paths(target)
-    shared: dict[int, WeightFakeQuant] = {}  # tied weights share one quantizer (and stay tied)
-    for path, spec in p.specs.items():
-        module = owners[path]
-        fq = shared.get(id(module.weight))
-        if fq is not None and fq.spec != spec:
-            raise ValueError(f"recipe: {path} is tied to {fq.path} but gets another spec ({spec}, not {fq.spec}); "
-                             "give tied weights one spec")
-        if fq is None:
-            r = ranges[path] if path in ranges else learn.learnable(module.weight, spec, path=path)
-            fq = shared[id(module.weight)] = WeightFakeQuant(r, path=path, zero_point=zero_point)
-        attach_weight(module, fq)
-    conv = _conv_sites(p)
+    conv, acts = _conv_sites(p), {}  # every quantizer made before anything is written
     for site, spec in p.activations.items():
-        module = target.get_submodule(site.module)
         tokens, name = not conv.get(site, False), f"{site.module} ({site.role})"
         r = None if spec.dynamic else static_range(result.activations[site], tokens=tokens, site=name)
-        attach_activation(module, site.role, ActFakeQuant(spec, tokens=tokens, r=r, site=name, zero_point=zero_point))
+        acts[site] = ActFakeQuant(spec, tokens=tokens, r=r, site=name, zero_point=zero_point)
+    target = model if inplace else copy.deepcopy(model)
+    ranges = start_from_steps(target, result) if p.steps else {}  # checked all, then written
+    owners = weight_paths(target)
+    weights: dict[str, WeightFakeQuant] = {}
+    by_tensor: dict[int, WeightFakeQuant] = {}  # tied weights share one quantizer (and stay tied)
+    for path, spec in p.specs.items():
+        w = owners[path].weight
+        if id(w) not in by_tensor:
+            r = ranges[path] if path in ranges else learn.learnable(w, spec, path=path)
+            by_tensor[id(w)] = WeightFakeQuant(r, path=path, zero_point=zero_point)
+        weights[path] = by_tensor[id(w)]
+    if result is not None and result.online:  # QuaRot's online Hadamards, before the input quantizers
+        install_online_rotations(target, result.online)
+    for path, fq in weights.items():
+        attach_weight(owners[path], fq)
+    for site, aq in acts.items():
+        attach_activation(target.get_submodule(site.module), site.role, aq)
     setattr(target, STATE, p)
     return target

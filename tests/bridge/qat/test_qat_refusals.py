@@ -93,3 +93,12 @@ def test_convert_of_a_model_prepare_did_not_make(model):
     with pytest.raises(ValueError, match=r"^model: its weight fake quantizers are not those prepare put there \(missing "
                                          r"\['model\.layers\.1\.mlp\.down_proj\.weight'\]"):
         qat.convert(fake)
+
+
+def test_tied_weights_with_two_specs():
+    net = torch.nn.Sequential(torch.nn.Embedding(64, 32), torch.nn.Linear(32, 64, bias=False))
+    net[1].weight = net[0].weight
+    recipe = qt.Recipe(type_rules={"Embedding": INT4, "Linear": qt.QuantSpec(format="int8", granularity=qt.PerChannel(0))})
+    with pytest.raises(ValueError, match=r"^recipe: the tied weights \['0.weight', '1.weight'\] get different specs"):
+        qat.prepare(net, recipe, inplace=True)
+    assert not torch.nn.utils.parametrize.is_parametrized(net[0])  # nothing done half-way

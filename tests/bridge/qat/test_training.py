@@ -1,7 +1,7 @@
 """bridge.qat in training loops: a plain torch loop (Adam, next-token loss + distillation from the float teacher)
 lowers the loss and moves the ranges; the converted model computes exactly what the trained fake model does and
 stores exactly the codes and parameters its fake quantizers used; it saves and loads back (bridge.load,
-transformers' from_pretrained); transformers' Trainer, peft LoRA and torch.compile train a prepared model."""
+transformers' from_pretrained) and exports (compressed-tensors, Quark: imported back, the same logits); transformers' Trainer, peft LoRA and torch.compile train a prepared model."""
 
 import pytest
 import torch
@@ -9,6 +9,7 @@ import torch
 import qtransform as qt
 import bridge
 from bridge import qat
+from bridge.interop import export
 from bridge_util import tiny_causal_lm
 from qtransform import learn
 
@@ -96,7 +97,7 @@ def test_converted_codes_and_scales_are_the_fake_quantizers(trained):
         assert torch.equal(qt.dequantize(qw), fake.get_submodule(name).weight), name
 
 
-def test_save_and_load_back(trained, teacher, batch, tmp_path):
+def test_save_load_back_and_export(trained, teacher, batch, tmp_path):
     from transformers import AutoModelForCausalLM
 
     for name, (fake, q, _, _) in trained.items():
@@ -107,6 +108,10 @@ def test_save_and_load_back(trained, teacher, batch, tmp_path):
         hf = dequant(AutoModelForCausalLM.from_pretrained(tmp_path / name))
         assert torch.equal(logits(hf, batch), ref), name
         assert hf.config.quantization_config.recipe == qt.get_preset(STATIC_W8A8).recipe or name == "int4"
+        for target in ("compressed-tensors", "quark"):  # the exporters take it as any bridge.quantize result
+            export(tmp_path / name, to=target, out=tmp_path / f"{name}-{target}")
+            imported = dequant(bridge.load(tmp_path / f"{name}-{target}", like=teacher))
+            assert torch.equal(logits(imported, batch), ref), (name, target)
 
 
 def test_distill_loss_on_model_outputs(teacher, batch):
