@@ -1,7 +1,8 @@
 """bridge.qat in training loops: a plain torch loop (Adam, next-token loss + distillation from the float teacher)
 lowers the loss and moves the ranges; the converted model computes exactly what the trained fake model does and
 stores exactly the codes and parameters its fake quantizers used; it saves and loads back (bridge.load,
-transformers' from_pretrained) and exports (compressed-tensors, Quark: imported back, the same logits); transformers' Trainer, peft LoRA and torch.compile train a prepared model."""
+transformers' from_pretrained) and exports (compressed-tensors, Quark: imported back, the same logits);
+transformers' Trainer, peft LoRA and torch.compile train a prepared model."""
 
 import pytest
 import torch
