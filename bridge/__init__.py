@@ -21,6 +21,8 @@ Packages follow the data flow (docs/layout.md lists them with the core's):
   the dequantizing reference).
 - ``checkpoint``: files without modules: the atomic, checksummed store, layouts, versioned metadata.
 - ``io``: ``save`` / ``load`` of models.
+- ``qat``: quantization-aware training in the user's own loop: ``prepare`` (trainable fake quantizers),
+  ``convert`` (the exact quantized model), ``distill_loss`` (imported on use: ``from bridge import qat``).
 - ``hf``: transformers' quantizer and config, dequantize, offloading, peft (a leaf).
 - ``interop``: other ecosystems' formats, one package per target with its exporter and importer:
   ``quark``, ``compressed_tensors``, ``gguf``, ``onnx``.

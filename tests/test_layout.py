@@ -11,7 +11,7 @@ PACKAGES = ("qtransform", "bridge")
 #: What the bridge may import from the core: the top-level API and its public subpackages.
 PUBLIC_CORE = {"qtransform", "qtransform.formats", "qtransform.spec", "qtransform.tensor", "qtransform.observers",
                "qtransform.algorithms", "qtransform.pipeline", "qtransform.registry", "qtransform.testing",
-               "qtransform.rotation", "qtransform.search"}
+               "qtransform.rotation", "qtransform.search", "qtransform.learn"}
 MAX_LINES = 400
 
 
