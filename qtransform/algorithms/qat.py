@@ -108,12 +108,21 @@ def _start(params, plan, context, paths, init: str):
         if p in solved and spec.fmt.sub_block is None:
             w, qp = solved[p]
             weights[p] = w.detach().to(torch.float32)
-            ranges[p], start[p] = learn.from_qparams(qp, path=p), qp
+            ranges[p], start[p] = _range_of(qp, p), qp
         else:
             weights[p] = params[p].detach().to(torch.float32)
             ranges[p] = learn.learnable(weights[p], spec, path=p)
             start[p] = learn.to_qparams(ranges[p], path=p)
     return weights, ranges, start
+
+
+def _range_of(qp: QParams, path: str) -> learn.LearnedRange:
+    """The range standing exactly for ``qp`` where one does, else the one it stands for (the start itself is kept
+    as ``qp`` either way)."""
+    try:
+        return learn.exact_range(qp, path=path)
+    except ValueError:
+        return learn.from_qparams(qp, path=path)
 
 
 def step(params, plan, *, context, options: Options) -> Fit:

@@ -96,7 +96,7 @@ def learnable(w: torch.Tensor, spec: QuantSpec, *, path: str | None = None) -> L
 def from_qparams(qparams: QParams, *, path: str | None = None) -> LearnedRange:
     """The ranges ``qparams`` stand for (their lowest and highest codes dequantized): a start from parameters
     fitted elsewhere (GPTQ's, a calibrated activation range). :func:`to_qparams` of it gives ``qparams`` back
-    up to the format's rounding of a scale (exactly where the range is the one they were fitted to)."""
+    up to the format's rounding of a scale; :func:`qtransform.learn.exact_range`: exactly."""
     if not isinstance(qparams, QParams):
         raise TypeError(f"{where(path)}from_qparams: expected a QParams, got {type(qparams).__name__}")
     spec = qparams.spec
@@ -107,7 +107,10 @@ def from_qparams(qparams: QParams, *, path: str | None = None) -> LearnedRange:
     qlo, qhi = element_range(spec)
     if qlo is None:
         qlo, qhi = spec.fmt.codec.qrange(symmetric=spec.symmetric, restricted=False)
-    if z is None:
+    if spec.symmetric:  # one scale for max(-lo, hi) over the half-width of the code range (int8: 127.5)
+        half = (qhi - qlo) / 2
+        lo, hi = -half * s, half * s
+    elif z is None:
         lo, hi = qlo * s, qhi * s
     elif spec.zero_point_domain == "offset":
         lo, hi = qlo * s + z, qhi * s + z

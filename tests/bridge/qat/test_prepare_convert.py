@@ -169,17 +169,3 @@ def test_tied_weights_share_one_quantizer():
     ids = torch.randint(0, 64, (2, 5))
     with torch.no_grad():
         assert torch.equal(q(ids), ref(ids)) and torch.equal(fake(ids), ref(ids))
-
-
-def test_exact_range_recovers_step_parameters():
-    """Parameters fitted elsewhere (int8's full-range symmetric scale, an asymmetric float32 scale) are given back
-    exactly by the range training starts from, where learn.from_qparams alone is off."""
-    g = torch.Generator().manual_seed(0)
-    from bridge.qat.start import exact_range
-    for spec in (qt.QuantSpec(format="int8", granularity=qt.PerChannel(0)),
-                 qt.QuantSpec(format="uint4", granularity=qt.PerGroup(16), symmetric=False)):
-        w = torch.randn(64, 64, generator=g)
-        qp = qt.choose_qparams(w * 0.9, spec)  # parameters of another range than w's
-        r = exact_range(qp)
-        back = learn.to_qparams(r)
-        assert all(torch.equal(a, b) for a, b in zip(back.tensors().values(), qp.tensors().values()))
