@@ -42,7 +42,7 @@ import torch
 
 from .. import learn
 from ..learn.optim import adam_init, adam_update, cosine
-from ..tensor import QParams, dequantize, fake_quantize, quantize
+from ..tensor import QParams, blocks, dequantize, fake_quantize, quantize
 from .base import BlockInputs, Fit, register_algorithm
 from .block_training import block_mse, first_tensor, float_targets, reduce_sums, schedule
 from .gptq import Options as GPTQOptions
@@ -62,12 +62,13 @@ class Options:
     >>> check_options(lr=0)
     Traceback (most recent call last):
     ...
-    ValueError: qat: lr must be a float > 0, got 0
+    ValueError: qat: lr must be a number > 0, got 0
     """
 
     iters: int = option(100, ge=0, doc="Adam steps per block")
-    lr: float = option(1e-5, gt=0, doc="the weights' step size (cosine decay to 0)")
-    range_lr: float = option(1e-4, gt=0, doc="the learned ranges' step size (cosine decay to 0)")
+    lr: float = option(0.02, gt=0, doc="the weights' step size in units of their group's quantization step "
+                                      "(cosine decay to 0)")
+    range_lr: float = option(0.005, gt=0, doc="the learned ranges' step size in units of their width (cosine decay)")
     weights: bool = option(True, doc="train the weights with the ranges (Block-AP); False: the ranges alone")
     batch_size: int = option(4, ge=1, doc="calibration sequences per iteration")
     init: str = option("minmax", choices=QAT_INITS, doc="the start: min-max ranges, GPTQ's or GPTAQ's solution")
@@ -146,37 +147,46 @@ def step(params, plan, *, context, options: Options) -> Fit:
     par = block.parallel
     plan_ = schedule(inputs, par, batch_size=o.batch_size, holdout=o.holdout, seed=o.seed)
 
-    def error(state, picks):
+    def error(state, i):
         tensors = {p: learn.fake_quantize(state[f"{p}:w"], learn.LearnedRange(
             lo=state[f"{p}:lo"], hi=state[f"{p}:hi"], spec=plan.specs[p]) if p in learned else ranges[p],
             zero_point=o.zero_point, path=p).to(dtypes[p]) for p in paths}
-        sse = torch.zeros((), dtype=torch.float32)
-        for i in picks:
-            args, kwargs = inputs[i]
-            sse = sse + block_mse(first_tensor(block.call(block.name, tensors, args, kwargs), "qat"), targets[i])
-        return sse
+        args, kwargs = inputs[i]
+        return block_mse(first_tensor(block.call(block.name, tensors, args, kwargs), "qat"), targets[i])
 
     def judged(tensors) -> float:
-        """The block's output MSE with ``tensors`` on the judging batches (all ranks')."""
+        """The block's output MSE with ``tensors`` on the judging batches (all ranks'), summed in float64."""
+        sse = torch.zeros((), dtype=torch.float64)
         with torch.no_grad():
-            sse = torch.zeros((), dtype=torch.float32)
             for i in plan_.judge:
                 args, kwargs = inputs[i]
-                sse = sse + block_mse(first_tensor(block.call(block.name, tensors, args, kwargs), "qat"), targets[i])
+                out = first_tensor(block.call(block.name, tensors, args, kwargs), "qat")
+                sse = sse + block_mse(out, targets[i]).to(torch.float64)
         _, sse, count = reduce_sums({}, sse, float(sum(targets[i].numel() for i in plan_.judge)), par)
         return float(sse) / max(count, 1.0)
 
     state = {f"{p}:w": weights[p] for p in paths}
     for p in learned:
         state[f"{p}:lo"], state[f"{p}:hi"] = ranges[p].lo, ranges[p].hi
-    rates = {k: (o.lr if o.weights else 0.0) if k.endswith(":w") else o.range_lr for k in state}
+    keys = sorted(state)
+    rates = {}
+    for p in paths:  # step sizes in units of each group's quantization step (weights) and range width (ranges)
+        rates[f"{p}:w"] = o.lr * _step_units(weights[p], start[p]) if o.weights else 0.0
+        if p in learned:
+            width = (ranges[p].hi - ranges[p].lo).abs()
+            width = torch.where(width > 0, width, ranges[p].hi.abs().clamp_min(1e-12))
+            rates[f"{p}:lo"] = rates[f"{p}:hi"] = o.range_lr * width
     adam = adam_init(state)
     grad_and_value = torch.func.grad_and_value(error)
     for t in context.track(range(o.iters), desc=f"qat {block.name}", total=o.iters):
-        grads, sse = grad_and_value(state, plan_.local(plan_.sampler.next()))
-        keys = sorted(grads)
-        summed, _, _ = reduce_sums({"g": tuple(grads[k] for k in keys)}, sse, 0.0, par)
-        grads = dict(zip(keys, summed["g"]))
+        # one gradient per batch, added in float64: exact for the few batches of a step, so any split of them over
+        # ranks (each adding its own, then one all_sum) gives the one-process sum bit for bit
+        total = {k: torch.zeros(state[k].shape, dtype=torch.float64, device=state[k].device) for k in keys}
+        for i in plan_.local(plan_.sampler.next()):
+            g, _ = grad_and_value(state, i)
+            total = {k: total[k] + g[k].to(torch.float64) for k in keys}
+        summed, _, _ = reduce_sums({"g": tuple(total[k] for k in keys)}, torch.zeros(()), 0.0, par)
+        grads = {k: v.to(torch.float32) for k, v in zip(keys, summed["g"])}
         factor = cosine(t, o.iters)
         state, adam = adam_update(state, grads, adam, lr={k: r * factor for k, r in rates.items()},
                                   weight_decay=o.weight_decay)
@@ -188,7 +198,7 @@ def step(params, plan, *, context, options: Options) -> Fit:
     def score(cand) -> float:
         return judged({p: fake_quantize(w, qp, path=p).to(dtypes[p]) for p, (w, qp) in cand.items()})
 
-    losses = {"start": score(start_state) if o.best or not o.iters else math.nan,
+    losses = {"start": score(start_state),
               "trained": score(trained_state) if o.iters else math.nan}
     keep_start = not o.iters or (o.best and losses["start"] <= losses["trained"])
     name, kept = ("start", start_state) if keep_start else ("trained", trained_state)
@@ -199,6 +209,22 @@ def step(params, plan, *, context, options: Options) -> Fit:
         info[p] = {"qat_loss": float(f"{losses[name]:.6g}"), "start_loss": float(f"{losses['start']:.6g}"),
                    "kept": name}
     return Fit(params=new, qparams=qparams, info=info)
+
+
+def _step_units(w: torch.Tensor, qp: QParams) -> torch.Tensor:
+    """Each element's quantization step at the start: the distance between the grid points around it (its block's
+    scale on integer grids; NF4's and the minifloats' local spacing), shaped like ``w``."""
+    p = blocks.tiling(w.shape, qp.spec, sub_block=True)
+    s, z = qp.effective()
+    s = blocks.expand(s.detach().to(torch.float32).abs(), p)
+    xb = blocks.view(w.detach().to(torch.float32), p)
+    z = None if z is None else blocks.expand(z.detach().to(torch.float32), p)
+    if z is None:
+        v = xb / s
+    else:
+        v = (xb - z) / s if qp.spec.zero_point_domain == "offset" else xb / s + z
+    unit = 2 * qp.spec.fmt.codec.half_spacing(v) * s
+    return blocks.unview(unit, p).clamp_min(torch.finfo(torch.float32).tiny)
 
 
 def _on_grid(w: torch.Tensor, qp: QParams, dtype: torch.dtype, path: str) -> torch.Tensor:

@@ -35,17 +35,19 @@ def adam_init(params: Mapping[str, torch.Tensor]) -> AdamState:
 
 
 def adam_update(params: Mapping[str, torch.Tensor], grads: Mapping[str, torch.Tensor], state: AdamState, *,
-                lr: Mapping[str, float], betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                lr: Mapping[str, float | torch.Tensor], betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                 weight_decay: float = 0.0) -> tuple[dict, AdamState]:
-    """One Adam step (AdamW's decoupled ``weight_decay``) with a step size per key (``lr[key]``; 0 or a key
-    missing from ``grads``: left as it is). Returns new tensors and state; nothing is changed in place."""
+    """One Adam step (AdamW's decoupled ``weight_decay``) with a step size per key (``lr[key]``: a float, or a
+    tensor broadcasting to the key's, a step size per element; 0 or a key missing from ``grads``: left as it is).
+    Returns new tensors and state; nothing is changed in place."""
     b1, b2 = betas
     t = state.step + 1
     c1, c2 = 1.0 - b1 ** t, 1.0 - b2 ** t
     new, m, v = {}, dict(state.m), dict(state.v)
     for k, p in params.items():
-        g, step = grads.get(k), float(lr.get(k, 0.0))
-        if g is None or step == 0.0:
+        g, step = grads.get(k), lr.get(k, 0.0)
+        step = step if isinstance(step, torch.Tensor) else float(step)
+        if g is None or (not isinstance(step, torch.Tensor) and step == 0.0):
             new[k] = p
             continue
         g = g.to(torch.float32)
