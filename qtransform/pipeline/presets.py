@@ -145,6 +145,11 @@ for _b, _g in ((4, 128), (3, 64), (2, 64)):
     _builtin(f"signround{_b}-g{_g}", lambda b=_b, g=_g: _gptq_spec(b, g),
              f"SignRound (AutoRound) uint{_b} asymmetric (integer zero point), group {_g}: rounding and clipping "
              "learned by signed gradient descent, 200 iterations per block (needs --calib)", Step("signround"))
+for _b, _g in ((4, 128), (3, 64), (2, 64)):
+    _builtin(f"qat{_b}-g{_g}", lambda b=_b, g=_g: _gptq_spec(b, g),
+             f"quantization-aware training block by block (Block-AP) from GPTAQ's solution, uint{_b} asymmetric "
+             f"(integer zero point), group {_g}: each block's weights and ranges trained with Adam against the float "
+             "block's output (needs --calib)", Step("qat", init="gptaq"))
 _builtin("awq-gptq4-g128", lambda: _gptq_spec(4, 128),
          "AWQ scales, then GPTQ: uint4 asymmetric (integer zero point), group 128 (needs --calib)",
          Step("awq", clip=False), Step("gptq"))
