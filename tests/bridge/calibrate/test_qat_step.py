@@ -6,6 +6,7 @@ blocks compute what the trained fake quantizer computed), and bad options are re
 from __future__ import annotations
 
 import dataclasses
+import json
 import sys
 from pathlib import Path
 
@@ -14,7 +15,9 @@ import torch
 
 import bridge
 import qtransform as qt
-from bridge_util import tiny_causal_lm
+import tiny_lm
+from bridge.app.cli import main
+from bridge_util import on_command_model, tiny_causal_lm
 
 U2 = qt.QuantSpec(format="uint2", granularity=qt.PerGroup(32), symmetric=False)
 FAMILIES = {"uint2-asym": U2, "int4-sym": qt.QuantSpec(format="int4", granularity=qt.PerGroup(32)),
@@ -145,3 +148,25 @@ def test_bad_options_are_refused_by_name_before_any_work(options, match):
 
     with pytest.raises(ValueError, match=match):
         bridge.quantize_params(model, _recipe(U2, qt.Step("qat", **options)), calibration=calib())
+
+
+def test_the_preset_from_the_command_line_saves_and_reloads_with_identical_logits(tmp_path, monkeypatch, capsys):
+    """``qtransform quantize --recipe qat2-g64 --calib N``: the report holds each tensor's losses, and the
+    checkpoint loads in transformers with the logits the command's quantized model computed."""
+    from transformers import AutoModelForCausalLM
+
+    src = tmp_path / "llama"
+    _model("llama").save_pretrained(src)
+    tiny_lm.tokenizer().save_pretrained(src)
+    seen = {}
+    ids = _batches(1, 7)[0]
+    on_command_model(monkeypatch, lambda qmodel: seen.update(logits=qmodel(ids).logits.detach()))
+    out = tmp_path / "ckpt"
+    rc = main(["quantize", "--in-memory", "--model", str(src), "--recipe", "qat2-g64", "--out", str(out),
+               "--threads", "1", "--no-eval", "--calib", "4", "--seq-len", "16"])
+    assert rc == 0, capsys.readouterr().err
+    rep = json.loads((out / "report.json").read_text())
+    assert {v.keys() >= {"qat_loss", "start_loss", "kept"} for v in rep["step_info"].values()} == {True}
+    loaded = AutoModelForCausalLM.from_pretrained(out).eval()
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, seen["logits"])
