@@ -24,6 +24,7 @@ from ..arch.embeddings import model_part
 from ..arch.towers import encoder_decoder, towers
 from ..distributed import share
 from .experts import expert_sites
+from .loss import quantizing_activations
 from .own_inputs import capture_blocks, capture_inputs, hidden_of, hidden_slot, without_cache
 from .sites import first_tensor, fold_sites
 
@@ -310,10 +311,12 @@ def fit_block_on(model: nn.Module, name: str, current: Mapping, inputs: list, pl
         return _capture(model, name, tuple(modules), dict(sites or {}), lambda: quiet(tensors, inputs), parallel,
                         all_experts)
 
-    def call(path, tensors, args, kwargs):
+    def call(path, tensors, args, kwargs, *, activations=False):
         if path != name and not path.startswith(name + "."):
             raise ValueError(f"block {name}: call: {path!r} is not inside the block")
-        return torch.func.functional_call(model.get_submodule(path), _local({**state, **tensors}, path), args, kwargs)
+        with quantizing_activations(model, plan) if activations else contextlib.nullcontext():
+            return torch.func.functional_call(model.get_submodule(path), _local({**state, **tensors}, path), args,
+                                              kwargs)
 
     memo: list = []
 

@@ -118,9 +118,12 @@ class Block(NamedTuple):
             block on its inputs (or on ``inputs``, a list of batches such as ``[block.float_inputs[i]]``) that
             records, for each module path in ``modules`` (inside the block), its ``(args, kwargs)`` per batch
             (``{module: [...]}``), and folds ``sites`` like ``site_stats`` (over this rank's batches).
-        call: ``call(module, params, args, kwargs) -> output``: the module at path ``module`` (inside the
-            block, or the block itself) on ``args``/``kwargs``, its tensors taken from ``params``
-            (missing paths keep the current tree's): a pure, differentiable function of ``params``.
+        call: ``call(module, params, args, kwargs, *, activations=False) -> output``: the module at path ``module``
+            (inside the block, or the block itself) on ``args``/``kwargs``, its tensors taken from ``params``
+            (missing paths keep the current tree's): a pure, differentiable function of ``params``; with
+            ``activations=True`` the plan's activation quantizers fake-quantize their modules' inputs and outputs
+            on the way (parameters fitted to each activation, straight-through gradients: a learned step trains
+            under the activation quantization the model will run with).
         tokens: the calibration tokens in ``inputs`` over all batches, counted by the caller, who knows which
             input holds the hidden states (the bridge: ``bridge.calibrate.blocks.batch_tokens``); ``None``: not
             counted, and the steps that sample rows by it (``awq``, ``smoothquant`` with ``alpha="auto"``) keep

@@ -24,8 +24,9 @@ Options (defaults): ``iters`` (100), ``lr`` (1e-5: the weights' Adam step size, 
 ``range_lr`` (1e-4: the ranges'), both under a cosine decay to 0; ``weights`` (True; False: the ranges alone, the
 "learned clipping" of OmniQuant); ``batch_size`` (4 calibration sequences per iteration), ``init``, ``zero_point``
 (``"ste"``: LSQ+'s straight-through integer zero point; ``"round"``), ``best``, ``holdout`` (5: every fifth batch
-judges the kept state and does not train), ``quantized_inputs`` (True), ``weight_decay`` (0), ``seed``,
-``tokens``. ``Fit.info`` holds per tensor ``qat_loss`` (the kept state's block output MSE on the judging batches)
+judges the kept state and does not train), ``quantized_inputs`` (True), ``activations`` (True: the plan's
+activation quantizers, W4A4's int4 inputs, fake-quantize inside the block while it trains and is judged, so the
+weights learn under them), ``weight_decay`` (0), ``seed``, ``tokens``. ``Fit.info`` holds per tensor ``qat_loss`` (the kept state's block output MSE on the judging batches)
 and ``start_loss``.
 
 On several ranks each rank computes the gradient on its share of the picked batches; the ranks add them in
@@ -78,6 +79,8 @@ class Options:
     holdout: int = option(5, ge=0, expect="an int, 0 (none) or >= 2",
                           doc="every holdout-th calibration batch judges instead of training")
     quantized_inputs: bool = option(True, doc="train on the quantized chain's block inputs (False: the float chain's)")
+    activations: bool = option(True, doc="the plan's activation quantizers fake-quantize inside the block while it "
+                                         "trains and is judged (W4A4, W8A8: the weights learn under them)")
     weight_decay: float = option(0.0, ge=0, doc="AdamW's decoupled weight decay of the weights")
     seed: int = option(0, ge=0, doc="the batches' shuffle")
     tokens: int | None = option(None, ge=1, doc="calibration tokens used (None: all given)")
@@ -147,12 +150,17 @@ def step(params, plan, *, context, options: Options) -> Fit:
     par = block.parallel
     plan_ = schedule(inputs, par, batch_size=o.batch_size, holdout=o.holdout, seed=o.seed)
 
+    acts = o.activations and bool(plan.activations)
+
+    def run(tensors, args, kwargs):
+        return block.call(block.name, tensors, args, kwargs, **({"activations": True} if acts else {}))
+
     def error(state, i):
         tensors = {p: learn.fake_quantize(state[f"{p}:w"], learn.LearnedRange(
             lo=state[f"{p}:lo"], hi=state[f"{p}:hi"], spec=plan.specs[p]) if p in learned else ranges[p],
             zero_point=o.zero_point, path=p).to(dtypes[p]) for p in paths}
         args, kwargs = inputs[i]
-        return block_mse(first_tensor(block.call(block.name, tensors, args, kwargs), "qat"), targets[i])
+        return block_mse(first_tensor(run(tensors, args, kwargs), "qat"), targets[i])
 
     def judged(tensors) -> float:
         """The block's output MSE with ``tensors`` on the judging batches (all ranks'), summed in float64."""
@@ -160,7 +168,7 @@ def step(params, plan, *, context, options: Options) -> Fit:
         with torch.no_grad():
             for i in plan_.judge:
                 args, kwargs = inputs[i]
-                out = first_tensor(block.call(block.name, tensors, args, kwargs), "qat")
+                out = first_tensor(run(tensors, args, kwargs), "qat")
                 sse = sse + block_mse(out, targets[i]).to(torch.float64)
         _, sse, count = reduce_sums({}, sse, float(sum(targets[i].numel() for i in plan_.judge)), par)
         return float(sse) / max(count, 1.0)

@@ -170,3 +170,19 @@ def test_the_preset_from_the_command_line_saves_and_reloads_with_identical_logit
     loaded = AutoModelForCausalLM.from_pretrained(out).eval()
     with torch.no_grad():
         assert torch.equal(loaded(ids).logits, seen["logits"])
+
+
+def test_the_activation_quantizers_are_in_the_loop():
+    """W4A4 (int4 dynamic per-token inputs): with ``activations`` (the default) the block trains and is judged
+    under the inputs' fake quantization, so the same start measures a larger error than without it."""
+    model = _model("llama")
+    calib = _batches(4, 5)
+    recipe = qt.get_preset("quarot-w4a4").recipe
+
+    def info(**kw):
+        steps = (qt.Step("rotate"), qt.Step("qat", iters=2, holdout=0, **kw))
+        return bridge.quantize_params(model, dataclasses.replace(recipe, steps=steps), calibration=calib).info
+
+    with_acts, without = info(), info(activations=False)
+    first = [p for p in with_acts if p.startswith("model.layers.0.")]
+    assert first and all(with_acts[p]["start_loss"] > 1.5 * without[p]["start_loss"] for p in first)
