@@ -9,8 +9,29 @@ from typing import Any, Mapping, NamedTuple
 
 import torch
 
-__all__ = ["first_tensor", "batch_rows", "Sampler", "float_targets", "Schedule", "schedule", "reduce_sums",
+__all__ = ["training_block", "chains", "first_tensor", "batch_rows", "Sampler", "float_targets", "Schedule", "schedule", "reduce_sums",
            "block_mse"]
+
+
+def training_block(context, step: str):
+    """``context.block``, checked to be one a step can train: handed over block by block, with a differentiable
+    ``call``."""
+    block = context.block
+    if block is None:
+        raise ValueError(f"{step} runs block by block on calibration data (a calibrator's blockwise)")
+    if block.call is None:
+        raise ValueError(f"block {block.name}: {step} needs Block.call (a differentiable call of the block)")
+    return block
+
+
+def chains(block, step: str, quantized_inputs: bool) -> tuple[list, Any]:
+    """``(targets, inputs)``: the float block's outputs (:func:`float_targets`) and the inputs it trains on, the
+    quantized chain's (``quantized_inputs``) or the float chain's, batch for batch."""
+    targets = float_targets(block, step)
+    inputs = block.inputs if quantized_inputs else block.float_inputs
+    if len(inputs) != len(targets):
+        raise ValueError(f"block {block.name}: {len(inputs)} quantized-chain batches but {len(targets)} float ones")
+    return targets, inputs
 
 
 def first_tensor(out: Any, step: str = "a step") -> torch.Tensor:

@@ -45,7 +45,7 @@ from .. import learn
 from ..learn.optim import adam_init, adam_update, cosine
 from ..tensor import QParams, blocks, dequantize, fake_quantize, quantize
 from .base import BlockInputs, Fit, register_algorithm
-from .block_training import block_mse, first_tensor, float_targets, reduce_sums, schedule
+from .block_training import block_mse, chains, first_tensor, reduce_sums, schedule, training_block
 from .gptq import Options as GPTQOptions
 from .gptq import solve_block as gptq_solve
 from .options import option, options_checker, received
@@ -132,21 +132,14 @@ def _range_of(qp: QParams, path: str) -> learn.LearnedRange:
 def step(params, plan, *, context, options: Options) -> Fit:
     """The ``qat`` step on one block (``context.block``); see the module docstring."""
     o = received(Options, options, step="qat")
-    block = context.block
-    if block is None:
-        raise ValueError("qat runs block by block on calibration data (a calibrator's blockwise)")
-    if block.call is None:
-        raise ValueError(f"block {block.name}: qat needs Block.call (a differentiable call of the block)")
+    block = training_block(context, "qat")
     paths = trained_paths(params, plan, block.paths)
     if not paths:
         return Fit()
     weights, ranges, start = _start(params, plan, context, paths, o.init)
     learned = [p for p in paths if learn.ranged(plan.specs[p])]
     dtypes = {p: params[p].dtype for p in paths}
-    targets = float_targets(block, "qat")
-    inputs = block.inputs if o.quantized_inputs else block.float_inputs
-    if len(inputs) != len(targets):
-        raise ValueError(f"block {block.name}: {len(inputs)} quantized-chain batches but {len(targets)} float ones")
+    targets, inputs = chains(block, "qat", o.quantized_inputs)
     par = block.parallel
     plan_ = schedule(inputs, par, batch_size=o.batch_size, holdout=o.holdout, seed=o.seed)
 

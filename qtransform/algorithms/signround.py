@@ -69,7 +69,7 @@ import math
 import torch
 
 from .base import BlockInputs, Fit, register_algorithm
-from .block_training import block_mse, first_tensor, float_targets, reduce_sums, schedule
+from .block_training import block_mse, chains, first_tensor, reduce_sums, schedule, training_block
 from .gptq import Options as GPTQOptions
 from .gptq import linear_weights
 from .gptq import solve_block as gptq_solve
@@ -131,11 +131,7 @@ def step(params, plan, *, context, options: Options) -> Fit:
     """The ``signround`` step on one block (``context.block``); see the module docstring."""
     o = received(Options, options, step="signround")
     iters, zero_point = o.iters, o.zero_point
-    block = context.block
-    if block is None:
-        raise ValueError("signround runs block by block on calibration data (a calibrator's blockwise)")
-    if block.call is None:
-        raise ValueError(f"block {block.name}: signround needs Block.call (a differentiable call of the block)")
+    block = training_block(context, "signround")
     weights = linear_weights(params, plan, block.paths)
     if not weights:
         return Fit()
@@ -146,10 +142,7 @@ def step(params, plan, *, context, options: Options) -> Fit:
             if p in solved else prepare_weight(params[p], plan.specs[p], path=p) for p in weights}
     state = {p: clip_init(q, zero_point=zero_point) if o.init == "mse" else minmax_init(q) for p, q in prep.items()}
     learn_range = {p: o.minmax and q.ranged for p, q in prep.items()}
-    targets = float_targets(block, "signround")
-    inputs = block.inputs if o.quantized_inputs else block.float_inputs
-    if len(inputs) != len(targets):
-        raise ValueError(f"block {block.name}: {len(inputs)} quantized-chain batches but {len(targets)} float ones")
+    targets, inputs = chains(block, "signround", o.quantized_inputs)
     par = block.parallel
     plan_ = schedule(inputs, par, batch_size=o.batch_size, holdout=o.holdout, seed=o.seed)
     sampler, judge = plan_.sampler, plan_.judge

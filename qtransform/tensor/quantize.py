@@ -52,10 +52,13 @@ def _blocked(x: torch.Tensor, qparams: QParams, path):
     """Validate and return (plan, x blocked, scale, zero point) broadcast over blocks."""
     if not isinstance(qparams, QParams):
         raise TypeError(f"{where(path)}qparams must be a QParams, got {type(qparams).__name__}")
+    return _on_grid(x, qparams.spec, *qparams.effective(), path)
+
+
+def _on_grid(x: torch.Tensor, spec: QuantSpec, s: torch.Tensor, z, path):
+    """(plan, x blocked, scale, zero point) broadcast over blocks, from grid-shaped effective parameters."""
     check_float_tensor(x, path=path)
-    spec = qparams.spec
     p = blocks.tiling(x.shape, spec, sub_block=True, path=path)
-    s, z = qparams.effective()
     if tuple(s.shape) != p.grid:
         raise ValueError(f"{where(path)}qparams scale grid {tuple(s.shape)} does not match x of shape "
                          f"{tuple(x.shape)} under {spec.granularity} (expected grid {p.grid})")
@@ -63,9 +66,7 @@ def _blocked(x: torch.Tensor, qparams: QParams, path):
         raise ValueError(f"{where(path)}qparams are on {s.device} but x is on {x.device}; move one "
                          "explicitly (qtransform never moves tensors between devices)")
     xb = blocks.view(x.to(torch.float32), p)
-    s = blocks.expand(s, p)
-    z = None if z is None else blocks.expand(z, p)
-    return p, xb, s, z
+    return p, xb, blocks.expand(s, p), None if z is None else blocks.expand(z, p)
 
 
 def _offset(spec: QuantSpec) -> bool:
@@ -240,17 +241,7 @@ def fake_quantize_grid(x: torch.Tensor, spec: QuantSpec, scale: torch.Tensor, ze
     stored form is rounded with a straight-through gradient)."""
     if not isinstance(spec, QuantSpec):
         raise TypeError(f"{where(path)}spec must be a QuantSpec, got {type(spec).__name__}")
-    check_float_tensor(x, path=path)
-    p = blocks.tiling(x.shape, spec, sub_block=True, path=path)
-    if tuple(scale.shape) != p.grid:
-        raise ValueError(f"{where(path)}qparams scale grid {tuple(scale.shape)} does not match x of shape "
-                         f"{tuple(x.shape)} under {spec.granularity} (expected grid {p.grid})")
-    if scale.device != x.device:
-        raise ValueError(f"{where(path)}qparams are on {scale.device} but x is on {x.device}; move one "
-                         "explicitly (qtransform never moves tensors between devices)")
-    xb = blocks.view(x.to(torch.float32), p)
-    s = blocks.expand(scale, p)
-    z = None if zero_point is None else blocks.expand(zero_point, p)
+    p, xb, s, z = _on_grid(x, spec, scale, zero_point, path)
     check_finite(x, path=path)
     if range_grad and differentiated(x):
         dims = blocks.reduce_dims(p)
