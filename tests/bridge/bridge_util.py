@@ -202,3 +202,24 @@ def hidden_into(model, name: str, batches) -> list:
             model(b, use_cache=False)
     handle.remove()
     return got
+
+
+def tiny_block_model(arch: str):
+    """A tiny untrained model (seed 0) for the block-by-block learning steps: a causal LM of ``arch``, or a
+    mixture-of-experts one (``qwen3_moe``, ``mixtral``: ``tests/bridge/moe/tiny_moe.py``)."""
+    torch.manual_seed(0)
+    if arch in ("qwen3_moe", "mixtral"):
+        import sys
+        from pathlib import Path
+
+        sys.path.insert(0, str(Path(__file__).resolve().parent / "moe"))
+        from tiny_moe import build_tiny_moe
+
+        return build_tiny_moe(arch)
+    return tiny_causal_lm(arch).eval()
+
+
+def token_batches(n: int, seed: int, vocab: int = 128, shape=(2, 24)) -> list:
+    """``n`` batches of random token ids (seeded)."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, shape, generator=g) for _ in range(n)]

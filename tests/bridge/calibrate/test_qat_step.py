@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -17,7 +15,7 @@ import bridge
 import qtransform as qt
 import tiny_lm
 from bridge.app.cli import main
-from bridge_util import on_command_model, tiny_causal_lm
+from bridge_util import on_command_model, tiny_block_model, token_batches
 
 U2 = qt.QuantSpec(format="uint2", granularity=qt.PerGroup(32), symmetric=False)
 FAMILIES = {"uint2-asym": U2, "int4-sym": qt.QuantSpec(format="int4", granularity=qt.PerGroup(32)),
@@ -33,18 +31,11 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _model(arch):
-    torch.manual_seed(0)
-    if arch == "qwen3_moe":
-        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "moe"))
-        from tiny_moe import build_tiny_moe
-
-        return build_tiny_moe(arch)
-    return tiny_causal_lm(arch).eval()
+    return tiny_block_model(arch)
 
 
 def _batches(n, seed, vocab=128):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, vocab, (2, 24), generator=g) for _ in range(n)]
+    return token_batches(n, seed, vocab)
 
 
 def _recipe(spec, *steps):

@@ -8,8 +8,6 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import json
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -18,7 +16,7 @@ import bridge
 import qtransform as qt
 import tiny_lm
 from bridge.app.cli import main
-from bridge_util import on_command_model, tiny_causal_lm
+from bridge_util import on_command_model, tiny_block_model, token_batches
 
 sr_step = importlib.import_module("qtransform.algorithms.signround")
 sr_math = importlib.import_module("qtransform.algorithms.signround_math")
@@ -39,18 +37,11 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _model(arch):
-    torch.manual_seed(0)
-    if arch in ("qwen3_moe", "mixtral"):
-        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "moe"))
-        from tiny_moe import build_tiny_moe
-
-        return build_tiny_moe(arch)
-    return tiny_causal_lm(arch).eval()
+    return tiny_block_model(arch)
 
 
 def _batches(n, seed, vocab=128):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, vocab, (2, 24), generator=g) for _ in range(n)]
+    return token_batches(n, seed, vocab)
 
 
 def _recipe(spec, *steps):
