@@ -9,7 +9,7 @@ TORCH   := torch==2.13.0
 STAMP   := $(VENV)/.installed
 PYTEST  := $(BIN)/python -m pytest
 
-.PHONY: install test quick test-long test-walk test-llamacpp demo bench bench-gptq bench-gptq-peer bench-awq bench-rotation bench-e2e bench-stream bench-distributed bench-moe bench-signround bench-signround-peer test-gpu bench-gpu clean
+.PHONY: install test quick test-long test-walk test-llamacpp demo bench bench-gptq bench-gptq-peer bench-awq bench-rotation bench-e2e bench-stream bench-distributed bench-moe bench-signround bench-signround-peer bench-qat bench-qat-peer test-gpu bench-gpu clean
 
 $(STAMP): pyproject.toml Makefile .ci/constraints.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -139,6 +139,23 @@ bench-signround-peer: $(AUTOROUND)/bin/python
 bench-signround: $(STAMP) $(AUTOROUND)/bin/python
 	HF_HUB_OFFLINE=1 $(BIN)/python bench/bench_signround.py --peer-python $(AUTOROUND)/bin/python --iters 8 \
 		--batch-size 4 --lr 0.125
+
+## torchao in its own virtualenv (pinned: bench/peer_torchao_qat.py uses its 0.18 QAT API), for bench/bench_qat.py
+TORCHAO := /tmp/qtransform-torchao
+$(TORCHAO)/bin/python:
+	$(PY) -m venv $(TORCHAO)
+	$(TORCHAO)/bin/python -m pip install -q $(TORCH) torchao==0.18.0 transformers safetensors
+
+bench-qat-peer: $(TORCHAO)/bin/python
+
+## quantization-aware training (Block-AP, the qat step) on SmolLM2 at W4 g128, W3 g64, W2 g64 beside torchao's QAT
+## with the same tokens and optimizer steps: RTN, GPTQ, GPTAQ, SignRound and QAT from GPTAQ, QAT from RTN, at 25, 50
+## and 100 steps of batch 4 (the token-budget curve), each row in its own process with its peak memory (many hours on
+## 2 quiet cores: docs/qat_bench.md, bench/results/qat.{json,md}); needs out/corpora (bench/build_corpora.py)
+bench-qat: $(STAMP) $(TORCHAO)/bin/python
+	test -f out/corpora/thirdparty_docstrings.txt || $(BIN)/python bench/build_corpora.py
+	HF_HUB_OFFLINE=1 $(BIN)/python bench/bench_qat.py --peer-python $(TORCHAO)/bin/python --iters 25 50 100 \
+		--batch-size 4
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis
