@@ -25,7 +25,9 @@ FAMILIES = {"uint2-asym": U2, "int4-sym": qt.QuantSpec(format="int4", granularit
             "fp4": qt.QuantSpec(format="fp4_e2m1", granularity=qt.PerGroup(32)),
             "mxfp4": qt.QuantSpec(format="mxfp4"), "nvfp4": qt.QuantSpec(format="nvfp4")}
 FIRST = {"llama": "model.layers.0", "gpt2": "transformer.h.0", "qwen3_moe": "model.layers.0"}
-CASES = [("llama", f) for f in FAMILIES] + [("gpt2", "uint2-asym"), ("qwen3_moe", "int4-sym")]
+#: every family on Llama (make test: one integer, one codebook, one two-level; the rest `long`), Conv1D, experts
+CASES = [pytest.param("llama", f, marks=() if f in ("uint2-asym", "nf4", "nvfp4") else pytest.mark.long)
+         for f in FAMILIES] + [("gpt2", "uint2-asym"), ("qwen3_moe", "int4-sym")]
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

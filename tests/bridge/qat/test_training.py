@@ -182,6 +182,7 @@ def test_peft_lora_trains_on_a_prepared_model(teacher, batch):
     assert losses[-1] < losses[0]
 
 
+@pytest.mark.long
 def test_compile_forward_and_backward(teacher, batch):
     fake = qat.prepare(teacher, "int4-g32")
     compiled = torch.compile(fake, backend="aot_eager")  # dynamo + AOT autograd, no C++ build
