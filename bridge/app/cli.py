@@ -11,9 +11,14 @@
     qtransform export CHECKPOINT --to quark|compressed-tensors|gguf|onnx --out DIR   (bridge.app.export)
     qtransform search --budget BITS [--candidates ...] [--calib N] [--pin GLOB=SCHEME] [--to TARGET] --out FILE
                                                                             (bridge.app.search)
+    qtransform train [--model PATH|default] --recipe NAME|FILE [--calib N] --tokens BUDGET [--corpus builtin|FILE]
+                     [--seq-len L] [--batch B] [--lr LR] [--range-lr LR] [--ranges-only] [--distill [--temperature T]]
+                     [--save-every STEPS] [--resume] --out DIR [--plot] [--no-eval] [--threads N] [--seed S]
+                                                                            (bridge.app.train, docs/qat.md)
 
 This module parses the command line and dispatches; each subcommand that does more than print a
-listing has its module (``quantize``: :mod:`bridge.app.quantize`, ``export``: :mod:`bridge.app.export`).
+listing has its module (``quantize``: :mod:`bridge.app.quantize`, ``export``: :mod:`bridge.app.export`, ``train``:
+:mod:`bridge.app.train`).
 
 ``--plugin FILE.py|MODULE`` (any command, repeatable) imports Python code first: formats,
 observers, algorithms or presets it registers are then usable by name (in recipe files too).
@@ -39,7 +44,7 @@ import sys
 import warnings
 from pathlib import Path
 
-from . import export, inputs, lmeval, outputs, placement, ranks, search
+from . import export, inputs, lmeval, outputs, placement, ranks, search, train
 from ..distributed import launch
 from .inputs import UserError
 from .outputs import say as _say
@@ -211,14 +216,15 @@ def build_parser() -> argparse.ArgumentParser:
     r = sub.add_parser("recipes", help="the named recipe presets")
     i = sub.add_parser("inspect", help="what a checkpoint holds")
     i.add_argument("directory")
-    for cmd in (q, e, f, r, i, export.add_parser(sub), search.add_parser(sub, _at_least)):
+    for cmd in (q, e, f, r, i, export.add_parser(sub), search.add_parser(sub, _at_least), train.add_parser(sub, _at_least)):
         cmd.add_argument("--plugin", action="append", default=[], metavar="FILE.py|MODULE",
                          help="import this first (it may register formats, observers, algorithms, presets)")
     return p
 
 
 COMMANDS = {"quantize": cmd_quantize, "eval": cmd_eval, "formats": cmd_formats, "recipes": cmd_recipes,
-            "inspect": cmd_inspect, "export": export.cmd_export, "search": search.cmd_search}
+            "inspect": cmd_inspect, "export": export.cmd_export, "search": search.cmd_search,
+            "train": train.cmd_train}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -263,7 +269,7 @@ def _first_line(e: BaseException) -> str:
 
 
 #: Commands that load models: transformers' log (its multi-line load reports) is silenced while they run.
-QUIET = ("quantize", "eval", "inspect", "export", "search")
+QUIET = ("quantize", "eval", "inspect", "export", "search", "train")
 
 
 @contextlib.contextmanager

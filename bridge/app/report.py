@@ -135,6 +135,7 @@ class Report:
     outputs: dict = dataclasses.field(default_factory=dict)  # {kind: record} of the step outputs (bridge.step_outputs)
     output_bytes: dict = dataclasses.field(default_factory=dict)  # {kind: bytes} of their tensors (in size_after)
     phases: dict = dataclasses.field(default_factory=dict)  # {phase: seconds} of the command, in order
+    training: dict = dataclasses.field(default_factory=dict)  # qtransform train's record (bridge.app.train_report)
 
     @property
     def quantized_numel(self) -> int:
@@ -208,6 +209,9 @@ class Report:
             extra = 8 * n / self.quantized_numel if self.quantized_numel else float("nan")
             lines += ["", f"{SLOTS[kind].summary(record)}, {format_bytes(n)} (+{extra:.3f} bits per quantized weight)"]
         lines += step_info_lines(self.step_info)
+        if self.training:
+            from .train_report import training_lines
+            lines += training_lines(self.training)
         ratio = self.size_before / self.size_after if self.size_after else float("nan")
         summary = [["", "before", "after"],
                    ["model size", format_bytes(self.size_before), f"{format_bytes(self.size_after)} ({ratio:.2f}x smaller)"],
@@ -216,8 +220,9 @@ class Report:
         if self.ppl_before is not None or self.ppl_after is not None:
             fmt = lambda p: "-" if p is None else f"{p:.3f}"  # noqa: E731
             summary.append([f"perplexity ({self.eval_tokens} tokens)", fmt(self.ppl_before), fmt(self.ppl_after)])
-        summary.append(["wall time", "", f"quantize {self.seconds_quantize:.1f} s, total {self.seconds_total:.1f} s"])
-        others = [f"{k} {v:.1f} s" for k, v in self.phases.items() if k != "quantize" and v >= 0.05]
+        main = "train" if self.training else "quantize"  # the phase seconds_quantize measured
+        summary.append(["wall time", "", f"{main} {self.seconds_quantize:.1f} s, total {self.seconds_total:.1f} s"])
+        others = [f"{k} {v:.1f} s" for k, v in self.phases.items() if k != main and v >= 0.05]
         if others:
             summary.append(["", "", ", ".join(others)])
         if self.peak_memory:
@@ -234,13 +239,19 @@ class Report:
         return "\n".join(lines)
 
     def plot(self, path: str | Path) -> None:
-        """PNG: per-layer relative error and the size breakdown."""
+        """PNG: per-layer relative error and the size breakdown (and a training run's loss curve)."""
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
-        fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 4.5), gridspec_kw={"width_ratios": [3, 1]})
+        widths = [3, 1, 2] if self.training else [3, 1]
+        fig, axes = plt.subplots(1, len(widths), figsize=(13 + 5 * (len(widths) - 2), 4.5),
+                                 gridspec_kw={"width_ratios": widths})
+        ax1, ax2 = axes[:2]
+        if self.training:
+            from .train_report import plot_loss
+            plot_loss(axes[2], self.training)
         by_kind: dict[str, list[int]] = {}  # module name without its parents: q_proj, up_proj...
         for i, r in enumerate(self.layers):
             by_kind.setdefault(r.path.rsplit(".", 2)[-2] if r.path.count(".") >= 2 else r.path, []).append(i)
