@@ -43,11 +43,8 @@ def add_options(q) -> None:
                    help="dtype of the checkpoint's float tensors (default auto: as stored in the input)")
 
 
-def check_run_options(a) -> None:
-    """The device and memory options are well formed (before anything is loaded; which driver takes
-    ``--resume`` and ``--max-memory`` is :func:`bridge.app.driver.choose_driver`'s)."""
-    from ..checkpoint.store import parse_size
-
+def check_device(a) -> None:
+    """``--device`` names a device this machine has (before anything is loaded)."""
     if a.device:
         import torch
 
@@ -57,6 +54,14 @@ def check_run_options(a) -> None:
             raise UserError(f"--device {a.device!r} is not a device (cpu, cuda, cuda:1...)") from None
         if dev.type == "cuda" and not torch.cuda.is_available():
             raise UserError(f"--device {a.device}: no CUDA device is available here")
+
+
+def check_run_options(a) -> None:
+    """The device and memory options are well formed (before anything is loaded; which driver takes
+    ``--resume`` and ``--max-memory`` is :func:`bridge.app.driver.choose_driver`'s)."""
+    from ..checkpoint.store import parse_size
+
+    check_device(a)
     if a.max_memory:
         try:
             parse_size(a.max_memory)

@@ -29,7 +29,7 @@ import math
 import time
 from pathlib import Path
 
-from . import inputs, outputs
+from . import inputs, outputs, placement
 from .inputs import UserError
 from .outputs import say
 
@@ -218,15 +218,7 @@ def _door(a):
         outputs.check_file_target(Path(a.json), option="--json")
     if a.plot and importlib.util.find_spec("matplotlib") is None:
         raise UserError("--plot needs matplotlib: pip install matplotlib")
-    if a.device:
-        import torch
-
-        try:
-            dev = torch.device(a.device)
-        except (RuntimeError, ValueError):
-            raise UserError(f"--device {a.device!r} is not a device (cpu, cuda, cuda:1...)") from None
-        if dev.type == "cuda" and not torch.cuda.is_available():
-            raise UserError(f"--device {a.device}: no CUDA device is available here")
+    placement.check_device(a)
     model_arg = None if a.model in (None, "default") else a.model
     source = inputs.model_source(model_arg)
     state = TrainState(out)
@@ -251,7 +243,7 @@ def cmd_train(a) -> int:
     from ..modules.online import online_rotations
     from ..stream.workdir import calibration_digest
     from ..tree import Quantized, extract
-    from . import evaluate, models, placement, record, report
+    from . import evaluate, models, record, report
     from .train_loop import nothing_to_train, train
     from .train_report import moved, training_record
     from .train_state import fingerprint

@@ -15,7 +15,9 @@ import bridge
 import qtransform as qt
 import tiny_lm
 from bridge.app.cli import main
-from bridge_util import on_command_model, tiny_block_model, token_batches
+from bridge_util import on_command_model
+from bridge_util import tiny_block_model as _model
+from bridge_util import token_batches as _batches
 
 U2 = qt.QuantSpec(format="uint2", granularity=qt.PerGroup(32), symmetric=False)
 FAMILIES = {"uint2-asym": U2, "int4-sym": qt.QuantSpec(format="int4", granularity=qt.PerGroup(32)),
@@ -27,17 +29,9 @@ FAMILIES = {"uint2-asym": U2, "int4-sym": qt.QuantSpec(format="int4", granularit
 FIRST = {"llama": "model.layers.0", "gpt2": "transformer.h.0", "qwen3_moe": "model.layers.0"}
 #: every family on Llama (make test: one integer, one codebook, one two-level; the rest `long`), Conv1D, experts
 CASES = [pytest.param("llama", f, marks=() if f in ("uint2-asym", "nf4", "nvfp4") else pytest.mark.long)
-         for f in FAMILIES] + [("gpt2", "uint2-asym"), ("qwen3_moe", "int4-sym")]
+         for f in FAMILIES] + [("gpt2", "uint2-asym"), pytest.param("qwen3_moe", "int4-sym", marks=pytest.mark.long)]
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-def _model(arch):
-    return tiny_block_model(arch)
-
-
-def _batches(n, seed, vocab=128):
-    return token_batches(n, seed, vocab)
 
 
 def _recipe(spec, *steps):

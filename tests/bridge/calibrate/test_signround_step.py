@@ -16,7 +16,9 @@ import bridge
 import qtransform as qt
 import tiny_lm
 from bridge.app.cli import main
-from bridge_util import on_command_model, tiny_block_model, token_batches
+from bridge_util import on_command_model
+from bridge_util import tiny_block_model as _model
+from bridge_util import token_batches as _batches
 
 sr_step = importlib.import_module("qtransform.algorithms.signround")
 sr_math = importlib.import_module("qtransform.algorithms.signround_math")
@@ -34,14 +36,6 @@ CASES = [("llama", f) for f in FAMILIES] + [("gpt2", "uint4-asym"), ("gpt2", "nv
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-def _model(arch):
-    return tiny_block_model(arch)
-
-
-def _batches(n, seed, vocab=128):
-    return token_batches(n, seed, vocab)
 
 
 def _recipe(spec, *steps):
