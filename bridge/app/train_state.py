@@ -29,7 +29,7 @@ from typing import Any, Mapping, NamedTuple
 import torch
 
 from ..checkpoint import store
-from ..stream.workdir import fingerprint
+from ..stream.workdir import fingerprint, write_json
 
 __all__ = ["TrainState", "Snapshot", "fingerprint", "STATE_FILE"]
 
@@ -138,12 +138,7 @@ class TrainState:
         _write(where / "optimizer.safetensors", tensors)
         record = {"version": _VERSION, "fingerprint": dict(fp), "step": step, "snapshot": snap, "losses": list(losses),
                   "aliases": aliases, "scalars": scalars}
-        tmp = self.path / (STATE_FILE + ".tmp")
-        with open(tmp, "w") as f:
-            json.dump(record, f, sort_keys=True)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self.path / STATE_FILE)
+        write_json(self.path / STATE_FILE, record)
         for old in self.path.iterdir():  # the snapshots state.json no longer names
             if old.is_dir() and old.name.startswith("step-") and old.name != snap:
                 shutil.rmtree(old, ignore_errors=True)

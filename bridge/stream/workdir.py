@@ -21,7 +21,7 @@ from typing import Any, Mapping
 
 from ..checkpoint import store
 
-__all__ = ["fingerprint", "calibration_digest", "WorkDir", "MANIFEST"]
+__all__ = ["fingerprint", "calibration_digest", "WorkDir", "MANIFEST", "write_json"]
 
 MANIFEST = "manifest.json"
 _VERSION = 1
@@ -103,12 +103,7 @@ class WorkDir:
 
     def save(self, manifest: Mapping) -> None:
         """Record ``manifest`` atomically (written beside, then renamed over the old one)."""
-        tmp = self.path / (MANIFEST + ".tmp")
-        with open(tmp, "w") as f:
-            json.dump(manifest, f, sort_keys=True)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self.path / MANIFEST)
+        write_json(self.path / MANIFEST, manifest)
 
     def publish(self) -> None:
         """The finished checkpoint under the target's name (the manifest and caches removed first)."""
@@ -119,3 +114,13 @@ class WorkDir:
             elif p.exists():
                 p.unlink()
         store.publish(self.path, self.target)
+
+
+def write_json(path: Path, record: Mapping) -> None:
+    """``record`` as JSON at ``path``, atomically: written beside, synced, then renamed over the old file."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump(record, f, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
