@@ -13,23 +13,12 @@ import qtransform as qt
 from qtransform import learn
 from qtransform.testing import tensors_for
 
-from registry_specs import IDS, SPECS
+from registry_specs import IDS, SPECS, covering_params
 
 STATIC = [(i, s) for i, s in zip(IDS, SPECS) if not s.dynamic]
 
 
-def _each_format_once(cases):
-    """One case per (format, symmetry): every registered format and zero-point form in `make test`; the rest of
-    the granularity matrix is marked long (`make test-long`)."""
-    seen, out = set(), []
-    for case_id, spec in cases:
-        key = (spec.format, case_id.rsplit("-", 1)[-1])
-        out.append(pytest.param(spec, id=case_id, marks=() if key not in seen else pytest.mark.long))
-        seen.add(key)
-    return out
-
-
-CASES = _each_format_once(STATIC)
+CASES = covering_params(STATIC)  # every format, zero-point form and granularity; the rest: make test-long
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -1,4 +1,5 @@
-"""The round trip of every registered format, granularity and symmetry (registry-driven) as a pure
+"""The round trip of every registered format, granularity and symmetry (registry-driven;
+`make test` runs the covering set of registry_specs.PARAMS, `make test-long` the rest) as a pure
 function: its inputs (the tensor, the parameters, the codes) are never modified, and ``vmap`` over a batch
 equals a loop over it."""
 
@@ -10,10 +11,10 @@ from hypothesis import strategies as st
 import qtransform as qt
 from qtransform.testing import tensors_for
 
-from registry_specs import IDS, SPECS
+from registry_specs import PARAMS
 
 
-@pytest.mark.parametrize("spec", SPECS, ids=IDS)
+@pytest.mark.parametrize("spec", PARAMS)
 @given(data=st.data())
 def test_inputs_are_never_modified(spec, data):
     x = data.draw(tensors_for(spec))
@@ -31,7 +32,7 @@ def test_inputs_are_never_modified(spec, data):
     assert torch.equal(q.codes.view(torch.uint8), codes0.view(torch.uint8))
 
 
-@pytest.mark.parametrize("spec", SPECS, ids=IDS)
+@pytest.mark.parametrize("spec", PARAMS)
 @given(data=st.data())
 def test_vmap_over_a_batch_equals_a_loop(spec, data):
     x = data.draw(tensors_for(spec))

@@ -31,7 +31,7 @@ def test_every_covered_order_up_to_1024_is_a_hadamard_matrix():
         _exact(n)
 
 
-@pytest.mark.slow
+@pytest.mark.long  # ~40 s: make test-long
 def test_every_covered_order_up_to_4096_is_a_hadamard_matrix():
     """Entries ±1 and H (Hᵀ v) = n v for 4 random ±1 vectors v (Freivalds: a matrix with H Hᵀ != n I
     passes each with probability at most 1/2; every partial sum is an integer of at most n^2 <= 2^24,
