@@ -88,6 +88,10 @@ def add_parser(sub, at_least):
     t.add_argument("--lr", type=_positive_float, default=1e-5, help="AdamW's learning rate of the weights (1e-5)")
     t.add_argument("--range-lr", type=_positive_float, default=1e-4,
                    help="the learned ranges' learning rate, in their own group without weight decay (1e-4)")
+    t.add_argument("--schedule", choices=("constant", "cosine"), default="constant",
+                   help="the learning rates after the warm-up: constant (default) or a cosine decay to zero")
+    t.add_argument("--warmup", type=at_least(0), default=0, metavar="STEPS",
+                   help="steps of linear warm-up of the learning rates (0)")
     t.add_argument("--weight-decay", type=_non_negative_float, default=0.0, help="the weights' decoupled weight decay (0)")
     t.add_argument("--ranges-only", action="store_true",
                    help="freeze every weight and train the learned ranges alone (EfficientQAT's E2E-QP)")
@@ -158,7 +162,8 @@ def _options(a, recipe) -> dict:
 
     return {"recipe": recipe.to_dict(), "calib": [a.calib, a.calib_batch], "corpus": a.corpus, "tokens": a.tokens,
             "seq-len": a.seq_len, "batch": a.batch, "lr": a.lr, "range-lr": a.range_lr, "weight-decay": a.weight_decay,
-            "ranges-only": a.ranges_only, "distill": a.distill, "temperature": a.temperature, "seed": a.seed,
+            "schedule": a.schedule, "warmup": a.warmup, "ranges-only": a.ranges_only, "distill": a.distill,
+            "temperature": a.temperature, "seed": a.seed,
             "device": a.device or "cpu", "versions": [qt.__version__, torch.__version__]}
 
 
@@ -200,7 +205,8 @@ def _settings(a, steps: int):
 
     return Settings(steps=steps, batch=a.batch, lr=a.lr, range_lr=a.range_lr, weight_decay=a.weight_decay,
                     ranges_only=a.ranges_only, distill=a.distill,
-                    temperature=1.0 if a.temperature is None else a.temperature, seed=a.seed, save_every=a.save_every)
+                    temperature=1.0 if a.temperature is None else a.temperature, seed=a.seed, save_every=a.save_every,
+                    schedule=a.schedule, warmup=a.warmup)
 
 
 def _door(a):
@@ -211,6 +217,10 @@ def _door(a):
         raise UserError("--temperature goes with --distill (the distillation's temperature)")
     if a.ranges_only and a.weight_decay:
         raise UserError("--weight-decay: --ranges-only freezes every weight (the ranges never get weight decay)")
+    steps = math.ceil(a.tokens / (a.batch * a.seq_len))
+    if a.warmup >= steps:
+        raise UserError(f"--warmup: {a.warmup} steps leave none of the {steps} that --tokens {a.tokens} gives "
+                        f"(--batch {a.batch} x --seq-len {a.seq_len} tokens a step)")
     recipe, label = _recipe(a)
     out = Path(a.out)
     outputs.check_out_dir(out, overwrite=a.overwrite)

@@ -8,6 +8,9 @@ sequences with ``torch.optim.AdamW``, deterministic and resumable.
 - The optimizer: AdamW with the weights in one group (``lr``, ``weight_decay``) and the learned ranges in their own
   (``range_lr``, no weight decay: :func:`bridge.qat.quantizer_parameters`); ``ranges_only`` freezes every other
   parameter (EfficientQAT's E2E-QP).
+- The learning rates: each group's rate times :func:`lr_factor` of the step — constant, or a linear warm-up over
+  ``warmup`` steps then constant or a cosine decay to zero (``schedule``): a function of the step alone, so a
+  resumed run steps as the run that never stopped did.
 - The loss: the next-token cross entropy, plus with ``distill`` the KL to the float teacher's logits
   (:func:`bridge.qat.distill_loss`, the teacher in eval mode, under ``no_grad``).
 - The state (:class:`~bridge.app.train_state.TrainState`) is saved every ``save_every`` steps and when training
@@ -19,6 +22,8 @@ sequences with ``torch.optim.AdamW``, deterministic and resumable.
 [0, 1, 2, 3, 4]
 >>> torch.equal(Schedule(5, batch=2, seed=0).indices(7), s.indices(7))
 True
+>>> [round(lr_factor(t, steps=6, schedule="cosine", warmup=2), 3) for t in range(6)]
+[0.5, 1.0, 1.0, 0.854, 0.5, 0.146]
 """
 
 from __future__ import annotations
@@ -31,13 +36,16 @@ import torch
 
 from .. import qat
 
-__all__ = ["Settings", "Schedule", "Trained", "nothing_to_train", "optimizer", "train"]
+__all__ = ["SCHEDULES", "Settings", "Schedule", "Trained", "lr_factor", "nothing_to_train", "optimizer", "train"]
+
+#: the learning-rate schedules of :func:`lr_factor`
+SCHEDULES = ("constant", "cosine")
 
 
 class Settings(NamedTuple):
     """How to train: ``steps`` of ``batch`` sequences, the learning rates, ``weight_decay`` (the weights'),
-    ``ranges_only``, ``distill`` and its ``temperature``, the ``seed``, and ``save_every`` (steps between
-    saves of the state)."""
+    ``ranges_only``, ``distill`` and its ``temperature``, the ``seed``, ``save_every`` (steps between
+    saves of the state), and the learning rates' ``schedule`` after ``warmup`` steps (:func:`lr_factor`)."""
 
     steps: int
     batch: int
@@ -49,6 +57,8 @@ class Settings(NamedTuple):
     temperature: float = 1.0
     seed: int = 0
     save_every: int = 100
+    schedule: str = "constant"
+    warmup: int = 0
 
 
 class Trained(NamedTuple):
@@ -78,6 +88,21 @@ class Schedule:
         """The int64 positions of the sequences step ``step`` reads."""
         first = step * self.batch
         return torch.stack([self._epoch(p // self.n)[p % self.n] for p in range(first, first + self.batch)])
+
+
+def lr_factor(t: int, *, steps: int, schedule: str = "constant", warmup: int = 0) -> float:
+    """The factor of every learning rate at step ``t`` (0-based) of ``steps``: ``(t + 1) / warmup`` during the
+    warm-up, then 1 (``constant``) or ``(1 + cos(pi (t - warmup) / (steps - warmup))) / 2`` (``cosine``: from 1
+    down towards 0 at the last step)."""
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule: unknown {schedule!r}; known: {list(SCHEDULES)}")
+    if not 0 <= warmup < max(steps, 1):
+        raise ValueError(f"warmup: {warmup} steps leave none of the {steps} steps after it")
+    if t < warmup:
+        return (t + 1) / warmup
+    if schedule == "constant":
+        return 1.0
+    return 0.5 * (1.0 + math.cos(math.pi * (t - warmup) / (steps - warmup)))
 
 
 def nothing_to_train(model: torch.nn.Module, s: Settings) -> str | None:
@@ -151,7 +176,11 @@ def train(model: torch.nn.Module, sequences: torch.Tensor, s: Settings, *, teach
     model.train()
     steps = range(start, s.steps)
     bar = progress(steps, desc="train", total=len(steps)) if progress is not None else steps
+    base = [g["lr"] for g in opt.param_groups]
     for t in bar:
+        factor = lr_factor(t, steps=s.steps, schedule=s.schedule, warmup=s.warmup)
+        for g, lr in zip(opt.param_groups, base):
+            g["lr"] = lr * factor
         loss = _loss(model, teacher, sequences[schedule.indices(t)].to(device), s)
         value = float(loss)
         if not math.isfinite(value):

@@ -4,10 +4,12 @@ loss curve in ``report.png``, and how far each quantized tensor's float weight m
 
 >>> rec = {"steps": 4, "batch": 2, "seq_len": 8, "tokens": 64, "budget": 60, "sequences": 10, "lr": 1e-5,
 ...        "range_lr": 1e-4, "weight_decay": 0.0, "ranges_only": False, "distill": False, "temperature": None,
-...        "seed": 0, "resumed_at": None, "seconds": 1.0, "loss": [4.0, 3.0, 2.0, 1.0]}
+...        "seed": 0, "schedule": "cosine", "warmup": 1, "resumed_at": None, "seconds": 1.0,
+...        "loss": [4.0, 3.0, 2.0, 1.0]}
 >>> print("\\n".join(training_lines(rec)))
 <BLANKLINE>
-training: 4 steps x 2 x 8 tokens = 64 tokens (budget 60) on 10 sequences; AdamW lr 1e-05, ranges 0.0001
+training: 4 steps x 2 x 8 tokens = 64 tokens (budget 60) on 10 sequences; AdamW lr 1e-05, ranges 0.0001; 1 warm-up
+steps, then cosine
 loss: 4.0000 (mean of the first 1 steps) -> 1.0000 (mean of the last 1)
 """
 
@@ -25,7 +27,7 @@ def training_record(s, trained, *, sequences: torch.Tensor, budget: int) -> dict
     return {"steps": s.steps, "batch": s.batch, "seq_len": seq_len, "tokens": s.steps * s.batch * seq_len,
             "budget": budget, "sequences": int(sequences.shape[0]), "lr": s.lr, "range_lr": s.range_lr,
             "weight_decay": s.weight_decay, "ranges_only": s.ranges_only, "distill": s.distill,
-            "temperature": s.temperature if s.distill else None, "seed": s.seed, "resumed_at": trained.resumed_at,
+            "temperature": s.temperature if s.distill else None, "seed": s.seed, "schedule": s.schedule, "warmup": s.warmup, "resumed_at": trained.resumed_at,
             "seconds": trained.seconds, "loss": list(trained.losses)}
 
 
@@ -37,6 +39,8 @@ def training_lines(t: dict) -> list[str]:
     """The printed report's lines on training ``t`` (a :func:`training_record`)."""
     how = f"AdamW lr {t['lr']:g}, ranges {t['range_lr']:g}" if not t["ranges_only"] else \
         f"AdamW on the ranges alone (lr {t['range_lr']:g}), every weight frozen"
+    if t["schedule"] != "constant" or t["warmup"]:
+        how += f"; {t['warmup']} warm-up steps, then {t['schedule']}"
     if t["weight_decay"]:
         how += f", weight decay {t['weight_decay']:g}"
     if t["distill"]:

@@ -96,6 +96,25 @@ def test_training_lowers_the_loss_and_the_checkpoint_reloads_with_the_commands_l
     _reloads_with(out, seen["logits"])
 
 
+def test_the_cosine_schedule_with_warm_up_sets_every_steps_rates(source, tmp_path, monkeypatch):
+    """6 steps, 2 of warm-up: each group's rate at step t is its base rate times (t + 1) / 2 during the warm-up,
+    then (1 + cos(pi (t - 2) / 4)) / 2 (values written out here, not taken from the code)."""
+    rates = []
+    step = torch.optim.AdamW.step
+
+    def recording(self, *args, **kwargs):
+        rates.append([g["lr"] for g in self.param_groups])
+        return step(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.optim.AdamW, "step", recording)
+    rep = _train(source, tmp_path / "out", "--tokens", "384", "--lr", "1e-3", "--range-lr", "2e-3", "--no-eval",
+                 "--schedule", "cosine", "--warmup", "2")
+    factors = [0.5, 1.0, 1.0, 0.8535533905932737, 0.5, 0.14644660940672627]
+    assert [r for pair in rates for r in pair] == pytest.approx([r for f in factors for r in (1e-3 * f, 2e-3 * f)],
+                                                                rel=1e-12)
+    assert (rep["training"]["schedule"], rep["training"]["warmup"]) == ("cosine", 2)
+
+
 def test_ranges_only_keeps_every_float_weight_and_codes_the_start_under_the_trained_ranges(source, tmp_path):
     from safetensors.torch import load_file
 
@@ -131,7 +150,7 @@ def _killed(source, out, tmp_path, *extra, at: int, recipe="int4-g32", **env) ->
 
 def test_killed_training_resumes_to_the_bytes_of_a_run_that_never_stopped(source, tmp_path, capsys):
     extra = ("--tokens", "1280", "--lr", "1e-3", "--range-lr", "1e-3", "--distill", "--temperature", "2",
-             "--no-eval")
+             "--schedule", "cosine", "--warmup", "4", "--no-eval")  # killed within the cosine: the same rates
     whole = _train(source, tmp_path / "whole", *extra)
     out = tmp_path / "out"
     _killed(source, out, tmp_path, *extra, "--save-every", "3", at=7)
@@ -167,6 +186,7 @@ def test_a_changed_resume_is_refused_naming_what_changed(source, tmp_path, capsy
     for changed, named in ((("--tokens", "256"), "--tokens"), (("--batch", "2"), "--batch"),
                            (("--range-lr", "1e-3"), "--range-lr"), (("--seed", "3"), "--seed"),
                            (("--distill",), "--distill"), (("--ranges-only",), "--ranges-only"),
+                           (("--schedule", "cosine"), "--schedule"), (("--warmup", "1"), "--warmup"),
                            (("--recipe", "int4-g64"), "recipe"), (("--model", str(other)), "model"),
                            (("--corpus", "builtin"), "--corpus")):
         assert main([*_args(source, out, *extra, "--resume"), *changed]) == 1
@@ -194,6 +214,8 @@ def _fail_loading(monkeypatch):
     (("--tokens", "64", "--lr", "0"), 2, "argument --lr: must be a finite number > 0"),
     (("--tokens", "64", "--bogus"), 2, "unrecognized arguments: --bogus"),
     (("--tokens", "64", "--temperature", "2"), 1, "--temperature goes with --distill"),
+    (("--tokens", "64", "--warmup", "5"), 1, "--warmup: 5 steps leave none of the"),
+    (("--tokens", "64", "--schedule", "linear"), 2, "argument --schedule: invalid choice"),
     (("--tokens", "64", "--resume"), 1, "--resume: there is no training state to resume"),
     (("--tokens", "64", "--ranges-only", "--recipe", "CAST"), 1, "--ranges-only: recipe"),
     (("--tokens", "64", "--recipe", "gptq4-g64"), 1, "recipe gptq4-g64: recipe.steps[0] (gptq)"),
