@@ -3,7 +3,10 @@ perplexity ratio quantized / float on held-out text of another corpus (``out/cor
 bench/build_corpora.py) and on the built-in corpus's evaluation part, training/calibration on 40x512 tokens of the
 built-in corpus's calibration part; the seconds of the quantization call, the peak resident memory of the row's own
 process (each row runs in a process of its own, one after the other, same tokens and threads) and the training
-tokens. Widths: bench_signround's SCHEMES (uint4 g128, uint3 g64, uint2 g64, asymmetric, integer zero point).
+tokens. Widths: bench_signround's SCHEMES (uint4 g128, uint3 g64, uint2 g64, asymmetric, integer zero point), and
+W4A4 (``w4a4-quarot``: the ``quarot-w4a4`` preset's recipe, int4 per-channel weights, int4 per-token dynamic inputs,
+its Hadamard rotations first: each row's steps run after ``rotate``, so "gptq" is the preset itself and "qat_gptaq"
+trains under the rotated model's activation quantizers).
 
 Rows: RTN, GPTQ, GPTAQ, SignRound from GPTAQ, QAT (Block-AP) from GPTAQ and from RTN (min-max), and torchao's QAT
 (bench/peer_torchao_qat.py, in its own virtualenv: ``make bench-qat-peer``) with its integer zero point (its config's
@@ -24,6 +27,7 @@ are kept (bench/results/qat.json); the tables go to bench/results/qat.md and doc
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import pathlib
@@ -52,6 +56,16 @@ METHODS = list(BASES)
 LEARNED = ("signround_gptaq", "qat_gptaq", "qat_minmax", "torchao", "torchao_fzp")
 #: torchao's rows -> its fake quantizer's zero point domain
 PEER = {"torchao": "int", "torchao_fzp": "float"}
+#: W4A4: the quarot-w4a4 preset's recipe, each row's steps after its rotation
+W4A4 = "w4a4-quarot"
+ALL_SCHEMES = [*SCHEMES, W4A4]
+
+
+def recipe_of(scheme: str, steps: list[qt.Step]) -> qt.Recipe:
+    """The recipe of one of our rows: weight-only ``scheme`` with ``steps``, or W4A4 with ``rotate`` first."""
+    if scheme == W4A4:
+        return dataclasses.replace(qt.get_preset("quarot-w4a4").recipe, steps=[qt.Step("rotate"), *steps])
+    return qt.Recipe(type_rules={"Linear": spec_of(scheme)}, exclude=["lm_head*"], steps=steps)
 
 
 def steps_of(method: str, *, iters: int, batch_size: int) -> list[qt.Step]:
@@ -96,7 +110,7 @@ def row_main(job_file: str) -> None:
     model = truncate(model.eval(), job["layers"])
     cal, evs = torch.load(job["calib"]), [torch.load(p) for p in job["eval"]]
     steps = steps_of(job["method"], iters=job["iters"] or 0, batch_size=job["batch_size"])
-    recipe = qt.Recipe(type_rules={"Linear": spec_of(job["scheme"])}, exclude=["lm_head*"], steps=steps)
+    recipe = recipe_of(job["scheme"], steps)
     load_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     t = time.perf_counter()
     with torch.no_grad():
@@ -134,10 +148,14 @@ def measure(files: dict, fp: list[float], a) -> tuple[list[dict], dict[str, str]
     """One row per job that ran or was refused, and ``{method: why}`` for those that cannot run here."""
     rows, skipped = [], {}
     seq_len = torch.load(files["calib"]).shape[1]
-    for scheme, method, iters in jobs(a.only or list(SCHEMES), a.methods or METHODS, a.iters):
+    for scheme, method, iters in jobs(a.only or ALL_SCHEMES, a.methods or METHODS, a.iters):
         with tempfile.TemporaryDirectory() as d:
             out = os.path.join(d, "result.json")
             if method in PEER:
+                if scheme == W4A4:
+                    skipped[method] = ("W4A4 is QuaRot's recipe (Hadamard rotations, int4 per-token inputs): torchao's "
+                                       "QAT has no rotation, so no row of the same recipe")
+                    continue
                 if a.peer_python is None:
                     skipped[method] = "no --peer-python"
                     continue
@@ -188,7 +206,7 @@ def merge(old: list[dict], new: list[dict]) -> list[dict]:
     """``new`` with the rows of ``old`` whose (scheme, method, iters) it did not repeat, in table order."""
     key = {(r["scheme"], r["method"], r["iters"]): r for r in [*old, *new]}
     order = {m: i for i, m in enumerate(METHODS)}
-    schemes = {s: i for i, s in enumerate(SCHEMES)}
+    schemes = {s: i for i, s in enumerate(ALL_SCHEMES)}
     return sorted(key.values(), key=lambda r: (schemes.get(r["scheme"], 99), order.get(r["method"], 99),
                                                r["iters"] or 0))
 
@@ -217,14 +235,14 @@ def curve(rows: list[dict]) -> str:
     cells = {(r["scheme"], r["method"], r["iters"]): "refused" if "refused" in r else f"x{r['ratio'][0]}"
              for r in learned}
     lines = [[BASES[m], s, *(cells.get((s, m, n), "-") for n in budgets)]
-             for s in SCHEMES for m in LEARNED if any(k[:2] == (s, m) for k in cells)]
+             for s in ALL_SCHEMES for m in LEARNED if any(k[:2] == (s, m) for k in cells)]
     return markdown(["method", "scheme", *(f"{n} it" for n in budgets)], lines)
 
 
 PREFACE = """# QAT benchmark: Block-AP beside torchao's QAT
 
 Written by `bench/bench_qat.py` (do not edit by hand; raw rows in `bench/results/qat.json`). SmolLM2-135M-Instruct,
-weights only, every linear layer but the head; perplexity ratio quantized / float on held-out text of another
+weights only (and W4A4: the `quarot-w4a4` recipe, each row after its rotations), every linear layer but the head; perplexity ratio quantized / float on held-out text of another
 corpus (the docstrings of third-party packages, `bench/build_corpora.py`) and on the built-in corpus's evaluation
 part; training and calibration on the built-in corpus's calibration part. Each row runs in a process of its own:
 its peak resident memory is that process's (model load, quantization and scoring), beside the peak after loading.
@@ -256,7 +274,7 @@ def main() -> None:
     ap.add_argument("--eval", type=int, default=16)
     ap.add_argument("--seq-len", type=int, default=512)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--only", nargs="*", default=None, help=f"schemes (default: all of {list(SCHEMES)})")
+    ap.add_argument("--only", nargs="*", default=None, help=f"schemes (default: all of {ALL_SCHEMES})")
     ap.add_argument("--methods", nargs="*", default=None, help=f"rows (default: all of {METHODS})")
     ap.add_argument("--iters", nargs="+", type=int, default=[100], help="training budgets (learned rows)")
     ap.add_argument("--batch-size", type=int, default=4, help="sequences per training step, both sides")
@@ -271,8 +289,8 @@ def main() -> None:
         if m not in METHODS:
             ap.error(f"--methods: unknown method {m!r}; known: {METHODS}")
     for s in a.only or []:
-        if s not in SCHEMES:
-            ap.error(f"--only: unknown scheme {s!r}; known: {list(SCHEMES)}")
+        if s not in ALL_SCHEMES:
+            ap.error(f"--only: unknown scheme {s!r}; known: {ALL_SCHEMES}")
     other = pathlib.Path(a.other_corpus)
     if not other.is_file():
         ap.error(f"--other-corpus: {other} not found (python bench/build_corpora.py writes it)")
@@ -302,7 +320,7 @@ def main() -> None:
     rows = merge(old.get("rows", []), rows)
     commands = old.get("commands", []) + [" ".join(["python", *sys.argv])]
     info, load_after = machine(), os.getloadavg()
-    text = "\n\n".join(f"## {s}\n\n{table(rows, s)}" for s in SCHEMES if any(r["scheme"] == s for r in rows))
+    text = "\n\n".join(f"## {s}\n\n{table(rows, s)}" for s in ALL_SCHEMES if any(r["scheme"] == s for r in rows))
     if any(r["method"] in LEARNED for r in rows):
         text += "\n\n## Token-budget curve (ppl ratio on the third-party docstrings)\n\n" + curve(rows)
     if skipped:

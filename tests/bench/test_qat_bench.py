@@ -30,6 +30,20 @@ def test_steps_of_each_row():
         bench.steps_of("torchao", **kw)
 
 
+def test_the_w4a4_rows_are_the_quarot_preset_with_their_steps_after_its_rotations():
+    preset = qt.get_preset("quarot-w4a4").recipe
+    kw = dict(iters=3, batch_size=2)
+    assert bench.recipe_of(bench.W4A4, bench.steps_of("gptq", **kw)) == preset  # the preset itself
+    qat = bench.recipe_of(bench.W4A4, bench.steps_of("qat_gptaq", **kw))
+    assert list(qat.steps) == [qt.Step("rotate"), qt.Step("qat", init="gptaq", iters=3, batch_size=2)]
+    assert (qat.input, qat.type_rules, qat.exclude) == (preset.input, preset.type_rules, preset.exclude)
+    assert qat.input.format == "int4" and qat.input.dynamic
+    weight_only = bench.recipe_of("uint3-asym-g64", [])
+    assert weight_only.input is None and not weight_only.steps
+    assert bench.merge([], [_row(bench.W4A4, "rtn", None, 9.0), _row("uint2-asym-g64", "rtn", None, 9.0)])[-1][
+        "scheme"] == bench.W4A4
+
+
 def test_jobs_run_every_learned_row_at_every_budget():
     assert bench.jobs(["uint2-asym-g64"], ["rtn", "qat_gptaq", "torchao"], [25, 50]) == [
         ("uint2-asym-g64", "rtn", None), ("uint2-asym-g64", "qat_gptaq", 25), ("uint2-asym-g64", "qat_gptaq", 50),
