@@ -28,7 +28,7 @@ from ..distributed import current, raw_tokens, share
 from ..modules.online import installed
 from .blocks import blockwise, find_blocks
 from .loss import CalibrationLoss
-from .sites import evaluating, fold_sites, run_batch
+from .sites import checked_batches, evaluating, fold_sites, run_batch
 
 __all__ = ["ModelCalibrator"]
 
@@ -74,18 +74,18 @@ class ModelCalibrator:
     def _batches(self, batches=None):
         batches = self.batches if batches is None else batches
         if self.progress is None:
-            return iter(batches)
+            return checked_batches(batches)
         try:
             total = len(batches)
         except TypeError:  # e.g. a DataLoader over an IterableDataset
             total = None
-        return iter(self.progress(batches, desc="calibration", total=total))
+        return checked_batches(self.progress(batches, desc="calibration", total=total))
 
     def _mine(self):
         """This rank's share of the batches (all of them for one process)."""
         if self.parallel.world == 1:
             return self._batches()
-        every = list(self.batches)
+        every = list(checked_batches(self.batches))  # indices of the whole data, not of this rank's share
         return self._batches(share(every, [raw_tokens(b) for b in every], self.parallel.world, self.parallel.rank))
 
     def site_stats(self, params: Mapping[str, torch.Tensor], sites: Mapping[qt.Site, Any], *,

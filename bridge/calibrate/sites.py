@@ -26,7 +26,7 @@ from ..modules import kvcache
 from ..tree import tie_groups
 from .experts import expert_sites, tapping
 
-__all__ = ["fold_sites", "run_batch", "first_tensor", "to_device", "untied", "takes", "evaluating"]
+__all__ = ["fold_sites", "check_batch", "checked_batches", "run_batch", "first_tensor", "to_device", "untied", "takes", "evaluating"]
 
 
 def first_tensor(value) -> torch.Tensor | None:
@@ -82,6 +82,27 @@ def takes(model: nn.Module, name: str) -> bool:
         return name in inspect.signature(model.forward).parameters
     except (TypeError, ValueError):
         return False
+
+
+def check_batch(batch, index: int) -> None:
+    """``TypeError`` naming calibration batch ``index`` and its type unless :func:`run_batch` can call a model with
+    it: a tensor (``model(batch)``), a tuple or list of positional inputs (``model(*batch)``), a dict of keyword
+    inputs (``model(**batch)``, string keys)."""
+    if not isinstance(batch, (torch.Tensor, Mapping, tuple, list)):
+        raise TypeError(f"calibration batch {index}: a batch must be a tensor (model(batch)), a tuple or list of "
+                        f"positional inputs (model(*batch)) or a dict of keyword inputs (model(**batch)), got "
+                        f"{type(batch).__name__}")
+    if isinstance(batch, Mapping) and not all(isinstance(k, str) for k in batch):
+        bad = next(k for k in batch if not isinstance(k, str))
+        raise TypeError(f"calibration batch {index}: a dict batch holds the forward's keyword inputs, so its keys "
+                        f"must be strings, got {bad!r} ({type(bad).__name__})")
+
+
+def checked_batches(batches):
+    """``batches`` as they come, each checked by :func:`check_batch` (with its index) before it is used."""
+    for i, batch in enumerate(batches):
+        check_batch(batch, i)
+        yield batch
 
 
 def run_batch(model: nn.Module, params: Mapping[str, torch.Tensor], batch) -> Any:

@@ -75,7 +75,7 @@ def test_bad_calibration_input_is_named():
             params, {qt.Site("model.nope"): qt.init_stats(observer="channel")})
     with pytest.raises(ValueError, match="no batches"):
         bridge.ModelCalibrator(model, []).site_stats(params, {qt.Site("lm_head"): qt.init_stats(observer="channel")})
-    with pytest.raises(TypeError, match="calibration batches must be tensors, dicts"):
+    with pytest.raises(TypeError, match=r"^calibration batch 0: a batch must be a tensor .*, got str$"):
         bridge.ModelCalibrator(model, ["text"]).site_stats(params, {qt.Site("lm_head"): qt.init_stats(observer="channel")})
 
 
