@@ -43,11 +43,11 @@ from .checkpoint.layout import LAYOUTS, dtype_name
 from .checkpoint.metadata import CheckpointError
 from .checkpoint.tree_io import (CONFIG, TOKENIZER_FILES, check_aliases, quantized_parts, read_metadata, read_tree,
                                  tensor_groups, verify_checksums)
-from .io_parts import activation_parts
+from .io_parts import activation_parts, model_of, stored_float, tied_aliases
 from .modules.actquant import PREFIX, activation_specs
 from .step_outputs import output_parts, output_tensors, read_outputs, records, take_outputs
 from .modules.online import check as check_online, online_rotations
-from .tree import Quantized, extract, tie_groups, to_module
+from .tree import Quantized, extract, to_module
 
 __all__ = ["save", "checkpoint_writer", "write_extras", "cast_dtypes", "config_dtype", "cast_leaf", "load",
            "imported_format", "from_source", "TOKENIZER_FILES"]
@@ -230,30 +230,12 @@ def cast_leaf(leaf, dtype: torch.dtype):
     return leaf if leaf.dtype == dtype or leaf.dtype not in store.FLOAT_DTYPES else leaf.to(dtype)
 
 
-def _stored_float(handles, located, name: str):
-    """The float dtype ``name`` is stored in (``None`` when it is not stored, or not as a float)."""
-    if name not in located:
-        return None
-    st = handles[located[name]].get_slice(name).get_dtype()
-    return next((dt for dt in store.FLOAT_DTYPES if store.ST_DTYPES[dt] == st), None)
-
-
-def _tied_aliases(like: nn.Module, stored: set) -> dict[str, str]:
-    """Paths of ``like`` whose parameter or buffer *is* another stored path's (tied weights, which
-    ``save_pretrained`` writes once)."""
-    out = {}
-    for paths in tie_groups(like):
-        present = [p for p in paths if p in stored]
-        if present:
-            out.update({p: present[0] for p in paths if p not in stored})
-    return out
-
-
-def load(directory, *, like: nn.Module, kernel: str = "auto", verify: bool = True) -> nn.Module:
+def load(directory, *, like, kernel: str = "auto", verify: bool = True) -> nn.Module:
     """Rebuild the quantized model saved in ``directory``.
 
     ``like`` gives the structure: the float model (or a skeleton of it, e.g. built from its
-    config) with the same parameter names. Returns a new model (``like`` is untouched) with
+    config) with the same parameter names, or a zero-argument callable that builds one (the model's class,
+    ``lambda: Net(width=64)``), called once. Returns a new model (``like`` is untouched) with
     quantized modules holding the stored codes and qparams bit for bit. Raises
     :class:`CheckpointError` naming the file and tensor for any missing, extra, truncated or
     mistyped tensor and for malformed, unknown-version or unknown-format metadata, before any
@@ -265,8 +247,7 @@ def load(directory, *, like: nn.Module, kernel: str = "auto", verify: bool = Tru
     GGUF files): their quantized tensors become QTensors as stored, never re-quantized (an importer
     refuses, naming the tensor, what no qtransform spec holds exactly); float tensors take ``like``'s dtype.
     """
-    if not isinstance(like, nn.Module):
-        raise TypeError(f"like must be a torch.nn.Module, got {type(like).__name__}")
+    like = model_of(like)
     if not isinstance(verify, bool):
         raise TypeError(f"load: verify must be True or False, got {verify!r}")
     root = Path(directory)
@@ -284,7 +265,7 @@ def load(directory, *, like: nn.Module, kernel: str = "auto", verify: bool = Tru
             raise CheckpointError(f"{CONFIG}: tensor {path!r} is not a tensor of {type(like).__name__}")
     parts = quantized_parts(meta)
     stored = set(meta.entries) | {n for n in located if not any(n in g for g in parts.values())}
-    meta = meta._replace(aliases={**_tied_aliases(like, stored), **meta.aliases})
+    meta = meta._replace(aliases={**tied_aliases(like, stored), **meta.aliases})
     check_aliases(meta, stored)
     expected = {}
     for path, leaf in ref.items():
@@ -311,7 +292,7 @@ def load(directory, *, like: nn.Module, kernel: str = "auto", verify: bool = Tru
     except ValueError as e:
         raise CheckpointError(f"{CONFIG}: {e}") from None
     for name, (shape, dtype) in list(expected.items()):  # a float tensor may be stored in another float dtype
-        stored = _stored_float(handles, located, name) if dtype in store.FLOAT_DTYPES and name in ref else None
+        stored = stored_float(handles, located, name) if dtype in store.FLOAT_DTYPES and name in ref else None
         if stored is not None:
             expected[name] = (shape, stored)
     store.check_headers(root, located, handles, expected)
@@ -369,7 +350,7 @@ def from_source(like: nn.Module, source, *, kernel: str = "auto") -> nn.Module:
     unknown = sorted(p for p in tree if p not in ref and p not in act_names)
     if unknown:
         raise CheckpointError(f"{source.directory}: tensors {unknown[:5]} are not tensors of {type(like).__name__}")
-    aliases = {**_tied_aliases(like, set(tree)), **meta.aliases}
+    aliases = {**tied_aliases(like, set(tree)), **meta.aliases}
     for alias, target in aliases.items():
         if alias not in tree and target in tree:
             tree[alias] = tree[target]
