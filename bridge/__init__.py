@@ -52,7 +52,8 @@ def _quiet_imports(names=("torchao", "torch.utils._pytree")):
 
 
 with _quiet_imports():
-    from .modules import QConv2d, QConvTranspose2d, QEmbedding, QEmbeddingBag, QExperts, QLinear, QModule
+    from .modules import (QConv1d, QConv2d, QConv3d, QConvTranspose1d, QConvTranspose2d, QConvTranspose3d,
+                          QEmbedding, QEmbeddingBag, QExperts, QLinear, QModule)
     from .tree import extract, module_types, to_module
     from .calibrate import ModelCalibrator
     from .pipeline import Quantized, plan, quantize, quantize_params
@@ -63,5 +64,6 @@ with _quiet_imports():
 __all__ = ["extract", "module_types", "to_module", "plan", "quantize", "quantize_params", "Quantized",
            "ModelCalibrator", "save", "load", "load_tree", "read_metadata", "CheckpointError",
            "QTransformConfig", "QTransformHfQuantizer",
-           "QModule", "QLinear", "QConv2d", "QConvTranspose2d", "QEmbedding", "QEmbeddingBag",
+           "QModule", "QLinear", "QConv1d", "QConv2d", "QConv3d", "QConvTranspose1d", "QConvTranspose2d",
+           "QConvTranspose3d", "QEmbedding", "QEmbeddingBag",
            "QExperts"]

@@ -36,10 +36,12 @@ def plan(model: nn.Module, recipe, *, tree: Mapping | None = None) -> qt.Plan:
     layers in their logical (out, in) layout: a ``Linear`` rule and its spec mean the same on GPT-2's
     ``Conv1D``, see :func:`bridge.tree.model_plan`).
 
-    Only weights of modules a quantized module can replace (Linear, transformers' Conv1D, Conv2d,
-    ConvTranspose2d, Embedding, EmbeddingBag) can be quantized: another tensor that the recipe's
+    Only weights of modules a quantized module can replace (Linear, transformers' Conv1D, Conv1d/2d/3d,
+    ConvTranspose1d/2d/3d, Embedding, EmbeddingBag) can be quantized: another tensor that the recipe's
     ``default`` would select is left in full precision (rule ``"skipped (...)"``); one that an
-    explicit rule selects is an error naming it. A multimodal model's vision or audio towers and projectors
+    explicit rule selects is an error naming it. An embedding's input (token ids) is never quantized: the
+    recipe's ``input`` spec and ``act_rules`` globs leave it alone, an ``act_rules`` entry naming it
+    (``"emb:input"``) is an error naming it. A multimodal model's vision or audio towers and projectors
     (:func:`bridge.arch.towers`) stay in float unless a glob rule (``rules``) selects them. Every selected spec is checked against its
     tensor's shape here, before any work: a group that does not divide its axis (without
     ``pad=True``) is a ``ValueError`` naming the path and the rule.
@@ -90,13 +92,21 @@ def plan(model: nn.Module, recipe, *, tree: Mapping | None = None) -> qt.Plan:
             if given or m.rule != "default":
                 what = f"a tensor of a {m.module_type}" if m.module_type else "a tensor"
                 raise ValueError(f"{path}: recipe {m.rule} selects {what} that is not the weight of a quantizable "
-                                 "module; only the weights of Linear, Conv1D, Conv2d, ConvTranspose2d, Embedding "
-                                 "and EmbeddingBag modules can be quantized")
+                                 "module; only the weights of Linear, Conv1D, Conv1d/2d/3d, ConvTranspose1d/2d/3d, "
+                                 "Embedding and EmbeddingBag modules can be quantized")
             m = qt.Match(None, "skipped (default: not the weight of a quantizable module)", m.module_type)
         if m.spec is not None:
             _check_grid(path, m, tuple(tree[path].shape))
         matches[path] = m
     resolve = getattr(resolved.recipe, "resolve_activation", None)
+    named = [(qt.module_of(p), m.module_type, rule) for p, m in matches.items() if m.spec is not None and resolve
+             and m.module_type in ("Embedding", "EmbeddingBag")
+             and (rule := _literal_act_rule(resolved.recipe, qt.module_of(p), "input")) is not None]
+    if named:
+        module, kind, rule = named[0]
+        raise ValueError(f"{module}: recipe act_rules[{rule}] quantizes the input of an {kind}, which is token ids, "
+                         "never quantized (a recipe's input= spec or a glob leaves it alone); quantize its output, "
+                         "or drop that rule")
     outputs = [p for p, m in matches.items() if m.spec is not None and m.module_type == "Experts" and resolve
                and resolve(p, "output").spec is not None]
     if outputs:
@@ -175,6 +185,13 @@ def _check_grid(path: str, m: qt.Match, shape: tuple[int, ...]) -> None:
         if n % b and not m.spec.pad:
             raise ValueError(f"{where}: {what} {b} does not divide axis {axis - len(shape)} of size {n} "
                              f"(shape {shape}); pass pad=True to pad the last block")
+
+
+def _literal_act_rule(recipe, module: str, role: str) -> str | None:
+    """The ``act_rules`` pattern without wildcards that gives ``module``'s ``role`` a spec, else ``None``."""
+    m = recipe.resolve_activation(module, role)
+    pattern = m.rule[len("act_rules["):-1] if m.rule.startswith("act_rules[") else None
+    return pattern if m.spec is not None and pattern is not None and not any(c in pattern for c in "*?[") else None
 
 
 def nothing_selected(model: nn.Module, p: qt.Plan) -> str:

@@ -3,7 +3,8 @@
 :func:`dequantize_model` replaces every quantized module by the float module it came from, with
 ``weight = qt.dequantize(module.qweight)`` in the requested dtype and the bias kept:
 ``QLinear`` -> ``nn.Linear`` (or transformers' ``Conv1D``, weight stored (in, out), when
-``transposed``), ``QConv2d`` -> ``nn.Conv2d``, ``QConvTranspose2d`` -> ``nn.ConvTranspose2d``,
+``transposed``), ``QConv2d`` -> ``nn.Conv2d``, ``QConvTranspose2d`` -> ``nn.ConvTranspose2d`` (and the 1-D
+and 3-D ones),
 ``QEmbedding`` -> ``nn.Embedding``, ``QEmbeddingBag`` -> ``nn.EmbeddingBag``. The rest of what a
 quantized model computes is settled so that the result is a plain float model that computes the
 function of the quantized weights and loads without the bridge:
@@ -41,8 +42,7 @@ from torch import nn
 import qtransform as qt
 from qtransform.rotation import OnlineRotation, apply_online
 
-from ..modules import (QConv2d, QConvTranspose2d, QEmbedding, QEmbeddingBag, QLinear, QModule, actquant, is_conv1d,
-                       kvcache)
+from ..modules import CONV_CLASSES, QEmbedding, QEmbeddingBag, QLinear, QModule, actquant, is_conv1d, kvcache
 from ..modules import online
 from ..modules.experts import QExperts
 from ..step_outputs import SLOTS, read_outputs
@@ -52,8 +52,7 @@ from .offload import offloaded_names
 __all__ = ["dequantize_model", "float_module"]
 
 #: The float class each quantized class came from (``QLinear`` by ``transposed``, see :func:`_float_class`).
-_FLOAT = {QConv2d: nn.Conv2d, QConvTranspose2d: nn.ConvTranspose2d, QEmbedding: nn.Embedding,
-          QEmbeddingBag: nn.EmbeddingBag}
+_FLOAT = {**{q: f for f, q in CONV_CLASSES.items()}, QEmbedding: nn.Embedding, QEmbeddingBag: nn.EmbeddingBag}
 
 
 def _float_class(module: QModule) -> type[nn.Module] | None:
@@ -121,7 +120,7 @@ def float_module(module: QModule, dtype: torch.dtype | None = None, *,
             new = cls(module.out_features, module.in_features)
         else:
             kw = {k: getattr(module, k) for k in module._HYPER}
-            new = cls(**kw, **({"bias": bias is not None} if cls in (nn.Conv2d, nn.ConvTranspose2d) else {}))
+            new = cls(**kw, **({"bias": bias is not None} if cls in CONV_CLASSES else {}))
     new.weight = nn.Parameter(weight.to(dtype))
     if "bias" in new._parameters:
         new.bias = None if bias is None else (

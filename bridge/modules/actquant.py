@@ -14,7 +14,8 @@ view): for linear layers and embeddings the **(tokens, features) matrix**, every
 an ``(..., features)`` activation flattened into tokens. So ``PerChannel(0)`` is *per token* (one
 scale per row of that matrix, for a 2-D or a ``(batch, seq, features)`` input alike),
 ``PerChannel(-1)`` per feature, ``PerGroup(g)`` groups of ``g`` features of one token. Conv
-activations keep their ``(N, C, H, W)`` shape (``PerChannel(1)``: per channel). Static QParams
+activations (1-, 2- or 3-D) keep their ``(N, C, *spatial)`` shape (``PerChannel(1)``: per channel), and so do
+their static scales (:func:`token_activations`). Static QParams
 observed on a ``(batch, seq, features)`` activation (grid ``(1, 1, k)``) are taken as the
 matrix's ``(1, k)``; a grid that varies along batch or sequence cannot be (``ValueError``).
 
@@ -50,7 +51,7 @@ from qtransform import QParams
 
 from ..kernels import int8dyn
 
-__all__ = ["PREFIX", "attach", "kv_heads", "activation_view", "qparams_for", "apply", "activation_specs", "stored_buffers",
+__all__ = ["PREFIX", "attach", "kv_heads", "token_activations", "activation_view", "qparams_for", "apply", "activation_specs", "stored_buffers",
            "static_buffers", "abstract_qparams"]
 
 #: The observer of dynamic quantizers (min/max of each input), made once: ``torch.compile`` traces
@@ -104,9 +105,19 @@ def _stored(module: nn.Module, role: str, tensors: dict) -> dict:
             raise ValueError(f"{role}_quant: the key/value cache holds one value per field per tensor or one per "
                              f"key/value head ({kv_heads(module)} here), {bad[0]} has shape {tuple(tensors[bad[0]].shape)}")
         return {f: t.reshape(() if n == 1 else (n,)) for f, t in tensors.items()}
-    if getattr(module, "token_activations", True):
+    if token_activations(module):
         return {f: _as_matrix_grid(role, f, t) for f, t in tensors.items()}
     return tensors
+
+
+def token_activations(module: nn.Module) -> bool:
+    """Whether ``module``'s activation specs apply to the (tokens, features) matrix (linear layers, embeddings)
+    rather than to the activation as it is (convolutions: ``(N, C, *spatial)``). A quantized module says so
+    itself (``token_activations``); a float module is answered as the quantized module that replaces it would:
+    a checkpoint's expected shapes are found on the float model it loads into (:func:`static_buffers`), and
+    must be the ones the quantized module stored."""
+    own = getattr(module, "token_activations", None)
+    return own if isinstance(own, bool) else not isinstance(module, nn.modules.conv._ConvNd)
 
 
 def _as_matrix_grid(role: str, field: str, t: torch.Tensor) -> torch.Tensor:
@@ -135,7 +146,7 @@ def activation_view(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """The tensor an activation spec of ``module`` applies to: the (tokens, features) matrix
     ``x.reshape(-1, x.shape[-1])`` for linear layers and embeddings, ``x`` itself for modules whose
     ``token_activations`` is false (convolutions). The one definition every forward path uses."""
-    if not getattr(module, "token_activations", True) or x.dim() == 2:
+    if x.dim() == 2 or not token_activations(module):
         return x
     return x.reshape(-1, x.shape[-1]) if x.dim() else x.reshape(1, 1)
 
@@ -221,7 +232,7 @@ def _example(module: nn.Module, role: str) -> torch.Tensor:
     for i, o in (("in_features", "out_features"), ("in_channels", "out_channels")):
         if hasattr(module, i):
             n = getattr(module, i if role == "input" else o)
-            shape = (1, n) if getattr(module, "token_activations", True) else (1, n, 1, 1)
+            shape = (1, n) if token_activations(module) else (1, n) + (1,) * len(module.kernel_size)
             return torch.zeros(shape, device="cpu")
     if role == "output" and hasattr(module, "embedding_dim"):
         return torch.zeros(1, module.embedding_dim, device="cpu")

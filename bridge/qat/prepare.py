@@ -50,7 +50,7 @@ __all__ = ["prepare", "prepared_plan", "quantizer_parameters", "STATE"]
 STATE = "_qt_qat_plan"
 
 #: Module types whose activations keep their layout (no (tokens, features) matrix).
-_CONV = ("Conv2d", "ConvTranspose2d")
+_CONV = ("Conv1d", "Conv2d", "Conv3d", "ConvTranspose1d", "ConvTranspose2d", "ConvTranspose3d")
 
 
 def resolve_recipe(recipe):
@@ -123,14 +123,15 @@ def _check_plan(model: nn.Module, p: qt.Plan, calibrated: bool) -> None:
         if parametrize.is_parametrized(owners[path], "weight"):
             raise ValueError(f"model: {path} is already parametrized ({owners[path].parametrizations.weight}); "
                              "bridge.qat parametrizes the plain weights it quantizes")
-    conv = _conv_sites(p)
+    conv = {s: kind for role in ACT_NAMES for s, paths in p.sites(role).items() for path in paths
+            if (kind := p[path].module_type) in _CONV}
     static = []
     for site, spec in p.activations.items():
         if spec.dynamic:
             continue
         g = spec.granularity
         fits = isinstance(g, qt.PerTensor) or (isinstance(g, qt.PerChannel) and
-                                               g.axis in ((1, -3) if conv.get(site) else (1, -1)))
+                                               g.axis in ((1, -1 - int(conv[site][-2])) if site in conv else (1, -1)))
         if not fits:
             raise ValueError(f"recipe: the static activation spec of {site.module} ({site.role}), {spec}, is not one "
                              "range per tensor or per feature; bridge.qat learns static ranges shared by every "

@@ -72,7 +72,8 @@ def _stacked(path: str, m: qt.Match, module: nn.Module, stored: tuple[int, ...])
 
 
 #: the torch classes a quantized module replaces; their subclasses take their type rules (unless one names them)
-_BASES = (nn.Linear, nn.Conv2d, nn.ConvTranspose2d, nn.Embedding, nn.EmbeddingBag)
+_BASES = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d,
+          nn.Embedding, nn.EmbeddingBag)
 
 
 def _subclasses(model: nn.Module, recipe: qt.Recipe, tree: Mapping, named: set) -> dict:

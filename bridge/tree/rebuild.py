@@ -4,8 +4,8 @@
 of ``qtree`` (a tree, or the pipeline's :class:`~bridge.tree.Quantized` result with its plan,
 activation quantizers and online rotations: the one way from a quantized result to a model, for
 :func:`bridge.quantize` and the ``qtransform`` command alike): every
-:class:`~qtransform.QTensor` leaf at ``"<module>.weight"`` turns its module (Linear, Conv2d,
-ConvTranspose2d, Embedding, EmbeddingBag, transformers Conv1D) into the quantized module; other
+:class:`~qtransform.QTensor` leaf at ``"<module>.weight"`` turns its module (Linear, Conv1d/2d/3d,
+ConvTranspose1d/2d/3d, Embedding, EmbeddingBag, transformers Conv1D) into the quantized module; other
 leaves are assigned as they are. With ``inplace=False`` (the default) the original model is
 untouched: the copy is built as a skeleton on the ``meta`` device and filled from the tree, so no
 weight is copied (unquantized tensors are shared with the tree, i.e. with the original model when
@@ -121,8 +121,9 @@ def check_replacement(model: nn.Module, path: str, q: QTensor):
         return module, QExperts
     cls = quantized_class(module)
     if cls is None or leaf != "weight":
-        raise ValueError(f"{path}: only the weight of Linear, Conv2d, ConvTranspose2d, Embedding, EmbeddingBag "
-                         f"and transformers Conv1D modules can be quantized; this is {type(module).__name__}.{leaf}")
+        raise ValueError(f"{path}: only the weight of Linear, Conv1d/2d/3d, ConvTranspose1d/2d/3d, Embedding, "
+                         f"EmbeddingBag and transformers Conv1D modules can be quantized; this is "
+                         f"{type(module).__name__}.{leaf}")
     if module is model and not isinstance(module, QModule):
         raise ValueError(f"{path}: the root module itself cannot be replaced; wrap it in a container")
     if not isinstance(module, QModule) and tuple(q.shape) != tuple(module.weight.shape):

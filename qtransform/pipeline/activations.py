@@ -37,7 +37,7 @@ from .run import serving
 __all__ = ["activation_quantizers", "check_activation_spec", "CONV_TYPES"]
 
 #: Module types whose activations keep their layout (no (tokens, features) matrix).
-CONV_TYPES = ("Conv2d", "ConvTranspose2d")
+CONV_TYPES = ("Conv1d", "Conv2d", "Conv3d", "ConvTranspose1d", "ConvTranspose2d", "ConvTranspose3d")
 
 
 def check_activation_spec(spec: QuantSpec, where: str, *, conv: bool = False) -> None:
