@@ -19,6 +19,8 @@ Packages follow the data flow (docs/layout.md lists them with the core's):
 - ``modules``: ``QLinear`` & co., activation quantizers, the key/value cache, online rotations.
 - ``kernels``: forward paths chosen by device, shape and capability (packed CPU int4/int8, GPU fp8,
   the dequantizing reference).
+- ``fx``: graph preparation for models that are not language models: ``fold_batchnorm`` (BatchNorm folded
+  into the conv/linear before it, before quantizing).
 - ``checkpoint``: files without modules: the atomic, checksummed store, layouts, versioned metadata.
 - ``io``: ``save`` / ``load`` of models.
 - ``qat``: quantization-aware training in the user's own loop: ``prepare`` (trainable fake quantizers),
@@ -59,6 +61,7 @@ with _quiet_imports():
     from .pipeline import Quantized, plan, quantize, quantize_params
     from .checkpoint import CheckpointError, load_tree, read_metadata
     from .io import load, save
+    from .fx import BatchNormFolding, fold_batchnorm
     from .hf import QTransformConfig, QTransformHfQuantizer
 
 __all__ = ["extract", "module_types", "to_module", "plan", "quantize", "quantize_params", "Quantized",
@@ -66,4 +69,4 @@ __all__ = ["extract", "module_types", "to_module", "plan", "quantize", "quantize
            "QTransformConfig", "QTransformHfQuantizer",
            "QModule", "QLinear", "QConv1d", "QConv2d", "QConv3d", "QConvTranspose1d", "QConvTranspose2d",
            "QConvTranspose3d", "QEmbedding", "QEmbeddingBag",
-           "QExperts"]
+           "QExperts", "fold_batchnorm", "BatchNormFolding"]

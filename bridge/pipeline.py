@@ -26,6 +26,7 @@ import qtransform as qt
 
 from .arch import model_groups, model_layout, residual_layout, smoothing_groups, towers
 from .calibrate import ModelCalibrator
+from .fx import fold_batchnorm as _fold_batchnorm
 from .tree import Quantized, extract, model_plan, to_module, unsupported_experts, weight_paths
 
 __all__ = ["plan", "prepare", "calibrate_activations", "nothing_selected", "check_calibration", "Quantized", "quantize_params", "quantize"]
@@ -305,7 +306,7 @@ def quantize_params(model: nn.Module, recipe, *, calibration: Iterable | None = 
 
 def quantize(model: nn.Module, recipe, *, inplace: bool = False, kernel: str = "auto",
              calibration: Iterable | None = None, qparams: Mapping | None = None, progress: Callable | None = None,
-             generator=None, act_observer=None, all_experts: bool = False) -> nn.Module:
+             generator=None, act_observer=None, all_experts: bool = False, fold_batchnorm: bool = False) -> nn.Module:
     """``extract -> plan -> steps -> quantize_tree -> to_module`` in one call (:func:`quantize_params`, then
     :func:`bridge.to_module` of its result, as the ``qtransform`` command does).
 
@@ -314,7 +315,18 @@ def quantize(model: nn.Module, recipe, *, inplace: bool = False, kernel: str = "
     are the very tensors of ``model`` (copying would double the memory of a large model), so an
     in-place change to one shows in the other; quantize a ``copy.deepcopy(model)`` to keep them
     apart. A recipe that selects no tensor is a ``ValueError`` naming its rules.
+
+    ``fold_batchnorm=True`` (off by default) first folds the model's BatchNorm layers into the conv/linear
+    before them (:func:`bridge.fold_batchnorm`, eval-mode semantics: a BatchNorm in training mode is refused),
+    then quantizes that folded copy: the input model is untouched, so it cannot be combined with ``inplace``.
     """
+    if not isinstance(fold_batchnorm, bool):
+        raise TypeError(f"fold_batchnorm must be a bool, got {type(fold_batchnorm).__name__}")
+    if fold_batchnorm:
+        if inplace:
+            raise ValueError("fold_batchnorm=True quantizes a folded copy of the model (the input is untouched): "
+                             "it cannot be combined with inplace=True")
+        model, inplace = _fold_batchnorm(model).model, True  # the copy is ours: quantized in place
     r = quantize_params(model, recipe, calibration=calibration, qparams=qparams, progress=progress,
                         generator=generator, act_observer=act_observer, all_experts=all_experts)
     return to_module(model, r, inplace=inplace, kernel=kernel)

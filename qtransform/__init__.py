@@ -12,7 +12,8 @@ The packages follow the data flow: ``formats`` (how numbers are stored) -> ``spe
 quantize: QuantSpec, Recipe, Plan) -> ``tensor`` (QParams/QTensor, quantize) -> ``observers``
 (statistics) -> ``algorithms`` (steps: new weights and quantization parameters) ->
 ``pipeline`` (steps in order, presets, recipe files) -> ``tree`` (whole parameter trees);
-``rotation`` (Hadamard and orthogonal matrices) stands beside them.
+``rotation`` (Hadamard and orthogonal matrices) and ``fold_norm`` (BatchNorm folded into the conv or linear
+before it: ``fold_norms``) stand beside them.
 """
 
 from .registry import Registry
@@ -34,6 +35,7 @@ from .pipeline import (PRESETS, Calibrator, Preset, activation_quantizers, check
 from .parallel import SERIAL, Parallel
 from .rotation import OnlineRotation, hadamard, hadamard_transform, orthogonal, rotate
 from . import learn
+from .fold_norm import NormFold, fold_norms
 from .tree import (dequantize_tree, flatten_tree, is_qtensor, merge_stats_tree, observe_tree, qparams_tree,
                    quantize_tree)
 
@@ -55,5 +57,5 @@ __all__ = [
     "recipe_from_dict", "register_preset",
     "hadamard", "hadamard_transform", "orthogonal", "rotate", "OnlineRotation",
     "dequantize_tree", "flatten_tree", "is_qtensor", "merge_stats_tree", "observe_tree", "qparams_tree",
-    "quantize_tree", "learn",
+    "quantize_tree", "learn", "NormFold", "fold_norms",
 ]
