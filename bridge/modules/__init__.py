@@ -1,12 +1,14 @@
 """Quantized modules: ``QLinear`` (and GPT-2's ``Conv1D``), ``QConv2d``, ``QConvTranspose2d``,
-``QEmbedding``, ``QEmbeddingBag``, ``QExperts`` (mixture-of-experts layers); their activation quantizers and the key/value cache's; which float module each replaces."""
+``QEmbedding``, ``QEmbeddingBag``, ``QExperts`` (mixture-of-experts layers), ``QMultiheadAttention``; their activation quantizers and the key/value cache's; which float module each replaces."""
 
 from .base import QUANTIZED_CLASSES, QModule, quantized_class, register_quantized_class
 from .linear import QLinear, is_conv1d
 from .conv import QConv2d, QConvTranspose2d
 from .embedding import QEmbedding, QEmbeddingBag
 from .experts import QExperts, is_experts
-from . import actquant, kvcache, online, lowrank
+from .mha import QMultiheadAttention
+from . import actquant, kvcache, online, lowrank, mha_model
 
 __all__ = ["QModule", "QLinear", "QConv2d", "QConvTranspose2d", "QEmbedding", "QEmbeddingBag", "QUANTIZED_CLASSES",
-           "quantized_class", "register_quantized_class", "is_conv1d", "QExperts", "is_experts", "actquant", "kvcache", "online", "lowrank"]
+           "quantized_class", "register_quantized_class", "is_conv1d", "QExperts", "is_experts", "QMultiheadAttention", "actquant", "kvcache", "online", "lowrank",
+           "mha_model"]
