@@ -27,6 +27,7 @@ import qtransform as qt
 from .arch import model_groups, model_layout, residual_layout, smoothing_groups, towers
 from .calibrate import ModelCalibrator
 from .fx import fold_batchnorm as _fold_batchnorm
+from .modules.mha_model import calling_view, check_sites
 from .tree import Quantized, extract, model_plan, to_module, unsupported_experts, weight_paths
 
 __all__ = ["plan", "prepare", "calibrate_activations", "nothing_selected", "check_calibration", "Quantized", "quantize_params", "quantize"]
@@ -38,7 +39,8 @@ def plan(model: nn.Module, recipe, *, tree: Mapping | None = None) -> qt.Plan:
     ``Conv1D``, see :func:`bridge.tree.model_plan`).
 
     Only weights of modules a quantized module can replace (Linear, transformers' Conv1D, Conv1d/2d/3d,
-    ConvTranspose1d/2d/3d, Embedding, EmbeddingBag) can be quantized: another tensor that the recipe's
+    ConvTranspose1d/2d/3d, Embedding, EmbeddingBag; the projection weights of MultiheadAttention, see
+    :mod:`bridge.modules.mha`) can be quantized: another tensor that the recipe's
     ``default`` would select is left in full precision (rule ``"skipped (...)"``); one that an
     explicit rule selects is an error naming it. An embedding's input (token ids) is never quantized: the
     recipe's ``input`` spec and ``act_rules`` globs leave it alone, an ``act_rules`` entry naming it
@@ -94,7 +96,8 @@ def plan(model: nn.Module, recipe, *, tree: Mapping | None = None) -> qt.Plan:
                 what = f"a tensor of a {m.module_type}" if m.module_type else "a tensor"
                 raise ValueError(f"{path}: recipe {m.rule} selects {what} that is not the weight of a quantizable "
                                  "module; only the weights of Linear, Conv1D, Conv1d/2d/3d, ConvTranspose1d/2d/3d, "
-                                 "Embedding and EmbeddingBag modules can be quantized")
+                                 "Embedding and EmbeddingBag modules and the projection weights of "
+                                 "MultiheadAttention can be quantized")
             m = qt.Match(None, "skipped (default: not the weight of a quantizable module)", m.module_type)
         if m.spec is not None:
             _check_grid(path, m, tuple(tree[path].shape))
@@ -116,8 +119,10 @@ def plan(model: nn.Module, recipe, *, tree: Mapping | None = None) -> qt.Plan:
                          f"them (act_rules={{'*.experts.*:output': None}})")
     groups = resolved.groups if resolved.groups is not None else model_groups(model)
     layout = resolved.layout if resolved.layout is not None else model_layout(model)
-    return qt.Plan(resolved.recipe, matches, attention=resolved.attention, groups=groups, layout=layout,
-                   transposed_experts=resolved.transposed_experts)
+    out = qt.Plan(resolved.recipe, matches, attention=resolved.attention, groups=groups, layout=layout,
+                  transposed_experts=resolved.transposed_experts)
+    check_sites(model, out.activations)  # what nn.MultiheadAttention's quantized form takes, named
+    return out
 
 
 def _kept_in_float32(model: nn.Module) -> tuple[str, ...]:
@@ -296,8 +301,8 @@ def quantize_params(model: nn.Module, recipe, *, calibration: Iterable | None = 
         raise ValueError(f"{meta}: the model's tensors are on the meta device (no values to quantize); load its "
                          "weights first, or quantize while loading (from_pretrained with a QTransformConfig)")
     p = prepare(model, recipe, calibrated=calibration is not None, tree=params)
-    calibrator = None if calibration is None else ModelCalibrator(model, calibration, progress=progress,
-                                                                  all_experts=all_experts)
+    calibrator = None if calibration is None else ModelCalibrator(calling_view(model), calibration, progress=progress,
+                                                                  all_experts=all_experts)  # out_proj called
     qtree, fit = qt.quantize_tree(params, p, qparams=qparams, calibrator=calibrator, progress=progress,
                                   generator=generator, with_info=True)
     acts = calibrate_activations(qtree, p, calibrator, act_observer=act_observer, online=fit.online)

@@ -23,6 +23,7 @@ from torch import nn
 import qtransform as qt
 
 from ..modules import kvcache
+from ..modules.mha_model import projection_inputs
 from ..tree import tie_groups
 from .experts import expert_sites, tapping
 
@@ -212,8 +213,10 @@ def fold_sites(model: nn.Module, sites: Mapping[qt.Site, Any], run_all: Callable
         fold = folder(site)
 
         if site.role == "input":
-            return modules[site.module].register_forward_pre_hook(lambda m, args, kwargs: fold((args, kwargs)),
-                                                                  with_kwargs=True)
+            def pre(m, args, kwargs):  # a multi-head attention's in-projection: query, key and value all folded
+                for t in projection_inputs(m, args, kwargs) or ((args, kwargs),):
+                    fold(t)
+            return modules[site.module].register_forward_pre_hook(pre, with_kwargs=True)
         return modules[site.module].register_forward_hook(lambda m, args, out: fold(out))
 
     kv = {s.module for s in sites if s.role in qt.spec.KV_ROLES}

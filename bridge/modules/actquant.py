@@ -234,6 +234,8 @@ def _example(module: nn.Module, role: str) -> torch.Tensor:
             n = getattr(module, i if role == "input" else o)
             shape = (1, n) if token_activations(module) else (1, n) + (1,) * len(module.kernel_size)
             return torch.zeros(shape, device="cpu")
+    if role == "input" and hasattr(module, "embed_dim") and hasattr(module, "num_heads"):  # multi-head attention
+        return torch.zeros(1, module.embed_dim, device="cpu")  # (its static input quantizers are per tensor)
     if role == "output" and hasattr(module, "embedding_dim"):
         return torch.zeros(1, module.embedding_dim, device="cpu")
     raise ValueError(f"{type(module).__name__}: no {role} activation quantizer for this module type")

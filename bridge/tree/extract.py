@@ -25,6 +25,7 @@ from torch import nn
 
 from ..modules import QModule, quantized_class
 from ..modules.experts import QExperts, expert_weights, is_experts
+from ..modules.mha import MHA_TYPE, QMultiheadAttention, in_proj_names, is_mha
 
 __all__ = ["extract", "module_types", "weight_paths", "tie_groups", "unsupported_experts"]
 
@@ -45,7 +46,7 @@ def extract(model: nn.Module) -> dict:
         out[prefix + "weight"] = m.qweight
         skip.update(prefix + n for n in m._qnames)
     for name, m in model.named_modules():
-        if isinstance(m, QExperts):
+        if isinstance(m, (QExperts, QMultiheadAttention)):
             prefix = f"{name}." if name else ""
             for w in m.quantized_names:
                 out[prefix + w] = m.qtensor(w)
@@ -132,6 +133,8 @@ def module_types(model: nn.Module) -> dict[str, str]:
         kind = type(m).__name__
         if isinstance(m, QModule):
             kind = "Conv1D" if m.transposed else kind.removeprefix("Q")
+        if isinstance(m, QMultiheadAttention):
+            kind = MHA_TYPE
         if name in routers:
             kind = "Router"
         for w in expert_weights(m):
@@ -144,12 +147,15 @@ def module_types(model: nn.Module) -> dict[str, str]:
 
 
 def weight_paths(model: nn.Module) -> dict[str, nn.Module]:
-    """``{"<module>.weight": module}`` for every module a quantized module can replace, and
-    ``{"<experts>.gate_up_proj": experts module, ...}`` for the stacked weights of experts modules."""
+    """``{"<module>.weight": module}`` for every module a quantized module can replace,
+    ``{"<experts>.gate_up_proj": experts module, ...}`` for the stacked weights of experts modules, and
+    ``{"<mha>.in_proj_weight": attention module}`` for the in-projection weights of multi-head attention."""
     _check(model)
     out = {(f"{name}." if name else "") + "weight": m for name, m in model.named_modules()
            if quantized_class(m) is not None}
     out.update({(f"{name}." if name else "") + w: m for name, m in model.named_modules() for w in expert_weights(m)})
+    out.update({(f"{name}." if name else "") + w: m for name, m in model.named_modules() if is_mha(m)
+                for w in in_proj_names(m)})
     return out
 
 

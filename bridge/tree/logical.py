@@ -34,6 +34,7 @@ import qtransform as qt
 from ..modules import QLinear, is_conv1d, register_quantized_class
 from ..modules.experts import is_experts, stacked_like
 from ..modules.kvcache import attention_modules
+from ..modules.mha import MHA_TYPE, OUT_TYPE, in_proj_names, is_mha
 from .extract import module_types, weight_paths
 from .standins import keep_read_weights
 
@@ -46,7 +47,7 @@ __all__ = ["TYPE_FALLBACK", "LINEAR_AS_BASE", "stored_transposed", "model_plan"]
 #: (Falcon's): a ``Linear`` rule reaches them and a quantized Linear replaces them exactly (other subclasses are kept
 #: in float, said why: :func:`_subclasses`).
 LINEAR_AS_BASE = ("FalconLinear",)
-TYPE_FALLBACK = {"Conv1D": "Linear", "Experts": "Linear", **{name: "Linear" for name in LINEAR_AS_BASE}}
+TYPE_FALLBACK = {"Conv1D": "Linear", "Experts": "Linear", OUT_TYPE: "Linear", **{name: "Linear" for name in LINEAR_AS_BASE}}
 register_quantized_class("LinearAsBase", lambda m: isinstance(m, nn.Linear) and type(m).__name__ in LINEAR_AS_BASE,
                          QLinear)
 
@@ -94,6 +95,24 @@ def _subclasses(model: nn.Module, recipe: qt.Recipe, tree: Mapping, named: set) 
     return out
 
 
+def _attention_types(model: nn.Module, named: set) -> tuple[dict[str, str], set[str]]:
+    """The rule types of the tensors of ``nn.MultiheadAttention`` modules (:mod:`bridge.modules.mha`): its
+    in-projection weights follow ``MultiheadAttention`` rules, else ``Linear`` ones; ``out_proj`` follows
+    ``NonDynamicallyQuantizableLinear`` rules, else ``MultiheadAttention``, else ``Linear`` ones. Also the paths of
+    its tensors that are no projection weight (``bias_k``, ``bias_v``: no type rule quantizes them)."""
+    lookup, others = {}, set()
+    inner = MHA_TYPE if MHA_TYPE in named else "Linear"
+    outer = OUT_TYPE if OUT_TYPE in named else inner
+    for name, m in model.named_modules():
+        if not is_mha(m):
+            continue
+        prefix = f"{name}." if name else ""
+        lookup.update({prefix + w: inner for w in in_proj_names(m)})
+        lookup.update({f"{prefix}out_proj.{w}": outer for w in ("weight", "bias")})
+        others.update(prefix + w for w in ("bias_k", "bias_v"))
+    return lookup, others
+
+
 def model_plan(model: nn.Module, recipe: qt.Recipe, tree: Mapping[str, torch.Tensor]) -> qt.Plan:
     """``recipe`` resolved for ``model``'s tree ``tree`` (its :func:`~bridge.extract`), with module
     types (``Linear`` rules reaching ``Conv1D``) and the specs of stored-transposed weights turned to
@@ -102,6 +121,8 @@ def model_plan(model: nn.Module, recipe: qt.Recipe, tree: Mapping[str, torch.Ten
     types = module_types(model)
     named = {t for t, _ in recipe.type_rules}
     lookup = {p: TYPE_FALLBACK[t] if t in TYPE_FALLBACK and t not in named else t for p, t in types.items()}
+    attention, not_weights = _attention_types(model, named)
+    lookup.update(attention)
     resolved = recipe.plan(tree, types=lookup, attention=attention_modules(model))
     owners = weight_paths(model)
     transposed = {p for p, m in owners.items() if stored_transposed(m)}
@@ -119,6 +140,10 @@ def model_plan(model: nn.Module, recipe: qt.Recipe, tree: Mapping[str, torch.Ten
                                  f"(in, out) = {tuple(tree[path].shape)}, specs apply to its (out, in) layout "
                                  f"{logical} as for Linear") from None
             spec = qt.transposed_spec(spec, logical)
+        if spec is not None and path in not_weights and m.rule.startswith("type_rules["):
+            matches[path] = qt.Match(None, f"skipped ({path.rpartition('.')[2]} of a MultiheadAttention is no "
+                                     "projection weight; a type rule leaves it in float)", types.get(path))
+            continue
         matches[path] = qt.Match(spec, m.rule, types.get(path))
     matches.update(_subclasses(model, recipe, tree, named))
     matches.update(keep_read_weights(model, recipe, matches, tree))  # Mamba's dt_proj.weight @ ..., RWKV's rescaling

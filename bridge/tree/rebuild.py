@@ -38,6 +38,8 @@ from ..modules import QModule, actquant, kvcache, quantized_class
 from ..modules import online as online_mod
 from ..step_outputs import attach_outputs
 from ..modules.experts import QExperts, expert_weights, stored_shape
+from ..modules.mha import QMultiheadAttention
+from ..modules.mha_model import fused_paths_off, mha_owner
 from .quantized import Quantized
 
 __all__ = ["to_module", "submodule", "replace_module", "meta_skeleton", "REBUILD_HOOKS", "float_slot", "qtensor_at",
@@ -69,7 +71,7 @@ def float_slot(model: nn.Module, path: str) -> torch.Tensor:
 def qtensor_at(model: nn.Module, path: str) -> QTensor:
     """The quantized tensor a quantized module holds at weight path ``path`` (no copy)."""
     module, leaf = submodule(model, path)
-    if isinstance(module, QExperts):
+    if isinstance(module, (QExperts, QMultiheadAttention)):
         return module.qtensor(leaf)
     if not isinstance(module, QModule) or leaf != "weight":
         raise ValueError(f"{path}: not a quantized weight ({type(module).__name__}.{leaf})")
@@ -111,6 +113,17 @@ def meta_skeleton(model: nn.Module) -> nn.Module:
 def check_replacement(model: nn.Module, path: str, q: QTensor):
     """Raise ``ValueError`` naming ``path`` unless :func:`replace_module` can put ``q`` there; returns
     ``(module, quantized class)``."""
+    mha, _, name = mha_owner(model, path)
+    if mha is not None and name != "out_proj.weight":  # an in-projection weight of a multi-head attention
+        if mha is model:
+            raise ValueError(f"{path}: the root module itself cannot be replaced; wrap it in a container")
+        want = mha._shape(name) if isinstance(mha, QMultiheadAttention) else tuple(getattr(mha, name).shape)
+        if tuple(q.shape) != want:
+            raise ValueError(f"{path}: quantized tensor has shape {tuple(q.shape)}, the MultiheadAttention weight is "
+                             f"{want}")
+        return mha, QMultiheadAttention
+    if mha is not None and mha is model:
+        raise ValueError(f"{path}: the root module itself cannot be replaced; wrap it in a container")
     module, leaf = submodule(model, path)
     if leaf in expert_weights(module):
         if module is model:
@@ -122,8 +135,8 @@ def check_replacement(model: nn.Module, path: str, q: QTensor):
     cls = quantized_class(module)
     if cls is None or leaf != "weight":
         raise ValueError(f"{path}: only the weight of Linear, Conv1d/2d/3d, ConvTranspose1d/2d/3d, Embedding, "
-                         f"EmbeddingBag and transformers Conv1D modules can be quantized; this is "
-                         f"{type(module).__name__}.{leaf}")
+                         f"EmbeddingBag and transformers Conv1D modules and the projection weights of "
+                         f"MultiheadAttention can be quantized; this is {type(module).__name__}.{leaf}")
     if module is model and not isinstance(module, QModule):
         raise ValueError(f"{path}: the root module itself cannot be replaced; wrap it in a container")
     if not isinstance(module, QModule) and tuple(q.shape) != tuple(module.weight.shape):
@@ -133,8 +146,21 @@ def check_replacement(model: nn.Module, path: str, q: QTensor):
 
 
 def replace_module(model: nn.Module, path: str, q: QTensor, kernel: str = "auto") -> None:
-    """Make the module owning ``path`` (its weight) a quantized module holding ``q`` (in place)."""
+    """Make the module owning ``path`` (its weight) a quantized module holding ``q`` (in place). A projection
+    weight of an ``nn.MultiheadAttention`` makes it a :class:`QMultiheadAttention` first (which calls its
+    ``out_proj``; see :mod:`bridge.modules.mha`)."""
     module, cls = check_replacement(model, path, q)
+    mha, where, name = mha_owner(model, path)
+    if mha is not None and not isinstance(mha, QMultiheadAttention):
+        new = QMultiheadAttention(mha)
+        parent, attr = submodule(model, where)
+        parent._modules[attr] = new
+        mha = new
+        if name == "out_proj.weight":
+            module = new.out_proj
+    if cls is QMultiheadAttention:
+        mha.set_qtensor(name, q)
+        return
     if cls is QExperts:
         leaf = path.rpartition(".")[2]
         if not isinstance(module, QExperts):
@@ -183,7 +209,7 @@ def _assign(model: nn.Module, values: Mapping[str, torch.Tensor], original: nn.M
         owner, name = submodule(model, path)
         if isinstance(owner, QModule) and name in owner._qnames:
             continue
-        if isinstance(owner, QExperts) and any(name in meta[3] for meta in owner._qmeta.values()):
+        if isinstance(owner, (QExperts, QMultiheadAttention)) and any(name in meta[3] for meta in owner._qmeta.values()):
             continue
         v = values.get(path)
         if v is None and b.is_meta:
@@ -294,6 +320,7 @@ def to_module(model: nn.Module, qtree: Any, *, inplace: bool = False, kernel: st
             actquant.attach(target.get_submodule(site.module), site.role, quant)
         else:
             target.get_submodule(site.module).set_activation(site.role, quant)
+    fused_paths_off(target)  # nn.TransformerEncoderLayer's fused path reads weights as tensors
     online_mod.install_online_rotations(target, online or {})
     attach_outputs(target, outputs)
     kvcache.route_attention(target)
