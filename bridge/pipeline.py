@@ -111,6 +111,7 @@ def plan(model: nn.Module, recipe, *, tree: Mapping | None = None) -> qt.Plan:
         raise ValueError(f"{module}: recipe act_rules[{rule}] quantizes the input of an {kind}, which is token ids, "
                          "never quantized (a recipe's input= spec or a glob leaves it alone); quantize its output, "
                          "or drop that rule")
+    _check_named_sites(resolved.recipe, matches)
     outputs = [p for p, m in matches.items() if m.spec is not None and m.module_type == "Experts" and resolve
                and resolve(p, "output").spec is not None]
     if outputs:
@@ -191,6 +192,23 @@ def _check_grid(path: str, m: qt.Match, shape: tuple[int, ...]) -> None:
         if n % b and not m.spec.pad:
             raise ValueError(f"{where}: {what} {b} does not divide axis {axis - len(shape)} of size {n} "
                              f"(shape {shape}); pass pad=True to pad the last block")
+
+
+def _check_named_sites(recipe, matches) -> None:
+    """An ``act_rules`` entry without wildcards that gives a module's input or output a spec, where that module's
+    weight is not quantized, would quantize nothing: a ``ValueError`` naming it (a glob may match nothing on
+    purpose, a recipe made for many models; a literal name is meant for this one)."""
+    quantized = {qt.module_of(p) for p, m in matches.items() if m.spec is not None}
+    quantized |= {p for p, m in matches.items() if m.spec is not None and m.module_type == "Experts"}
+    for glob, spec in getattr(recipe, "act_rules", ()):
+        module, _, role = glob.rpartition(":")
+        if spec is None or role not in ("input", "output") or any(c in glob for c in "*?[") or module in quantized:
+            continue
+        what = "has no weight the recipe quantizes" if any(qt.module_of(p) == module for p in matches) else \
+            "is not a module of this model"
+        raise ValueError(f"{module}: recipe act_rules[{glob}] quantizes its {role}, but {module} {what}; "
+                         "activation quantizers sit on the inputs and outputs of quantized modules: quantize its "
+                         "weight, or drop that rule")
 
 
 def _literal_act_rule(recipe, module: str, role: str) -> str | None:

@@ -216,6 +216,19 @@ def test_embedding_input_is_never_quantized():
     assert bridge.quantize(model, globbed, calibration=calib)[0].input_spec is None
 
 
+def test_a_named_activation_rule_on_a_module_left_float_is_refused_by_name():
+    model = nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8), nn.Linear(8, 8))
+    recipe = lambda rules: qt.Recipe(rules={"2.weight": INT8_CH}, act_rules=rules)  # noqa: E731
+    with pytest.raises(ValueError, match=r"^1: recipe act_rules\[1:input\] quantizes its input, but 1 has no weight"):
+        bridge.plan(model, recipe({"1:input": A8}))
+    with pytest.raises(ValueError, match=r"^0: recipe act_rules\[0:output\] quantizes its output, but 0 has no weight"):
+        bridge.plan(model, recipe({"0:output": A8}))
+    with pytest.raises(ValueError, match=r"^9: recipe act_rules\[9:input\] .* 9 is not a module of this model"):
+        bridge.plan(model, recipe({"9:input": A8}))
+    p = bridge.plan(model, recipe({"2:input": A8, "*:output": A8, "1:input": None}))  # a glob may match nothing
+    assert {(s.module, s.role) for s in p.activations} == {("2", "input"), ("2", "output")}
+
+
 def test_unsupported_module_types_are_kept_float_or_refused_by_name():
     model = nn.Sequential(nn.Bilinear(4, 4, 8), nn.LayerNorm(8), nn.Linear(8, 8))
     p = bridge.plan(model, qt.Recipe(default=INT8_CH))
