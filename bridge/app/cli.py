@@ -1,6 +1,6 @@
 """The ``qtransform`` command.
 
-    qtransform quantize [--model PATH] [--recipe NAME|FILE] [--algorithm NAME] [--lowrank RANK] [--calib N [--calib-batch B]]
+    qtransform quantize [--model PATH] [--task TASK] [--recipe NAME|FILE] [--algorithm NAME] [--lowrank RANK] [--calib N [--calib-batch B]]
                         [--out DIR [--overwrite]] [--plot] [--json FILE] [--no-eval] [--dtype auto|float32|...]
                         [--device DEV] [--stream | --in-memory] [--resume] [--max-memory SIZE]
                         [--no-memory-check] [--no-layer-errors]   (bridge.app.driver, bridge.app.placement)
@@ -44,7 +44,7 @@ import sys
 import warnings
 from pathlib import Path
 
-from . import export, inputs, lmeval, outputs, placement, ranks, search, train
+from . import export, inputs, lmeval, outputs, placement, ranks, search, tasks, train
 from ..distributed import launch
 from .inputs import UserError
 from .outputs import say as _say
@@ -165,7 +165,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="qtransform", description="Quantize, evaluate and inspect models with qtransform.")
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
-    q = sub.add_parser("quantize", help="quantize a transformers model and save a checkpoint")
+    q = sub.add_parser("quantize", help="quantize a transformers model (causal LM, encoder, image classifier: --task) "
+                                        "and save a checkpoint")
     q.add_argument("--model", help="transformers directory or .gguf file (default: SmolLM2-135M-Instruct)")
     q.add_argument("--recipe", default=DEFAULT_RECIPE, help=f"preset name or JSON/TOML file (default {DEFAULT_RECIPE})")
     q.add_argument("--algorithm", help="run this one algorithm instead of the recipe's steps (rtn, hqq, ...)")
@@ -180,7 +181,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "weighted by its input Hessian with --calib, the plain SVD without)")
     q.add_argument("--calib-batch", type=_at_least(1), default=4, metavar="B", help="calibration sequences per forward pass")
     q.add_argument("--calib-images", metavar="DIR|FILE.jsonl|synthetic",
-                   help="vision-language models: calibrate on N image-text pairs made by the model's processor: the "
+                   help="image classifiers: calibrate on N images of DIR (or synthetic); vision-language models: "
+                        "calibrate on N image-text pairs made by the model's processor: the "
                         "images of DIR (captions in same-name .txt files), a JSONL of {image, text}, or synthetic "
                         "images (the default for a model with a vision tower and a processor)")
     q.add_argument("--calibrate-all-experts", action="store_true",
@@ -192,6 +194,7 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--json", metavar="FILE", help="also write the report as JSON to FILE")
     q.add_argument("--no-eval", action="store_true", help="skip the perplexity before/after")
     placement.add_options(q)
+    tasks.add_options(q)
     export.add_quantize_options(q)
     ranks.add_options(q, _at_least)
 

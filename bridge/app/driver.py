@@ -50,17 +50,20 @@ def _streams(plan) -> int:
     return max(1, steps + static)
 
 
-def choose_driver(a, recipe, label: str, source) -> Driver:
+def choose_driver(a, recipe, label: str, source, *, task=None) -> Driver:
     """The driver of ``qtransform quantize`` (see the module docstring); ``UserError`` for a run that cannot
-    fit this machine's memory or that ``--stream`` cannot stream."""
+    fit this machine's memory or that ``--stream`` cannot stream. ``task``: the run's
+    :class:`~bridge.app.tasks.Task` (every task but causal-lm runs in memory)."""
     from ..checkpoint import CheckpointError
     from ..checkpoint.store import parse_size
     from ..stream import accept, sizing
-    from . import inputs, loadcheck, placement
+    from . import inputs, loadcheck, placement, tasks
 
     name = a.model or "the default model"
     streaming_options = [o for o, v in (("--resume", a.resume), ("--max-memory", a.max_memory)) if v]
-    cannot = "--in-memory" if a.in_memory else placement.source_refusal(source)
+    other = task is not None and task.name != "causal-lm"
+    cannot = "--in-memory" if a.in_memory else (f"the {task.name} task runs in memory" if other else
+                                                 placement.source_refusal(source))
     prep = None
     if cannot is None:
         try:
@@ -90,7 +93,7 @@ def choose_driver(a, recipe, label: str, source) -> Driver:
                         prepared=prep)
         _check(a, driver, name, way_out=_stream_way_out(a))
         return driver
-    skeleton = inputs.skeleton(source)
+    skeleton = inputs.skeleton(source, tasks.model_class(task, source) if other else None)
     peak = None if skeleton is None else sizing.in_memory(skeleton, calibrated=bool(a.calib),
                                                           seq_len=a.seq_len if evaluating else None)
     why = "--in-memory" if a.in_memory else (cannot if a.model else "the default model is a GGUF file")

@@ -107,13 +107,14 @@ def model_source(model_arg):
     return source
 
 
-def skeleton(source):
-    """The model on the ``meta`` device from its config (``None`` for GGUF files, or when the config
-    cannot be built that way: loading then reports the problem)."""
+def skeleton(source, model_class=None):
+    """The model on the ``meta`` device from its config (``model_class``: the class of a task other than
+    causal-lm; ``None`` for GGUF files, or when the config cannot be built that way: loading then reports the
+    problem)."""
     from . import models
 
     try:
-        return models.skeleton(source)
+        return models.skeleton(source, model_class=model_class)
     except Exception:  # noqa: BLE001  (an optional early check; model_and_tokenizer names any real problem)
         return None
 

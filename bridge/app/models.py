@@ -112,17 +112,18 @@ def check_gguf(source: ModelSource) -> None:
         raise ValueError(f"{path} is not a GGUF file (it does not start with the GGUF magic bytes)")
 
 
-def skeleton(model: str | os.PathLike | ModelSource | None = None):
+def skeleton(model: str | os.PathLike | ModelSource | None = None, *, model_class=None):
     """The model of a transformers directory built from its ``config.json`` on the ``meta`` device
     (no weights read: fast), for checking a recipe against its shapes before loading; ``None`` for
-    a GGUF file (its config is only read with the whole file)."""
+    a GGUF file (its config is only read with the whole file). ``model_class``: the class to build
+    (default: :func:`bridge.stream.skeleton.class_for` the config)."""
     from ..stream.skeleton import build  # the one skeleton from config.json, the streamed run's too
 
     source = resolve(model)
     directory = cached_directory(source, convert=False) if source.gguf_file is not None else source.directory
     if directory is None:
         return None
-    return build(directory)
+    return build(directory, model_class)
 
 
 def _needs_gguf(source: ModelSource) -> None:

@@ -83,46 +83,56 @@ def recipe_of(a):
     return recipe, label, stem
 
 
-def _prepare(a, recipe, label, source, out):
-    """The corpus read, the model loaded (on ``--device``), the evaluation and calibration sequences (image-text
-    pairs for a vision-language model: :mod:`.images`), the plan, the dtypes to write and the stored ones, the
-    input's inventory and the report's notes so far: ``(model, tokenizer, device, eval_seqs, calibration, plan,
-    dtypes, stored, inventory, notes)``."""
-    from . import models
+def _prepare(a, recipe, label, source, out, task):
+    """The corpus read, the model loaded (on ``--device``), the evaluation and calibration data (image-text pairs
+    for a vision-language model: :mod:`.images`; the task's own for the others: :mod:`.task_eval`), the plan, the
+    dtypes to write and the stored ones, the input's inventory and the report's notes so far: ``(model, tokenizer,
+    device, eval_seqs, probe, calibration, plan, dtypes, stored, inventory, notes)`` (``tokenizer``: the task's
+    processor; ``probe``: the held-out inputs of a task other than causal-lm, ``eval_seqs`` those of a causal LM)."""
+    from . import models, task_eval, tasks
 
-    text = None if a.no_eval else inputs.corpus_text(a.corpus)
-    calib_text = inputs.corpus_text(a.corpus, part="calibration") if a.calib else None
-    skeleton = inputs.skeleton(source)
+    causal, text_task = task.name == "causal-lm", task.modality == "text"
+    text = None if a.no_eval or not text_task else inputs.corpus_text(a.corpus)
+    calib_text = inputs.corpus_text(a.corpus, part="calibration") if a.calib and text_task else None
+    skeleton = inputs.skeleton(source, tasks.model_class(task, source))
     if skeleton is not None:  # shapes and selection from config.json alone
         _plan(skeleton, recipe, label, bool(a.calib))
-        if not a.no_eval or a.calib:
+        if text_task and (not a.no_eval or a.calib):
             inputs.check_seq_len(skeleton, a.seq_len)
         del skeleton
 
     imported = None if a.model is None else source.imported
-    say(f"loading {a.model or models.DEFAULT_MODEL}"
+    say(f"loading {a.model or models.DEFAULT_MODEL}" + ("" if causal else f" for {task.name}")
         + (f" ({imported} checkpoint, dequantized: the recipe starts from its values)" if imported else "") + " ...")
-    model, tokenizer = inputs.model_and_tokenizer(a.model, source=source, dequantize_imported=True)
+    if causal:
+        model, tokenizer = inputs.model_and_tokenizer(a.model, source=source, dequantize_imported=True)
+    else:
+        model, tokenizer = tasks.load(task, source)
     device = placement.run_device(a)
     if device is not None:  # the whole model there for the perplexities and the steps (calibration batches follow)
         model.to(device)
-    if not a.no_eval or a.calib:
+    if text_task and (not a.no_eval or a.calib):
         inputs.check_seq_len(model, a.seq_len)
-    eval_seqs = None if a.no_eval else inputs.sequences(tokenizer, text, a.corpus, a.seq_len, a.eval_sequences)
-    calibration = inputs.calibration(a, tokenizer, calib_text)
-    pictures, notes = images.image_calibration(a, source.directory if source.gguf_file is None else None, model,
-                                               tokenizer, calib_text)
-    calibration = pictures if pictures is not None else calibration
-    inputs.check_vocab(model, eval_seqs, "evaluation text")
-    inputs.check_vocab(model, calibration, "calibration text")
+    probe, eval_seqs = None, None
+    if causal:
+        eval_seqs = None if a.no_eval else inputs.sequences(tokenizer, text, a.corpus, a.seq_len, a.eval_sequences)
+        calibration = inputs.calibration(a, tokenizer, calib_text)
+        pictures, notes = images.image_calibration(a, source.directory if source.gguf_file is None else None, model,
+                                                   tokenizer, calib_text)
+        calibration = pictures if pictures is not None else calibration
+        inputs.check_vocab(model, eval_seqs, "evaluation text")
+        inputs.check_vocab(model, calibration, "calibration text")
+    else:
+        probe = task_eval.probe(a, task, model, tokenizer, text)
+        calibration, notes = task_eval.calibration(a, task, model, tokenizer, calib_text)
     plan = _plan(model, recipe, label, bool(a.calib))
-    inventory = _inventory(source, model)
+    inventory = _inventory(source, model) if causal or type(model).__name__ in tasks.architectures(source) else None
     _check_rules(plan.recipe, inventory.carried if inventory else ())
     export.check_plan(a, plan, out, inventory.carried if inventory else ())
     dtypes = placement.stored_dtypes(a, source, model)  # of the float model: its tied tensors still tied
     # as the input stores them, the report's "before" (the same map unless --dtype changes what is written)
     stored = dtypes if a.dtype == "auto" else placement.stored_dtypes(a, source, model, dtype="auto")
-    return model, tokenizer, device, eval_seqs, calibration, plan, dtypes, stored, inventory, notes
+    return model, tokenizer, device, eval_seqs, probe, calibration, plan, dtypes, stored, inventory, notes
 
 
 def _check_rules(recipe, carried) -> None:
@@ -163,7 +173,7 @@ def cmd_quantize(a) -> int:
     from ..distributed import current, launch
     from ..tree import extract, to_module
     from ..step_outputs import output_bytes, read_outputs, records
-    from . import evaluate, models, record, report
+    from . import evaluate, models, record, report, tasks
 
     t0 = time.perf_counter()
     main = launch.is_main()  # under torchrun: rank 0 alone writes and speaks (docs/distributed.md)
@@ -180,14 +190,16 @@ def cmd_quantize(a) -> int:
             if a.plot and importlib.util.find_spec("matplotlib") is None:
                 raise UserError("--plot needs matplotlib: pip install matplotlib")
         source = inputs.model_source(a.model)  # where the model lives and in which format: resolved once
+        task = tasks.resolve(a, source)  # --task, or detected from config.json (bridge.app.tasks)
+        tasks.check_options(a, task)
         placement.check_run_options(a)
-        driver = drivers.choose_driver(a, recipe, label, source)  # streamed or in memory, and whether it fits
+        driver = drivers.choose_driver(a, recipe, label, source, task=task)  # streamed or in memory, and whether it fits
     if driver.streamed:
         return streaming.cmd_streamed(a, recipe, label, out, source, t0, driver)
     phases = {"check": time.perf_counter() - t0}  # seconds of each phase (PHASES), in the report
     with launch.stage():
-        model, tokenizer, device, eval_seqs, calibration, plan, dtypes, stored, inventory, notes = _prepare(
-            a, recipe, label, source, out)
+        model, tokenizer, device, eval_seqs, probe, calibration, plan, dtypes, stored, inventory, notes = _prepare(
+            a, recipe, label, source, out, task)
     phases["load"] = time.perf_counter() - t0 - phases["check"]
     unmatched = recipe.unmatched(plan)
     for glob in unmatched:
@@ -199,6 +211,11 @@ def cmd_quantize(a) -> int:
         say(f"perplexity of the original on {eval_seqs.numel()} tokens ...")
         te = time.perf_counter()
         ppl_before = evaluate.perplexity(model, eval_seqs, progress=main, parallel=parallel).perplexity
+        phases["eval before"] = time.perf_counter() - te
+    if probe is not None:
+        say(f"outputs of the original on {probe.samples} held-out inputs ({probe.what}) ...")
+        te = time.perf_counter()
+        probe.before(model)
         phases["eval before"] = time.perf_counter() - te
 
     say(f"quantizing with {label} ({report.steps_label(recipe.steps)}) ...")
@@ -232,6 +249,12 @@ def cmd_quantize(a) -> int:
         if device is not None:
             qmodel.to("cpu")
         phases["eval after"] = time.perf_counter() - te
+    quality = {}
+    if probe is not None:
+        say(f"{task.name}: the quantized model against the original ...")
+        te = time.perf_counter()
+        quality = probe.after(qmodel)
+        phases["eval after"] = time.perf_counter() - te
     if not main:  # the last collective is behind: rank 0 writes, the others are done
         return 0
 
@@ -240,7 +263,7 @@ def cmd_quantize(a) -> int:
                      notes=notes + record.carried_note(inventory.carried if inventory else ()))
     rep = run.report(facts, rows, size_before=size_before, size_after=report.tree_bytes(extract(qmodel)),
                      seconds=seconds_q, ppl_after=ppl_after, outputs=records(read_outputs(qmodel)),
-                     output_bytes=output_bytes(qmodel))
+                     output_bytes=output_bytes(qmodel), task=task.name, task_chosen=task.chosen, quality=quality)
     write = io.checkpoint_writer(qmodel, recipe=recipe, recipe_name=label, tokenizer=tokenizer,
                                  rules={p: plan[p].rule for p in plan.specs}, dtypes=dtypes,
                                  carried={n: inventory.read(n) for n in inventory.carried} if inventory else None)

@@ -21,7 +21,7 @@ from . import export, outputs
 from .outputs import say
 from .report import Report, activation_rows, online_rows, peak_memory
 
-__all__ = ["Run", "write_report", "publish_report", "carried_note", "kept_notes", "nearest_notes"]
+__all__ = ["Run", "calib_tokens", "write_report", "publish_report", "carried_note", "kept_notes", "nearest_notes"]
 
 
 @dataclasses.dataclass
@@ -51,14 +51,19 @@ class Run:
                       layers=rows, size_before=size_before, size_after=size_after, seconds_quantize=seconds,
                       ppl_before=self.ppl_before, ppl_after=ppl_after,
                       eval_tokens=0 if self.eval_seqs is None else int(self.eval_seqs.numel()),
-                      calib_tokens=0 if self.calibration is None else sum(
-                          int((b["input_ids"] if isinstance(b, dict) else b).numel()) for b in self.calibration),
+                      calib_tokens=calib_tokens(self.calibration),
                       out=str(self.out), unmatched=self.recipe.unmatched(result.plan),
                       activations=activation_rows(result.activations), step_info=result.info,
                       online=online_rows(result.online), streamed=written.mode if written is not None else "",
                       driver=self.driver, notes=list(self.notes) + kept_notes(result.plan) + nearest_notes(result), phases=self.phases,
                       peak_memory=peak_memory(),
                       **extra)
+
+
+def calib_tokens(calibration) -> int:
+    """Tokens of the calibration batches (tensors of token ids, or dicts with ``input_ids``; images count none)."""
+    ids = [b.get("input_ids") if isinstance(b, dict) else b for b in calibration or ()]
+    return sum(int(t.numel()) for t in ids if t is not None)
 
 
 def write_report(a, run: Run, rep: Report, directory: Path) -> None:

@@ -136,6 +136,9 @@ class Report:
     output_bytes: dict = dataclasses.field(default_factory=dict)  # {kind: bytes} of their tensors (in size_after)
     phases: dict = dataclasses.field(default_factory=dict)  # {phase: seconds} of the command, in order
     training: dict = dataclasses.field(default_factory=dict)  # qtransform train's record (bridge.app.train_report)
+    task: str = "causal-lm"  # what the model was quantized for (bridge.app.tasks), and how that was chosen
+    task_chosen: str = ""
+    quality: dict = dataclasses.field(default_factory=dict)  # a non-LM task's measures (bridge.app.task_eval)
 
     @property
     def quantized_numel(self) -> int:
@@ -220,6 +223,9 @@ class Report:
         if self.ppl_before is not None or self.ppl_after is not None:
             fmt = lambda p: "-" if p is None else f"{p:.3f}"  # noqa: E731
             summary.append([f"perplexity ({self.eval_tokens} tokens)", fmt(self.ppl_before), fmt(self.ppl_after)])
+        if self.quality:
+            from .task_eval import quality_rows
+            summary += quality_rows(self.quality)
         main = "train" if self.training else "quantize"  # the phase seconds_quantize measured
         summary.append(["wall time", "", f"{main} {self.seconds_quantize:.1f} s, total {self.seconds_total:.1f} s"])
         others = [f"{k} {v:.1f} s" for k, v in self.phases.items() if k != main and v >= 0.05]
@@ -231,6 +237,8 @@ class Report:
         lines += ["", *table(summary)]
         if self.driver:
             lines += ["", f"driver: {self.driver}"]
+        if self.task != "causal-lm" or self.task_chosen == "--task":
+            lines += [f"task: {self.task} ({self.task_chosen})"]
         lines += [f"note: {n}" for n in self.notes]
         if self.unmatched:
             lines += ["", "warning: recipe patterns that matched nothing: " + ", ".join(self.unmatched)]

@@ -113,9 +113,14 @@ def take(source, model) -> Inventory:
             loaded.update({n: path for names in e.sources.values() for n in names})
         else:
             loaded[view.names[path]] = path
+    # a stored tensor of a buffer the model does not save (old BERTs' embeddings.position_ids) is the model's to
+    # recompute, as transformers does: neither loaded nor carried
+    kept = set(model.state_dict(keep_vars=True))
+    transient = {n for n, _ in model.named_buffers()} - kept
+    loaded = {n: p for n, p in loaded.items() if p not in transient}
     tied = _tied_names(model)
-    carried = tuple(n for n in src.tensors if n not in loaded and n not in tied)
-    loaded.update({n: tied[n] for n in src.tensors if n in tied and n not in loaded})
+    carried = tuple(n for n in src.tensors if n not in loaded and n not in tied and n not in transient)
+    loaded.update({n: tied[n] for n in src.tensors if n in tied and n not in loaded and n not in transient})
     return Inventory(src, loaded, carried)
 
 

@@ -120,6 +120,9 @@ _w8a8("w8a8-int8", lambda: QuantSpec(format="int8", granularity=PerChannel(0)), 
 _w8a8("w8a8-int8-dynamic", lambda: QuantSpec(format="int8", granularity=PerChannel(0), symmetric_range="restricted"),
       lambda: QuantSpec(format="int8", granularity=PerChannel(0), dynamic=True, symmetric=False),
       "int8 weights per output channel ([-127, 127]), int8 inputs with dynamic per-token scales and zero points")
+_w8a8("w8a8-int8-pot", lambda: QuantSpec(format="int8", power_of_two=True),
+      lambda: QuantSpec(format="int8", power_of_two=True),
+      "int8 weights and inputs, static per-tensor power-of-two scales (NPU style: a scale is a shift; needs --calib)")
 register_preset("w8a8-int8-sq", lambda: Preset("w8a8-int8-sq", linear_recipe(
     QuantSpec(format="int8", granularity=PerChannel(0)), Step("smoothquant", alpha="auto"), input=QuantSpec(format="int8")),
     "w8a8-int8 after SmoothQuant with alpha searched per layer (auto-SmoothQuant; needs --calib)"))
