@@ -50,7 +50,7 @@ from ...modules.experts import EXPERT_WEIGHTS
 from ..base import Checkpoint, Exporter, Support, copy_extras, write_config
 from . import tensors as onnx_tensors
 from .graph import OPSET
-from .module import FLOAT_CLASSES, float_twin, like_model, module_source
+from .module import float_twin, like_model, module_source, refusal
 
 __all__ = ["OnnxExporter", "export_module", "MODEL_FILE", "DATA_FILE", "PROTOBUF_LIMIT"]
 
@@ -175,7 +175,8 @@ def export_module(qmodel: nn.Module, example_inputs, out, *, dynamic_shapes=None
 
     Args:
         qmodel: any ``nn.Module`` whose quantized modules are ``QLinear``, ``QConv1d/2d/3d``,
-            ``QConvTranspose1d/2d/3d``, ``QEmbedding`` or ``QEmbeddingBag``; it is not changed.
+            ``QConvTranspose1d/2d/3d`` or ``QEmbedding`` (``QEmbeddingBag`` is refused: :mod:`.module`); it is not
+            changed.
         example_inputs: the forward's positional arguments (a tensor or a tuple) to trace with.
         out: the directory to write (absent or empty unless ``overwrite``); it appears whole or not at all.
         dynamic_shapes: as ``torch.export`` takes them (one entry per argument); default: axis 0 of every
@@ -205,9 +206,8 @@ def export_module(qmodel: nn.Module, example_inputs, out, *, dynamic_shapes=None
     problems = OnnxExporter().problems(source, like=qmodel, opset=opset)
     owners = {p.rpartition(".")[0] for p in source.meta.entries}
     for name, m in qmodel.named_modules():
-        if name in owners and type(m) not in FLOAT_CLASSES:
-            problems.append(f"{name}: a {type(m).__name__}, which the ONNX export cannot trace (it exports "
-                            f"{', '.join(sorted(c.__name__ for c in FLOAT_CLASSES))})")
+        why = refusal(m, name) if name in owners else None
+        problems += [why] if why else []
     if problems:
         shown = "\n  ".join(problems[:20]) + (f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else "")
         raise ValueError(f"export_module: {len(problems)} item(s) of {type(qmodel).__name__} cannot be expressed "

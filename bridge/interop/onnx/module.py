@@ -13,7 +13,9 @@ state dict; :func:`~bridge.interop.onnx.graph.quantize_graph` then replaces each
   float model (or a zero-argument callable building it), as :func:`bridge.load` takes it.
 
 Quantized classes: ``QLinear`` (``nn.Linear``; transformers' ``Conv1D`` when ``transposed``), ``QConv1d/2d/3d``,
-``QConvTranspose1d/2d/3d``, ``QEmbedding``, ``QEmbeddingBag``; any other is refused by module path.
+``QConvTranspose1d/2d/3d``, ``QEmbedding``; any other is refused by module path (:func:`refusal`). ``QEmbeddingBag``
+is refused: torch.onnx's unoptimized ``embedding_bag`` graph (a ``Loop`` over the bags; the export must stay
+unoptimized to keep the state-dict names) crashes ONNX Runtime 1.32 as it loads it, the float model's alone.
 """
 
 from __future__ import annotations
@@ -36,19 +38,30 @@ from ...tree import extract
 from ..base import Checkpoint
 from ..hf_model import model_paths
 
-__all__ = ["float_twin", "module_source", "like_model", "FLOAT_CLASSES"]
+__all__ = ["float_twin", "module_source", "like_model", "refusal", "FLOAT_CLASSES"]
 
 #: The float class each quantized class came from (``QLinear`` by ``transposed``).
-FLOAT_CLASSES = {**{q: f for f, q in CONV_CLASSES.items()}, QLinear: nn.Linear, QEmbedding: nn.Embedding,
-                 QEmbeddingBag: nn.EmbeddingBag}
+FLOAT_CLASSES = {**{q: f for f, q in CONV_CLASSES.items()}, QLinear: nn.Linear, QEmbedding: nn.Embedding}
+_BAG = ("torch.onnx's unoptimized embedding_bag graph (a Loop over the bags) crashes ONNX Runtime 1.32 when it "
+        "loads it; keep the EmbeddingBag in float (exclude it from the recipe) or use an Embedding and a reduction")
+
+
+def refusal(module: nn.Module, where: str) -> str | None:
+    """Why the ONNX export cannot trace the quantized (or float) ``module`` at ``where``; ``None``: it can."""
+    if isinstance(module, (QEmbeddingBag, nn.EmbeddingBag)):
+        return f"{where}: a quantized {type(module).__name__}: {_BAG}"
+    if isinstance(module, QModule) and type(module) not in FLOAT_CLASSES:
+        return (f"{where}: a {type(module).__name__}, which the ONNX export cannot trace (it exports "
+                f"{', '.join(sorted(c.__name__ for c in FLOAT_CLASSES))})")
+    return None
 
 
 def _float_module(m: QModule, where: str) -> nn.Module:
     """The float module ``m`` came from, with the float32 ``dequantize(m.qweight)`` and ``m``'s bias."""
-    cls = FLOAT_CLASSES.get(type(m))
-    if cls is None:
-        raise ValueError(f"{where}: a {type(m).__name__}, which the ONNX export cannot trace (it exports "
-                         f"{', '.join(sorted(c.__name__ for c in FLOAT_CLASSES))})")
+    why = refusal(m, where)
+    if why:
+        raise ValueError(why)
+    cls = FLOAT_CLASSES[type(m)]
     bias = getattr(m, "bias", None)
     with torch.device("meta"):
         if cls is nn.Linear and m.transposed:
@@ -101,6 +114,11 @@ def like_model(like, source: Checkpoint) -> nn.Module:
     if any(isinstance(m, QModule) for m in model.modules()):
         raise ValueError(f"like: {type(model).__name__} holds quantized modules; pass the float model (or a "
                          "factory of it), as bridge.load takes it")
+    for path in source.meta.entries:
+        owner = path.rpartition(".")[0]
+        why = refusal(model.get_submodule(owner), owner) if owner else None
+        if why:
+            raise ValueError(f"{source.directory}: {why}")
     state, want = {}, model.state_dict()
     for p in model_paths(source):
         leaf = source.tree[p]

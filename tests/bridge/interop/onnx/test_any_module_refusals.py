@@ -58,6 +58,21 @@ def test_refuses_quantized_modules_it_cannot_trace(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+def test_refuses_quantized_embedding_bags(tmp_path):
+    """ONNX Runtime 1.32 crashes (segmentation fault) loading torch.onnx's unoptimized embedding_bag graph, float
+    or quantized: refused by name, in memory and from a checkpoint."""
+    net = lambda: torch.nn.Sequential(torch.nn.EmbeddingBag(20, 8, mode="mean"), torch.nn.Linear(8, 2))  # noqa: E731
+    torch.manual_seed(0)
+    q = bridge.quantize(net().eval(), qt.Recipe(type_rules={"EmbeddingBag": INT8_CH, "Linear": INT8_CH}))
+    x = torch.randint(0, 20, (2, 4))
+    with pytest.raises(ValueError, match="0: a quantized QEmbeddingBag: torch.onnx's unoptimized embedding_bag"):
+        export_module(q, (x,), tmp_path / "out")
+    bridge.save(q, tmp_path / "ckpt")
+    with pytest.raises(ValueError, match="0: a quantized EmbeddingBag: torch.onnx's unoptimized embedding_bag"):
+        interop.export(tmp_path / "ckpt", to="onnx", out=tmp_path / "out", like=net, example_inputs=(x,))
+    assert not (tmp_path / "out").exists()
+
+
 def test_refuses_bad_arguments(tmp_path):
     q = _mlp(qt.Recipe(type_rules={"Linear": INT8_CH}))
     x = _input("mlp", 2, 0)
