@@ -344,14 +344,19 @@ def write_config(out: Path, config: Mapping) -> None:
 
 
 def export(checkpoint, *, to: str, out, overwrite: bool = False, allow_nearest: bool = False,
-           verify: bool = True) -> Path:
+           verify: bool = True, like=None, **trace) -> Path:
     """Export the qtransform checkpoint directory ``checkpoint`` to format ``to`` in directory ``out``.
 
     Raises ``ValueError`` (a :class:`~bridge.CheckpointError` for a damaged checkpoint) before
     anything is written: an unknown target, a checkpoint that is not one, tensors or activation
     quantizers the target cannot hold (each listed by tree path), an ``out`` that exists and is not
     empty without ``overwrite``. ``allow_nearest`` accepts specs the target holds only
-    approximately (see :meth:`Exporter.support`). Returns ``Path(out)``."""
+    approximately (see :meth:`Exporter.support`). Returns ``Path(out)``.
+
+    ``like`` (the float model, or a zero-argument callable building it, as :func:`bridge.load` takes it) exports a
+    checkpoint of a model that is not a transformers one, for targets that trace a forward (``onnx``); ``trace``
+    are their options (``example_inputs``, ``dynamic_shapes``, ``opset``...: see
+    :func:`bridge.interop.onnx.export_module`)."""
     if not isinstance(to, str) or to not in EXPORTERS:
         raise ValueError(f"export: to must be one of {sorted(EXPORTERS)}, got {to!r}")
     for name, flag in (("overwrite", overwrite), ("allow_nearest", allow_nearest), ("verify", verify)):
@@ -365,14 +370,19 @@ def export(checkpoint, *, to: str, out, overwrite: bool = False, allow_nearest: 
     if Path(checkpoint).resolve() == target.resolve():
         raise ValueError(f"export: out {target} is the checkpoint itself")
     exporter = EXPORTERS[to]
+    if like is None and trace:
+        raise TypeError(f"export: {sorted(trace)} are options of like= (a model traced on example inputs)")
+    if like is not None and "like" not in inspect.signature(exporter.write).parameters:
+        raise ValueError(f"export: like= is for targets that trace a model's forward (onnx), not {to!r}")
+    options = {} if like is None else {"like": like, **trace}
     source = read_source(checkpoint, verify=verify)
-    problems = exporter.problems(source, allow_nearest=allow_nearest)
+    problems = exporter.problems(source, allow_nearest=allow_nearest, **options)
     if problems:
         shown = "\n  ".join(problems[:20]) + (f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else "")
         raise ValueError(f"export to {to}: {len(problems)} item(s) of {source.directory} cannot be expressed:\n  {shown}")
     try:
         with store.atomic_directory(target, overwrite=overwrite) as tmp:
-            exporter.write(source, Path(tmp), allow_nearest=allow_nearest)
+            exporter.write(source, Path(tmp), allow_nearest=allow_nearest, **options)
     except FileExistsError as e:
         raise ValueError(f"export: {e}") from None
     return target

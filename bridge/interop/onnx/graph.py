@@ -2,7 +2,9 @@
 ``torch.onnx.export`` (the ``torch.export`` based exporter, opset 21), then rewritten so that every
 quantized weight is integer (or fp8) codes + scale (+ zero point) feeding a ``DequantizeLinear``, and
 every static input quantizer is a ``QuantizeLinear``/``DequantizeLinear`` pair before its layer's
-``MatMul``/``Gemm``.
+``MatMul``/``Gemm``/``Conv``/``ConvTranspose`` (a dynamic one ``DynamicQuantizeLinear`` + ``DequantizeLinear``).
+:func:`export_float` traces a transformers model on ``input_ids``/``attention_mask``; :func:`export_traced` any
+float model on the example inputs given (:func:`bridge.interop.onnx.export_module`).
 
 The float model is built from ``config.json`` and loaded with the checkpoint's tensors (quantized
 ones dequantized: only to trace the forward; their float values are dropped from the graph). The
@@ -28,13 +30,15 @@ from ...modules.actquant import PREFIX
 from ..base import Checkpoint
 from .tensors import Parts, activation_parts, weight_parts
 
-__all__ = ["OPSET", "export_float", "quantize_graph"]
+__all__ = ["OPSET", "export_float", "export_traced", "quantize_graph"]
 
 #: The ONNX opset the export targets (blocked DequantizeLinear, int4/uint4 element types).
 OPSET = 21
 #: Nodes between a weight initializer and the layer that multiplies it.
 _PASS = ("Transpose", "Reshape", "Cast", "Identity", "Unsqueeze", "Squeeze")
 _COMPUTE = ("MatMul", "Gemm")
+#: Nodes whose input 1 is the weight and input 0 the activation.
+_CONV = ("Conv", "ConvTranspose")
 
 
 def export_float(model: torch.nn.Module):
@@ -63,6 +67,28 @@ def export_float(model: torch.nn.Module):
         raise ValueError(f"{type(model).__name__}: torch.onnx.export cannot convert its forward ({type(e).__name__}: "
                          f"{_first_line(e)}); export to compressed-tensors or quark instead") from e
     return program.model_proto, names
+
+
+def export_traced(model: torch.nn.Module, args: tuple, *, dynamic_shapes=None, opset: int = OPSET,
+                  input_names=None, output_names=None):
+    """``onnx.ModelProto`` of ``model(*args)`` traced by ``torch.onnx.export`` (the ``torch.export`` based
+    exporter, unoptimized so that the initializers keep the state-dict names), ``dynamic_shapes`` as
+    ``torch.export`` takes them. ``ValueError`` naming the model's class when its forward fails on ``args`` or
+    cannot be converted (data-dependent control flow, ops without an ONNX function)."""
+    try:
+        with torch.no_grad():
+            model(*args)
+    except Exception as e:  # noqa: BLE001  (the model's own code)
+        raise ValueError(f"{type(model).__name__}: its forward on example_inputs fails ({type(e).__name__}: "
+                         f"{_first_line(e)})") from e
+    try:
+        program = torch.onnx.export(model, args, dynamo=True, optimize=False, opset_version=opset, verbose=False,
+                                    input_names=input_names, output_names=output_names,
+                                    dynamic_shapes=dynamic_shapes)
+    except Exception as e:  # noqa: BLE001  (torch.export's and the converter's errors alike)
+        raise ValueError(f"{type(model).__name__}: torch.onnx.export cannot convert its forward ({type(e).__name__}: "
+                         f"{_first_line(e)})") from e
+    return program.model_proto
 
 
 def _first_line(e: BaseException) -> str:
@@ -169,17 +195,21 @@ def _consumer(nodes: list, weight: str, where: str):
         for node in users.get(name, []):
             if node.op_type in _COMPUTE and list(node.input).index(name) in (0, 1):
                 return node, 1 - list(node.input).index(name)
+            if node.op_type in _CONV and list(node.input).index(name) == 1:
+                return node, 0
             if node.op_type in _PASS and id(node) not in seen:
                 seen.add(id(node))
                 frontier.extend(node.output)
-    raise ValueError(f"{where}: no MatMul/Gemm multiplying {weight} in the exported graph (the ONNX export "
-                     "quantizes the inputs of linear layers)")
+    raise ValueError(f"{where}: no MatMul/Gemm/Conv/ConvTranspose taking {weight} in the exported graph (the ONNX "
+                     "export quantizes the inputs of linear and convolution layers)")
 
 
-def quantize_graph(model, source: Checkpoint) -> None:
-    """Rewrite the float ``model`` (an ``onnx.ModelProto`` from :func:`export_float`) in place: quantized
-    weights as ``DequantizeLinear`` of their codes, static input quantizers as Q/DQ pairs. ``ValueError``
-    naming the tree path when the graph has no place for one."""
+def quantize_graph(model, source: Checkpoint, *, unused: str = "error") -> None:
+    """Rewrite the float ``model`` (an ``onnx.ModelProto`` from :func:`export_float` or :func:`export_traced`) in
+    place: quantized weights as ``DequantizeLinear`` of their codes, static input quantizers as Q/DQ pairs,
+    dynamic ones as ``DynamicQuantizeLinear`` + ``DequantizeLinear``. ``ValueError`` naming the tree path when
+    the graph has no place for one; a quantized weight the traced forward never reads (a module it does not
+    call) too, unless ``unused="skip"`` (then it and its input quantizer are left out)."""
     from onnx import NodeProto, helper
 
     graph = model.graph
@@ -190,6 +220,9 @@ def quantize_graph(model, source: Checkpoint) -> None:
         t = inits.get(path)
         if t is None and any(o in inits and _same(source.tree[o], q) for o in source.meta.entries):
             continue  # tied: the graph holds one copy, under the other path
+        if t is None and unused == "skip":
+            drop.add(path)
+            continue
         if t is None:
             raise ValueError(f"{path}: not an initializer of the exported graph (a tied weight quantized unlike "
                              "its twin, or one the forward does not use)")
@@ -209,9 +242,21 @@ def quantize_graph(model, source: Checkpoint) -> None:
     for old in graph.node:  # copies: the graph's own node list is replaced at the end
         nodes.append(NodeProto())
         nodes[-1].CopyFrom(old)
+    skipped = {p for p in drop if p not in inits}
     for site, spec in source.meta.activations.items():
         where = f"{site.module}:{site.role}"
         stem = f"{site.module}.{PREFIX[site.role]}"
+        if f"{site.module}.weight" in skipped:
+            continue
+        if spec.dynamic:
+            node, k = _consumer(nodes, f"{site.module}.weight", where)
+            names = [f"{stem}quantized", f"{stem}scale", f"{stem}zero_point"]
+            q_nodes = [helper.make_node("DynamicQuantizeLinear", [node.input[k]], names, name=f"{stem}quantize"),
+                       helper.make_node("DequantizeLinear", names, [f"{stem}dequantized"], name=f"{stem}dequantize")]
+            node.input[k] = f"{stem}dequantized"
+            at = next(j for j, n in enumerate(nodes) if n is node)
+            nodes[at:at] = q_nodes
+            continue
         parts = activation_parts({f: source.tree.get(stem + f) for f in qt.QParams.FIELDS}, spec, where)
         node, k = _consumer(nodes, f"{site.module}.weight", where)
         x = node.input[k]

@@ -42,13 +42,15 @@ import qtransform as qt
 
 from ..base import Support
 
-__all__ = ["judge", "weight_parts", "activation_parts", "Parts", "FP8_TYPES"]
+__all__ = ["judge", "weight_parts", "activation_parts", "opset_problem", "Parts", "FP8_TYPES", "DYNAMIC"]
 
 #: Our fp8 formats -> ONNX element type names (``onnx.TensorProto`` attributes).
 FP8_TYPES = {"fp8_e4m3": "FLOAT8E4M3FN", "fp8_e5m2": "FLOAT8E5M2", "fp8_e4m3fnuz": "FLOAT8E4M3FNUZ",
              "fp8_e5m2fnuz": "FLOAT8E5M2FNUZ"}
 _SCALES = ("float32", "float16", "bfloat16")
 _ACT_ROLES = ("input",)
+#: The one dynamic activation spec ONNX's ``DynamicQuantizeLinear`` computes (uint8, per tensor, asymmetric).
+DYNAMIC = qt.QuantSpec(format="uint8", symmetric=False, dynamic=True)
 
 
 class Parts(NamedTuple):
@@ -95,8 +97,11 @@ def judge(spec: qt.QuantSpec, role: str = "weight") -> Support:
     if role == "weight":
         return Support("exact", f"DequantizeLinear({onnx_type}{', block_size' if isinstance(g, qt.PerGroup) else ''})")
     if spec.dynamic:
-        return Support("no", "a dynamic activation quantizer (ONNX's DynamicQuantizeLinear is uint8 per tensor only; "
-                             "calibrate a static one)")
+        if spec == DYNAMIC:
+            return Support("exact", "DynamicQuantizeLinear + DequantizeLinear(UINT8)")
+        return Support("no", "a dynamic activation quantizer ONNX cannot compute: DynamicQuantizeLinear is uint8, per "
+                             "tensor, asymmetric with an integer zero point and a float32 scale (QuantSpec(format="
+                             "'uint8', symmetric=False, dynamic=True)); use that or calibrate a static quantizer")
     if isinstance(g, qt.PerGroup) or (isinstance(g, qt.PerChannel) and g.axis != -1):
         return Support("no", f"a {g} activation quantizer (static QuantizeLinear is per tensor or per feature)")
     if spec.rounding != "half_even":
@@ -109,6 +114,24 @@ def judge(spec: qt.QuantSpec, role: str = "weight") -> Support:
             return Support("no", f"codes clamped to [{lo:g}, {hi:g}]; QuantizeLinear saturates to the whole "
                                  f"{onnx_type} range {list(full)}")
     return Support("exact", f"QuantizeLinear + DequantizeLinear({onnx_type})")
+
+
+def opset_problem(spec: qt.QuantSpec, opset: int) -> str | None:
+    """Why ONNX opset ``opset`` cannot hold a tensor of ``spec`` that opset 21 holds (``None``: it can):
+    int4/uint4 element types and ``block_size`` (per group) came in opset 21, fp8 in opset 19.
+
+    >>> opset_problem(qt.QuantSpec(format="int4", granularity=qt.PerGroup(32)), 19)
+    'int4 codes need opset 21 (INT4/UINT4 element types), got 19'
+    """
+    if opset >= 21:
+        return None
+    if spec.fmt.family == "int" and spec.fmt.codec.bits <= 4:
+        return f"{spec.format} codes need opset 21 (INT4/UINT4 element types), got {opset}"
+    if isinstance(spec.granularity, qt.PerGroup):
+        return f"per-group scales need opset 21 (DequantizeLinear's block_size), got {opset}"
+    if spec.format in FP8_TYPES and opset < 19:
+        return f"{spec.format} codes need opset 19 (float8 element types), got {opset}"
+    return None
 
 
 def _scale(q_scale: torch.Tensor) -> tuple[np.ndarray, str]:
