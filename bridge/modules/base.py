@@ -30,7 +30,7 @@ from .. import kernels
 from ..checkpoint.layout import NATIVE, dtype_name
 from . import actquant
 
-__all__ = ["QModule", "QUANTIZED_CLASSES", "register_quantized_class", "quantized_class"]
+__all__ = ["QModule", "QUANTIZED_CLASSES", "register_quantized_class", "quantized_class", "apply_moving_codes"]
 
 
 class QModule(nn.Module):
@@ -270,3 +270,18 @@ def quantized_class(module: nn.Module) -> type[QModule] | None:
     if isinstance(module, QModule):
         return type(module)
     return next((cls for match, cls in QUANTIZED_CLASSES.values() if match(module)), None)
+
+
+def apply_moving_codes(module: nn.Module, fn, recurse: bool, names) -> torch.Tensor:
+    """``nn.Module._apply`` for a module (a direct ``nn.Module`` subclass) holding the quantized buffers ``names``:
+    they move with ``fn``'s device and are never cast; the rest as torch applies ``fn``. Returns what ``fn`` makes
+    of an empty float32 tensor (its dtype tells a cast)."""
+    held = {n: module._buffers.pop(n) for n in names}
+    dev = next(iter(held.values())).device if held else None
+    probe = fn(torch.empty(0, dtype=torch.float32, device=dev or "cpu"))
+    try:
+        nn.Module._apply(module, fn, recurse)
+    finally:
+        for n, b in held.items():
+            module._buffers[n] = b.to(device=probe.device)
+    return probe

@@ -35,6 +35,7 @@ from qtransform import QTensor
 
 from ..checkpoint.layout import NATIVE, dtype_name
 from . import actquant
+from .base import apply_moving_codes
 
 __all__ = ["EXPERT_WEIGHTS", "is_experts", "expert_weights", "routed_forward", "QExperts", "stacked_like", "stored_shape",
            "input_holder"]
@@ -290,14 +291,7 @@ class QExperts(nn.Module):
             return qt.fake_quantize(x, qp)
 
     def _apply(self, fn, recurse=True):
-        held = {n: self._buffers.pop(n) for meta in self._qmeta.values() for n in meta[3]}
-        dev = next(iter(held.values())).device if held else None
-        probe = fn(torch.empty(0, dtype=torch.float32, device=dev or "cpu"))
-        try:
-            super()._apply(fn, recurse)
-        finally:
-            for n, b in held.items():  # quantized buffers move, never cast
-                self._buffers[n] = b.to(device=probe.device)
+        probe = apply_moving_codes(self, fn, recurse, [n for meta in self._qmeta.values() for n in meta[3]])
         if probe.dtype != torch.float32:
             self.compute_dtype = probe.dtype
         return self

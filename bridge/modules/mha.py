@@ -59,7 +59,7 @@ from qtransform import QTensor
 
 from ..checkpoint.layout import NATIVE, dtype_name
 from . import actquant
-from .base import register_quantized_class
+from .base import apply_moving_codes, register_quantized_class
 from .linear import QLinear
 
 __all__ = ["QMultiheadAttention", "is_mha", "in_proj_names", "MHA_TYPE", "OUT_TYPE"]
@@ -289,14 +289,7 @@ class QMultiheadAttention(nn.Module):
 
     # ------------------------------------------------------------------ torch.nn plumbing
     def _apply(self, fn, recurse=True):
-        held = {n: self._buffers.pop(n) for meta in self._qmeta.values() for n in meta[3]}
-        dev = next(iter(held.values())).device if held else None
-        probe = fn(torch.empty(0, dtype=torch.float32, device=dev or "cpu"))
-        try:
-            super()._apply(fn, recurse)
-        finally:
-            for n, b in held.items():  # quantized buffers move, never cast
-                self._buffers[n] = b.to(device=probe.device)
+        apply_moving_codes(self, fn, recurse, [n for meta in self._qmeta.values() for n in meta[3]])
         return self
 
     def extra_repr(self) -> str:
