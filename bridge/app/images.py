@@ -54,24 +54,25 @@ def synthetic_images(n: int, size: int = 224, seed: int = 0) -> list:
     return out
 
 
-def _open(path: Path, where: str):
+def _open(path: Path, where: str, option: str = "--calib-images"):
     from PIL import Image, UnidentifiedImageError
 
     try:
         with Image.open(path) as img:
             return img.convert("RGB")
     except (OSError, UnidentifiedImageError) as e:
-        raise UserError(f"--calib-images: {where}: cannot read image {path} ({e})") from None
+        raise UserError(f"{option}: {where}: cannot read image {path} ({e})") from None
 
 
-def read_pairs(source: str) -> list:
-    """``[(image, caption or None)]`` of a ``--calib-images`` directory or JSONL file (see the module docstring)."""
+def read_pairs(source: str, option: str = "--calib-images") -> list:
+    """``[(image, caption or None)]`` of a ``--calib-images`` directory or JSONL file (see the module docstring);
+    errors name ``option``."""
     path = Path(source).expanduser()
     if path.is_dir():
         files = sorted(p for p in path.iterdir() if p.suffix.lower() in IMAGE_SUFFIXES)
         if not files:
-            raise UserError(f"--calib-images: {path} holds no image ({', '.join(IMAGE_SUFFIXES)})")
-        return [(_open(f, str(path)), f.with_suffix(".txt").read_text().strip() if f.with_suffix(".txt").is_file()
+            raise UserError(f"{option}: {path} holds no image ({', '.join(IMAGE_SUFFIXES)})")
+        return [(_open(f, str(path), option), f.with_suffix(".txt").read_text().strip() if f.with_suffix(".txt").is_file()
                  else None) for f in files]
     if path.is_file() and path.suffix.lower() == ".jsonl":
         out = []
@@ -81,14 +82,14 @@ def read_pairs(source: str) -> list:
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as e:
-                raise UserError(f"--calib-images: {path} line {i}: not JSON ({e})") from None
+                raise UserError(f"{option}: {path} line {i}: not JSON ({e})") from None
             if not isinstance(row, dict) or not isinstance(row.get("image"), str) or not isinstance(row.get("text", ""), str):
-                raise UserError(f"--calib-images: {path} line {i}: needs {{\"image\": path, \"text\": caption}}")
-            out.append((_open(path.parent / row["image"], f"{path} line {i}"), row.get("text") or None))
+                raise UserError(f"{option}: {path} line {i}: needs {{\"image\": path, \"text\": caption}}")
+            out.append((_open(path.parent / row["image"], f"{path} line {i}", option), row.get("text") or None))
         if not out:
-            raise UserError(f"--calib-images: {path} holds no line")
+            raise UserError(f"{option}: {path} holds no line")
         return out
-    raise UserError(f"--calib-images: {source} is neither a directory of images, a .jsonl file nor 'synthetic'")
+    raise UserError(f"{option}: {source} is neither a directory of images, a .jsonl file nor 'synthetic'")
 
 
 def _processor(directory: Path):

@@ -56,10 +56,7 @@ def image_batch(processor, pictures: list) -> dict:
 def _pictures(source: str | None, n: int, *, seed: int, option: str) -> tuple[list, str]:
     if source in (None, "synthetic"):  # 224 pixels square; the processor resizes them as it resizes any image
         return images.synthetic_images(n, seed=seed), "synthetic images (gradients and shapes)"
-    try:
-        pairs = images.read_pairs(source)
-    except UserError as e:  # read_pairs words its errors for --calib-images
-        raise UserError(str(e).replace("--calib-images", option, 1)) from None
+    pairs = images.read_pairs(source, option)
     return [pairs[i % len(pairs)][0] for i in range(n)], f"images of {source}"
 
 

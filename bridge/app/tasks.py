@@ -139,6 +139,11 @@ def check_options(a, task: Task) -> None:
             if getattr(a, key) != _DEFAULTS[key]:
                 raise UserError(f"{option} has no meaning for {what}: an image model, calibrated on --calib-images "
                                 "and evaluated on --eval-images")
+        from .images import read_pairs
+
+        for option, value in (("--calib-images", a.calib_images), ("--eval-images", a.eval_images)):
+            if value not in (None, "synthetic"):
+                read_pairs(value, option)  # its files read before the model loads: a bad one named first
     if task.name != "causal-lm":
         for option, value in (("--kv-cache", a.kv_cache), ("--stream", a.stream), ("--resume", a.resume),
                               ("--max-memory", a.max_memory)):

