@@ -30,7 +30,7 @@ from .. import kernels
 from ..checkpoint.layout import NATIVE, dtype_name
 from . import actquant
 
-__all__ = ["QModule", "QUANTIZED_CLASSES", "register_quantized_class", "quantized_class", "apply_moving_codes"]
+__all__ = ["QModule", "QUANTIZED_CLASSES", "register_quantized_class", "quantized_class", "apply_moving_codes", "weight_repr"]
 
 
 class QModule(nn.Module):
@@ -285,3 +285,14 @@ def apply_moving_codes(module: nn.Module, fn, recurse: bool, names) -> torch.Ten
         for n, b in held.items():
             module._buffers[n] = b.to(device=probe.device)
     return probe
+
+
+def weight_repr(name: str, q: QTensor | None, float_weight: torch.Tensor | None) -> str:
+    """``name=<spec> [b bits/element]`` of a quantized weight ``q``, else ``name=float <dtype>`` (for ``extra_repr``)."""
+    if q is None:
+        return f"{name}=float {dtype_name(float_weight.dtype)}"
+    try:
+        bits = f" [{q.bits_per_element():.3f} bits/element]"
+    except RuntimeError:
+        bits = ""
+    return f"{name}={q.spec}{bits}"

@@ -33,9 +33,9 @@ from torch import nn
 import qtransform as qt
 from qtransform import QTensor
 
-from ..checkpoint.layout import NATIVE, dtype_name
+from ..checkpoint.layout import NATIVE
 from . import actquant
-from .base import apply_moving_codes
+from .base import apply_moving_codes, weight_repr
 
 __all__ = ["EXPERT_WEIGHTS", "is_experts", "expert_weights", "routed_forward", "QExperts", "stacked_like", "stored_shape",
            "input_holder"]
@@ -322,16 +322,9 @@ class QExperts(nn.Module):
     def extra_repr(self) -> str:
         parts = [f"num_experts={self.num_experts}", f"from={self.float_class}"]
         for name in expert_weights(self):
-            if name in self._qmeta:
-                q = self.qtensor(name)
-                try:
-                    bits = f" [{q.bits_per_element():.3f} bits/element]"
-                except RuntimeError:
-                    bits = ""
-                parts.append(f"{name}={q.spec}{bits}")
-            else:
-                w = getattr(self, name)
-                parts.append(f"{name}=float {dtype_name(w.dtype)}")
+            quantized = name in self._qmeta
+            parts.append(weight_repr(name, self.qtensor(name) if quantized else None,
+                                     None if quantized else getattr(self, name)))
             if name in self._act:
                 parts.append(f"{name}.input={self._act[name]}")
         return ", ".join(parts)

@@ -57,9 +57,9 @@ from torch.nn.modules.linear import NonDynamicallyQuantizableLinear
 import qtransform as qt
 from qtransform import QTensor
 
-from ..checkpoint.layout import NATIVE, dtype_name
+from ..checkpoint.layout import NATIVE
 from . import actquant
-from .base import apply_moving_codes, register_quantized_class
+from .base import apply_moving_codes, register_quantized_class, weight_repr
 from .linear import QLinear
 
 __all__ = ["QMultiheadAttention", "is_mha", "in_proj_names", "MHA_TYPE", "OUT_TYPE"]
@@ -295,15 +295,9 @@ class QMultiheadAttention(nn.Module):
     def extra_repr(self) -> str:
         parts = [f"embed_dim={self.embed_dim}", f"num_heads={self.num_heads}", f"batch_first={self.batch_first}"]
         for name in in_proj_names(self):
-            if name in self._qmeta:
-                q = self.qtensor(name)
-                try:
-                    bits = f" [{q.bits_per_element():.3f} bits/element]"
-                except RuntimeError:
-                    bits = ""
-                parts.append(f"{name}={q.spec}{bits}")
-            else:
-                parts.append(f"{name}=float {dtype_name(self._parameters[name].dtype)}")
+            quantized = name in self._qmeta
+            parts.append(weight_repr(name, self.qtensor(name) if quantized else None,
+                                     None if quantized else self._parameters[name]))
         if self.input_spec is not None:
             parts.append(f"input={self.input_spec}")
         return ", ".join(parts)
