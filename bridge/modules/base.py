@@ -30,7 +30,7 @@ from .. import kernels
 from ..checkpoint.layout import NATIVE, dtype_name
 from . import actquant
 
-__all__ = ["QModule", "QUANTIZED_CLASSES", "register_quantized_class", "quantized_class", "apply_moving_codes", "weight_repr"]
+__all__ = ["QModule", "QUANTIZED_CLASSES", "register_quantized_class", "quantized_class", "apply_moving_codes", "weight_repr", "store_codes"]
 
 
 class QModule(nn.Module):
@@ -296,3 +296,16 @@ def weight_repr(name: str, q: QTensor | None, float_weight: torch.Tensor | None)
     except RuntimeError:
         bits = ""
     return f"{name}={q.spec}{bits}"
+
+
+def store_codes(module: nn.Module, name: str, q: QTensor) -> None:
+    """Hold ``q`` in ``module`` (a direct ``nn.Module`` subclass with a ``_qmeta`` dict) as the checkpoint's buffers
+    of weight ``name``, in place of its float parameter and of an earlier quantized form; ``_qmeta[name]`` records
+    what reassembles it (``NATIVE.assemble(name, module._buffers, spec=, width=, dtype=)``)."""
+    module._parameters.pop(name, None)
+    for old in module._qmeta.get(name, (None, None, None, ()))[3]:
+        module._buffers.pop(old, None)
+    parts = NATIVE.parts(name, q)
+    for key, t in parts.items():
+        module.register_buffer(key, t)
+    module._qmeta[name] = (q.spec, q.width, q.dtype, tuple(parts))

@@ -35,7 +35,7 @@ from qtransform import QTensor
 
 from ..checkpoint.layout import NATIVE
 from . import actquant
-from .base import apply_moving_codes, weight_repr
+from .base import apply_moving_codes, weight_repr, store_codes
 
 __all__ = ["EXPERT_WEIGHTS", "is_experts", "expert_weights", "routed_forward", "QExperts", "stacked_like", "stored_shape",
            "input_holder"]
@@ -216,14 +216,7 @@ class QExperts(nn.Module):
         want = self._shape(name)
         if tuple(q.shape) != want:
             raise ValueError(f"QExperts.{name}: quantized weight has shape {tuple(q.shape)}, the experts need {want}")
-        if name in self._parameters:
-            del self._parameters[name]
-        for old in self._qmeta.get(name, (None, None, None, ()))[3]:
-            self._buffers.pop(old, None)
-        parts = NATIVE.parts(name, q)
-        for key, t in parts.items():
-            self.register_buffer(key, t)
-        self._qmeta[name] = (q.spec, q.width, q.dtype, tuple(parts))
+        store_codes(self, name, q)
 
     def _shape(self, name):
         if name in self._qmeta:

@@ -59,7 +59,7 @@ from qtransform import QTensor
 
 from ..checkpoint.layout import NATIVE
 from . import actquant
-from .base import apply_moving_codes, register_quantized_class, weight_repr
+from .base import apply_moving_codes, register_quantized_class, weight_repr, store_codes
 from .linear import QLinear
 
 __all__ = ["QMultiheadAttention", "is_mha", "in_proj_names", "MHA_TYPE", "OUT_TYPE"]
@@ -122,13 +122,7 @@ class QMultiheadAttention(nn.Module):
         if tuple(q.shape) != self._shape(name):
             raise ValueError(f"QMultiheadAttention.{name}: quantized weight has shape {tuple(q.shape)}, the module "
                              f"needs {self._shape(name)}")
-        self._parameters.pop(name, None)
-        for old in self._qmeta.get(name, (None, None, None, ()))[3]:
-            self._buffers.pop(old, None)
-        parts = NATIVE.parts(name, q)
-        for key, t in parts.items():
-            self.register_buffer(key, t)
-        self._qmeta[name] = (q.spec, q.width, q.dtype, tuple(parts))
+        store_codes(self, name, q)
 
     def qtensor(self, name: str) -> QTensor:
         """In-projection weight ``name`` as a QTensor over this module's buffers (no copy)."""
